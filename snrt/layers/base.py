@@ -1,0 +1,221 @@
+"""The layer contract: configuration plus facts for the scheduler plus two kernels.
+
+A layer instance holds configuration only (a frozen dataclass), never arrays. Every fact
+method takes `in_shapes`, the full input shapes *including* the batch dimension, so that the
+same method answers for any batch size. Kernels are written once against `ctx.xp` (numpy or
+cupy) and write into the buffers they are given.
+
+Facts the scheduler relies on (they must be exact, liveness is computed from them):
+
+- `infer_shape(in_shapes) -> out_shape` (raise ShapeError on bad inputs);
+- `param_specs`, `state_specs`, `aux_specs` (name -> spec), shapes independent of arrays;
+- `saves`: which inputs and whether the output the backward reads (aux tensors are always
+  read by the backward; that is what they are for);
+- `workspace_bytes(in_shapes, phase, itemsize)`: scratch the kernel carves from
+  `ctx.scratch`; a kernel that asks for more raises;
+- `cost(in_shapes, phase)`: FLOPs and bytes moved;
+- `recompute_cost`: CHEAP (replay it in backward) or EXPENSIVE (checkpoint its output).
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from snrt.errors import ShapeError
+
+CHEAP = "cheap"
+EXPENSIVE = "expensive"
+FORWARD = "forward"
+BACKWARD = "backward"
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A trained parameter: shape, initialiser name and the fans the initialiser uses.
+
+    `init` is one of "he_normal", "xavier_uniform", "zeros", "ones".
+    `decay` says whether weight decay applies (weights yes; biases and BN affine no).
+    """
+
+    shape: tuple
+    init: str
+    fan_in: int = 1
+    fan_out: int = 1
+    decay: bool = True
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """Non-trained state kept across iterations (BatchNorm running mean/var), filled with `fill`."""
+
+    shape: tuple
+    fill: float
+
+
+@dataclass(frozen=True)
+class AuxSpec:
+    """A tensor forward writes for backward to read (BN mean, max-pool argmax, softmax probs).
+
+    `dtype` is a numpy dtype name; "compute" means the dtype of the layer's activations.
+    """
+
+    shape: tuple
+    dtype: str = "compute"
+
+
+@dataclass(frozen=True)
+class Saves:
+    """What backward reads besides aux: the input indices and whether the output."""
+
+    inputs: tuple = ()
+    output: bool = False
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Work of one kernel call: floating-point operations and bytes read plus written."""
+
+    flops: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The tensors handed to backward: `xs[i]` is None unless input i is in `saves.inputs`."""
+
+    xs: tuple
+    y: object = None
+
+
+def numel(shape):
+    """Number of elements of a shape tuple."""
+    return math.prod(shape)
+
+
+def pair(value, name):
+    """Normalise an int or a 2-sequence option to a tuple of two ints."""
+    if isinstance(value, bool):
+        raise ValueError(f"option '{name}' must be an int or a pair of ints, got {value!r}")
+    if isinstance(value, int):
+        return (value, value)
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return tuple(value)
+    raise ValueError(f"option '{name}' must be an int or a pair of ints, got {value!r}")
+
+
+class KernelContext:
+    """What a kernel may use besides its buffers.
+
+    `xp` is the array module; `training` selects batch statistics and dropout; `seed`,
+    `iteration` and `node_index` key the counter-based RNG; `workspace` is a flat uint8 array
+    of the planned workspace bytes (or None when the step has none), handed out by `scratch`.
+    """
+
+    def __init__(self, xp, training=True, seed=0, iteration=0, node_index=0, workspace=None):
+        self.xp = xp
+        self.training = training
+        self.seed = seed
+        self.iteration = iteration
+        self.node_index = node_index
+        self.workspace = workspace
+        self._used_bytes = 0
+
+    def scratch(self, shape, dtype):
+        """A fresh view of `shape` and `dtype` carved from the workspace (contents undefined)."""
+        dtype = self.xp.dtype(dtype)
+        nbytes = numel(shape) * dtype.itemsize
+        start = -(-self._used_bytes // 64) * 64  # 64-byte aligned
+        capacity = 0 if self.workspace is None else self.workspace.nbytes
+        if start + nbytes > capacity:
+            raise RuntimeError(
+                f"kernel asked for {start + nbytes} workspace bytes, plan gave {capacity}"
+            )
+        self._used_bytes = start + nbytes
+        return self.workspace[start : start + nbytes].view(dtype).reshape(shape)
+
+    def release_scratch(self):
+        """Forget every scratch view handed out so far (the next call starts at offset 0)."""
+        self._used_bytes = 0
+
+
+def scratch_bytes(*sizes):
+    """Workspace needed for scratch arrays of the given byte sizes, with `scratch` alignment."""
+    total = 0
+    for size in sizes:
+        total = -(-total // 64) * 64 + size
+    return total
+
+
+class Layer:
+    """Base of every layer. Subclasses are frozen dataclasses whose fields are the options."""
+
+    type_name: ClassVar[str] = ""
+    recompute_cost: ClassVar[str] = CHEAP
+    min_inputs: ClassVar[int] = 1
+    max_inputs: ClassVar = 1  # int, or None for any number
+    saves: ClassVar[Saves] = Saves()
+    differentiable_inputs: ClassVar = None  # None: all; else a tuple of input indices
+
+    # ---- facts -------------------------------------------------------------------------
+    def infer_shape(self, in_shapes):
+        """Output shape (batch first) for the given input shapes; raise ShapeError if invalid."""
+        return tuple(in_shapes[0])
+
+    def output_dtype(self, in_dtypes):
+        """Dtype name of the output given the inputs' dtype names."""
+        return in_dtypes[0]
+
+    def param_specs(self, in_shapes):
+        """Trained parameters by name."""
+        return {}
+
+    def state_specs(self, in_shapes):
+        """Non-trained persistent state by name."""
+        return {}
+
+    def aux_specs(self, in_shapes):
+        """Small tensors written by forward and read by backward, by name."""
+        return {}
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        """Scratch bytes a kernel call of `phase` carves from the workspace."""
+        return 0
+
+    def cost(self, in_shapes, phase):
+        """Elementwise default: one FLOP per output element, every input and output moved."""
+        out = numel(self.infer_shape(in_shapes))
+        moved = sum(numel(s) for s in in_shapes) + out
+        factor = 2 if phase == BACKWARD else 1
+        return Cost(flops=factor * out, bytes=factor * moved * FLOAT32_BYTES)
+
+    def options(self):
+        """The configuration as a plain dict (YAML round trip), defaults included."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    # ---- kernels -----------------------------------------------------------------------
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        """Write the output into `y` (and aux tensors into `aux`)."""
+        raise NotImplementedError
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        """Overwrite `gxs[i]` (skip None) and every `gparams[name]` from `gy`."""
+        raise NotImplementedError
+
+    # ---- helpers for subclasses ------------------------------------------------------
+    @staticmethod
+    def require_rank(in_shapes, rank, what="NCHW"):
+        """Raise ShapeError unless every input has `rank` dimensions."""
+        for i, shape in enumerate(in_shapes):
+            if len(shape) != rank:
+                per_sample = list(shape[1:])
+                raise ShapeError(
+                    f"input {i} must be {what} ({rank - 1} dims per sample), got {per_sample}"
+                )
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value

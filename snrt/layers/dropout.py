@@ -1,0 +1,57 @@
+"""Inverted dropout with a mask regenerated from (seed, iteration, node), never stored."""
+
+from dataclasses import dataclass
+
+from snrt.layers.base import FLOAT32_BYTES, Cost, Layer, numel
+from snrt.layers.random import fill_random_bits, random_bits_scratch_bytes
+from snrt.layers.registry import register
+
+
+@register
+@dataclass(frozen=True)
+class Dropout(Layer):
+    """Training: y = x * m / (1 - p), m ~ Bernoulli(1 - p) per element; eval: y = x.
+
+    The mask comes from a counter-based hash, so backward (and a recomputed forward) rebuild
+    it instead of reading a saved one: backward reads nothing but gy.
+    """
+
+    type_name = "Dropout"
+    p: float = 0.5
+
+    def __post_init__(self):
+        if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not 0 <= self.p < 1:
+            raise ValueError(f"option 'p' must be a number in [0, 1), got {self.p!r}")
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return random_bits_scratch_bytes(numel(in_shapes[0]))
+
+    def _write_scaled_mask(self, ctx, out):
+        """out <- mask / (1 - p) with the mask of this (seed, iteration, node)."""
+        bits = fill_random_bits(ctx, out.size)
+        threshold = min(int(round(self.p * 2**32)), 2**32 - 1)
+        ctx.xp.greater_equal(bits, ctx.xp.uint32(threshold), out=out.reshape(-1))
+        out *= 1.0 / (1.0 - self.p)
+        ctx.release_scratch()
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        if not ctx.training or self.p == 0:
+            y[...] = xs[0]
+            return
+        self._write_scaled_mask(ctx, y)
+        y *= xs[0]
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx = gxs[0]
+        if gx is None:
+            return
+        if not ctx.training or self.p == 0:
+            gx[...] = gy
+            return
+        self._write_scaled_mask(ctx, gx)
+        gx *= gy
+
+    def cost(self, in_shapes, phase):
+        base = super().cost(in_shapes, phase)
+        return Cost(base.flops * 8, base.bytes)  # about 8 integer ops per element for the hash
+

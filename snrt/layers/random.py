@@ -1,0 +1,42 @@
+"""Counter-based random bits: the same (seed, iteration, node, element) always gives the same
+value, on numpy and on cupy, so that a recomputed Dropout regenerates its mask exactly."""
+
+from snrt.layers.base import scratch_bytes
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(h):
+    """murmur3's 32-bit finaliser on a Python int."""
+    h &= _MASK32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _MASK32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def stream_key(seed, iteration, node_index):
+    """A 32-bit key for one kernel call."""
+    return _mix32(_mix32(_mix32(seed) ^ iteration) + 0x9E3779B9 * (node_index + 1))
+
+
+def random_bits_scratch_bytes(numel):
+    """Workspace `fill_random_bits` needs for `numel` values (two uint32 arrays)."""
+    return scratch_bytes(4 * numel, 4 * numel)
+
+
+def fill_random_bits(ctx, numel):
+    """A flat uint32 array (from ctx.scratch) of hashed counters for this call's key."""
+    xp = ctx.xp
+    h = ctx.scratch((numel,), "uint32")
+    tmp = ctx.scratch((numel,), "uint32")
+    h[...] = xp.arange(numel, dtype=xp.uint32)
+    h *= xp.uint32(0x9E3779B1)
+    h += xp.uint32(stream_key(ctx.seed, ctx.iteration, ctx.node_index))
+    for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, None)):
+        xp.right_shift(h, shift, out=tmp)
+        xp.bitwise_xor(h, tmp, out=h)
+        if mult is not None:
+            h *= xp.uint32(mult)
+    return h

@@ -1,0 +1,41 @@
+import numpy as np
+import pytest
+import torch
+
+from snrt.layers.activation import LeakyReLU, ReLU, Sigmoid, Tanh
+from tests.layers.harness import check_layer
+
+
+def away_from_zero(shape, seed=0):
+    """Values with |x| >= 0.1 so that no finite difference straddles a kink."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(0.1, 2.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+    return x
+
+
+@pytest.mark.parametrize(
+    "layer, reference",
+    [
+        (ReLU(), lambda xs, p: torch.relu(xs[0])),
+        (LeakyReLU(slope=0.1), lambda xs, p: torch.nn.functional.leaky_relu(xs[0], 0.1)),
+        (Sigmoid(), lambda xs, p: torch.sigmoid(xs[0])),
+        (Tanh(), lambda xs, p: torch.tanh(xs[0])),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 7)])
+def test_activation(layer, reference, shape):
+    check_layer(layer, [away_from_zero(shape)], reference)
+
+
+def test_sigmoid_is_finite_for_large_inputs():
+    from tests.layers.harness import run_forward
+
+    y, _ = run_forward(Sigmoid(), [np.array([[-1e4, 0.0, 1e4]], dtype=np.float32)], {})
+    np.testing.assert_array_equal(y, [[0.0, 0.5, 1.0]])
+
+
+@pytest.mark.parametrize("slope", [0.0, 1.5, -0.1])
+def test_leaky_relu_rejects_bad_slope(slope):
+    with pytest.raises(ValueError, match="slope"):
+        LeakyReLU(slope=slope)

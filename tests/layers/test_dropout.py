@@ -1,0 +1,50 @@
+import numpy as np
+import pytest
+
+from snrt.layers.dropout import Dropout
+from tests.layers.harness import check_layer, run_backward, run_forward
+
+
+def x_of(shape=(64, 50), seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def test_dropout_gradients_match_finite_differences():
+    check_layer(Dropout(p=0.3), [np.random.default_rng(0).standard_normal((4, 3, 5, 5))])
+
+
+def test_mask_rate_and_scale():
+    x = np.ones((200, 500), dtype=np.float32)
+    y, _ = run_forward(Dropout(p=0.3), [x], {})
+    kept = y != 0
+    assert abs(kept.mean() - 0.7) < 0.01
+    np.testing.assert_allclose(y[kept], 1 / 0.7, rtol=1e-6)
+
+
+def test_mask_is_reproducible_and_changes_with_iteration_and_seed():
+    layer, x = Dropout(p=0.5), x_of()
+    y1, _ = run_forward(layer, [x], {}, iteration=4)
+    y2, _ = run_forward(layer, [x], {}, iteration=4, recompute=True)
+    np.testing.assert_array_equal(y1, y2)
+    y3, _ = run_forward(layer, [x], {}, iteration=5)
+    y4, _ = run_forward(layer, [x], {}, iteration=4, seed=1)
+    assert (y1 != y3).mean() > 0.3 and (y1 != y4).mean() > 0.3
+
+
+def test_backward_uses_the_forward_mask():
+    layer, x = Dropout(p=0.5), x_of()
+    y, aux = run_forward(layer, [x], {}, iteration=2)
+    (gx,), _ = run_backward(layer, [x], y, aux, np.ones_like(x), {}, iteration=2)
+    np.testing.assert_array_equal(gx != 0, y != 0)
+
+
+def test_eval_mode_is_identity():
+    x = x_of()
+    y, _ = run_forward(Dropout(p=0.5), [x], {}, training=False)
+    np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, "half"])
+def test_rejects_bad_p(p):
+    with pytest.raises(ValueError, match="'p'"):
+        Dropout(p=p)

@@ -1,0 +1,36 @@
+import numpy as np
+import pytest
+import torch
+
+from snrt.errors import ShapeError
+from snrt.layers.join import Add, Concat
+from tests.layers.harness import check_layer
+
+
+def randn(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+@pytest.mark.parametrize("n_inputs", [2, 3])
+def test_add(n_inputs):
+    xs = [randn(2, 3, 4, 4, seed=i) for i in range(n_inputs)]
+    check_layer(Add(), xs, lambda t, p: sum(t[1:], t[0]))
+
+
+def test_add_rejects_mismatched_shapes():
+    with pytest.raises(ShapeError, match="same shape"):
+        Add().infer_shape([(1, 3, 4, 4), (1, 4, 4, 4)])
+
+
+@pytest.mark.parametrize("axis", [1, 2])
+def test_concat(axis):
+    shapes = [(2, 3, 4, 5), (2, 3, 4, 5)]
+    shapes = [tuple(c + i if d == axis else c for d, c in enumerate(s)) for i, s in enumerate(shapes)]
+    xs = [randn(*s, seed=i) for i, s in enumerate(shapes)]
+    check_layer(Concat(axis=axis), xs, lambda t, p: torch.cat(t, dim=axis))
+
+
+def test_concat_infers_channels_and_rejects_mismatch():
+    assert Concat().infer_shape([(2, 3, 8, 8), (2, 5, 8, 8), (2, 1, 8, 8)]) == (2, 9, 8, 8)
+    with pytest.raises(ShapeError, match="agree except on axis 1"):
+        Concat().infer_shape([(2, 3, 8, 8), (2, 5, 4, 4)])

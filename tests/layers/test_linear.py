@@ -1,0 +1,34 @@
+import numpy as np
+import pytest
+import torch
+
+from snrt.errors import ShapeError
+from snrt.layers.linear import Flatten, Linear
+from tests.layers.harness import check_layer
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(4, 6), (3, 2, 3, 2)])
+def test_linear(bias, shape):
+    x = np.random.default_rng(0).standard_normal(shape)
+
+    def reference(xs, p):
+        return torch.nn.functional.linear(xs[0].reshape(xs[0].shape[0], -1), p["weight"], p.get("bias"))
+
+    check_layer(Linear(out_features=5, bias=bias), [x], reference)
+
+
+def test_linear_param_shapes_and_init():
+    specs = Linear(out_features=10).param_specs([(2, 3, 4, 4)])
+    assert specs["weight"].shape == (10, 48) and specs["weight"].fan_in == 48
+    assert specs["bias"].shape == (10,) and specs["bias"].init == "zeros" and not specs["bias"].decay
+
+
+def test_linear_needs_features():
+    with pytest.raises(ShapeError):
+        Linear(out_features=3).infer_shape([(4,)])
+
+
+def test_flatten():
+    x = np.random.default_rng(1).standard_normal((2, 3, 4, 5))
+    check_layer(Flatten(), [x], lambda xs, p: torch.flatten(xs[0], 1))

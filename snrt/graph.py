@@ -142,6 +142,14 @@ class Graph:
 
     __hash__ = None
 
+    def structure(self):
+        """The graph up to node names: [(layer, input positions)] in order.
+
+        Two graphs with equal structures compute the same function with the same parameters.
+        """
+        position = {name: i for i, name in enumerate(self.nodes)}
+        return [(n.layer, tuple(position[i] for i in n.inputs)) for n in self.nodes.values()]
+
     def topological_order(self):
         """Node names, every node after its inputs (the insertion order)."""
         return list(self.nodes)

@@ -53,8 +53,9 @@ def summary_table(graph, batch):
     rows = graph.rows(batch)
     per_image_flops = {t.type: t.forward_flops for t in totals_by_type(graph.rows(1))}
     table = Table(title=f"{graph.name}: {len(graph)} layers, batch {batch}")
-    for header in ("type", "layers", "params", "FLOPs/image (fwd)", f"activations @ batch {batch}"):
-        table.add_column(header, justify="left" if header == "type" else "right")
+    table.add_column("type", no_wrap=True)
+    for header in ("layers", "params", "FLOPs/img fwd", "activations"):
+        table.add_column(header, justify="right", no_wrap=True)
     groups = totals_by_type(rows)
     for t in groups:
         table.add_row(

@@ -19,7 +19,7 @@ class Input(Layer):
     type_name = "Input"
     min_inputs = 0
     max_inputs = 0
-    shape: tuple = ()
+    shape: tuple
     dtype: str = "float32"
 
     def __post_init__(self):

@@ -40,7 +40,7 @@ class Linear(Layer):
     type_name = "Linear"
     recompute_cost = EXPENSIVE
     saves = Saves(inputs=(0,))
-    out_features: int = 1
+    out_features: int
     bias: bool = True
 
     def __post_init__(self):

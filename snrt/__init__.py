@@ -1,0 +1,14 @@
+"""snrt: train networks deeper and wider than device memory.
+
+A network is a layer graph (YAML or Python); a static scheduler plans which tensors live on
+the device, which are offloaded and prefetched, and which are recomputed; executors carry the
+plan out on NumPy (CPU) or CuPy (CUDA).
+"""
+
+from snrt.config import Config, load_config
+from snrt.errors import ConfigError, GraphError, ShapeError, SnrtError
+from snrt.graph import Graph
+from snrt.layers import LAYERS
+
+__all__ = ["Config", "ConfigError", "Graph", "GraphError", "LAYERS", "ShapeError", "SnrtError", "load_config"]
+__version__ = "0.1.0"

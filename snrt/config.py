@@ -1,0 +1,545 @@
+"""YAML networks and run settings -> Config (graph, input, train, memory).
+
+The format is documented in docs/network-yaml.md. Every mistake becomes one ConfigError that
+names the file, the key path (``network[12].block.bottleneck.layers[3].kernel``) and what was
+expected. Loading works in three steps: `expand_network` turns blocks, repeats and `$values`
+into a flat list of layer entries with global names; their inputs are resolved and sorted
+topologically (a cycle is reported with its path); the Graph is built node by node.
+"""
+
+import dataclasses
+import difflib
+import heapq
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from snrt.errors import ConfigError, GraphError
+from snrt.expressions import evaluate
+from snrt.graph import Graph
+from snrt.layers import LAYERS
+from snrt.layers.input import Input
+from snrt.units import parse_bytes
+
+POLICIES = ("none", "liveness", "recompute", "offload", "superneurons", "auto")
+OPTIMIZERS = ("sgd",)
+DATASETS = ("synthetic", "npz", "cifar10", "cifar100", "digits")
+TOP_LEVEL_KEYS = ("name", "input", "vars", "train", "memory", "blocks", "network")
+LABEL_READERS = {"SoftmaxCrossEntropy"}  # layers whose default inputs are [previous, label]
+
+
+# ---- settings sections ------------------------------------------------------------------
+@dataclass
+class InputConfig:
+    """Per-sample image shape (C, H, W) and number of classes."""
+
+    shape: list
+    classes: int
+
+
+@dataclass
+class OptimizerConfig:
+    type: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    type: str = "synthetic"
+    path: str = None
+
+
+@dataclass
+class TrainConfig:
+    batch: int = 32
+    iterations: int = 100
+    seed: int = 0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+@dataclass
+class MemoryConfig:
+    policy: str = "none"
+    budget: int = None  # bytes; written as 12GiB etc.
+
+
+@dataclass
+class Config:
+    """A loaded network file: the graph plus the settings to train it."""
+
+    name: str
+    graph: Graph
+    input: InputConfig
+    train: TrainConfig
+    memory: MemoryConfig
+    source: str
+
+
+CHOICES = {
+    (OptimizerConfig, "type"): OPTIMIZERS,
+    (DataConfig, "type"): DATASETS,
+    (MemoryConfig, "policy"): POLICIES,
+}
+POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "iterations"), (OptimizerConfig, "lr")}
+
+
+# ---- public entry points ----------------------------------------------------------------
+def load_config(source):
+    """Load a network file (path) or an already parsed dict into a Config."""
+    if isinstance(source, dict):
+        return parse_config(source, "<dict>")
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(str(path), "", "file not found") from None
+    except OSError as e:
+        raise ConfigError(str(path), "", f"cannot read the file ({e.strerror})") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(str(path), "", f"not valid YAML: {where}{problem}") from None
+    return parse_config(doc, str(path), default_name=path.stem)
+
+
+def parse_config(doc, source, default_name="net"):
+    """Validate a parsed YAML document and build its Config."""
+    if not isinstance(doc, dict):
+        raise ConfigError(source, "", f"expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)}; got {_kind(doc)}")
+    _reject_unknown(source, "", doc, TOP_LEVEL_KEYS)
+    for required in ("input", "network"):
+        if required not in doc:
+            raise ConfigError(source, required, "missing; every network file needs 'input' and 'network'")
+    name = doc.get("name", default_name)
+    if not isinstance(name, str):
+        raise ConfigError(source, "name", f"expected a string, got {_kind(name)}")
+    input_cfg = _parse_input(source, doc["input"])
+    env = {"classes": input_cfg.classes, **_parse_vars(source, doc.get("vars", {}))}
+    blocks = _parse_blocks(source, doc.get("blocks", {}))
+    entries = expand_network(source, doc["network"], blocks, env)
+    graph = build_graph(source, name, input_cfg, entries)
+    train = parse_section(source, "train", TrainConfig, doc.get("train", {}))
+    memory = parse_section(source, "memory", MemoryConfig, doc.get("memory", {}))
+    return Config(name, graph, input_cfg, train, memory, source)
+
+
+# ---- small validators ---------------------------------------------------------------------
+def _kind(value):
+    return "nothing" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def _join(key, child):
+    if isinstance(child, int):
+        return f"{key}[{child}]"
+    return f"{key}.{child}" if key else child
+
+
+def _reject_unknown(source, key, mapping, allowed):
+    for k in mapping:
+        if k not in allowed:
+            close = difflib.get_close_matches(str(k), allowed, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(source, _join(key, k), f"unknown key{hint}; expected one of {', '.join(allowed)}")
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_input(source, section):
+    if not isinstance(section, dict):
+        raise ConfigError(source, "input", f"expected a mapping with 'shape' and 'classes', got {_kind(section)}")
+    _reject_unknown(source, "input", section, ("shape", "classes"))
+    shape, classes = section.get("shape"), section.get("classes")
+    if not isinstance(shape, list) or not shape or not all(_is_int(d) and d > 0 for d in shape):
+        raise ConfigError(source, "input.shape", f"expected a list of positive ints such as [3, 224, 224], got {_kind(shape)}")
+    if not _is_int(classes) or classes < 2:
+        raise ConfigError(source, "input.classes", f"expected an int >= 2, got {_kind(classes)}")
+    return InputConfig(shape, classes)
+
+
+def _parse_vars(source, section):
+    if not isinstance(section, dict):
+        raise ConfigError(source, "vars", f"expected a mapping of names to values, got {_kind(section)}")
+    for k in section:
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ConfigError(source, f"vars.{k}", "expected a name made of letters, digits and _")
+    return dict(section)
+
+
+def parse_section(source, key, cls, section):
+    """Fill dataclass `cls` from a mapping, checking keys, types, choices and ranges."""
+    if not isinstance(section, dict):
+        raise ConfigError(source, key, f"expected a mapping, got {_kind(section)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    _reject_unknown(source, key, section, tuple(fields))
+    values = {}
+    for name, value in section.items():
+        k, f = f"{key}.{name}", fields[name]
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            values[name] = parse_section(source, k, f.default_factory, value)
+        else:
+            values[name] = _check_setting(source, k, cls, name, f.type, value)
+    return cls(**values)
+
+
+def _check_setting(source, key, cls, name, annotation, value):
+    if name == "budget":
+        if value is None:
+            return None
+        try:
+            return parse_bytes(value)
+        except ValueError as e:
+            raise ConfigError(source, key, str(e)) from None
+    if annotation is str and not (value is None and name == "path"):
+        if not isinstance(value, str):
+            raise ConfigError(source, key, f"expected a string, got {_kind(value)}")
+        choices = CHOICES.get((cls, name))
+        if choices and value not in choices:
+            raise ConfigError(source, key, f"expected one of {', '.join(choices)}, got {value!r}")
+    elif annotation is int and not _is_int(value):
+        raise ConfigError(source, key, f"expected an int, got {_kind(value)}")
+    elif annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(source, key, f"expected a number, got {_kind(value)}")
+        value = float(value)
+    elif annotation is bool and not isinstance(value, bool):
+        raise ConfigError(source, key, f"expected true or false, got {_kind(value)}")
+    if (cls, name) in POSITIVE and value <= 0:
+        raise ConfigError(source, key, f"expected a positive value, got {value!r}")
+    if annotation in (int, float) and value < 0:
+        raise ConfigError(source, key, f"expected a non-negative value, got {value!r}")
+    return value
+
+
+# ---- blocks and expansion -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Block:
+    """A reusable group of layers: argument defaults (None = required) and layer entries."""
+
+    args: dict
+    layers: list
+
+
+@dataclass
+class LayerEntry:
+    """One layer after expansion: global name, type, resolved options, input refs, key path."""
+
+    name: str
+    type: str
+    options: dict
+    inputs: list  # global names
+    key: str
+
+
+def _parse_blocks(source, section):
+    if not isinstance(section, dict):
+        raise ConfigError(source, "blocks", f"expected a mapping of block names to blocks, got {_kind(section)}")
+    blocks = {}
+    for name, body in section.items():
+        key = f"blocks.{name}"
+        if not isinstance(body, dict):
+            raise ConfigError(source, key, f"expected a mapping with 'layers' (and 'args'), got {_kind(body)}")
+        _reject_unknown(source, key, body, ("args", "layers"))
+        args = body.get("args", {}) or {}
+        if not isinstance(args, dict):
+            raise ConfigError(source, f"{key}.args", f"expected a mapping of argument names to defaults, got {_kind(args)}")
+        layers = body.get("layers")
+        if not isinstance(layers, list) or not layers:
+            raise ConfigError(source, f"{key}.layers", f"expected a non-empty list of layers, got {_kind(layers)}")
+        blocks[name] = Block(args, layers)
+    return blocks
+
+
+_REF = re.compile(r"^\$([A-Za-z_]\w*)$")
+_EXPR = re.compile(r"^\$\{(.*)\}$")
+
+
+def substitute(source, key, value, env):
+    """Replace `$name` and `${expression}` strings (recursively in lists) by their values."""
+    if isinstance(value, list):
+        return [substitute(source, _join(key, i), v, env) for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+    ref, expr = _REF.match(value), _EXPR.match(value)
+    if ref:
+        if ref.group(1) not in env:
+            raise ConfigError(source, key, f"unknown name ${ref.group(1)}; known here: {', '.join(sorted(env)) or 'none'}")
+        return env[ref.group(1)]
+    if expr:
+        try:
+            return evaluate(expr.group(1), env)
+        except ValueError as e:
+            raise ConfigError(source, key, f"in {value!r}: {e}") from None
+    return value
+
+
+class _Expander:
+    """Walks `network` and block bodies, producing LayerEntry objects in textual order."""
+
+    def __init__(self, source, blocks):
+        self.source, self.blocks = source, blocks
+        self.entries = []
+
+    def expand(self, items, key, env, prefix, block_input, stack):
+        """Expand one scope; return the global name of its last node.
+
+        Refs inside the scope may point forward (so that a cycle is reported as such), so
+        they are resolved once the whole scope is known.
+        """
+        if not isinstance(items, list) or not items:
+            raise ConfigError(self.source, key, f"expected a non-empty list of layers, got {_kind(items)}")
+        local = {"$in": block_input} if stack else {"data": "data", "label": "label"}
+        counters = {}
+        pending = []  # (entry, [(raw ref, key)])
+        previous = block_input
+        for i, item in enumerate(items):
+            item_key = _join(key, i)
+            if not isinstance(item, dict) or ("type" in item) == ("block" in item):
+                raise ConfigError(self.source, item_key, f"expected a mapping with either 'type' or 'block', got {_kind(item)}")
+            if "block" in item:
+                name, previous = self._expand_block(item, item_key, env, prefix, local, previous, counters, stack)
+            else:
+                entry, refs = self._layer(item, item_key, env, prefix, previous, counters)
+                name, previous = entry.name[len(prefix):], entry.name
+                pending.append((entry, refs))
+            if name in local:
+                raise ConfigError(self.source, _join(item_key, "name"), f"name '{name}' is used twice in this scope")
+            local[name] = previous
+        for entry, refs in pending:
+            entry.inputs = [self._resolve(ref, ref_key, local) for ref, ref_key in refs]
+        return previous
+
+    def _resolve(self, ref, key, local):
+        if isinstance(ref, _GlobalName):
+            return str(ref)
+        if ref in local:
+            return local[ref]
+        known = ", ".join(k for k in local if not k.startswith("$")) or "none"
+        where = "this block" if "$in" in local else "the network"
+        hint = " ($in is the block's input)" if "$in" in local else ""
+        raise ConfigError(self.source, key, f"unknown input '{ref}': no layer of that name in {where}{hint}; known: {known}")
+
+    def _auto_name(self, counters, base):
+        k = counters.get(base, 0)
+        counters[base] = k + 1
+        return f"{base}{k}"
+
+    def _layer(self, item, key, env, prefix, previous, counters):
+        type_name = item["type"]
+        if type_name not in LAYERS:
+            close = difflib.get_close_matches(str(type_name), list(LAYERS), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(self.source, _join(key, "type"), f"unknown layer type {type_name!r}{hint}; known: {', '.join(sorted(LAYERS))}")
+        name = item.get("name")
+        if name is None:
+            name = self._auto_name(counters, type_name.lower())
+        elif not isinstance(name, str) or not name or name.startswith("$"):
+            raise ConfigError(self.source, _join(key, "name"), f"expected a name (not starting with '$'), got {_kind(name)}")
+        options = {k: substitute(self.source, _join(key, k), v, env) for k, v in item.items()
+                   if k not in ("type", "name", "inputs")}
+        inputs = item.get("inputs")
+        if inputs is None:
+            refs = [(previous, key)]
+            if type_name in LABEL_READERS:
+                refs.append(("label", key))
+            refs = [(self._global_ref(r), k) for r, k in refs]
+        else:
+            if isinstance(inputs, str):
+                inputs = [inputs]
+            if not isinstance(inputs, list) or not all(isinstance(r, str) for r in inputs):
+                raise ConfigError(self.source, _join(key, "inputs"), f"expected a list of layer names, got {_kind(inputs)}")
+            refs = [(r, _join(_join(key, "inputs"), j)) for j, r in enumerate(inputs)]
+        entry = LayerEntry(prefix + name, type_name, options, [], key)
+        self.entries.append(entry)
+        return entry, refs
+
+    @staticmethod
+    def _global_ref(name):
+        """Default inputs are already global names; mark them so `_resolve` passes them through."""
+        return _GlobalName(name)
+
+    def _expand_block(self, item, key, env, prefix, local, previous, counters, stack):
+        _reject_unknown(self.source, key, item, ("block", "args", "repeat", "name", "inputs"))
+        block_name = item["block"]
+        if block_name not in self.blocks:
+            known = ", ".join(self.blocks) or "none defined"
+            raise ConfigError(self.source, _join(key, "block"), f"unknown block {block_name!r}; known: {known}")
+        if block_name in stack:
+            raise ConfigError(self.source, _join(key, "block"), f"block '{block_name}' uses itself ({' -> '.join(stack + (block_name,))})")
+        block = self.blocks[block_name]
+        repeat = item.get("repeat", 1)
+        if not _is_int(repeat) or repeat < 1:
+            raise ConfigError(self.source, _join(key, "repeat"), f"expected a positive int, got {_kind(repeat)}")
+        args = self._block_args(item, key, env, block, block_name)
+        name = item.get("name") or self._auto_name(counters, block_name)
+        if not isinstance(name, str) or "." in name or name.startswith("$"):
+            raise ConfigError(self.source, _join(key, "name"), f"expected a name without '.' or '$', got {_kind(name)}")
+        block_input = previous
+        if "inputs" in item:
+            refs = item["inputs"] if isinstance(item["inputs"], list) else [item["inputs"]]
+            if len(refs) != 1 or not isinstance(refs[0], str):
+                raise ConfigError(self.source, _join(key, "inputs"), f"a block reads exactly one layer; got {_kind(item['inputs'])}")
+            if refs[0] not in local:
+                self._resolve(refs[0], _join(key, "inputs"), local)
+            block_input = local[refs[0]]
+        body_key = f"{key}.block.{block_name}.layers"
+        for r in range(repeat):
+            instance = name if repeat == 1 else f"{name}.{r}"
+            block_input = self.expand(block.layers, body_key, args, f"{prefix}{instance}.", block_input,
+                                      stack + (block_name,))
+        return name, block_input
+
+    def _block_args(self, item, key, env, block, block_name):
+        given = item.get("args", {}) or {}
+        if not isinstance(given, dict):
+            raise ConfigError(self.source, _join(key, "args"), f"expected a mapping of argument values, got {_kind(given)}")
+        _reject_unknown(self.source, _join(key, "args"), given, tuple(block.args))
+        args = {k: v for k, v in env.items() if k == "classes" or k not in block.args}
+        for arg, default in block.args.items():
+            if arg in given:
+                args[arg] = substitute(self.source, _join(_join(key, "args"), arg), given[arg], env)
+            elif default is None:
+                raise ConfigError(self.source, _join(key, "args"), f"block '{block_name}' needs argument '{arg}'")
+            else:
+                args[arg] = default
+        return args
+
+
+class _GlobalName(str):
+    """A ref that is already a global node name (a default input), not a local one."""
+
+
+def expand_network(source, network, blocks, env):
+    """Flatten `network` into LayerEntry objects with global names and resolved inputs."""
+    expander = _Expander(source, blocks)
+    expander.expand(network, "network", env, "", "data", ())
+    return expander.entries
+
+
+# ---- graph construction -------------------------------------------------------------------
+def _sort_topologically(source, entries):
+    """Entries in dependency order, textual order among ready ones; a cycle is an error."""
+    index = {e.name: i for i, e in enumerate(entries)}
+    waiting = [sum(1 for r in e.inputs if r in index) for e in entries]
+    readers = {e.name: [] for e in entries}
+    for e in entries:
+        for r in e.inputs:
+            if r in index:
+                readers[r].append(index[e.name])
+    ready = [i for i, n in enumerate(waiting) if n == 0]
+    heapq.heapify(ready)
+    ordered = []
+    while ready:
+        i = heapq.heappop(ready)
+        ordered.append(entries[i])
+        for j in readers[entries[i].name]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(ready, j)
+    if len(ordered) < len(entries):
+        stuck = {e.name for e in entries} - {e.name for e in ordered}
+        cycle = _find_cycle(entries, index, stuck)
+        first = entries[index[cycle[0]]]
+        raise ConfigError(source, _join(first.key, "inputs"), f"layers form a cycle: {' -> '.join(cycle)}")
+    return ordered
+
+
+def _find_cycle(entries, index, stuck):
+    """A cycle among the `stuck` entries, as a list of names ending where it started."""
+    name = min(stuck, key=index.get)
+    path, seen = [], {}
+    while name not in seen:
+        seen[name] = len(path)
+        path.append(name)
+        name = next(r for r in entries[index[name]].inputs if r in stuck)
+    return path[seen[name]:] + [name]
+
+
+def build_graph(source, name, input_cfg, entries):
+    """The Graph of the expanded entries, with the `data` and `label` input nodes."""
+    graph = Graph(name)
+    graph.add(Input(shape=tuple(input_cfg.shape)), name="data", key="input.shape")
+    graph.add(Input(shape=(), dtype="int64"), name="label", key="input.classes")
+    for entry in _sort_topologically(source, entries):
+        layer = make_layer(source, entry)
+        try:
+            graph.add(layer, inputs=entry.inputs, name=entry.name, key=entry.key)
+        except GraphError as e:
+            raise ConfigError(source, entry.key, f"layer '{entry.name}' ({entry.type}): {e.message}") from None
+    return graph
+
+
+def make_layer(source, entry):
+    """Instantiate the layer of `entry`, turning option problems into ConfigErrors."""
+    cls = LAYERS[entry.type]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for opt, value in entry.options.items():
+        if opt not in fields:
+            expected = ", ".join(fields) or "no options"
+            close = difflib.get_close_matches(opt, list(fields), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(source, _join(entry.key, opt), f"{entry.type} has no option '{opt}'{hint}; it takes: {expected}")
+        expected_type = fields[opt].type
+        if not _matches(value, expected_type):
+            raise ConfigError(source, _join(entry.key, opt), f"option '{opt}' of {entry.type} must be {_describe(expected_type)}, got {_kind(value)}")
+    for opt, f in fields.items():
+        if opt not in entry.options and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(source, entry.key, f"{entry.type} needs option '{opt}'")
+    try:
+        return cls(**entry.options)
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        match = re.search(r"option '(\w+)'", message)
+        key = _join(entry.key, match.group(1)) if match else entry.key
+        raise ConfigError(source, key, f"{entry.type}: {message}") from None
+
+
+def _matches(value, annotation):
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return _is_int(value)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    return True  # compound options (pairs, shapes) are checked by the layer itself
+
+
+def _describe(annotation):
+    return {bool: "true or false", int: "an int", float: "a number", str: "a string"}[annotation]
+
+
+# ---- writing back -----------------------------------------------------------------------------
+def graph_to_dict(graph, input_cfg):
+    """A flat YAML document (every layer named, every input explicit) that loads to `graph`."""
+    network = []
+    for node in graph.nodes.values():
+        if node.name in ("data", "label"):
+            continue
+        entry = {"type": node.layer.type_name, "name": node.name, "inputs": list(node.inputs)}
+        entry.update(node.layer.options())
+        network.append(entry)
+    return {
+        "name": graph.name,
+        "input": {"shape": list(input_cfg.shape), "classes": input_cfg.classes},
+        "network": network,
+    }
+
+
+def config_to_yaml(config):
+    """The Config as YAML text: the flat network plus its train and memory sections."""
+    doc = graph_to_dict(config.graph, config.input)
+    doc["train"] = dataclasses.asdict(config.train)
+    doc["memory"] = dataclasses.asdict(config.memory)
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)

@@ -1,0 +1,35 @@
+"""Integer arithmetic in YAML values: `${width * 4}`, `${(depth - 2) // 9}`."""
+
+import ast
+import operator
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+def evaluate(text, env):
+    """Evaluate `text` (+, -, *, //, parentheses, ints and names from `env`).
+
+    Raises ValueError saying what is not allowed or which name is unknown.
+    """
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError("not an expression of ints and names with + - * //") from None
+    return _eval(tree.body, env)
+
+
+def _eval(node, env):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id not in env:
+            raise ValueError(f"unknown name '{node.id}'; known here: {', '.join(sorted(env)) or 'none'}")
+        return env[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand, env)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _eval(node.left, env), _eval(node.right, env)
+        if isinstance(node.op, ast.FloorDiv) and right == 0:
+            raise ValueError("division by zero")
+        return _BINARY[type(node.op)](left, right)
+    raise ValueError(f"'{ast.unparse(node)}' is not allowed; use ints, names, + - * // and parentheses")

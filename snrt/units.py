@@ -1,0 +1,29 @@
+"""Byte sizes written by people: 12GiB, 512MB, 1e9, 1073741824."""
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value):
+    """An int number of bytes from an int or a string such as "12GiB" or "1.5 GB".
+
+    Raises ValueError with the accepted forms when `value` is not one of them.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a byte size such as 12GiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"expected a non-negative byte size, got {value}")
+        return value
+    if isinstance(value, float) and value >= 0 and value == int(value):
+        return int(value)
+    match = _PATTERN.match(value) if isinstance(value, str) else None
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a byte size such as 12GiB, 512MiB, 8GB or 1000000, got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

@@ -137,6 +137,13 @@ def _kind(value):
     return "nothing" if value is None else f"{type(value).__name__} {value!r}"
 
 
+def _suggest(word, choices):
+    """' (did you mean 'X'?)' for the closest choice, compared case-insensitively, or ''."""
+    lowered = {str(c).lower(): c for c in choices}
+    close = difflib.get_close_matches(str(word).lower(), list(lowered), n=1)
+    return f" (did you mean '{lowered[close[0]]}'?)" if close else ""
+
+
 def _join(key, child):
     if isinstance(child, int):
         return f"{key}[{child}]"
@@ -146,8 +153,7 @@ def _join(key, child):
 def _reject_unknown(source, key, mapping, allowed):
     for k in mapping:
         if k not in allowed:
-            close = difflib.get_close_matches(str(k), allowed, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            hint = _suggest(k, allowed)
             raise ConfigError(source, _join(key, k), f"unknown key{hint}; expected one of {', '.join(allowed)}")
 
 
@@ -337,8 +343,7 @@ class _Expander:
     def _layer(self, item, key, env, prefix, previous, counters):
         type_name = item["type"]
         if type_name not in LAYERS:
-            close = difflib.get_close_matches(str(type_name), list(LAYERS), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            hint = _suggest(type_name, list(LAYERS))
             raise ConfigError(self.source, _join(key, "type"), f"unknown layer type {type_name!r}{hint}; known: {', '.join(sorted(LAYERS))}")
         name = item.get("name")
         if name is None:
@@ -486,8 +491,7 @@ def make_layer(source, entry):
     for opt, value in entry.options.items():
         if opt not in fields:
             expected = ", ".join(fields) or "no options"
-            close = difflib.get_close_matches(opt, list(fields), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            hint = _suggest(opt, list(fields))
             raise ConfigError(source, _join(entry.key, opt), f"{entry.type} has no option '{opt}'{hint}; it takes: {expected}")
         expected_type = fields[opt].type
         if not _matches(value, expected_type):

@@ -38,7 +38,7 @@ CASES = [
     ("unknown-option", ("{type: GlobalAvgPool}", "{type: GlobalAvgPool, size: 2}"), "network[2].size", "has no option 'size'"),
     ("option-type", ("out_features: $classes", "out_features: 10.5"), "network[3].out_features", "must be an int"),
     ("option-value-in-block", ("kernel: 3, padding: 1}\n      - {type: ReLU}", "kernel: three, padding: 1}\n      - {type: ReLU}"),
-     "network[1].block.pair.layers[0].kernel", "int or a pair"),
+     "network[1].block.pair.layers[0].kernel", "positive int or pair"),
     ("missing-option", ("{type: Linear, out_features: $classes}", "{type: Linear}"), "network[3]", "needs option 'out_features'"),
     ("unknown-input", ("inputs: [relu0, $in]", "inputs: [relu9, $in]"), "network[1].block.pair.layers[2].inputs[0]", "unknown input 'relu9'"),
     ("cycle", ("{type: GlobalAvgPool}", "{type: GlobalAvgPool, name: gap, inputs: [fc]}\n  - {type: ReLU, name: fc, inputs: [gap]}"),

@@ -7,6 +7,7 @@ into a flat list of layer entries with global names; their inputs are resolved a
 topologically (a cycle is reported with its path); the Graph is built node by node.
 """
 
+import copy
 import dataclasses
 import difflib
 import heapq
@@ -49,9 +50,27 @@ class OptimizerConfig:
 
 
 @dataclass
+class ScheduleConfig:
+    """Learning rate over iterations: linear warm-up, then constant, step decay or cosine."""
+
+    type: str = "constant"
+    warmup: int = 0
+    milestones: list = field(default_factory=list)  # step: iterations where lr is multiplied by gamma
+    gamma: float = 0.1
+    min_lr: float = 0.0  # cosine: the final learning rate
+
+
+@dataclass
 class DataConfig:
+    """Where batches come from (see snrt/data.py) and how they are augmented."""
+
     type: str = "synthetic"
-    path: str = None
+    path: str = None  # .npz file or CIFAR folder
+    crop_padding: int = 0  # random crop after zero padding by this many pixels (0: off)
+    flip: bool = False  # random horizontal flip
+    normalize: bool = True  # per-channel mean/std of the training split
+    holdout: float = 0.2  # fraction held out for eval when the set has no test split
+    samples: int = 2048  # size of the synthetic set
 
 
 @dataclass
@@ -59,8 +78,12 @@ class TrainConfig:
     batch: int = 32
     iterations: int = 100
     seed: int = 0
+    init: str = "default"  # default (each layer's own), he or xavier for conv/linear weights
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint_every: int = 0  # iterations between checkpoints (0: only at the end)
+    eval_every: int = 0  # iterations between held-out evaluations (0: only at the end)
 
 
 @dataclass
@@ -83,17 +106,25 @@ class Config:
 
 CHOICES = {
     (OptimizerConfig, "type"): OPTIMIZERS,
+    (ScheduleConfig, "type"): ("constant", "step", "cosine"),
     (DataConfig, "type"): DATASETS,
+    (TrainConfig, "init"): ("default", "he", "xavier"),
     (MemoryConfig, "policy"): POLICIES,
 }
-POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "iterations"), (OptimizerConfig, "lr")}
+POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "iterations"), (OptimizerConfig, "lr"),
+            (DataConfig, "samples"), (DataConfig, "holdout")}
 
 
 # ---- public entry points ----------------------------------------------------------------
-def load_config(source):
-    """Load a network file (path) or an already parsed dict into a Config."""
+def load_config(source, overrides=None):
+    """Load a network file (path) or an already parsed dict into a Config.
+
+    `overrides` maps dotted keys to values set before validation, e.g.
+    {"train.batch": 2, "input.shape": [3, 64, 64]} (what the command-line flags do), so that
+    a bad value is reported like one in the file.
+    """
     if isinstance(source, dict):
-        return parse_config(source, "<dict>")
+        return parse_config(apply_overrides(source, overrides), "<dict>")
     path = Path(source)
     try:
         text = path.read_text()
@@ -108,7 +139,26 @@ def load_config(source):
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(str(path), "", f"not valid YAML: {where}{problem}") from None
-    return parse_config(doc, str(path), default_name=path.stem)
+    return parse_config(apply_overrides(doc, overrides), str(path), default_name=path.stem)
+
+
+def apply_overrides(doc, overrides):
+    """A copy of `doc` with each dotted key of `overrides` set (sections created as needed).
+
+    A callable value is applied to the current value (e.g. to resize `input.shape`).
+    """
+    if not overrides or not isinstance(doc, dict):
+        return doc
+    doc = copy.deepcopy(doc)
+    for dotted, value in overrides.items():
+        *parents, last = dotted.split(".")
+        section = doc
+        for name in parents:
+            if not isinstance(section.get(name), dict):
+                section[name] = {}
+            section = section[name]
+        section[last] = value(section.get(last)) if callable(value) else value
+    return doc
 
 
 def parse_config(doc, source, default_name="net"):
@@ -220,8 +270,12 @@ def _check_setting(source, key, cls, name, annotation, value):
         value = float(value)
     elif annotation is bool and not isinstance(value, bool):
         raise ConfigError(source, key, f"expected true or false, got {_kind(value)}")
+    elif annotation is list and not (isinstance(value, list) and all(_is_int(v) and v >= 0 for v in value)):
+        raise ConfigError(source, key, f"expected a list of non-negative ints, got {_kind(value)}")
     if (cls, name) in POSITIVE and value <= 0:
         raise ConfigError(source, key, f"expected a positive value, got {value!r}")
+    if name == "holdout" and value >= 1:
+        raise ConfigError(source, key, f"expected a fraction below 1, got {value!r}")
     if annotation in (int, float) and value < 0:
         raise ConfigError(source, key, f"expected a non-negative value, got {value!r}")
     return value
@@ -382,7 +436,7 @@ class _Expander:
         if block_name in stack:
             raise ConfigError(self.source, _join(key, "block"), f"block '{block_name}' uses itself ({' -> '.join(stack + (block_name,))})")
         block = self.blocks[block_name]
-        repeat = item.get("repeat", 1)
+        repeat = substitute(self.source, _join(key, "repeat"), item.get("repeat", 1), env)
         if not _is_int(repeat) or repeat < 1:
             raise ConfigError(self.source, _join(key, "repeat"), f"expected a positive int, got {_kind(repeat)}")
         args = self._block_args(item, key, env, block, block_name)

@@ -1,0 +1,235 @@
+"""Normalisation layers: batch normalisation and cross-channel local response normalisation."""
+
+from dataclasses import dataclass
+
+from snrt.errors import ShapeError
+from snrt.layers.base import (
+    BACKWARD,
+    FLOAT32_BYTES,
+    AuxSpec,
+    Cost,
+    Layer,
+    ParamSpec,
+    Saves,
+    StateSpec,
+    numel,
+    scratch_bytes,
+)
+from snrt.layers.registry import register
+
+
+def _check_number(value, name, low, low_inclusive=True, high=None):
+    """Raise ValueError naming the option unless `value` is a real number in the given range."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok:
+        ok = value >= low if low_inclusive else value > low
+        ok = ok and (high is None or value <= high)
+    if not ok:
+        bound = f"{'>=' if low_inclusive else '>'} {low}" + ("" if high is None else f" and <= {high}")
+        raise ValueError(f"option '{name}' must be a number {bound}, got {value!r}")
+
+
+def _per_channel_dot(xp, a, b):
+    """sum over every axis but 1 of a * b, for (N, C, K) arrays, without a full-size temporary."""
+    return xp.einsum("nck,nck->c", a, b)
+
+
+@register
+@dataclass(frozen=True)
+class BatchNorm(Layer):
+    """y = weight * (x - mean) * inv_std + bias per channel (axis 1) of (N, C, H, W) or (N, C).
+
+    Training: mean and biased variance over N, H, W (M = N*H*W values per channel), running
+    statistics updated as running = (1 - momentum) * running + momentum * batch with the
+    unbiased variance (not on a recomputed forward). Eval: running statistics. Aux `mean` and
+    `inv_std` = 1/sqrt(var + eps) are the statistics used. Backward reads the input:
+    gx = weight*inv_std * (gy - sum(gy)/M - xhat * sum(gy*xhat)/M) in training, weight*inv_std*gy
+    in eval; gweight = sum(gy*xhat), gbias = sum(gy).
+    """
+
+    type_name = "BatchNorm"
+    saves = Saves(inputs=(0,))
+    momentum: float = 0.1
+    eps: float = 1e-5
+
+    def __post_init__(self):
+        _check_number(self.momentum, "momentum", 0, high=1)
+        _check_number(self.eps, "eps", 0, low_inclusive=False)
+
+    def _channels(self, in_shapes):
+        shape = tuple(in_shapes[0])
+        if len(shape) not in (2, 4):
+            raise ShapeError(f"input must be NCHW or (N, C), got {list(shape[1:])} per sample")
+        return shape[1]
+
+    def infer_shape(self, in_shapes):
+        self._channels(in_shapes)
+        return tuple(in_shapes[0])
+
+    def param_specs(self, in_shapes):
+        c = self._channels(in_shapes)
+        return {
+            "weight": ParamSpec((c,), "ones", decay=False),
+            "bias": ParamSpec((c,), "zeros", decay=False),
+        }
+
+    def state_specs(self, in_shapes):
+        c = self._channels(in_shapes)
+        return {"running_mean": StateSpec((c,), 0.0), "running_var": StateSpec((c,), 1.0)}
+
+    def aux_specs(self, in_shapes):
+        c = self._channels(in_shapes)
+        return {"mean": AuxSpec((c,)), "inv_std": AuxSpec((c,))}
+
+    def cost(self, in_shapes, phase):
+        size = numel(in_shapes[0])
+        if phase == BACKWARD:  # read x and gy (twice: statistics, then gx), write gx
+            return Cost(7 * size, 5 * size * FLOAT32_BYTES)
+        return Cost(6 * size, 3 * size * FLOAT32_BYTES)  # read x twice, write y
+
+    @staticmethod
+    def _by_channel(array):
+        return array.reshape(array.shape[0], array.shape[1], -1)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        xp = ctx.xp
+        x3, y3 = self._by_channel(xs[0]), self._by_channel(y)
+        mean, inv_std = aux["mean"], aux["inv_std"]
+        if ctx.training:
+            count = x3.shape[0] * x3.shape[2]
+            if count < 2:
+                raise ValueError(f"BatchNorm needs more than 1 value per channel when training, got {count}")
+            xp.sum(x3, axis=(0, 2), out=mean)
+            mean *= 1.0 / count
+            xp.subtract(x3, mean[:, None], out=y3)
+            var = _per_channel_dot(xp, y3, y3) / count
+            xp.add(var, self.eps, out=inv_std)
+            if not recompute:
+                _blend(state["running_mean"], mean, self.momentum)
+                _blend(state["running_var"], var * (count / (count - 1)), self.momentum)
+        else:
+            mean[...] = state["running_mean"]
+            xp.add(state["running_var"], self.eps, out=inv_std)
+        xp.sqrt(inv_std, out=inv_std)
+        xp.divide(1, inv_std, out=inv_std)
+        scale = (params["weight"] * inv_std)[:, None]
+        if ctx.training:
+            y3 *= scale
+            y3 += params["bias"][:, None]
+        else:
+            xp.multiply(x3, scale, out=y3)
+            y3 += (params["bias"] - mean * scale[:, 0])[:, None]
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        xp = ctx.xp
+        x3, gy3 = self._by_channel(saved.xs[0]), self._by_channel(gy)
+        mean, inv_std = aux["mean"], aux["inv_std"]
+        count = x3.shape[0] * x3.shape[2]
+        sum_gy = xp.sum(gy3, axis=(0, 2))
+        sum_gy_xhat = (_per_channel_dot(xp, gy3, x3) - mean * sum_gy) * inv_std
+        gparams["weight"][...] = sum_gy_xhat
+        gparams["bias"][...] = sum_gy
+        if gxs[0] is None:
+            return
+        gx3 = self._by_channel(gxs[0])
+        scale = (params["weight"] * inv_std)[:, None]
+        if not ctx.training:  # the statistics are constants: an affine map
+            xp.multiply(gy3, scale, out=gx3)
+            return
+        # gx / scale = gy + x * c1 + c0 with c1 = -inv_std * sum(gy*xhat) / M
+        c1 = -inv_std * sum_gy_xhat / count
+        xp.multiply(x3, c1[:, None], out=gx3)
+        gx3 += (-mean * c1 - sum_gy / count)[:, None]
+        gx3 += gy3
+        gx3 *= scale
+
+
+def _blend(running, batch, momentum):
+    """running <- (1 - momentum) * running + momentum * batch, in place."""
+    running *= 1 - momentum
+    running += momentum * batch
+
+
+def _channel_window_sum(src, out, before, after):
+    """out[:, c] = sum of src[:, c - before .. c + after] (zero outside the channels)."""
+    out[...] = src
+    channels = src.shape[1]
+    for d in range(1, min(after, channels - 1) + 1):
+        out[:, : channels - d] += src[:, d:]
+    for d in range(1, min(before, channels - 1) + 1):
+        out[:, d:] += src[:, : channels - d]
+
+
+@register
+@dataclass(frozen=True)
+class LRN(Layer):
+    """Cross-channel local response normalisation (torch.nn.LocalResponseNorm), x (N, C, ...).
+
+    s_c = k + alpha/size * sum_{j=c-size//2}^{c+(size-1)//2} x_j^2 (zero padded), y = x * s^-beta.
+    Backward reads x and y (s is recomputed from x):
+    gx_i = gy_i s_i^-beta - 2 alpha beta / size * x_i * sum_{c: i in window(c)} gy_c y_c / s_c.
+    """
+
+    type_name = "LRN"
+    saves = Saves(inputs=(0,), output=True)
+    size: int = 5
+    alpha: float = 1e-4
+    beta: float = 0.75
+    k: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"option 'size' must be a positive int, got {self.size!r}")
+        _check_number(self.alpha, "alpha", 0)
+        _check_number(self.beta, "beta", 0)
+        _check_number(self.k, "k", 0, low_inclusive=False)
+
+    def infer_shape(self, in_shapes):
+        shape = tuple(in_shapes[0])
+        if len(shape) < 3:
+            raise ShapeError(f"input must be (N, C, ...) with spatial dims, got {list(shape[1:])} per sample")
+        return shape
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        full = numel(in_shapes[0]) * itemsize
+        return scratch_bytes(full, full) if phase == BACKWARD else scratch_bytes(full)
+
+    def cost(self, in_shapes, phase):
+        size = numel(in_shapes[0])
+        if phase == BACKWARD:  # read x, y, gy, write gx
+            return Cost((2 * self.size + 12) * size, 4 * size * FLOAT32_BYTES)
+        return Cost((self.size + 6) * size, 2 * size * FLOAT32_BYTES)
+
+    def _scale(self, xp, x, squares, out):
+        """out <- s = k + alpha/size * window sum of x^2 (`squares` is scratch)."""
+        xp.multiply(x, x, out=squares)
+        _channel_window_sum(squares, out, self.size // 2, (self.size - 1) // 2)
+        out *= self.alpha / self.size
+        out += self.k
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        xp = ctx.xp
+        x = xs[0]
+        self._scale(xp, x, ctx.scratch(x.shape, x.dtype), y)
+        xp.power(y, -self.beta, out=y)
+        y *= x
+        ctx.release_scratch()
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx = gxs[0]
+        if gx is None:
+            return
+        xp = ctx.xp
+        x, y = saved.xs[0], saved.y
+        t = ctx.scratch(x.shape, x.dtype)
+        s = ctx.scratch(x.shape, x.dtype)
+        self._scale(xp, x, t, s)
+        xp.multiply(gy, y, out=t)
+        t /= s  # gy_c y_c / s_c
+        _channel_window_sum(t, gx, (self.size - 1) // 2, self.size // 2)
+        gx *= x
+        gx *= -2.0 * self.alpha * self.beta / self.size
+        xp.power(s, -self.beta, out=s)
+        s *= gy
+        gx += s
+        ctx.release_scratch()

@@ -1,0 +1,163 @@
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from snrt.errors import ShapeError
+from snrt.layers.base import BACKWARD, FORWARD
+from snrt.layers.pool import AvgPool, GlobalAvgPool, MaxPool
+from tests.layers.harness import check_layer, run_backward, run_forward
+
+
+def distinct(shape, seed=0):
+    """Distinct values 0.1 apart, so finite differences never cross a max-pool kink."""
+    return np.random.default_rng(seed).permutation(int(np.prod(shape))).reshape(shape) / 10.0
+
+
+# (kernel, stride, padding, ceil_mode, input shape)
+WINDOWS = [
+    (2, None, 0, False, (2, 3, 6, 6)),
+    (3, 2, 1, False, (2, 2, 7, 7)),
+    (3, 2, 1, True, (2, 2, 8, 8)),  # ceil: the last window overhangs the right padding
+    (3, 2, 0, True, (1, 2, 6, 6)),  # ceil: the last window overhangs the input, no padding
+    (3, 3, 1, True, (1, 2, 5, 5)),  # ceil would add a window starting in the right padding: dropped
+    ((2, 3), (1, 2), (1, 1), False, (2, 2, 5, 7)),
+    ((3, 2), (2, 1), (1, 0), True, (1, 3, 6, 5)),
+    (1, 2, 0, False, (1, 2, 5, 4)),
+    ((4, 1), (3, 1), (2, 0), True, (1, 2, 9, 3)),
+]
+
+
+def _pool_kwargs(kernel, stride, padding, ceil_mode):
+    return dict(kernel=kernel, stride=stride, padding=padding, ceil_mode=ceil_mode)
+
+
+def _torch_kwargs(kernel, stride, padding, ceil_mode):
+    return dict(kernel_size=kernel, stride=stride, padding=padding, ceil_mode=ceil_mode)
+
+
+@pytest.mark.parametrize("kernel, stride, padding, ceil_mode, shape", WINDOWS)
+def test_max_pool(kernel, stride, padding, ceil_mode, shape):
+    layer = MaxPool(**_pool_kwargs(kernel, stride, padding, ceil_mode))
+    kwargs = _torch_kwargs(kernel, stride, padding, ceil_mode)
+    check_layer(layer, [distinct(shape)], lambda xs, p: F.max_pool2d(xs[0], **kwargs))
+
+
+@pytest.mark.parametrize("count_include_pad", [True, False])
+@pytest.mark.parametrize("kernel, stride, padding, ceil_mode, shape", WINDOWS)
+def test_avg_pool(kernel, stride, padding, ceil_mode, shape, count_include_pad):
+    layer = AvgPool(**_pool_kwargs(kernel, stride, padding, ceil_mode), count_include_pad=count_include_pad)
+    kwargs = _torch_kwargs(kernel, stride, padding, ceil_mode)
+    x = np.random.default_rng(1).standard_normal(shape)
+    check_layer(layer, [x], lambda xs, p: F.avg_pool2d(xs[0], count_include_pad=count_include_pad, **kwargs))
+
+
+def test_max_pool_large_window_uses_int32_indices():
+    layer = MaxPool(kernel=16, stride=1)
+    assert layer.aux_specs([(1, 1, 16, 16)])["argmax"].dtype == "int32"
+    assert MaxPool(kernel=(15, 17)).aux_specs([(1, 1, 15, 17)])["argmax"].dtype == "uint8"
+    check_layer(layer, [distinct((1, 2, 17, 18))], lambda xs, p: F.max_pool2d(xs[0], 16, 1))
+
+
+def test_max_pool_ties_go_to_the_first_maximum_like_torch():
+    x = np.zeros((1, 2, 6, 6), dtype=np.float32)
+    x[0, 1, 2:4, 2:4] = 1.0  # a tie inside each window covering it
+    layer = MaxPool(kernel=3, stride=1, padding=1)
+    y, aux = run_forward(layer, [x], {})
+    gy = np.random.default_rng(2).standard_normal(y.shape).astype(np.float32)
+    gxs, _ = run_backward(layer, [x], y, aux, gy, {})
+    tx = torch.tensor(x, requires_grad=True)
+    F.max_pool2d(tx, 3, 1, 1).backward(torch.tensor(gy))
+    np.testing.assert_allclose(gxs[0], tx.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_max_pool_argmax_is_the_window_index():
+    x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
+    _, aux = run_forward(MaxPool(kernel=2), [x], {})
+    assert aux["argmax"].dtype == np.uint8
+    np.testing.assert_array_equal(aux["argmax"], 3)  # bottom-right of every 2x2 window
+    _, aux = run_forward(MaxPool(kernel=3, stride=2, padding=1), [x], {})
+    np.testing.assert_array_equal(aux["argmax"][0, 0], [[8, 8], [8, 8]])
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 2, 1, 1)])
+def test_global_avg_pool(shape):
+    x = np.random.default_rng(3).standard_normal(shape)
+    layer = GlobalAvgPool()
+    assert layer.infer_shape([shape]) == shape[:2]
+    check_layer(layer, [x], lambda xs, p: torch.flatten(F.adaptive_avg_pool2d(xs[0], 1), 1))
+
+
+def test_pools_save_nothing_but_max_pool_argmax():
+    for layer in (MaxPool(3), AvgPool(3), GlobalAvgPool()):
+        assert layer.saves.inputs == () and not layer.saves.output
+        assert layer.recompute_cost == "cheap"
+    assert AvgPool(2).aux_specs([(1, 1, 4, 4)]) == {}
+    assert MaxPool(3, 2, 1).aux_specs([(2, 3, 8, 8)])["argmax"].shape == (2, 3, 4, 4)
+
+
+def test_options_are_normalised():
+    layer = MaxPool(kernel=3)
+    assert layer.kernel == (3, 3) and layer.stride == (3, 3) and layer.padding == (0, 0)
+    layer = AvgPool(kernel=[2, 3], stride=[1, 2], padding=(1, 0))
+    assert layer.kernel == (2, 3) and layer.stride == (1, 2) and layer.padding == (1, 0)
+    assert AvgPool(kernel=2).options() == {
+        "kernel": [2, 2], "stride": [2, 2], "padding": [0, 0], "ceil_mode": False, "count_include_pad": True,
+    }
+
+
+@pytest.mark.parametrize("cls", [MaxPool, AvgPool])
+@pytest.mark.parametrize("options, name", [
+    (dict(), "kernel"),
+    (dict(kernel=0), "kernel"),
+    (dict(kernel=True), "kernel"),
+    (dict(kernel="3"), "kernel"),
+    (dict(kernel=(1, 2, 3)), "kernel"),
+    (dict(kernel=2, stride=0), "stride"),
+    (dict(kernel=2, stride=(1, -1)), "stride"),
+    (dict(kernel=2, padding=-1), "padding"),
+    (dict(kernel=2, padding=1.0), "padding"),
+    (dict(kernel=2, ceil_mode=1), "ceil_mode"),
+])
+def test_option_validation(cls, options, name):
+    with pytest.raises(ValueError, match=f"option '{name}'"):
+        cls(**options)
+
+
+def test_avg_pool_count_include_pad_validation():
+    with pytest.raises(ValueError, match="option 'count_include_pad'"):
+        AvgPool(kernel=2, count_include_pad="no")
+
+
+@pytest.mark.parametrize("cls", [MaxPool, AvgPool])
+@pytest.mark.parametrize("layer_options, shape, message", [
+    (dict(kernel=2), (2, 3, 4), "NCHW"),
+    (dict(kernel=2), (2, 3, 4, 4, 4), "NCHW"),
+    (dict(kernel=5), (1, 1, 4, 6), "larger than the padded input height 4"),
+    (dict(kernel=(3, 5), padding=(1, 0)), (1, 1, 8, 4), "larger than the padded input width 4"),
+    (dict(kernel=3, padding=2), (1, 1, 8, 8), "padding 2 must be at most half the kernel size 3"),
+    (dict(kernel=(4, 2), padding=(2, 2)), (1, 1, 8, 8), "padding 2 must be at most half the kernel size 2"),
+])
+def test_shape_errors(cls, layer_options, shape, message):
+    with pytest.raises(ShapeError, match=message):
+        cls(**layer_options).infer_shape([shape])
+
+
+def test_global_avg_pool_needs_nchw():
+    with pytest.raises(ShapeError, match="NCHW"):
+        GlobalAvgPool().infer_shape([(2, 3)])
+
+
+def test_costs_and_workspace():
+    shape = [(8, 16, 32, 32)]
+    for layer in (MaxPool(3, 2, 1), AvgPool(3, 2, 1), GlobalAvgPool()):
+        forward, backward = layer.cost(shape, FORWARD), layer.cost(shape, BACKWARD)
+        assert forward.flops > 0 and forward.bytes >= 8 * 16 * 32 * 32 * 4
+        assert backward.bytes >= forward.bytes
+    assert MaxPool(3, 2, 1).cost(shape, FORWARD).flops == 2 * 9 * 8 * 16 * 16 * 16
+    assert AvgPool(3, 2, 1).workspace_bytes(shape, FORWARD) == 0
+    assert AvgPool(3, 2, 1).workspace_bytes(shape, BACKWARD) == 8 * 16 * 16 * 16 * 4
+    assert MaxPool(3, 2, 1).workspace_bytes(shape, FORWARD) == 2 * 8 * 16 * 16 * 16  # mask, uint8 step
+    assert MaxPool(16).workspace_bytes(shape, FORWARD) == 5 * 8 * 16 * 2 * 2  # mask, int32 step
+    assert MaxPool(3, 2, 1).workspace_bytes(shape, BACKWARD) == 5 * 8 * 16 * 16 * 16  # mask, float32 part
+    assert GlobalAvgPool().workspace_bytes(shape, BACKWARD) == 0

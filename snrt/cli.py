@@ -1,33 +1,96 @@
-"""The `snrt` command: inspect (more subcommands arrive with the trainer and the planner)."""
+"""The `snrt` command: inspect, train and eval a network file."""
 
 import argparse
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
 
-from snrt.config import load_config
+from snrt.config import DATASETS, POLICIES, config_to_yaml, load_config
 from snrt.errors import SnrtError
-from snrt.summary import summary_table, totals_by_type
+from snrt.summary import human_bytes, summary_table, totals_by_type
 
 
 def _positive_int(text):
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
     return value
 
 
+def _data_spec(text):
+    kind, _, path = text.partition(":")
+    if kind not in DATASETS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DATASETS)} (with :PATH for npz and cifar), got {text!r}")
+    return {"type": kind, **({"path": path} if path else {})}
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="snrt", description="Train networks larger than device memory.")
     commands = parser.add_subparsers(dest="command", required=True)
+
     inspect = commands.add_parser("inspect", help="summarise a network: layers, parameters, FLOPs, activation bytes")
     inspect.add_argument("config", help="network YAML file, e.g. configs/resnet50.yaml")
     inspect.add_argument("--batch", type=_positive_int, help="batch size for activation bytes (default: the file's train.batch)")
     inspect.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
     inspect.add_argument("--layers", action="store_true", help="list every node, not only totals by type")
     inspect.set_defaults(run=run_inspect)
+
+    train = commands.add_parser("train", help="train a network on the CPU backend")
+    _add_run_options(train)
+    train.add_argument("--iterations", type=_positive_int, help="train up to this iteration (overrides train.iterations)")
+    train.add_argument("--lr", type=float, help="base learning rate (overrides train.optimizer.lr)")
+    train.add_argument("--policy", choices=POLICIES, help="memory policy (overrides memory.policy)")
+    train.add_argument("--budget", help="device-memory budget such as 12GiB (overrides memory.budget)")
+    train.add_argument("--seed", type=int, help="seed for initialisation, data and dropout (overrides train.seed)")
+    train.add_argument("--out", help="output folder for metrics, checkpoint and summary (default runs/NAME)")
+    train.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
+                       help="continue from a checkpoint (default: OUT/checkpoint.npz)")
+    train.add_argument("--checkpoint-every", type=_positive_int, help="iterations between checkpoints")
+    train.add_argument("--check", action="store_true", help="debug mode: check arena overlaps, poison freed memory")
+    train.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
+    train.set_defaults(run=run_train)
+
+    evaluate = commands.add_parser("eval", help="loss and accuracy of a checkpoint on the held-out split")
+    _add_run_options(evaluate)
+    evaluate.add_argument("--checkpoint", required=True, help="checkpoint file written by snrt train")
+    evaluate.set_defaults(run=run_eval)
     return parser
+
+
+def _add_run_options(parser):
+    parser.add_argument("config", help="network YAML file, e.g. configs/resnet2500.yaml")
+    parser.add_argument("--batch", type=_positive_int, help="batch size (overrides train.batch)")
+    parser.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
+    parser.add_argument("--data", type=_data_spec, metavar="TYPE[:PATH]",
+                        help=f"data set: {', '.join(DATASETS)}; npz and cifar take :PATH")
+    parser.add_argument("--backend", default="cpu", help="execution backend (default cpu)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+
+
+def _overrides(args):
+    """The dotted-key overrides that the command-line flags ask for."""
+    out = {}
+    if args.batch:
+        out["train.batch"] = args.batch
+    if args.image_size:
+        size = args.image_size
+        out["input.shape"] = lambda shape: [shape[0], size, size] if isinstance(shape, list) and shape else shape
+    if args.data:
+        for key, value in args.data.items():
+            out[f"train.data.{key}"] = value
+    for flag, key in (("iterations", "train.iterations"), ("lr", "train.optimizer.lr"), ("policy", "memory.policy"),
+                      ("budget", "memory.budget"), ("seed", "train.seed")):
+        if getattr(args, flag, None) is not None:
+            out[key] = getattr(args, flag)
+    return out
 
 
 def inspect_report(config, batch):
@@ -59,20 +122,126 @@ def run_inspect(args, console):
         print(json.dumps(inspect_report(config, batch), indent=2))
         return
     if args.layers:
-        for r in config.graph.rows(batch):
-            console.print(f"{r.name:40s} {r.type:20s} {str(list(r.shape)):20s} params={r.params}")
+        table = Table(title=f"{config.name}: every node at batch {batch}")
+        for header in ("node", "type", "inputs", "output (per sample)", "params"):
+            table.add_column(header)
+        for row, node in zip(config.graph.rows(batch), config.graph.nodes.values()):
+            table.add_row(row.name, row.type, ", ".join(node.inputs), str(list(row.shape)), str(row.params))
+        console.print(table)
     console.print(summary_table(config.graph, batch))
+
+
+def plan_headline(plan):
+    """A table of the plan's peak device bytes and its buffers' bytes by role."""
+    table = Table(title=f"memory plan: policy {plan.policy}, batch {plan.batch}")
+    table.add_column("role")
+    table.add_column("bytes", justify="right")
+    for role, nbytes in plan.bytes_by_role().items():
+        if nbytes:
+            table.add_row(role.replace("_", " "), human_bytes(nbytes))
+    table.add_section()
+    table.add_row("predicted peak on device", human_bytes(plan.peak_bytes))
+    table.add_row("arena", human_bytes(plan.arena_bytes))
+    return table
+
+
+def _make_trainer(args, config):
+    from snrt.train import Trainer  # the trainer pulls in the data pipeline; inspect doesn't need it
+
+    return Trainer(config, backend=args.backend, check=getattr(args, "check", False))
+
+
+def run_train(args, console):
+    config = load_config(args.config, _overrides(args))
+    out = Path(args.out or Path("runs") / config.name)
+    out.mkdir(parents=True, exist_ok=True)
+    console.print(summary_table(config.graph, config.train.batch))
+    trainer = _make_trainer(args, config)
+    console.print(plan_headline(trainer.plan))
+    checkpoint = out / "checkpoint.npz"
+    if args.resume is not None:
+        source = Path(args.resume) if args.resume else checkpoint
+        trainer.restore(source)
+        console.print(f"resumed from {source} at iteration {trainer.iteration}")
+    (out / "config.yaml").write_text(config_to_yaml(config))
+    total = config.train.iterations
+    metrics_file = (out / "metrics.jsonl").open("a")
+    with metrics_file, _progress(console, args.no_progress) as progress:
+        task = progress.add_task("train", total=total, completed=trainer.iteration, status="")
+
+        def report(m):
+            metrics_file.write(json.dumps(dataclasses.asdict(m)) + "\n")
+            metrics_file.flush()
+            status = (f"loss {m.loss:.4f}  acc {m.accuracy:.3f}  {m.images_per_s:.1f} img/s  "
+                      f"device {human_bytes(m.peak_device_bytes)}")
+            progress.update(task, completed=m.iteration + 1, status=status)
+            if args.no_progress:
+                console.print(f"iteration {m.iteration + 1}/{total}  {status}")
+
+        history = trainer.fit(on_iteration=report, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
+    summary = _summary(trainer, history, checkpoint)
+    if trainer.stop_requested:
+        console.print(f"interrupted at iteration {trainer.iteration}; checkpoint saved to {checkpoint}; "
+                      f"continue with --resume")
+    elif not args.no_eval:
+        summary["heldout_loss"], summary["heldout_accuracy"] = trainer.evaluate()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(_summary_table(summary))
+    return 130 if trainer.stop_requested else 0
+
+
+def _summary(trainer, history, checkpoint):
+    timed = history[1:] or history  # the first iteration includes one-off warm-up costs
+    return {
+        "network": trainer.config.name,
+        "iterations": trainer.iteration,
+        "batch": trainer.batch,
+        "policy": trainer.policy,
+        "final_loss": history[-1].loss if history else None,
+        "mean_images_per_s": sum(m.images_per_s for m in timed) / len(timed) if timed else None,
+        "predicted_peak_device_bytes": trainer.plan.peak_bytes,
+        "measured_peak_device_bytes": trainer.backend.arena.peak_bytes,
+        "checkpoint": str(checkpoint),
+    }
+
+
+def _summary_table(summary):
+    table = Table(title="summary")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        if isinstance(value, float):
+            value = f"{value:.4f}"
+        elif key.endswith("_bytes"):
+            value = human_bytes(value)
+        table.add_row(key.replace("_", " "), str(value))
+    return table
+
+
+def _progress(console, disabled):
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"), console=console, disable=disabled,
+    )
+
+
+def run_eval(args, console):
+    config = load_config(args.config, _overrides(args))
+    trainer = _make_trainer(args, config)
+    trainer.restore(args.checkpoint)
+    loss, accuracy = trainer.evaluate()
+    console.print(f"{config.name} at iteration {trainer.iteration}: held-out loss {loss:.4f}, accuracy {accuracy:.4f} "
+                  f"({len(trainer.heldout_set.y)} samples)")
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
     console = Console()
     try:
-        args.run(args, console)
+        return args.run(args, console) or 0
     except SnrtError as e:
         Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, markup=True)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+"""Parameter and state initialisation from a seed (host NumPy arrays).
+
+Each parameter draws from its own generator keyed by (seed, node name, parameter name), so
+one network's weights do not depend on the order in which the others were drawn.
+"""
+
+import math
+import zlib
+
+import numpy as np
+
+_WEIGHT_INITS = ("he_normal", "xavier_uniform")
+
+
+def _generator(seed, node, name):
+    return np.random.default_rng([seed, zlib.crc32(f"{node}:{name}".encode())])
+
+
+def initial_value(spec, seed, node, name, mode="default", dtype=np.float32):
+    """The initial array of ParamSpec `spec`.
+
+    `mode` "he" or "xavier" overrides the initialiser of every weight that uses one of them.
+    """
+    init = spec.init
+    if mode != "default" and init in _WEIGHT_INITS:
+        init = {"he": "he_normal", "xavier": "xavier_uniform"}[mode]
+    if init == "zeros":
+        return np.zeros(spec.shape, dtype)
+    if init == "ones":
+        return np.ones(spec.shape, dtype)
+    rng = _generator(seed, node, name)
+    if init == "he_normal":
+        return (rng.standard_normal(spec.shape) * math.sqrt(2.0 / spec.fan_in)).astype(dtype)
+    if init == "xavier_uniform":
+        bound = math.sqrt(6.0 / (spec.fan_in + spec.fan_out))
+        return rng.uniform(-bound, bound, spec.shape).astype(dtype)
+    raise ValueError(f"unknown initialiser {init!r} for {node}:{name}")
+
+
+def initial_parameters(graph, seed, mode="default"):
+    """{(node, name): array} for every trained parameter of `graph`."""
+    return {
+        (node, name): initial_value(spec, seed, node, name, mode)
+        for node, specs in graph.param_specs().items()
+        for name, spec in specs.items()
+    }
+
+
+def initial_state(graph):
+    """{(node, name): array} for every persistent state tensor (BatchNorm running stats)."""
+    return {
+        (node, name): np.full(spec.shape, spec.fill, np.float32)
+        for node, specs in graph.state_specs().items()
+        for name, spec in specs.items()
+    }

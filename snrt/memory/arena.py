@@ -1,0 +1,60 @@
+"""The device arena: one allocation of the plan's size; every tensor is a view at its offset.
+
+Reservations are checked against the capacity, and the live bytes are measured as the
+executor reserves and releases buffers, so the peak it reports is observed, not copied from
+the plan. With `check=True` every reservation is also checked against the live ones for
+overlap and released memory is poisoned with NaN (float views) so a read after free shows.
+"""
+
+
+class ArenaError(RuntimeError):
+    """A reservation outside the arena or on top of a live buffer: the plan is wrong."""
+
+
+class Arena:
+    """`nbytes` of device memory from `xp` (numpy or cupy), carved into planned views."""
+
+    def __init__(self, xp, nbytes, check=False):
+        self.xp = xp
+        self.capacity_bytes = nbytes
+        self.data = xp.zeros(max(nbytes, 1), dtype=xp.uint8)
+        self.check = check
+        self.live = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def view(self, buffer):
+        """The array of `buffer` (shape and dtype) at its offset."""
+        end = buffer.offset + buffer.nbytes
+        if buffer.offset < 0 or end > self.capacity_bytes:
+            raise ArenaError(f"buffer {buffer.name} [{buffer.offset}, {end}) is outside the {self.capacity_bytes}-byte arena")
+        return self.data[buffer.offset:end].view(buffer.dtype).reshape(buffer.shape)
+
+    def reserve(self, buffer):
+        """Mark `buffer` alive (its bytes now count)."""
+        if buffer.id in self.live:
+            raise ArenaError(f"buffer {buffer.name} reserved twice")
+        if self.check:
+            start, end = buffer.offset, buffer.offset + buffer.nbytes
+            for other in self.live.values():
+                if other.offset < end and start < other.offset + other.nbytes and buffer.nbytes and other.nbytes:
+                    raise ArenaError(f"buffer {buffer.name} overlaps live buffer {other.name}")
+        self.live[buffer.id] = buffer
+        self.live_bytes += buffer.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def release(self, buffer):
+        """Mark `buffer` dead; in check mode poison its bytes."""
+        if self.live.pop(buffer.id, None) is None:
+            raise ArenaError(f"buffer {buffer.name} released but not alive")
+        self.live_bytes -= buffer.nbytes
+        if self.check:
+            self.poison(buffer)
+
+    def poison(self, buffer):
+        """Fill `buffer` with NaN (floats) or a marker pattern (integers)."""
+        view = self.data[buffer.offset:buffer.offset + buffer.nbytes]
+        if buffer.dtype.startswith("float"):
+            view.view(buffer.dtype)[...] = self.xp.nan
+        else:
+            view[...] = 0xA5

@@ -1,0 +1,175 @@
+"""The Plan: pure data that says everything an executor does in one training iteration.
+
+A Plan is a buffer table and a list of steps. Each buffer has a fixed offset in one device
+arena; persistent buffers (parameters, optimizer state, BatchNorm state) are resident for the
+whole run, the others come alive at the first step that writes them and die at a `free` step.
+`device_bytes[i]` is the bytes on the device while step i runs; `peak_bytes` their maximum.
+Same graph and options give a byte-identical `to_json()`.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+
+ROLES = ("activation", "gradient", "parameter", "parameter_gradient", "optimizer_state", "state", "aux", "workspace")
+PERSISTENT_ROLES = ("parameter", "optimizer_state", "state")
+STEP_KINDS = ("forward", "recompute", "backward", "update", "offload", "prefetch", "wait", "free")
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One tensor of the run. `offset` is its place in the device arena, `host_slot` in the
+    host store (-1 when never offloaded)."""
+
+    id: int
+    name: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+    role: str
+    offset: int = -1
+    host_slot: int = -1
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Run node's forward: read `inputs`, write `output` and `aux`; `recompute` replays it."""
+
+    node: str
+    inputs: tuple
+    output: int
+    aux: tuple = ()  # ((name, buffer id), ...)
+    params: tuple = ()
+    state: tuple = ()
+    workspace: int = -1
+    recompute: bool = False
+    kind: str = field(default="forward", init=False)
+
+    def __post_init__(self):
+        if self.recompute:
+            object.__setattr__(self, "kind", "recompute")
+
+    def reads(self):
+        return (*self.inputs, *(b for _, b in self.params), *(b for _, b in self.state))
+
+    def writes(self):
+        return (self.output, *(b for _, b in self.aux), *_some(self.workspace))
+
+
+@dataclass(frozen=True)
+class Backward:
+    """Run node's backward. `grad_inputs[i]` is (buffer id, partial id) or None: the kernel
+    writes the gradient of input i into the buffer, or, when `partial` is not -1, into the
+    partial buffer which is then added to the gradient buffer (fan-out)."""
+
+    node: str
+    grad_output: int
+    saved_inputs: tuple  # buffer id or -1 per input
+    saved_output: int
+    aux: tuple
+    params: tuple
+    grad_inputs: tuple
+    grad_params: tuple
+    workspace: int = -1
+    kind: str = field(default="backward", init=False)
+
+    def reads(self):
+        saved = (b for b in (*self.saved_inputs, self.saved_output) if b >= 0)
+        return (self.grad_output, *saved, *(b for _, b in self.aux), *(b for _, b in self.params))
+
+    def writes(self):
+        grads = (b for g in self.grad_inputs if g is not None for b in g if b >= 0)
+        return (*grads, *(b for _, b in self.grad_params), *_some(self.workspace))
+
+
+@dataclass(frozen=True)
+class Update:
+    """Optimizer step for one node's parameters: ((param, grad, momentum or -1, decay), ...)."""
+
+    node: str
+    slots: tuple
+    workspace: int = -1
+    kind: str = field(default="update", init=False)
+
+    def reads(self):
+        return tuple(b for p, g, m, _ in self.slots for b in (p, g, m) if b >= 0)
+
+    def writes(self):
+        return (*(b for p, _, m, _ in self.slots for b in (p, m) if b >= 0), *_some(self.workspace))
+
+
+@dataclass(frozen=True)
+class Free:
+    """Buffers whose last use has passed; their bytes may be reused."""
+
+    buffers: tuple
+    kind: str = field(default="free", init=False)
+
+    def reads(self):
+        return ()
+
+    def writes(self):
+        return ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Buffers, steps, predicted bytes per step, the arena size."""
+
+    batch: int
+    policy: str
+    training: bool
+    buffers: tuple
+    steps: tuple
+    device_bytes: tuple
+    arena_bytes: int
+    allocations: tuple = ()  # per step: ids of the buffers that come alive just before it
+    inputs: tuple = ()  # ((input node name, buffer id), ...) fed from the data pipeline
+    loss: tuple = ()  # (loss output id, loss grad id, probs aux id, labels id) or ()
+
+    @property
+    def peak_bytes(self):
+        return max(self.device_bytes, default=0)
+
+    def bytes_by_role(self):
+        """Bytes of every buffer, by role (what the headline table shows)."""
+        totals = {role: 0 for role in ROLES}
+        for b in self.buffers:
+            totals[b.role] += b.nbytes
+        return totals
+
+    def buffer(self, buffer_id):
+        return self.buffers[buffer_id]
+
+    def to_json(self):
+        """Deterministic JSON text of the whole plan."""
+        doc = asdict(self)
+        doc["peak_bytes"] = self.peak_bytes
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text):
+        """The Plan that `to_json` wrote."""
+        doc = json.loads(text)
+        doc.pop("peak_bytes")
+        step_types = {"forward": Forward, "recompute": Forward, "backward": Backward, "update": Update, "free": Free}
+        steps = []
+        for s in doc["steps"]:
+            kind = s.pop("kind")
+            steps.append(step_types[kind](**_tuples(s)))
+        doc["steps"] = tuple(steps)
+        doc["buffers"] = tuple(Buffer(**_tuples(b)) for b in doc["buffers"])
+        return Plan(**{k: (_tuples(v) if isinstance(v, list) else v) for k, v in doc.items()})
+
+
+def _some(buffer_id):
+    """() for the -1 'no buffer' marker, else (buffer_id,)."""
+    return () if buffer_id < 0 else (buffer_id,)
+
+
+def _tuples(value):
+    """Lists (from JSON) back to tuples, recursively."""
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value

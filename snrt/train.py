@@ -1,0 +1,193 @@
+"""The Trainer: a plan, a backend, an executor, data and an optimizer, iteration after iteration.
+
+Deterministic: batch i, dropout masks and parameter initialisation are pure functions of the
+seed and the iteration, so the same seed gives the same losses bit for bit, and a run
+stopped and resumed from a checkpoint continues exactly as if it never stopped.
+"""
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from snrt.backends import make_backend
+from snrt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from snrt.data import Batches, channel_stats, eval_batches, load_datasets
+from snrt.executor import Executor
+from snrt.init import initial_parameters, initial_state
+from snrt.layers.loss import SoftmaxCrossEntropy
+from snrt.optim import SGD, learning_rate
+from snrt.scheduler.planner import make_plan
+
+
+@dataclass
+class Metrics:
+    """What one training iteration measured."""
+
+    iteration: int
+    loss: float
+    accuracy: float
+    lr: float
+    seconds: float
+    images_per_s: float
+    peak_device_bytes: int
+
+
+class Trainer:
+    """Trains `config` (a snrt.Config) on `backend` ("cpu"): `fit`, `evaluate`, `save`, `restore`.
+
+    `batch` and `policy` override the config's train.batch and memory.policy; `check` turns
+    on the arena's overlap checks and NaN poisoning of released memory.
+    """
+
+    def __init__(self, config, backend="cpu", batch=None, policy=None, check=False):
+        self.config = config
+        self.graph = config.graph
+        self.batch = batch or config.train.batch
+        self.policy = policy or config.memory.policy
+        train = config.train
+        self.optimizer = SGD(train.optimizer.momentum, train.optimizer.nesterov, train.optimizer.weight_decay)
+        self.plan = make_plan(self.graph, self.batch, self.policy, training=True,
+                              momentum=train.optimizer.momentum != 0)
+        self.backend = make_backend(backend, self.plan.arena_bytes, check=check)
+        self.executor = Executor(self.graph, self.plan, self.backend)
+        self._backend_name, self._check = backend, check
+        self.iteration = 0
+        for key, value in initial_parameters(self.graph, train.seed, train.init).items():
+            self.executor.view_of(*key)[...] = self.backend.xp.asarray(value)
+        for key, value in initial_state(self.graph).items():
+            self.executor.view_of(*key)[...] = self.backend.xp.asarray(value)
+        self.train_set, self.heldout_set = load_datasets(train.data, tuple(config.input.shape), config.input.classes, train.seed)
+        if train.data.normalize:
+            self.mean, self.std = channel_stats(self.train_set)
+        else:
+            channels = config.input.shape[0]
+            self.mean, self.std = np.zeros(channels, np.float32), np.ones(channels, np.float32)
+        self.stop_requested = False
+
+    # ---- training ------------------------------------------------------------------------
+    def fit(self, iterations=None, on_iteration=None, checkpoint=None, checkpoint_every=None):
+        """Train up to iteration `iterations` (default train.iterations); return the Metrics.
+
+        `on_iteration(metrics)` is called after every iteration. With `checkpoint` (a path),
+        a checkpoint is written every `checkpoint_every` iterations, at the end, and when
+        Ctrl-C stops the run (the current iteration finishes first).
+        """
+        train = self.config.train
+        total = iterations if iterations is not None else train.iterations
+        every = train.checkpoint_every if checkpoint_every is None else checkpoint_every
+        history = []
+        with self._interrupt_guard(), Batches(
+            self.train_set, self.batch, train.seed, self.mean, self.std,
+            crop_padding=train.data.crop_padding, flip=train.data.flip, start=self.iteration,
+        ) as batches:
+            stream = iter(batches)
+            while self.iteration < total and not self.stop_requested:
+                x, y = next(stream)
+                metrics = self.step(x, y, total)
+                history.append(metrics)
+                if on_iteration:
+                    on_iteration(metrics)
+                if checkpoint and every and self.iteration % every == 0 and self.iteration < total:
+                    self.save(checkpoint)
+        if checkpoint:
+            self.save(checkpoint)
+        return history
+
+    def step(self, x, y, total):
+        """One training iteration on batch (x, y); returns its Metrics."""
+        train = self.config.train
+        lr = learning_rate(train.schedule, train.optimizer.lr, self.iteration, total)
+        start = time.perf_counter()
+        self.executor.run({"data": x, "label": y}, self.iteration, train.seed, self.optimizer, lr)
+        self.backend.synchronize()
+        seconds = time.perf_counter() - start
+        loss, correct = self._loss_and_correct(self.executor, len(y))
+        metrics = Metrics(self.iteration, loss, correct / len(y), lr, seconds, len(y) / seconds,
+                          self.backend.arena.peak_bytes)
+        self.iteration += 1
+        return metrics
+
+    @staticmethod
+    def _loss_and_correct(executor, valid):
+        """Sum of the first `valid` per-sample losses over the batch, and how many were right."""
+        out, _, probs, labels = executor.plan.loss
+        views, xp = executor.views, executor.xp
+        losses = executor.backend.to_host(views[out][:valid])
+        correct = SoftmaxCrossEntropy.count_correct(xp, views[probs][:valid], views[labels][:valid])
+        return float(losses.mean()), correct
+
+    def _interrupt_guard(self):
+        trainer = self
+
+        class Guard:
+            def __enter__(self):
+                self.previous = None
+                if threading.current_thread() is threading.main_thread():
+                    self.previous = signal.signal(signal.SIGINT, self.handle)
+
+            def handle(self, signum, frame):
+                trainer.stop_requested = True
+
+            def __exit__(self, *exc):
+                if self.previous is not None:
+                    signal.signal(signal.SIGINT, self.previous)
+
+        return Guard()
+
+    # ---- evaluation ------------------------------------------------------------------------
+    def evaluate(self, dataset=None):
+        """(mean loss, accuracy) over `dataset` (default: the held-out split), in eval mode."""
+        dataset = dataset if dataset is not None else self.heldout_set
+        plan = make_plan(self.graph, self.batch, self.policy, training=False)
+        backend = make_backend(self._backend_name, plan.arena_bytes, check=self._check)
+        executor = Executor(self.graph, plan, backend)
+        for key, value in self.host_arrays(("parameter", "state")).items():
+            executor.view_of(*key)[...] = backend.xp.asarray(value)
+        loss_sum, correct, seen = 0.0, 0, 0
+        for x, y in eval_batches(dataset, self.batch, self.mean, self.std):
+            valid = len(y)
+            if valid < self.batch:  # pad the last batch; only the real samples count
+                x = np.concatenate([x, np.repeat(x[-1:], self.batch - valid, axis=0)])
+                y = np.concatenate([y, np.repeat(y[-1:], self.batch - valid)])
+            executor.run({"data": x, "label": y}, self.iteration, self.config.train.seed)
+            mean_loss, right = self._loss_and_correct(executor, valid)
+            loss_sum += mean_loss * valid
+            correct += right
+            seen += valid
+        return loss_sum / max(seen, 1), correct / max(seen, 1)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def host_arrays(self, roles=("parameter", "optimizer_state", "state")):
+        """{(node, name): host copy} of the persistent buffers with the given roles."""
+        out = {}
+        for b in self.plan.buffers:
+            if b.role in roles:
+                node, _, name = b.name.partition(":")
+                out[(node, name)] = self.backend.to_host(self.executor.views[b.id])
+        return out
+
+    def save(self, path):
+        """Write parameters, optimizer state, BatchNorm statistics and the iteration atomically."""
+        arrays = {f"{node}:{name}": value for (node, name), value in self.host_arrays().items()}
+        save_checkpoint(path, arrays, {"iteration": self.iteration, "seed": self.config.train.seed,
+                                       "network": self.graph.name})
+
+    def restore(self, path):
+        """Load a checkpoint written by `save` for the same network; training continues from it."""
+        arrays, meta = load_checkpoint(path)
+        expected = {f"{node}:{name}": value for (node, name), value in self.host_arrays().items()}
+        missing = sorted(set(expected) - set(arrays))
+        if missing:
+            raise CheckpointError(f"{path}: made for a different network (no {missing[0]}; "
+                                  f"{len(missing)} tensors missing)")
+        for key, value in expected.items():
+            if arrays[key].shape != value.shape:
+                raise CheckpointError(f"{path}: {key} has shape {list(arrays[key].shape)}, "
+                                      f"the network needs {list(value.shape)}")
+        for key in expected:
+            node, _, name = key.partition(":")
+            self.executor.view_of(node, name)[...] = self.backend.xp.asarray(arrays[key])
+        self.iteration = int(meta["iteration"])

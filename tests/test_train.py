@@ -1,0 +1,190 @@
+"""End-to-end training on the CPU backend: learning, PyTorch parity, determinism, checkpoints."""
+
+import numpy as np
+import pytest
+import torch
+
+import snrt
+from snrt.checkpoint import CheckpointError
+from snrt.train import Trainer
+from tests.torch_reference import TorchNet
+
+SMALL_RESNET = {
+    "name": "small_resnet",
+    "input": {"shape": [3, 12, 12], "classes": 5},
+    "blocks": {
+        "basic": {
+            "args": {"channels": None, "stride": 1},
+            "layers": [
+                {"type": "Conv2d", "out_channels": "$channels", "kernel": 3, "stride": "$stride", "padding": 1, "bias": False},
+                {"type": "BatchNorm"},
+                {"type": "ReLU"},
+                {"type": "Conv2d", "out_channels": "$channels", "kernel": 3, "padding": 1, "bias": False},
+                {"type": "BatchNorm", "name": "bn"},
+                {"type": "Conv2d", "name": "proj", "inputs": ["$in"], "out_channels": "$channels", "kernel": 1, "stride": "$stride"},
+                {"type": "Add", "inputs": ["bn", "proj"]},
+                {"type": "ReLU"},
+            ],
+        }
+    },
+    "train": {"batch": 8, "iterations": 6, "seed": 3,
+              "optimizer": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.001},
+              "data": {"samples": 64}},
+    "network": [
+        {"type": "Conv2d", "out_channels": 6, "kernel": 3, "padding": 1},
+        {"type": "BatchNorm"},
+        {"type": "ReLU"},
+        {"type": "MaxPool", "kernel": 2},
+        {"block": "basic", "args": {"channels": 8, "stride": 2}},
+        {"type": "GlobalAvgPool"},
+        {"type": "Linear", "out_features": "$classes"},
+        {"type": "SoftmaxCrossEntropy"},
+    ],
+}
+
+
+def small_config(**train):
+    doc = {**SMALL_RESNET, "train": {**SMALL_RESNET["train"], **train}}
+    return snrt.load_config(doc)
+
+
+def batch_of(config, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((config.train.batch, *config.input.shape)).astype(np.float32)
+    y = rng.integers(0, config.input.classes, config.train.batch)
+    return x, y
+
+
+def test_losses_and_parameters_match_pytorch():
+    config = small_config()
+    trainer = Trainer(config)
+    params = {k: v.copy() for k, v in trainer.host_arrays(("parameter",)).items()}
+    state = {k: v.copy() for k, v in trainer.host_arrays(("state",)).items()}
+    net = TorchNet(config.graph, params, state)
+    opt = config.train.optimizer
+    no_decay = [net.param(n, k) for (n, k) in params if not config.graph.param_specs()[n][k].decay]
+    decay = [p for p in net.parameters() if all(p is not q for q in no_decay)]
+    sgd = torch.optim.SGD([{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                          lr=opt.lr, momentum=opt.momentum, nesterov=opt.nesterov)
+    for step in range(4):
+        x, y = batch_of(config, step)
+        ours = trainer.step(x, y, total=4).loss
+        sgd.zero_grad()
+        loss = net({"data": torch.tensor(x), "label": torch.tensor(y)}).mean()
+        loss.backward()
+        sgd.step()
+        assert ours == pytest.approx(loss.item(), rel=2e-5), f"step {step}"
+    final = trainer.host_arrays(("parameter", "state"))
+    for (node, name), value in final.items():
+        reference = net.param(node, name) if (node, name) in params else net.state[(node, name)]
+        np.testing.assert_allclose(value, reference.detach().numpy(), rtol=1e-3, atol=1e-5, err_msg=f"{node}:{name}")
+
+
+def test_gradients_match_pytorch():
+    config = small_config(optimizer={"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0})
+    trainer = Trainer(config)
+    params = trainer.host_arrays(("parameter",))
+    net = TorchNet(config.graph, params, trainer.host_arrays(("state",)))
+    x, y = batch_of(config, 0)
+    trainer.step(x, y, total=1)
+    net({"data": torch.tensor(x), "label": torch.tensor(y)}).mean().backward()
+    ex = trainer.executor
+    by_name = {b.name: b.id for b in trainer.plan.buffers}
+    for node, name in params:
+        ours = ex.views[by_name[f"{node}:{name}:grad"]]
+        np.testing.assert_allclose(ours, net.param(node, name).grad.numpy(), rtol=1e-4, atol=1e-6,
+                                   err_msg=f"gradient of {node}:{name}")
+
+
+def test_same_seed_gives_the_same_losses_bit_for_bit():
+    runs = [[m.loss for m in Trainer(small_config()).fit()] for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = [m.loss for m in Trainer(small_config(seed=4)).fit()]
+    assert other != runs[0]
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    straight = Trainer(small_config())
+    straight.fit()
+    path = tmp_path / "ckpt.npz"
+    first = Trainer(small_config())
+    first.fit(iterations=3, checkpoint=path)
+    resumed = Trainer(small_config())
+    resumed.restore(path)
+    assert resumed.iteration == 3
+    resumed.fit()
+    expected = straight.host_arrays()
+    for key, value in resumed.host_arrays().items():
+        np.testing.assert_array_equal(value, expected[key], err_msg=f"{key}")
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    trainer = Trainer(small_config())
+    path = tmp_path / "ckpt.npz"
+    trainer.save(path)
+    before = path.read_bytes()
+    trainer.fit(iterations=1)
+
+    def crash(file, **arrays):
+        file.write(b"partial garbage")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", crash)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save(path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.npz"]
+    monkeypatch.undo()
+    Trainer(small_config()).restore(path)
+
+
+def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tmp_path):
+    trainer = Trainer(small_config())
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip file at all")
+    with pytest.raises(CheckpointError, match="bad.npz: not a readable checkpoint"):
+        trainer.restore(bad)
+    with pytest.raises(CheckpointError, match="checkpoint not found"):
+        trainer.restore(tmp_path / "missing.npz")
+    other = snrt.load_config({**SMALL_RESNET, "input": {"shape": [3, 12, 12], "classes": 7}})
+    path = tmp_path / "other.npz"
+    Trainer(other).save(path)
+    with pytest.raises(CheckpointError, match=r"linear0:weight has shape \[7, 8\], the network needs \[5, 8\]"):
+        trainer.restore(path)
+
+
+def test_peak_device_bytes_are_measured_and_match_the_plan():
+    trainer = Trainer(small_config())
+    metrics = trainer.fit(iterations=2)
+    assert metrics[-1].peak_device_bytes == trainer.plan.peak_bytes
+    assert trainer.plan.peak_bytes <= trainer.plan.arena_bytes
+
+
+def test_eval_mode_uses_running_statistics():
+    trainer = Trainer(small_config())
+    trainer.fit(iterations=3)
+    loss, accuracy = trainer.evaluate()
+    assert np.isfinite(loss) and 0 <= accuracy <= 1
+    # the held-out pass must not touch training state
+    state = trainer.host_arrays(("state",))
+    trainer.evaluate()
+    for key, value in trainer.host_arrays(("state",)).items():
+        np.testing.assert_array_equal(value, state[key])
+
+
+def test_resnet20_lowers_its_loss_on_synthetic_cifar_data():
+    config = snrt.load_config("configs/cifar_resnet20.yaml", {
+        "train.batch": 16, "train.data": {"type": "synthetic", "samples": 256},
+        "train.optimizer": {"lr": 0.05, "momentum": 0.9}})
+    history = Trainer(config).fit(iterations=12)
+    first, last = np.mean([m.loss for m in history[:3]]), np.mean([m.loss for m in history[-3:]])
+    assert last < 0.8 * first, [m.loss for m in history]
+
+
+def test_lenet_learns_digits_to_95_percent():
+    pytest.importorskip("sklearn", reason="the digits set comes with scikit-learn (test extra)")
+    config = snrt.load_config("configs/lenet.yaml")
+    trainer = Trainer(config)
+    trainer.fit()
+    loss, accuracy = trainer.evaluate()
+    assert accuracy >= 0.95, (loss, accuracy)

@@ -1,0 +1,67 @@
+"""An independent PyTorch interpreter for snrt graphs (test oracle only).
+
+`TorchNet(graph, params, state)` evaluates the same graph with torch.nn.functional ops and
+torch-owned parameters, so a whole training run can be compared with PyTorch's autograd and
+torch.optim.SGD.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def _pool_args(layer):
+    return dict(kernel_size=layer.kernel, stride=layer.stride, padding=layer.padding, ceil_mode=layer.ceil_mode)
+
+
+def _batch_norm(layer, x, p, s, training):
+    return F.batch_norm(x, s["running_mean"], s["running_var"], p["weight"], p["bias"], training,
+                        layer.momentum, layer.eps)
+
+
+OPS = {
+    "Conv2d": lambda l, xs, p, s, t: F.conv2d(xs[0], p["weight"], p.get("bias"), l.stride, l.padding, l.dilation, l.groups),
+    "BatchNorm": lambda l, xs, p, s, t: _batch_norm(l, xs[0], p, s, t),
+    "ReLU": lambda l, xs, p, s, t: F.relu(xs[0]),
+    "LeakyReLU": lambda l, xs, p, s, t: F.leaky_relu(xs[0], l.slope),
+    "Sigmoid": lambda l, xs, p, s, t: torch.sigmoid(xs[0]),
+    "Tanh": lambda l, xs, p, s, t: torch.tanh(xs[0]),
+    "MaxPool": lambda l, xs, p, s, t: F.max_pool2d(xs[0], **_pool_args(l)),
+    "AvgPool": lambda l, xs, p, s, t: F.avg_pool2d(xs[0], count_include_pad=l.count_include_pad, **_pool_args(l)),
+    "GlobalAvgPool": lambda l, xs, p, s, t: xs[0].mean(dim=(2, 3)),
+    "Linear": lambda l, xs, p, s, t: F.linear(xs[0].flatten(1), p["weight"], p.get("bias")),
+    "Flatten": lambda l, xs, p, s, t: xs[0].flatten(1),
+    "Add": lambda l, xs, p, s, t: sum(xs[1:], xs[0]),
+    "Concat": lambda l, xs, p, s, t: torch.cat(xs, dim=l.axis),
+    "LRN": lambda l, xs, p, s, t: F.local_response_norm(xs[0], l.size, l.alpha, l.beta, l.k),
+    "SoftmaxCrossEntropy": lambda l, xs, p, s, t: F.cross_entropy(xs[0], xs[1], reduction="none"),
+}
+
+
+class TorchNet(torch.nn.Module):
+    """The graph as a torch module; parameters named "node:param", state as buffers."""
+
+    def __init__(self, graph, params, state):
+        super().__init__()
+        self.graph = graph
+        self.params = torch.nn.ParameterDict(
+            {f"{n}:{k}".replace(".", "/"): torch.nn.Parameter(torch.tensor(v)) for (n, k), v in params.items()})
+        self.state = {(n, k): torch.tensor(v) for (n, k), v in state.items()}
+
+    def forward(self, feed):
+        """Per-sample losses of the loss node, given {"data": x, "label": y}."""
+        values = {}
+        for node in self.graph.nodes.values():
+            if node.layer.type_name == "Input":
+                values[node.name] = torch.as_tensor(feed[node.name])
+                continue
+            layer = node.layer
+            if layer.type_name == "Dropout":
+                raise NotImplementedError("dropout masks differ from torch's; compare without Dropout")
+            p = {k: self.params[f"{node.name}:{k}".replace(".", "/")] for k in layer.param_specs(
+                self.graph.in_shapes(node.name, 1))}
+            s = {k: v for (n, k), v in self.state.items() if n == node.name}
+            values[node.name] = OPS[layer.type_name](layer, [values[i] for i in node.inputs], p, s, self.training)
+        return values[node.name]
+
+    def param(self, node, name):
+        return self.params[f"{node}:{name}".replace(".", "/")]

@@ -14,7 +14,7 @@ import numpy as np
 
 from snrt.backends import make_backend
 from snrt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from snrt.data import Batches, channel_stats, eval_batches, load_datasets
+from snrt.data import Batches, eval_batches, load_datasets, normalization
 from snrt.executor import Executor
 from snrt.init import initial_parameters, initial_state
 from snrt.layers.loss import SoftmaxCrossEntropy
@@ -60,11 +60,7 @@ class Trainer:
         for key, value in initial_state(self.graph).items():
             self.executor.view_of(*key)[...] = self.backend.xp.asarray(value)
         self.train_set, self.heldout_set = load_datasets(train.data, tuple(config.input.shape), config.input.classes, train.seed)
-        if train.data.normalize:
-            self.mean, self.std = channel_stats(self.train_set)
-        else:
-            channels = config.input.shape[0]
-            self.mean, self.std = np.zeros(channels, np.float32), np.ones(channels, np.float32)
+        self.mean, self.std = normalization(train.data, self.train_set)
         self.stop_requested = False
 
     # ---- training ------------------------------------------------------------------------

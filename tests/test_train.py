@@ -7,7 +7,7 @@ import torch
 import snrt
 from snrt.checkpoint import CheckpointError
 from snrt.train import Trainer
-from tests.torch_reference import TorchNet
+from snrt.torch_reference import TorchNet
 
 SMALL_RESNET = {
     "name": "small_resnet",

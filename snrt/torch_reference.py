@@ -1,4 +1,6 @@
-"""An independent PyTorch interpreter for snrt graphs (test oracle only).
+"""An independent PyTorch interpreter for snrt graphs: the oracle of tests and benchmarks.
+
+Imports torch (the test and bench extras); nothing in the training path imports this module.
 
 `TorchNet(graph, params, state)` evaluates the same graph with torch.nn.functional ops and
 torch-owned parameters, so a whole training run can be compared with PyTorch's autograd and

@@ -1,0 +1,559 @@
+"""Training data: data sets held in memory, and the seeded batch stream the trainer reads.
+
+`load_datasets` turns a DataConfig into a (train, held-out) pair of `Dataset`s of float32
+images (N, C, H, W), not yet normalised, and int64 labels. `Batches` yields normalised,
+augmented training batches forever; batch i is a pure function of (seed, i), so a run resumed
+at iteration k sees exactly what an uninterrupted run sees, whatever the loader thread's timing:
+
+- epoch e covers positions [e*N, (e+1)*N) of the stream; its order is
+  ``np.random.default_rng([seed, e]).permutation(N)``, and batch i takes positions
+  [i*B, (i+1)*B), so a batch spanning an epoch boundary takes the tail of one permutation and
+  the head of the next;
+- augmentation of batch i draws from ``np.random.default_rng([seed, i, 1])``: first the crop
+  offsets (B, 2) in [0, 2p] when crop_padding p > 0, then the flips (B,) when flip is on.
+  Images are zero-padded before normalisation (as torchvision's RandomCrop then Normalize do),
+  so padded pixels come out as -mean/std.
+
+Nothing is downloaded: CIFAR is read from a local folder, digits from scikit-learn's bundled copy.
+"""
+
+import pickle
+import queue
+import threading
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from snrt.errors import ConfigError
+
+PATH_KEY, TYPE_KEY, HOLDOUT_KEY = "train.data.path", "train.data.type", "train.data.holdout"
+_STATS_CHUNK = 1024  # samples per chunk when computing channel statistics
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """One split, in memory: x (N, C, H, W) float32, not normalised; y (N,) int64 in [0, classes)."""
+
+    x: np.ndarray
+    y: np.ndarray
+    classes: int
+    name: str
+
+    def __len__(self):
+        return len(self.y)
+
+    @property
+    def shape(self):
+        """Per-sample shape (C, H, W)."""
+        return tuple(self.x.shape[1:])
+
+
+# ---- loading -------------------------------------------------------------------------------
+def load_datasets(data, input_shape, classes, seed):
+    """(train, held-out) Datasets for DataConfig `data`, checked against the network's input.
+
+    `input_shape` is the per-sample (C, H, W) of the network file, `classes` its class count.
+    Sets without a test split (synthetic, npz without x_test, digits) hold out a stratified,
+    seeded fraction `data.holdout` of their samples.
+    """
+    input_shape = tuple(int(s) for s in input_shape)
+    loaders = {"synthetic": _load_synthetic, "npz": _load_npz, "cifar10": _load_cifar,
+               "cifar100": _load_cifar, "digits": _load_digits}
+    if data.type not in loaders:
+        raise ConfigError("<data>", TYPE_KEY, f"unknown data set type {data.type!r}; known: {', '.join(loaders)}")
+    return loaders[data.type](data, input_shape, classes, seed)
+
+
+def _load_synthetic(data, input_shape, classes, seed):
+    """Learnable class-dependent images: a smooth random prototype per class plus noise."""
+    if data.samples < 2:
+        raise ConfigError("<data>", "train.data.samples", f"the synthetic set needs at least 2 samples, got {data.samples}")
+    rng = np.random.default_rng([seed, 7])
+    c, h, w = input_shape
+    low_h, low_w = _low_resolution(h), _low_resolution(w)
+    low = 0.25 * rng.standard_normal((classes, c, low_h, low_w)).astype(np.float32)
+    up_h, up_w = _interpolation_matrix(h, low_h), _interpolation_matrix(w, low_w)
+    y = rng.permutation(np.arange(data.samples) % classes).astype(np.int64)
+    x = rng.standard_normal((data.samples, c, h, w), dtype=np.float32)
+    x *= 0.25
+    for start in range(0, len(y), 256):  # prototypes per chunk: 1000 classes of 227x227 would not fit
+        chunk = slice(start, start + 256)
+        x[chunk] += np.einsum("hi,bcij,wj->bchw", up_h, low[y[chunk]], up_w, optimize=True)
+    x += 0.5
+    return _split_holdout(x, y, classes, "synthetic", data, seed)
+
+
+def _low_resolution(size):
+    """Side of the random grid a prototype is interpolated from: 1..8 cells."""
+    return max(1, min(size, 8, (size + 3) // 4))
+
+
+def _interpolation_matrix(size, low):
+    """(size, low) matrix of linear interpolation weights from `low` grid points to `size` pixels."""
+    if low == 1:
+        return np.ones((size, 1), np.float32)
+    pos = np.linspace(0, low - 1, size)
+    left = np.minimum(np.floor(pos).astype(int), low - 2)
+    frac = pos - left
+    m = np.zeros((size, low), np.float32)
+    m[np.arange(size), left] = 1 - frac
+    m[np.arange(size), left + 1] = frac
+    return m
+
+
+def _load_npz(data, input_shape, classes, seed):
+    """An .npz with x (N,C,H,W), (N,H,W,C) or (N,H,W) and y (N,); optional x_test / y_test."""
+    expected = ("a .npz file with arrays 'x' (N, C, H, W) or (N, H, W, C) and 'y' (N,) of class "
+                "indices, optionally 'x_test' and 'y_test'")
+    path = _existing_path(data, "npz", expected, want_dir=False)
+    source = str(path)
+    try:
+        with open(path, "rb") as f:
+            archive = np.load(f, allow_pickle=False)
+            if not isinstance(archive, np.lib.npyio.NpzFile):
+                raise ValueError("it holds a single array, not named arrays")
+            arrays = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+        raise ConfigError(source, PATH_KEY, f"cannot read the file as .npz (corrupt or truncated?): {e}; expected {expected}") from None
+    for name in ("x", "y"):
+        if name not in arrays:
+            found = ", ".join(sorted(arrays)) or "no arrays"
+            raise ConfigError(source, PATH_KEY, f"no array '{name}' in the file (found: {found}); expected {expected}")
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise ConfigError(source, PATH_KEY, "the file has only one of 'x_test' and 'y_test'; give both or neither")
+    x, y = _npz_split(source, arrays["x"], arrays["y"], "x", "y", input_shape, classes)
+    if "x_test" not in arrays:
+        return _split_holdout(x, y, classes, "npz", data, seed, source=source)
+    x_test, y_test = _npz_split(source, arrays["x_test"], arrays["y_test"], "x_test", "y_test", input_shape, classes)
+    return Dataset(x, y, classes, "npz/train"), Dataset(x_test, y_test, classes, "npz/test")
+
+
+def _npz_split(source, x, y, x_name, y_name, input_shape, classes):
+    """Check one (x, y) pair from an npz and return it as float32 NCHW and int64 labels."""
+    if x.dtype.kind not in "uifb":
+        raise ConfigError(source, PATH_KEY, f"array '{x_name}' holds {x.dtype}, expected numbers")
+    x = _to_nchw(source, x, x_name, input_shape)
+    y = _labels(source, y, y_name, len(x))
+    _check_labels(source, PATH_KEY, y, classes, y_name)
+    x = _to_float(x)
+    bad = np.size(x) - np.count_nonzero(np.isfinite(x))
+    if bad:
+        raise ConfigError(source, PATH_KEY, f"array '{x_name}' holds {bad} NaN or infinite values")
+    return x, y
+
+
+def _to_nchw(source, x, name, input_shape):
+    """x as (N, C, H, W): accepts NCHW, NHWC (detected by which matches), or (N, H, W) for 1 channel."""
+    c, h, w = input_shape
+    if x.ndim == 4 and x.shape[1:] == input_shape:
+        return x
+    if x.ndim == 4 and x.shape[1:] == (h, w, c):
+        return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    if x.ndim == 3 and c == 1 and x.shape[1:] == (h, w):
+        return x.reshape(len(x), 1, h, w)
+    if x.ndim == 3:
+        found = (1,) + x.shape[1:]
+    elif x.ndim == 4 and x.shape[3] < x.shape[1]:
+        found = (x.shape[3],) + x.shape[1:3]  # the smaller of the two candidate axes holds the channels
+    elif x.ndim == 4:
+        found = x.shape[1:]
+    else:
+        raise ConfigError(source, PATH_KEY, f"array '{name}' has shape {x.shape}; expected (N, C, H, W), (N, H, W, C) or (N, H, W)")
+    _shape_mismatch(source, PATH_KEY, found, input_shape, f"array '{name}' of shape {x.shape}")
+
+
+def _shape_mismatch(source, key, found, input_shape, what):
+    """Raise the error for images of per-sample shape `found` (C, H, W) against the network's."""
+    found, input_shape = tuple(int(s) for s in found), tuple(input_shape)
+    message = f"{what} holds images of shape {found} (C, H, W) but the network's input.shape is {input_shape}"
+    if found[0] == input_shape[0] and found[1:] != input_shape[1:]:
+        if found[1] == found[2]:
+            message += f"; only the image size differs: run with --image-size {found[1]} or set input.shape to {list(found)}"
+        else:
+            message += f"; only the image size differs: set input.shape to {list(found)}"
+    elif found[0] != input_shape[0]:
+        message += f"; the data has {found[0]} channel(s), the network expects {input_shape[0]}"
+    raise ConfigError(source, key, message)
+
+
+def _labels(source, y, name, n):
+    """y as (n,) int64; integral floats are accepted, anything else is an error."""
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1 or len(y) != n:
+        raise ConfigError(source, PATH_KEY, f"array '{name}' has shape {y.shape}; expected ({n},), one class index per image")
+    if y.dtype.kind == "f" and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
+        y = y.astype(np.int64)
+    if y.dtype.kind not in "ui":
+        raise ConfigError(source, PATH_KEY, f"array '{name}' holds {y.dtype}; expected integer class indices")
+    return y.astype(np.int64)
+
+
+def _check_labels(source, key, y, classes, what="labels"):
+    if len(y) and (y.min() < 0 or y.max() >= classes):
+        raise ConfigError(source, key, f"{what} range over [{y.min()}, {y.max()}] but the network has {classes} "
+                                       f"classes, so they must lie in [0, {classes - 1}] (input.classes)")
+
+
+def _to_float(x):
+    """float32 images; uint8 is scaled from [0, 255] to [0, 1]."""
+    if x.dtype == np.uint8:
+        return np.divide(x, np.float32(255), dtype=np.float32)
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _existing_path(data, kind, expected, want_dir):
+    """data.path as a Path that exists (a folder when want_dir), or a ConfigError saying what to give."""
+    what = "folder" if want_dir else "file"
+    if not data.path:
+        raise ConfigError("<data>", PATH_KEY, f"data set type '{kind}' needs path: {expected}")
+    path = Path(data.path).expanduser()
+    if not path.exists():
+        raise ConfigError(str(path), PATH_KEY, f"no such {what}; expected {expected}")
+    if path.is_dir() != want_dir:
+        raise ConfigError(str(path), PATH_KEY, f"this is a {'file' if want_dir else 'folder'}, not a {what}; expected {expected}")
+    return path
+
+
+# ---- CIFAR --------------------------------------------------------------------------------
+_CIFAR = {  # type: (classes, [(folder, train files, test file, reader)])
+    "cifar10": (10, [("cifar-10-batches-bin", [f"data_batch_{i}.bin" for i in range(1, 6)], "test_batch.bin", "bin10"),
+                     ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], "test_batch", "py10")]),
+    "cifar100": (100, [("cifar-100-binary", ["train.bin"], "test.bin", "bin100"),
+                       ("cifar-100-python", ["train"], "test", "py100")]),
+}
+_CIFAR_IMAGE = (3, 32, 32)
+_CIFAR_PIXELS = 3 * 32 * 32
+
+
+def _load_cifar(data, input_shape, classes, seed):
+    """CIFAR-10 or CIFAR-100 from a local folder in the binary or the python format."""
+    n_classes, layouts = _CIFAR[data.type]
+    folders = " or ".join(f"{folder}/ ({', '.join(train + [test])})" for folder, train, test, _ in layouts)
+    expected = f"the folder holding {folders}, or the folder that contains it (nothing is downloaded)"
+    root = _existing_path(data, data.type, expected, want_dir=True)
+    if classes != n_classes:
+        raise ConfigError(str(root), TYPE_KEY, f"{data.type} has {n_classes} classes but the network's input.classes "
+                                               f"is {classes}; set input.classes: {n_classes}")
+    if input_shape != _CIFAR_IMAGE:
+        _shape_mismatch(str(root), TYPE_KEY, _CIFAR_IMAGE, input_shape, data.type)
+    for folder, train_files, test_file, reader in layouts:
+        for base in (root, root / folder):
+            if all((base / f).is_file() for f in train_files + [test_file]):
+                x, y = _read_cifar_files([base / f for f in train_files], reader, n_classes)
+                x_test, y_test = _read_cifar_files([base / test_file], reader, n_classes)
+                return (Dataset(x, y, n_classes, f"{data.type}/train"),
+                        Dataset(x_test, y_test, n_classes, f"{data.type}/test"))
+    partial = [f"{base}: has {', '.join(present)}, lacks {', '.join(missing)}"
+               for folder, train_files, test_file, _ in layouts for base in (root, root / folder)
+               for present, missing in [_present_missing(base, train_files + [test_file])] if present]
+    detail = f" ({'; '.join(partial)})" if partial else ""
+    raise ConfigError(str(root), PATH_KEY, f"no {data.type} files found{detail}; expected {expected}")
+
+
+def _present_missing(base, names):
+    present = [n for n in names if (base / n).is_file()]
+    return present, [n for n in names if n not in present]
+
+
+def _read_cifar_files(paths, reader, n_classes):
+    """Concatenated (x float32 (N, 3, 32, 32) in [0, 1], y int64) of CIFAR files in one format."""
+    parts = [(_read_cifar_binary if reader.startswith("bin") else _read_cifar_pickle)(p, reader) for p in paths]
+    pixels = np.concatenate([p[0] for p in parts])
+    y = np.concatenate([p[1] for p in parts]).astype(np.int64)
+    if len(y) and y.max() >= n_classes:
+        raise ConfigError(str(paths[0].parent), PATH_KEY, f"labels up to {y.max()} in {len(paths)} file(s), but "
+                                                          f"this data set has {n_classes} classes: the files are corrupt or of another data set")
+    return _to_float(pixels.reshape(-1, *_CIFAR_IMAGE)), y
+
+
+def _read_cifar_binary(path, reader):
+    """Records of label byte(s) then 3072 pixel bytes (R, G, B planes of 32x32)."""
+    label_bytes = 1 if reader == "bin10" else 2  # CIFAR-100: coarse label, fine label
+    record = label_bytes + _CIFAR_PIXELS
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size == 0 or raw.size % record:
+        raise ConfigError(str(path), PATH_KEY, f"truncated or corrupt: {raw.size} bytes is not a whole number of "
+                                               f"{record}-byte records ({label_bytes} label byte(s) + {_CIFAR_PIXELS} pixels)")
+    records = raw.reshape(-1, record)
+    return records[:, label_bytes:], records[:, label_bytes - 1]
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles plain containers and numpy arrays only: a CIFAR file cannot run code."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"),
+               ("_codecs", "encode")}  # how Python 3 writes bytes at pickle protocol 2
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
+        if module.startswith("numpy.core.") and int(np.__version__.split(".")[0]) >= 2:
+            module = "numpy._core." + module[len("numpy.core."):]  # numpy 2 warns on the old name
+        return super().find_class(module, name)
+
+
+def _read_cifar_pickle(path, reader):
+    """A pickled dict with b"data" (N, 3072) uint8 and b"labels" (CIFAR-10) or b"fine_labels"."""
+    label_key = b"labels" if reader == "py10" else b"fine_labels"
+    try:
+        with open(path, "rb") as f:
+            batch = _CifarUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError) as e:
+        raise ConfigError(str(path), PATH_KEY, f"truncated or corrupt CIFAR python batch: {e}") from None
+    if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
+        found = ", ".join(repr(k) for k in batch) if isinstance(batch, dict) else type(batch).__name__
+        raise ConfigError(str(path), PATH_KEY, f"not a CIFAR python batch: expected a dict with b'data' and {label_key!r}, found {found}")
+    pixels, y = np.asarray(batch[b"data"]), np.asarray(batch[label_key])
+    if pixels.dtype != np.uint8 or pixels.ndim != 2 or pixels.shape[1] != _CIFAR_PIXELS or y.shape != (len(pixels),):
+        raise ConfigError(str(path), PATH_KEY, f"corrupt CIFAR python batch: data is {pixels.dtype} {pixels.shape} and "
+                                               f"{len(y)} labels; expected uint8 (N, {_CIFAR_PIXELS}) and N labels")
+    return pixels, y
+
+
+# ---- digits -------------------------------------------------------------------------------
+def _load_digits(data, input_shape, classes, seed):
+    """scikit-learn's bundled 8x8 digits (1797 images, 10 classes), values 0..16 scaled to [0, 1]."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ConfigError("<data>", TYPE_KEY, "data set type 'digits' needs scikit-learn: pip install scikit-learn") from None
+    if classes != 10:
+        raise ConfigError("<data>", TYPE_KEY, f"digits has 10 classes but the network's input.classes is {classes}; set input.classes: 10")
+    if input_shape != (1, 8, 8):
+        _shape_mismatch("<data>", TYPE_KEY, (1, 8, 8), input_shape, "digits")
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    return _split_holdout(x, digits.target.astype(np.int64), 10, "digits", data, seed)
+
+
+# ---- splits and statistics ------------------------------------------------------------------
+def _split_holdout(x, y, classes, name, data, seed, source="<data>"):
+    """(train, held-out): a seeded, stratified fraction `data.holdout` of every class is held out.
+
+    Both splits keep the samples' original order.
+    """
+    if not 0 < data.holdout < 1:
+        raise ConfigError(source, HOLDOUT_KEY, f"expected a fraction in (0, 1), got {data.holdout}")
+    n = len(y)
+    target = int(round(n * data.holdout))
+    if not 0 < target < n:
+        raise ConfigError(source, HOLDOUT_KEY, f"holding out {data.holdout} of {n} samples leaves {n - target} to "
+                                               f"train on and {target} to evaluate; both must be non-empty")
+    rng = np.random.default_rng([seed, 3])
+    shuffled = rng.permutation(n)
+    by_class = shuffled[np.argsort(y[shuffled], kind="stable")]  # random order within each class
+    counts = np.bincount(y, minlength=classes)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rank = np.empty(n, np.int64)
+    rank[by_class] = np.arange(n) - starts[y[by_class]]
+    # hold out the samples that come first within their class, relative to the class size, so
+    # every class loses about the same fraction; ties (e.g. many tiny classes) are broken at random
+    tiebreak = np.empty(n, np.int64)
+    tiebreak[shuffled] = np.arange(n)
+    held = np.zeros(n, bool)
+    held[np.lexsort((tiebreak, rank / counts[y]))[:target]] = True
+    return (Dataset(x[~held], y[~held], classes, f"{name}/train"),
+            Dataset(x[held], y[held], classes, f"{name}/holdout"))
+
+
+def channel_stats(dataset):
+    """(mean (C,), std (C,)) float32 per channel over all samples and pixels; a (near) zero std becomes 1."""
+    x = dataset.x
+    count = x.shape[0] * x.shape[2] * x.shape[3]
+    total = sum(x[s:s + _STATS_CHUNK].sum(axis=(0, 2, 3), dtype=np.float64) for s in range(0, len(x), _STATS_CHUNK))
+    mean = total / count
+    square = sum(((x[s:s + _STATS_CHUNK] - mean[:, None, None]) ** 2).sum(axis=(0, 2, 3))
+                 for s in range(0, len(x), _STATS_CHUNK))
+    std = np.sqrt(square / count)
+    std[std < 1e-6] = 1.0  # a constant channel is left as it is, not blown up
+    return mean.astype(np.float32), std.astype(np.float32)
+
+
+def normalization(data, dataset):
+    """(mean, std) to normalise with: channel_stats of `dataset`, or (0, 1) when data.normalize is off."""
+    if data.normalize:
+        return channel_stats(dataset)
+    c = dataset.x.shape[1]
+    return np.zeros(c, np.float32), np.ones(c, np.float32)
+
+
+def _normalize(x, mean, std):
+    """x (float32, owned by the caller) normalised in place per channel."""
+    x -= mean[:, None, None]
+    x /= std[:, None, None]
+    return x
+
+
+def _channel_vector(values, c, name):
+    v = np.asarray(values, dtype=np.float32).reshape(-1)
+    if v.shape != (c,):
+        raise ValueError(f"{name} must have one value per channel ({c}), got shape {np.shape(values)}")
+    return v
+
+
+def eval_batches(dataset, batch, mean, std):
+    """(x, y) batches of `dataset` in order, normalised, not augmented; the last may be smaller."""
+    c = dataset.x.shape[1]
+    mean, std = _channel_vector(mean, c, "mean"), _channel_vector(std, c, "std")
+    for start in range(0, len(dataset), batch):
+        x = np.array(dataset.x[start:start + batch], dtype=np.float32)
+        yield _normalize(x, mean, std), np.array(dataset.y[start:start + batch], dtype=np.int64)
+
+
+# ---- augmentation ---------------------------------------------------------------------------
+def augment(x, rng, crop_padding=0, flip=False):
+    """Random crop after zero padding by `crop_padding` pixels, then random horizontal flip.
+
+    Per sample: offsets (B, 2) in [0, 2*crop_padding] are drawn from `rng` first (when
+    crop_padding > 0), then flips (B,) (when `flip`). Returns a new contiguous (B, C, H, W) array.
+    """
+    b, c, h, w = x.shape
+    out = x
+    if crop_padding > 0:
+        p = crop_padding
+        offsets = rng.integers(0, 2 * p + 1, size=(b, 2))
+        padded = np.zeros((b, c, h + 2 * p, w + 2 * p), x.dtype)
+        padded[:, :, p:p + h, p:p + w] = x
+        windows = np.lib.stride_tricks.sliding_window_view(padded, (h, w), axis=(2, 3))  # (B, C, 2p+1, 2p+1, H, W)
+        out = windows[np.arange(b), :, offsets[:, 0], offsets[:, 1]]  # advanced indices around a slice: (B, C, H, W)
+    if flip:
+        flipped = rng.random(b) < 0.5
+        if out is x:
+            out = x.copy()
+        out[flipped] = out[flipped][..., ::-1]
+    return np.ascontiguousarray(out)
+
+
+# ---- training batches ---------------------------------------------------------------------------
+class Batches:
+    """The endless stream of training batches; batch i is a pure function of (seed, i).
+
+    Batch i holds stream positions [i*batch, (i+1)*batch); position q is sample
+    ``perm(q // N)[q % N]`` with ``perm(e) = default_rng([seed, e]).permutation(N)``.
+    Augmentation of batch i uses ``default_rng([seed, i, 1])``. Iterating yields
+    (x float32 (B, C, H, W) normalised and augmented, contiguous; y int64 (B,)) from batch
+    `start` on. With `prefetch`, a daemon thread prepares the next two batches while the
+    current one trains; `close()` (or leaving a `with` block) stops it.
+    """
+
+    _POLL_S = 0.05  # how often a blocked producer or consumer looks at the stop flag
+
+    def __init__(self, dataset, batch, seed, mean, std, crop_padding=0, flip=False, start=0, prefetch=True):
+        if batch < 1 or start < 0 or crop_padding < 0 or seed < 0:
+            raise ValueError(f"need batch >= 1, start >= 0, crop_padding >= 0 and seed >= 0; got "
+                             f"batch={batch}, start={start}, crop_padding={crop_padding}, seed={seed}")
+        if len(dataset) == 0:
+            raise ValueError(f"data set {dataset.name} is empty")
+        c = dataset.x.shape[1]
+        self.dataset, self.batch, self.seed = dataset, int(batch), int(seed)
+        self.mean, self.std = _channel_vector(mean, c, "mean"), _channel_vector(std, c, "std")
+        self.crop_padding, self.flip, self.start, self.prefetch = int(crop_padding), bool(flip), int(start), prefetch
+        self._perms, self._perms_lock = {}, threading.Lock()
+        self._stop = threading.Event()
+        self._threads = []
+
+    # -- pure functions of (seed, i)
+    def permutation(self, epoch):
+        """The sample order of `epoch` (a few recent ones are cached)."""
+        with self._perms_lock:
+            perm = self._perms.get(epoch)
+            if perm is None:
+                perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+                if len(self._perms) >= 4:
+                    self._perms.pop(min(self._perms))
+                self._perms[epoch] = perm
+            return perm
+
+    def indices(self, i):
+        """Sample indices of batch i (tail of one epoch's permutation and head of the next at a boundary)."""
+        n, q, end = len(self.dataset), i * self.batch, (i + 1) * self.batch
+        parts = []
+        while q < end:
+            epoch, offset = divmod(q, n)
+            take = min(n - offset, end - q)
+            parts.append(self.permutation(epoch)[offset:offset + take])
+            q += take
+        return np.concatenate(parts)
+
+    def get(self, i):
+        """Batch i: (x, y), normalised and augmented."""
+        idx = self.indices(i)
+        x = self.dataset.x[idx]
+        if self.crop_padding or self.flip:
+            x = augment(x, np.random.default_rng([self.seed, i, 1]), self.crop_padding, self.flip)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return _normalize(x, self.mean, self.std), self.dataset.y[idx].astype(np.int64)
+
+    # -- the stream
+    def __iter__(self):
+        if not self.prefetch:
+            return self._serial()
+        return self._prefetched()
+
+    def _serial(self):
+        i = self.start
+        while not self._stop.is_set():
+            yield self.get(i)
+            i += 1
+
+    def _prefetched(self):
+        if self._stop.is_set():
+            return
+        ready = queue.Queue(maxsize=2)
+        stop = threading.Event()  # this iteration's own flag; close() sets it through _threads
+        thread = threading.Thread(target=self._produce, args=(ready, stop), name="snrt-batches", daemon=True)
+        self._threads.append((thread, stop))
+        thread.start()
+        try:
+            while not stop.is_set():
+                try:
+                    kind, value = ready.get(timeout=self._POLL_S)
+                except queue.Empty:
+                    if not thread.is_alive():
+                        return
+                    continue
+                if stop.is_set():
+                    return
+                if kind == "error":
+                    raise value
+                yield value
+        finally:
+            stop.set()
+
+    def _produce(self, ready, stop):
+        i = self.start
+        while not stop.is_set():
+            try:
+                item = ("batch", self.get(i))
+            except Exception as e:  # handed to the consumer, which raises it
+                item = ("error", e)
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=self._POLL_S)
+                    break
+                except queue.Full:
+                    continue
+            if item[0] == "error":
+                return
+            i += 1
+
+    def close(self):
+        """Stop the loader thread(s); returns within about one batch's preparation time."""
+        self._stop.set()
+        for thread, stop in self._threads:
+            stop.set()
+        for thread, _ in self._threads:
+            thread.join()
+        self._threads = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -3,7 +3,8 @@
 Reservations are checked against the capacity, and the live bytes are measured as the
 executor reserves and releases buffers, so the peak it reports is observed, not copied from
 the plan. With `check=True` every reservation is also checked against the live ones for
-overlap and released memory is poisoned with NaN (float views) so a read after free shows.
+overlap, and memory is poisoned with NaN (float views) when it is reserved and when it is
+released, so a read before the write or after the free shows up in the results.
 """
 
 
@@ -39,6 +40,8 @@ class Arena:
             for other in self.live.values():
                 if other.offset < end and start < other.offset + other.nbytes and buffer.nbytes and other.nbytes:
                     raise ArenaError(f"buffer {buffer.name} overlaps live buffer {other.name}")
+        if self.check:
+            self.poison(buffer)  # nothing has been written yet: a read before the write shows
         self.live[buffer.id] = buffer
         self.live_bytes += buffer.nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)

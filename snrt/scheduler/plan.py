@@ -8,7 +8,7 @@ Same graph and options give a byte-identical `to_json()`.
 """
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 ROLES = ("activation", "gradient", "parameter", "parameter_gradient", "optimizer_state", "state", "aux", "workspace")
 PERSISTENT_ROLES = ("parameter", "optimizer_state", "state")
@@ -98,6 +98,49 @@ class Update:
 
 
 @dataclass(frozen=True)
+class Offload:
+    """Copy `buffer` to its host slot on the device-to-host stream (asynchronous)."""
+
+    buffer: int
+    kind: str = field(default="offload", init=False)
+
+    def reads(self):
+        return (self.buffer,)
+
+    def writes(self):
+        return ()
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Copy the host slot of `source` into `buffer` on the host-to-device stream (asynchronous)."""
+
+    buffer: int
+    source: int
+    kind: str = field(default="prefetch", init=False)
+
+    def reads(self):
+        return ()
+
+    def writes(self):
+        return (self.buffer,)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The compute stream waits until the copy of `buffer` (an offload or a prefetch) is done."""
+
+    buffer: int
+    kind: str = field(default="wait", init=False)
+
+    def reads(self):
+        return (self.buffer,)
+
+    def writes(self):
+        return ()
+
+
+@dataclass(frozen=True)
 class Free:
     """Buffers whose last use has passed; their bytes may be reused."""
 
@@ -122,9 +165,13 @@ class Plan:
     steps: tuple
     device_bytes: tuple
     arena_bytes: int
+    host_bytes: int = 0  # host store for offloaded buffers
     allocations: tuple = ()  # per step: ids of the buffers that come alive just before it
     inputs: tuple = ()  # ((input node name, buffer id), ...) fed from the data pipeline
     loss: tuple = ()  # (loss output id, loss grad id, probs aux id, labels id) or ()
+    predicted_s: float = 0.0  # iteration time by the cost model, copies on their streams
+    stall_s: float = 0.0  # of which the compute stream waits for copies
+    recompute_flops: int = 0
 
     @property
     def peak_bytes(self):
@@ -151,7 +198,8 @@ class Plan:
         """The Plan that `to_json` wrote."""
         doc = json.loads(text)
         doc.pop("peak_bytes")
-        step_types = {"forward": Forward, "recompute": Forward, "backward": Backward, "update": Update, "free": Free}
+        step_types = {"forward": Forward, "recompute": Forward, "backward": Backward, "update": Update,
+                      "offload": Offload, "prefetch": Prefetch, "wait": Wait, "free": Free}
         steps = []
         for s in doc["steps"]:
             kind = s.pop("kind")
@@ -159,6 +207,28 @@ class Plan:
         doc["steps"] = tuple(steps)
         doc["buffers"] = tuple(Buffer(**_tuples(b)) for b in doc["buffers"])
         return Plan(**{k: (_tuples(v) if isinstance(v, list) else v) for k, v in doc.items()})
+
+
+def remap(step, mapping):
+    """`step` with every buffer id replaced through `mapping` (ids not in it stay)."""
+    changes = {}
+    for f in fields(step):
+        if f.name not in ("node", "kind", "recompute", "source"):  # source names a host slot
+            value = getattr(step, f.name)
+            new = _remap_value(value, mapping)
+            if new != value:
+                changes[f.name] = new
+    return replace(step, **changes) if changes else step
+
+
+def _remap_value(value, mapping):
+    if isinstance(value, bool) or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return mapping.get(value, value)
+    if isinstance(value, tuple):
+        return tuple(_remap_value(v, mapping) for v in value)
+    return value
 
 
 def _some(buffer_id):

@@ -1,208 +1,119 @@
-"""From a graph to a Plan: the buffer table, the execution order, allocations and offsets.
+"""Policies: which passes turn an iteration into a Plan, and the budget-driven choice.
 
-`make_plan` builds the steps of one iteration (forward in topological order; in training,
-backward in reverse order with each node's optimizer update right after its backward, when
-its parameter gradients are complete), then derives when every buffer comes alive, the
-predicted device bytes per step and each buffer's arena offset.
+- none: every tensor kept for the whole iteration (the naive baseline);
+- liveness: every tensor freed after its last use;
+- recompute: liveness + cost-aware recomputation of cheap layers;
+- offload: liveness + every tensor the backward reads offloaded and prefetched;
+- superneurons: liveness + recomputation + offload of the remaining checkpoints;
+- auto: the fastest of those (by the cost model) whose arena fits the budget.
+
+A budget (bytes) is checked against the arena the plan needs; an infeasible one is an error
+that states the smallest budget that works and the largest batch that fits.
 """
 
+from dataclasses import replace
+
 from snrt.errors import SnrtError
-from snrt.layers.base import BACKWARD, FORWARD, numel
-from snrt.layers.input import Input
-from snrt.scheduler.plan import PERSISTENT_ROLES, Backward, Buffer, Forward, Plan, Update
+from snrt.memory.offsets import assign_offsets
+from snrt.scheduler import cost as cost_models
+from snrt.scheduler.liveness import allocation_points, insert_frees, predict_device_bytes
+from snrt.scheduler.offload import plan_offload, with_host_slots
+from snrt.scheduler.order import BufferTable, build_iteration
+from snrt.scheduler.plan import Plan
+from snrt.scheduler.recompute import plan_recomputation, version_buffers
+from snrt.summary import human_bytes
 
-POLICIES = ("none",)
-ALIGN_BYTES = 256
-_ITEMSIZE = {"float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
-
-
-class _Table:
-    """Collects buffers in creation order; ids are positions."""
-
-    def __init__(self):
-        self.buffers = []
-
-    def add(self, name, shape, dtype, role):
-        nbytes = numel(shape) * _ITEMSIZE[dtype]
-        self.buffers.append(Buffer(len(self.buffers), name, tuple(shape), dtype, nbytes, role))
-        return len(self.buffers) - 1
+POLICIES = ("none", "liveness", "recompute", "offload", "superneurons")
+ALL_POLICIES = POLICIES + ("auto",)
 
 
-def make_plan(graph, batch, policy="none", training=True, momentum=True, dtype="float32"):
-    """The Plan of one iteration of `graph` at `batch` under `policy`.
+class BudgetError(SnrtError):
+    """No policy fits the budget. `smallest_bytes` works at this batch; `largest_batch` fits."""
 
-    `training` False gives a forward-only (evaluation) plan; `momentum` allocates one
-    optimizer-state buffer per parameter.
+    def __init__(self, message, smallest_bytes, largest_batch):
+        super().__init__(message)
+        self.smallest_bytes, self.largest_batch = smallest_bytes, largest_batch
+
+
+def make_plan(graph, batch, policy="none", budget=None, training=True, momentum=True,
+              cost_model=cost_models.CPU, dtype="float32"):
+    """The Plan of one iteration of `graph` at `batch` under `policy` (see the module doc).
+
+    `budget` (bytes) is checked against the arena; `training` False gives a forward-only
+    plan; `momentum` allocates one optimizer-state buffer per parameter.
     """
-    if policy not in POLICIES:
-        raise SnrtError(f"memory policy {policy!r} is not available; this planner implements: {', '.join(POLICIES)}")
-    table = _Table()
-    builder = _StepBuilder(graph, batch, table, dtype)
-    steps = builder.forward_steps(training)
-    if training:
-        steps += builder.backward_steps(momentum)
-    loss = builder.loss_buffers()
-    fed = tuple(b for _, b in builder.input_buffers) + ((loss[1],) if loss and loss[1] >= 0 else ())
-    allocations = allocation_points(table.buffers, steps, fed)
-    device_bytes = predict_device_bytes(table.buffers, steps, allocations)
-    buffers, arena_bytes = assign_offsets(table.buffers)
+    if policy not in ALL_POLICIES:
+        raise SnrtError(f"unknown memory policy {policy!r}; expected one of {', '.join(ALL_POLICIES)}")
+    if policy == "auto":
+        return _auto(graph, batch, budget, training, momentum, cost_model, dtype)
+    plan = _build(graph, batch, policy, training, momentum, cost_model, dtype)
+    if budget is not None and plan.arena_bytes > budget:
+        raise _infeasible(graph, batch, budget, (policy,), training, momentum, cost_model, dtype)
+    return plan
+
+
+def _build(graph, batch, policy, training, momentum, cost_model, dtype):
+    it = build_iteration(graph, batch, training, momentum, dtype)
+    table = BufferTable()
+    table.buffers = list(it.buffers)
+    steps = list(it.steps)
+    keep = set(it.loss[:1] + it.loss[2:]) if it.loss else set()
+    slots, host_bytes = {}, 0
+    if policy in ("recompute", "superneurons") and training:
+        steps, _ = plan_recomputation(graph, steps, table.buffers)
+        steps = version_buffers(steps, table)
+    if policy in ("offload", "superneurons") and training:
+        seconds = [cost_models.step_seconds(s, graph, batch, cost_model) for s in steps]
+        steps, slots, host_bytes = plan_offload(steps, table.buffers, seconds, cost_model, keep)
+        steps = version_buffers(steps, table)
+    if policy != "none":
+        steps = insert_frees(steps, table.buffers, keep)
+    buffers = with_host_slots(table.buffers, slots)
+    fed = tuple(b for _, b in it.inputs) + ((it.loss[1],) if it.loss and it.loss[1] >= 0 else ())
+    allocations = allocation_points(buffers, steps, fed)
+    device_bytes = predict_device_bytes(buffers, steps, allocations)
+    buffers, arena_bytes = assign_offsets(buffers, steps, allocations)
+    seconds = [cost_models.step_seconds(s, graph, batch, cost_model) for s in steps]
+    predicted_s, stall_s = cost_models.simulate(steps, buffers, seconds, cost_model)
+    recompute_flops = sum(graph[s.node].layer.cost(graph.in_shapes(s.node, batch), "forward").flops
+                          for s in steps if s.kind == "recompute")
     return Plan(batch, policy, training, tuple(buffers), tuple(steps), tuple(device_bytes), arena_bytes,
-                tuple(allocations), tuple(builder.input_buffers), loss)
+                host_bytes, tuple(allocations), tuple(it.inputs), it.loss,
+                predicted_s=predicted_s, stall_s=stall_s, recompute_flops=recompute_flops)
 
 
-class _StepBuilder:
-    """Creates buffers and steps for one graph; keeps the node -> buffer maps."""
-
-    def __init__(self, graph, batch, table, dtype):
-        self.graph, self.batch, self.table, self.dtype = graph, batch, table, dtype
-        self.output, self.aux, self.params, self.state = {}, {}, {}, {}
-        self.input_buffers = []
-        self.grad = {}
-        for node in graph.nodes.values():
-            self._node_buffers(node)
-
-    def _node_buffers(self, node):
-        name, layer, add = node.name, node.layer, self.table.add
-        out_dtype = self.dtype if node.dtype.startswith("float") else node.dtype
-        self.output[name] = add(f"{name}:y", node.full_shape(self.batch), out_dtype, "activation")
-        if isinstance(layer, Input):
-            self.input_buffers.append((name, self.output[name]))
-            return
-        in_shapes = self.graph.in_shapes(name, self.batch)
-        self.params[name] = tuple(
-            (p, add(f"{name}:{p}", spec.shape, self.dtype, "parameter"))
-            for p, spec in layer.param_specs(in_shapes).items()
-        )
-        self.state[name] = tuple(
-            (s, add(f"{name}:{s}", spec.shape, self.dtype, "state"))
-            for s, spec in layer.state_specs(in_shapes).items()
-        )
-        self.aux[name] = tuple(
-            (a, add(f"{name}:{a}", spec.shape, self.dtype if spec.dtype == "compute" else spec.dtype, "aux"))
-            for a, spec in layer.aux_specs(in_shapes).items()
-        )
-
-    def _workspace(self, name, phase):
-        layer = self.graph[name].layer
-        nbytes = layer.workspace_bytes(self.graph.in_shapes(name, self.batch), phase, itemsize=_ITEMSIZE[self.dtype])
-        return self.table.add(f"{name}:workspace:{phase}", (nbytes,), "uint8", "workspace") if nbytes else -1
-
-    def forward_steps(self, training):
-        steps = []
-        for node in self.graph.nodes.values():
-            if isinstance(node.layer, Input):
-                continue
-            steps.append(Forward(
-                node.name, tuple(self.output[i] for i in node.inputs), self.output[node.name],
-                self.aux[node.name], self.params[node.name], self.state[node.name],
-                self._workspace(node.name, FORWARD),
-            ))
-        return steps
-
-    def _needs_grad(self):
-        """Nodes whose output gradient is needed: they have parameters upstream of the loss."""
-        needs = {}
-        for node in self.graph.nodes.values():
-            layer = node.layer
-            wanted = range(len(node.inputs)) if layer.differentiable_inputs is None else layer.differentiable_inputs
-            needs[node.name] = bool(self.params.get(node.name)) or any(needs[node.inputs[i]] for i in wanted)
-        return needs
-
-    def backward_steps(self, momentum):
-        needs = self._needs_grad()
-        add = self.table.add
-        for node in self.graph.nodes.values():
-            if needs[node.name]:
-                self.grad[node.name] = add(f"{node.name}:grad", node.full_shape(self.batch), self.dtype, "gradient")
-        written = set()
-        steps = []
-        for node in reversed(list(self.graph.nodes.values())):
-            if not needs[node.name] or isinstance(node.layer, Input):
-                continue
-            layer = node.layer
-            wanted = range(len(node.inputs)) if layer.differentiable_inputs is None else layer.differentiable_inputs
-            grad_inputs = []
-            for i, source in enumerate(node.inputs):
-                if i not in wanted or not needs[source]:
-                    grad_inputs.append(None)
-                elif source in written:
-                    partial = add(f"{node.name}:partial{i}", self.graph[source].full_shape(self.batch), self.dtype, "gradient")
-                    grad_inputs.append((self.grad[source], partial))
-                else:
-                    written.add(source)
-                    grad_inputs.append((self.grad[source], -1))
-            grad_params = tuple(
-                (p, add(f"{node.name}:{p}:grad", self.table.buffers[b].shape, self.dtype, "parameter_gradient"))
-                for p, b in self.params[node.name]
-            )
-            saves = layer.saves
-            steps.append(Backward(
-                node.name, self.grad[node.name],
-                tuple(self.output[i] if k in saves.inputs else -1 for k, i in enumerate(node.inputs)),
-                self.output[node.name] if saves.output else -1,
-                self.aux[node.name], self.params[node.name], tuple(grad_inputs), grad_params,
-                self._workspace(node.name, BACKWARD),
-            ))
-            if grad_params:
-                steps.append(self._update(node, grad_params, momentum))
-        return steps
-
-    def _update(self, node, grad_params, momentum):
-        specs = node.layer.param_specs(self.graph.in_shapes(node.name, self.batch))
-        slots = []
-        for (p, param), (_, grad) in zip(self.params[node.name], grad_params):
-            buf = self.table.buffers[param]
-            state = self.table.add(f"{node.name}:{p}:momentum", buf.shape, self.dtype, "optimizer_state") if momentum else -1
-            slots.append((param, grad, state, specs[p].decay))
-        largest = max(self.table.buffers[p].nbytes for p, _, _, _ in slots)
-        workspace = self.table.add(f"{node.name}:workspace:update", (largest,), "uint8", "workspace")
-        return Update(node.name, tuple(slots), workspace)
-
-    def loss_buffers(self):
-        """(loss output, its gradient seed or -1, softmax probs, labels) of the graph's loss node;
-        () for a graph without one that is only evaluated."""
-        losses = [n for n in self.graph.nodes.values() if n.layer.type_name == "SoftmaxCrossEntropy"]
-        if len(losses) != 1:
-            if self.grad:
-                raise ValueError(f"training needs exactly one SoftmaxCrossEntropy node, the graph has {len(losses)}")
-            return ()
-        node = losses[0]
-        probs = dict(self.aux[node.name])["probs"]
-        return (self.output[node.name], self.grad.get(node.name, -1), probs, self.output[node.inputs[1]])
+def _auto(graph, batch, budget, training, momentum, cost_model, dtype):
+    """The fastest policy whose arena fits `budget` (ties: the smaller arena)."""
+    if budget is None:
+        raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
+    plans = [_build(graph, batch, p, training, momentum, cost_model, dtype) for p in POLICIES]
+    fitting = [p for p in plans if p.arena_bytes <= budget]
+    if not fitting:
+        raise _infeasible(graph, batch, budget, POLICIES, training, momentum, cost_model, dtype, plans)
+    best = min(fitting, key=lambda p: (p.predicted_s, p.arena_bytes))
+    return replace(best, policy=f"auto:{best.policy}")
 
 
-def allocation_points(buffers, steps, fed):
-    """Per step, the buffers that come alive just before it: those it writes first.
+def _infeasible(graph, batch, budget, policies, training, momentum, cost_model, dtype, plans=None):
+    plans = plans or [_build(graph, batch, p, training, momentum, cost_model, dtype) for p in policies]
+    smallest = min(p.arena_bytes for p in plans)
+    frugal = min(plans, key=lambda p: p.arena_bytes).policy
 
-    Persistent buffers are alive from the start; `fed` (inputs, the loss seed) are written
-    by the executor before the first step, so they come alive with it.
-    """
-    seen = {b.id for b in buffers if b.role in PERSISTENT_ROLES}
-    points = []
-    for i, step in enumerate(steps):
-        first = fed if i == 0 else ()
-        fresh = tuple(b for b in dict.fromkeys((*first, *step.writes())) if b not in seen)
-        seen.update(fresh)
-        points.append(fresh)
-    return points
+    def fits(b):
+        return _build(graph, b, frugal, training, momentum, cost_model, dtype).arena_bytes <= budget
 
-
-def predict_device_bytes(buffers, steps, allocations):
-    """Bytes on the device while each step runs: resident + alive (allocated, not yet freed)."""
-    live = sum(b.nbytes for b in buffers if b.role in PERSISTENT_ROLES)
-    out = []
-    for step, fresh in zip(steps, allocations):
-        live += sum(buffers[b].nbytes for b in fresh)
-        out.append(live)
-        if step.kind == "free":
-            live -= sum(buffers[b].nbytes for b in step.buffers)
-    return out
-
-
-def assign_offsets(buffers):
-    """Every buffer at its own aligned offset, in id order; returns (buffers, arena bytes)."""
-    placed, offset = [], 0
-    for b in buffers:
-        placed.append(Buffer(b.id, b.name, b.shape, b.dtype, b.nbytes, b.role, offset, b.host_slot))
-        offset += -(-b.nbytes // ALIGN_BYTES) * ALIGN_BYTES
-    return placed, offset
+    low, high = 0, batch - 1  # the largest batch in [1, batch) that fits, by bisection
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    largest = low
+    names = "/".join(policies)
+    where = f"the largest batch that fits is {largest} (policy {frugal})" if largest else \
+        "no batch size fits: the parameters and optimizer state alone are too large"
+    return BudgetError(
+        f"budget {human_bytes(budget)} is too small for batch {batch} under {names}: the smallest "
+        f"budget that works is {human_bytes(smallest)} ({smallest} bytes, policy {frugal}); {where}",
+        smallest, largest)

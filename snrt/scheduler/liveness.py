@@ -1,0 +1,65 @@
+"""Liveness: when every buffer comes alive and when it can be freed, in one linear pass.
+
+Every buffer id has one live interval: from the first step that uses it (or the start of the
+iteration for fed inputs) to its last use. Recomputed and prefetched tensors are new buffer
+ids (versions), so a tensor that is dropped and brought back is two intervals, two ids.
+Persistent buffers (parameters, optimizer and BatchNorm state) are alive throughout.
+"""
+
+from snrt.scheduler.plan import PERSISTENT_ROLES, Free
+
+
+def last_uses(steps):
+    """{buffer id: index of the last step that reads or writes it}."""
+    last = {}
+    for i, step in enumerate(steps):
+        for b in (*step.reads(), *step.writes()):
+            last[b] = i
+    return last
+
+
+def insert_frees(steps, buffers, keep=()):
+    """`steps` with a Free after each step for the buffers whose last use it is.
+
+    Persistent buffers and those in `keep` (read by the executor after the iteration:
+    the loss, its probabilities, the labels) are never freed.
+    """
+    never = set(keep) | {b.id for b in buffers if b.role in PERSISTENT_ROLES}
+    dying = {}
+    for b, i in last_uses(steps).items():
+        if b not in never:
+            dying.setdefault(i, []).append(b)
+    out = []
+    for i, step in enumerate(steps):
+        out.append(step)
+        if i in dying:
+            out.append(Free(tuple(sorted(dying[i]))))
+    return out
+
+
+def allocation_points(buffers, steps, fed):
+    """Per step, the buffers that come alive just before it: those it uses first.
+
+    Persistent buffers are alive from the start; `fed` (inputs, the loss seed) are written
+    by the executor before the first step, so they come alive with it.
+    """
+    seen = {b.id for b in buffers if b.role in PERSISTENT_ROLES}
+    points = []
+    for i, step in enumerate(steps):
+        first = fed if i == 0 else ()
+        fresh = tuple(b for b in dict.fromkeys((*first, *step.writes(), *step.reads())) if b not in seen)
+        seen.update(fresh)
+        points.append(fresh)
+    return points
+
+
+def predict_device_bytes(buffers, steps, allocations):
+    """Bytes on the device while each step runs: resident + alive (allocated, not yet freed)."""
+    live = sum(b.nbytes for b in buffers if b.role in PERSISTENT_ROLES)
+    out = []
+    for step, fresh in zip(steps, allocations):
+        live += sum(buffers[b].nbytes for b in fresh)
+        out.append(live)
+        if step.kind == "free":
+            live -= sum(buffers[b].nbytes for b in step.buffers)
+    return out

@@ -1,0 +1,88 @@
+"""Offload and prefetch (vDNN, and SuperNeurons' unified tensor pool).
+
+A tensor written in the forward pass and read again in the backward pass is copied to host
+memory on the device-to-host stream after its last forward use; the compute stream waits for
+that copy only when enough compute has run to hide it, and the device copy is freed after
+the wait. Before its first backward use it is prefetched on the host-to-device stream, early
+enough that the copy hides behind the compute before it (the distance comes from the cost
+model, not a constant), and the compute stream waits for it right before the use.
+
+The pass inserts steps naming the original buffer; `version_buffers` then gives the
+prefetched tensor a buffer id of its own. Host slots are assigned here.
+"""
+
+from dataclasses import replace
+
+from snrt.memory.offsets import aligned
+from snrt.scheduler.plan import Offload, Prefetch, Wait
+from snrt.scheduler.recompute import backward_start
+
+
+def offload_candidates(steps, buffers, start, keep=()):
+    """Activation buffers used before `start` and read at or after it, except `keep`."""
+    first_read_after, last_before = {}, {}
+    for i, step in enumerate(steps):
+        for b in (*step.reads(), *step.writes()):
+            if i < start:
+                last_before[b] = i
+            elif b in last_before and b in step.reads() and b not in first_read_after:
+                first_read_after[b] = i
+    chosen = [b for b in first_read_after if buffers[b].role == "activation" and b not in keep]
+    return sorted(chosen, key=lambda b: last_before[b]), last_before, first_read_after
+
+
+def plan_offload(steps, buffers, seconds, model, keep=()):
+    """`steps` with offload/wait after forward uses and prefetch/wait before backward uses.
+
+    `seconds[i]` is the predicted compute time of step i; `keep` are never offloaded. After
+    recomputation only checkpoints are still read by the backward pass, so under the
+    superneurons policy exactly the checkpoints are offloaded. Returns
+    (steps, {buffer id: host slot offset}, host bytes).
+    """
+    start = backward_start(steps)
+    chosen, last_before, first_after = offload_candidates(steps, buffers, start, keep)
+    before, after = {}, {}  # step index -> steps to insert before / after it
+    slots, host_bytes = {}, 0
+    for b in chosen:
+        slots[b] = host_bytes
+        host_bytes += aligned(buffers[b].nbytes)
+        copy_s = model.copy_s(buffers[b].nbytes)
+        last, use = last_before[b], first_after[b]
+        after.setdefault(last, []).append(Offload(b))
+        wait_at = _hide_forward(seconds, last + 1, start, copy_s)
+        before.setdefault(wait_at, []).append(Wait(b))
+        fetch_at = _hide_backward(seconds, use, max(wait_at, start), copy_s)
+        before.setdefault(fetch_at, []).append(Prefetch(b, b))
+        before.setdefault(use, []).append(Wait(b))
+    out = []
+    for i, step in enumerate(steps):
+        out.extend(before.get(i, ()))
+        out.append(step)
+        out.extend(after.get(i, ()))
+    out.extend(before.get(len(steps), ()))
+    return out, slots, host_bytes
+
+
+def _hide_forward(seconds, first, limit, copy_s):
+    """The step index before which to wait for an offload issued before step `first`:
+    after enough compute to hide `copy_s`, and no later than `limit`."""
+    elapsed, i = 0.0, first
+    while i < limit and elapsed < copy_s:
+        elapsed += seconds[i]
+        i += 1
+    return i
+
+
+def _hide_backward(seconds, use, earliest, copy_s):
+    """The step index at which to issue a prefetch needed at `use`: far enough back that
+    the compute between hides `copy_s`, never before `earliest`."""
+    elapsed, i = 0.0, use
+    while i > earliest and elapsed < copy_s:
+        i -= 1
+        elapsed += seconds[i]
+    return i
+
+
+def with_host_slots(buffers, slots):
+    """Buffers with their host slot offsets filled in."""
+    return [replace(b, host_slot=slots[b.id]) if b.id in slots else b for b in buffers]

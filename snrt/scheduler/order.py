@@ -1,0 +1,169 @@
+"""Execution order of one iteration: the buffer table and the compute steps.
+
+Forward runs in topological order; in training, backward runs in reverse order, gradients of
+a tensor read by several nodes are summed (the first contribution is written, later ones go
+through a partial buffer and are added), and each node's optimizer update comes right after
+its backward, when its parameter gradients are complete (fused update).
+"""
+
+from dataclasses import dataclass
+
+from snrt.layers.base import BACKWARD, FORWARD, numel
+from snrt.layers.input import Input
+from snrt.scheduler.plan import Backward, Buffer, Forward, Update
+
+ITEMSIZE = {"float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
+
+
+@dataclass
+class Iteration:
+    """The unscheduled iteration: buffers (ids are positions), steps, and where things are."""
+
+    buffers: list
+    steps: list
+    inputs: tuple  # ((input node, buffer id), ...)
+    loss: tuple  # (loss output, loss gradient seed or -1, probs, labels) or ()
+    output: dict  # node -> activation buffer id
+
+
+def build_iteration(graph, batch, training=True, momentum=True, dtype="float32"):
+    """Buffers and compute steps of one iteration (forward only when not `training`)."""
+    table = BufferTable()
+    builder = _StepBuilder(graph, batch, table, dtype)
+    steps = builder.forward_steps()
+    if training:
+        steps += builder.backward_steps(momentum)
+    return Iteration(table.buffers, steps, tuple(builder.input_buffers), builder.loss_buffers(), builder.output)
+
+
+class BufferTable:
+    """Collects buffers in creation order; ids are positions."""
+
+    def __init__(self):
+        self.buffers = []
+
+    def add(self, name, shape, dtype, role):
+        nbytes = numel(shape) * ITEMSIZE[dtype]
+        self.buffers.append(Buffer(len(self.buffers), name, tuple(shape), dtype, nbytes, role))
+        return len(self.buffers) - 1
+
+
+class _StepBuilder:
+    """Creates buffers and steps for one graph; keeps the node -> buffer maps."""
+
+    def __init__(self, graph, batch, table, dtype):
+        self.graph, self.batch, self.table, self.dtype = graph, batch, table, dtype
+        self.output, self.aux, self.params, self.state = {}, {}, {}, {}
+        self.input_buffers = []
+        self.grad = {}
+        for node in graph.nodes.values():
+            self._node_buffers(node)
+
+    def _node_buffers(self, node):
+        name, layer, add = node.name, node.layer, self.table.add
+        out_dtype = self.dtype if node.dtype.startswith("float") else node.dtype
+        self.output[name] = add(f"{name}:y", node.full_shape(self.batch), out_dtype, "activation")
+        if isinstance(layer, Input):
+            self.input_buffers.append((name, self.output[name]))
+            return
+        in_shapes = self.graph.in_shapes(name, self.batch)
+        self.params[name] = tuple(
+            (p, add(f"{name}:{p}", spec.shape, self.dtype, "parameter"))
+            for p, spec in layer.param_specs(in_shapes).items()
+        )
+        self.state[name] = tuple(
+            (s, add(f"{name}:{s}", spec.shape, self.dtype, "state"))
+            for s, spec in layer.state_specs(in_shapes).items()
+        )
+        self.aux[name] = tuple(
+            (a, add(f"{name}:{a}", spec.shape, self.dtype if spec.dtype == "compute" else spec.dtype, "aux"))
+            for a, spec in layer.aux_specs(in_shapes).items()
+        )
+
+    def _workspace(self, name, phase):
+        layer = self.graph[name].layer
+        nbytes = layer.workspace_bytes(self.graph.in_shapes(name, self.batch), phase, itemsize=ITEMSIZE[self.dtype])
+        return self.table.add(f"{name}:workspace:{phase}", (nbytes,), "uint8", "workspace") if nbytes else -1
+
+    def forward_steps(self):
+        steps = []
+        for node in self.graph.nodes.values():
+            if isinstance(node.layer, Input):
+                continue
+            steps.append(Forward(
+                node.name, tuple(self.output[i] for i in node.inputs), self.output[node.name],
+                self.aux[node.name], self.params[node.name], self.state[node.name],
+                self._workspace(node.name, FORWARD),
+            ))
+        return steps
+
+    def _needs_grad(self):
+        """Nodes whose output gradient is needed: they have parameters upstream of the loss."""
+        needs = {}
+        for node in self.graph.nodes.values():
+            layer = node.layer
+            wanted = range(len(node.inputs)) if layer.differentiable_inputs is None else layer.differentiable_inputs
+            needs[node.name] = bool(self.params.get(node.name)) or any(needs[node.inputs[i]] for i in wanted)
+        return needs
+
+    def backward_steps(self, momentum):
+        needs = self._needs_grad()
+        add = self.table.add
+        for node in self.graph.nodes.values():
+            if needs[node.name]:
+                self.grad[node.name] = add(f"{node.name}:grad", node.full_shape(self.batch), self.dtype, "gradient")
+        written = set()
+        steps = []
+        for node in reversed(list(self.graph.nodes.values())):
+            if not needs[node.name] or isinstance(node.layer, Input):
+                continue
+            layer = node.layer
+            wanted = range(len(node.inputs)) if layer.differentiable_inputs is None else layer.differentiable_inputs
+            grad_inputs = []
+            for i, source in enumerate(node.inputs):
+                if i not in wanted or not needs[source]:
+                    grad_inputs.append(None)
+                elif source in written:
+                    partial = add(f"{node.name}:partial{i}", self.graph[source].full_shape(self.batch), self.dtype, "gradient")
+                    grad_inputs.append((self.grad[source], partial))
+                else:
+                    written.add(source)
+                    grad_inputs.append((self.grad[source], -1))
+            grad_params = tuple(
+                (p, add(f"{node.name}:{p}:grad", self.table.buffers[b].shape, self.dtype, "parameter_gradient"))
+                for p, b in self.params[node.name]
+            )
+            saves = layer.saves
+            steps.append(Backward(
+                node.name, self.grad[node.name],
+                tuple(self.output[i] if k in saves.inputs else -1 for k, i in enumerate(node.inputs)),
+                self.output[node.name] if saves.output else -1,
+                self.aux[node.name], self.params[node.name], tuple(grad_inputs), grad_params,
+                self._workspace(node.name, BACKWARD),
+            ))
+            if grad_params:
+                steps.append(self._update(node, grad_params, momentum))
+        return steps
+
+    def _update(self, node, grad_params, momentum):
+        specs = node.layer.param_specs(self.graph.in_shapes(node.name, self.batch))
+        slots = []
+        for (p, param), (_, grad) in zip(self.params[node.name], grad_params):
+            buf = self.table.buffers[param]
+            state = self.table.add(f"{node.name}:{p}:momentum", buf.shape, self.dtype, "optimizer_state") if momentum else -1
+            slots.append((param, grad, state, specs[p].decay))
+        largest = max(self.table.buffers[p].nbytes for p, _, _, _ in slots)
+        workspace = self.table.add(f"{node.name}:workspace:update", (largest,), "uint8", "workspace")
+        return Update(node.name, tuple(slots), workspace)
+
+    def loss_buffers(self):
+        """(loss output, its gradient seed or -1, softmax probs, labels) of the graph's loss node;
+        () for a graph without one that is only evaluated."""
+        losses = [n for n in self.graph.nodes.values() if n.layer.type_name == "SoftmaxCrossEntropy"]
+        if len(losses) != 1:
+            if self.grad:
+                raise ValueError(f"training needs exactly one SoftmaxCrossEntropy node, the graph has {len(losses)}")
+            return ()
+        node = losses[0]
+        probs = dict(self.aux[node.name])["probs"]
+        return (self.output[node.name], self.grad.get(node.name, -1), probs, self.output[node.inputs[1]])

@@ -1,0 +1,165 @@
+"""Cost-aware recomputation (SuperNeurons §4.3).
+
+Outputs of cheap layers (BatchNorm, activations, pooling, LRN, Dropout: one input, cheap to
+run again) that the backward pass reads are dropped after their last forward use and
+replayed in the backward pass from the nearest checkpoint (the output of an expensive layer
+or a join). A segment is the set of dropped nodes that share a checkpoint. Each segment is
+replayed
+
+- speed-centric: once, before the first backward step that needs any of it, its outputs kept
+  until their last backward use, when the segment's bytes fit under the largest step's own
+  working set (replaying it then costs no peak memory);
+- memory-centric: otherwise, once per backward step that needs it, only the chain up to the
+  needed tensor, each replayed tensor freed right after its use.
+
+The pass inserts recompute steps that name the original buffers; `version_buffers` then
+gives every replayed tensor a buffer id of its own.
+"""
+
+from dataclasses import replace
+
+from snrt.layers.base import CHEAP
+from snrt.scheduler.plan import PERSISTENT_ROLES, remap
+
+SPEED, MEMORY = "speed", "memory"
+
+
+def backward_start(steps):
+    """Index of the first step after the last forward step."""
+    return max((i for i, s in enumerate(steps) if s.kind == "forward"), default=-1) + 1
+
+
+def droppable_nodes(graph, steps, start):
+    """Cheap nodes whose output or aux the backward reads, directly or through a replay.
+
+    A node is cheap to replay when its layer is CHEAP and it has one input. (Its parameters,
+    BatchNorm's scale and shift, are still unchanged when it is replayed: every replay serves
+    a backward step of a node downstream, which runs before this node's own update.)
+    Replaying a dropped node reads its input, so a cheap producer of that input is dropped
+    (and replayed) too, back to the checkpoint.
+    """
+    read_later = {b for s in steps[start:] for b in s.reads()}
+    forwards = {s.node: s for s in steps[:start] if s.kind == "forward"}
+    producer = {s.output: n for n, s in forwards.items()}
+
+    def cheap(name):
+        step = forwards[name]
+        return graph[name].layer.recompute_cost == CHEAP and len(step.inputs) == 1
+
+    dropped = set()
+    for name in reversed(list(forwards)):  # consumers before producers
+        step = forwards[name]
+        needed = read_later & {step.output, *(b for _, b in step.aux)}
+        if cheap(name) and needed:
+            dropped.add(name)
+            source = producer.get(step.inputs[0])
+            if source is not None and cheap(source):
+                read_later.add(step.inputs[0])  # the replay reads it
+    return [n for n in forwards if n in dropped]
+
+
+def largest_step_bytes(steps, buffers):
+    """The largest working set of one step: non-persistent bytes it reads and writes."""
+    def own(step):
+        ids = set(step.reads()) | set(step.writes())
+        return sum(buffers[b].nbytes for b in ids if buffers[b].role not in PERSISTENT_ROLES)
+
+    return max((own(s) for s in steps), default=0)
+
+
+def plan_recomputation(graph, steps, buffers, mode="auto"):
+    """`steps` with recompute steps inserted; `mode` is speed, memory or auto (per segment).
+
+    Returns (steps, {node: SPEED or MEMORY} for every dropped node).
+    """
+    start = backward_start(steps)
+    forwards = {s.node: s for s in steps[:start] if s.kind == "forward"}
+    dropped = droppable_nodes(graph, steps, start)
+    if not dropped:
+        return list(steps), {}
+    producer = {forwards[n].output: n for n in forwards}
+    dropped_set = set(dropped)
+
+    def chain(node):
+        """Dropped nodes from the checkpoint down to `node`, in forward order."""
+        out = [node]
+        while producer.get(forwards[out[-1]].inputs[0]) in dropped_set:
+            out.append(producer[forwards[out[-1]].inputs[0]])
+        return out[::-1]
+
+    root = {n: forwards[chain(n)[0]].inputs[0] for n in dropped}
+    segments = {}
+    for n in dropped:
+        segments.setdefault(root[n], []).append(n)
+    limit = largest_step_bytes(steps, buffers)
+    choice = {}
+    for members in segments.values():
+        nbytes = sum(buffers[b].nbytes for n in members for b in forwards[n].writes())
+        seg_mode = mode if mode != "auto" else (SPEED if nbytes <= limit else MEMORY)
+        for n in members:
+            choice[n] = seg_mode
+
+    made = {(forwards[n].output, n) for n in dropped} | {(b, n) for n in dropped for _, b in forwards[n].aux}
+    made_by = dict(made)
+    replayed = set()  # speed-centric segments already replayed
+    out = list(steps[:start])
+    for step in steps[start:]:
+        needed = [made_by[b] for b in step.reads() if b in made_by]
+        replay = []
+        for n in dict.fromkeys(needed):
+            if choice[n] == SPEED:
+                if root[n] not in replayed:
+                    replayed.add(root[n])
+                    replay += segments[root[n]]
+            else:
+                replay += chain(n)
+        for n in sorted(set(replay), key=list(forwards).index):
+            out.append(replace(forwards[n], recompute=True))
+        out.append(step)
+    return out, choice
+
+
+class _Versions(dict):
+    """old id -> newer id, followed to the newest (what `remap` looks ids up in)."""
+
+    def get(self, key, default=None):
+        if key not in self:
+            return default
+        while key in self:
+            key = self[key]
+        return key
+
+
+def version_buffers(steps, table):
+    """Give every tensor written again by a recompute or prefetch step a new buffer id.
+
+    Later steps read the newest version. `table` (a BufferTable) receives the new buffers,
+    named like the original with "@k". Workspaces of recompute steps are versioned too.
+    """
+    written, versions, count = set(), _Versions(), {}
+    out = []
+    for step in steps:
+        step = remap(step, versions) if versions else step
+        if step.kind in ("recompute", "prefetch"):
+            fresh = {}
+            for b in step.writes():
+                if b in written:
+                    original = table.buffers[b]
+                    base = original.name.split("@")[0]
+                    count[base] = count.get(base, 0) + 1
+                    fresh[b] = table.add(f"{base}@{count[base]}", original.shape, original.dtype, original.role)
+            if fresh:
+                step = _rewrite_outputs(step, fresh)
+                versions.update(fresh)
+        written.update(step.writes())
+        out.append(step)
+    return out
+
+
+def _rewrite_outputs(step, fresh):
+    """The recompute/prefetch `step` writing the `fresh` ids instead (its reads stay)."""
+    if step.kind == "prefetch":
+        return replace(step, buffer=fresh.get(step.buffer, step.buffer))
+    aux = tuple((name, fresh.get(b, b)) for name, b in step.aux)
+    return replace(step, output=fresh.get(step.output, step.output), aux=aux,
+                   workspace=fresh.get(step.workspace, step.workspace))

@@ -9,6 +9,10 @@ from snrt.layers.base import KernelContext, Saved
 from snrt.scheduler.plan import PERSISTENT_ROLES
 
 
+class PlanViolation(RuntimeError):
+    """Check mode found the run disagreeing with its plan (a planner bug)."""
+
+
 class Executor:
     """Runs `plan` for `graph` on `backend`. Persistent buffers are reserved once, here."""
 
@@ -16,15 +20,18 @@ class Executor:
         self.graph, self.plan, self.backend = graph, plan, backend
         self.xp = backend.xp
         arena = backend.arena
-        self.views = [arena.view(b) for b in plan.buffers]
+        self.views = [arena.view(b) if b.offset >= 0 else None for b in plan.buffers]
         for b in plan.buffers:
             if b.role in PERSISTENT_ROLES:
                 arena.reserve(b)
+                self.views[b.id].fill(0)  # optimizer state starts at zero; the rest is loaded
         self.node_index = {name: i for i, name in enumerate(graph.nodes)}
         self.handlers = {
             "forward": self._forward, "recompute": self._forward, "backward": self._backward,
-            "update": self._update, "free": self._free,
+            "update": self._update, "free": self._free, "offload": self._offload,
+            "prefetch": self._prefetch, "wait": self._wait,
         }
+        self.pending = {}  # buffer id -> copy event
         self.optimizer = None
         self.lr = 0.0
 
@@ -42,7 +49,11 @@ class Executor:
         return self._persistent
 
     def run(self, feed, iteration, seed, optimizer=None, lr=0.0):
-        """One pass over the plan. `feed` maps input node names to host arrays (batch first)."""
+        """One pass over the plan. `feed` maps input node names to host arrays (batch first).
+
+        Returns (per-sample losses, per-sample correct flags) as host arrays, read before the
+        iteration's buffers are released, or None when the graph has no loss.
+        """
         self.iteration, self.seed, self.optimizer, self.lr = iteration, seed, optimizer, lr
         arena, buffers = self.backend.arena, self.plan.buffers
         for i, step in enumerate(self.plan.steps):
@@ -50,10 +61,22 @@ class Executor:
                 arena.reserve(buffers[b])
             if i == 0:
                 self._feed(feed)
+            if arena.check:
+                self._verify(i, step)
             self.handlers[step.kind](step)
+        outputs = self._outputs()
         for b in list(arena.live.values()):
             if b.role not in PERSISTENT_ROLES:
                 arena.release(b)
+        return outputs
+
+    def _outputs(self):
+        if not self.plan.loss:
+            return None
+        out, _, probs, labels = self.plan.loss
+        v, to_host = self.views, self.backend.to_host
+        correct = self.xp.argmax(v[probs], axis=1) == v[labels]
+        return to_host(v[out]), to_host(correct)
 
     def _feed(self, feed):
         for name, b in self.plan.inputs:
@@ -95,6 +118,29 @@ class Executor:
             self.optimizer.update(self.xp, self.views[param], self.views[grad],
                                   self.views[state] if state >= 0 else None, decay, self.lr,
                                   self.views[step.workspace])
+
+    def _offload(self, step):
+        self.pending[step.buffer] = self.backend.offload(self.plan.buffers[step.buffer])
+
+    def _prefetch(self, step):
+        buffers = self.plan.buffers
+        self.pending[step.buffer] = self.backend.prefetch(buffers[step.buffer], buffers[step.source])
+
+    def _wait(self, step):
+        self.pending.pop(step.buffer).wait()
+
+    def _verify(self, i, step):
+        """Check mode: the live bytes are the plan's, and no step reads poisoned memory."""
+        arena = self.backend.arena
+        if arena.live_bytes != self.plan.device_bytes[i]:
+            raise PlanViolation(f"step {i} ({step.kind} {getattr(step, 'node', '')}): {arena.live_bytes} bytes "
+                                f"live, the plan predicts {self.plan.device_bytes[i]}")
+        if step.kind in ("forward", "recompute", "backward", "update"):
+            for b in step.reads():
+                buffer = self.plan.buffers[b]
+                if buffer.dtype.startswith("float") and bool(self.xp.isnan(self.views[b]).any()):
+                    raise PlanViolation(f"step {i} ({step.kind} {step.node}) reads {buffer.name}, which holds "
+                                        "poison: it was freed, never written, or not yet prefetched")
 
     def _free(self, step):
         for b in step.buffers:

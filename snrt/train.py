@@ -17,7 +17,6 @@ from snrt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from snrt.data import Batches, eval_batches, load_datasets, normalization
 from snrt.executor import Executor
 from snrt.init import initial_parameters, initial_state
-from snrt.layers.loss import SoftmaxCrossEntropy
 from snrt.optim import SGD, learning_rate
 from snrt.scheduler.planner import make_plan
 
@@ -51,7 +50,7 @@ class Trainer:
         self.optimizer = SGD(train.optimizer.momentum, train.optimizer.nesterov, train.optimizer.weight_decay)
         self.plan = make_plan(self.graph, self.batch, self.policy, training=True,
                               momentum=train.optimizer.momentum != 0)
-        self.backend = make_backend(backend, self.plan.arena_bytes, check=check)
+        self.backend = make_backend(backend, self.plan, check=check)
         self.executor = Executor(self.graph, self.plan, self.backend)
         self._backend_name, self._check = backend, check
         self.iteration = 0
@@ -97,23 +96,13 @@ class Trainer:
         train = self.config.train
         lr = learning_rate(train.schedule, train.optimizer.lr, self.iteration, total)
         start = time.perf_counter()
-        self.executor.run({"data": x, "label": y}, self.iteration, train.seed, self.optimizer, lr)
+        losses, correct = self.executor.run({"data": x, "label": y}, self.iteration, train.seed, self.optimizer, lr)
         self.backend.synchronize()
         seconds = time.perf_counter() - start
-        loss, correct = self._loss_and_correct(self.executor, len(y))
-        metrics = Metrics(self.iteration, loss, correct / len(y), lr, seconds, len(y) / seconds,
-                          self.backend.arena.peak_bytes)
+        metrics = Metrics(self.iteration, float(losses.mean()), float(correct.mean()), lr, seconds,
+                          len(y) / seconds, self.backend.arena.peak_bytes)
         self.iteration += 1
         return metrics
-
-    @staticmethod
-    def _loss_and_correct(executor, valid):
-        """Sum of the first `valid` per-sample losses over the batch, and how many were right."""
-        out, _, probs, labels = executor.plan.loss
-        views, xp = executor.views, executor.xp
-        losses = executor.backend.to_host(views[out][:valid])
-        correct = SoftmaxCrossEntropy.count_correct(xp, views[probs][:valid], views[labels][:valid])
-        return float(losses.mean()), correct
 
     def _interrupt_guard(self):
         trainer = self
@@ -138,7 +127,7 @@ class Trainer:
         """(mean loss, accuracy) over `dataset` (default: the held-out split), in eval mode."""
         dataset = dataset if dataset is not None else self.heldout_set
         plan = make_plan(self.graph, self.batch, self.policy, training=False)
-        backend = make_backend(self._backend_name, plan.arena_bytes, check=self._check)
+        backend = make_backend(self._backend_name, plan, check=self._check)
         executor = Executor(self.graph, plan, backend)
         for key, value in self.host_arrays(("parameter", "state")).items():
             executor.view_of(*key)[...] = backend.xp.asarray(value)
@@ -148,10 +137,9 @@ class Trainer:
             if valid < self.batch:  # pad the last batch; only the real samples count
                 x = np.concatenate([x, np.repeat(x[-1:], self.batch - valid, axis=0)])
                 y = np.concatenate([y, np.repeat(y[-1:], self.batch - valid)])
-            executor.run({"data": x, "label": y}, self.iteration, self.config.train.seed)
-            mean_loss, right = self._loss_and_correct(executor, valid)
-            loss_sum += mean_loss * valid
-            correct += right
+            losses, right = executor.run({"data": x, "label": y}, self.iteration, self.config.train.seed)
+            loss_sum += float(losses[:valid].sum())
+            correct += int(right[:valid].sum())
             seen += valid
         return loss_sum / max(seen, 1), correct / max(seen, 1)
 

@@ -69,8 +69,3 @@ class SoftmaxCrossEntropy(Layer):
         gx[...] = aux["probs"]
         gx[ctx.xp.arange(gx.shape[0]), labels] -= 1
         gx *= gy[:, None]
-
-    @staticmethod
-    def count_correct(xp, probs, labels):
-        """Number of samples whose most probable class is the label."""
-        return int((xp.argmax(probs, axis=1) == labels).sum())

@@ -27,11 +27,6 @@ def test_loss_is_stable_for_huge_logits():
     np.testing.assert_allclose(aux["probs"], [[1.0, 0.0, 0.0]])
 
 
-def test_count_correct():
-    probs = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]])
-    assert SoftmaxCrossEntropy.count_correct(np, probs, np.array([1, 1, 1])) == 2
-
-
 def test_loss_shapes():
     with pytest.raises(ShapeError, match="Flatten"):
         SoftmaxCrossEntropy().infer_shape([(2, 10, 1, 1), (2,)])

@@ -1,0 +1,70 @@
+"""Copy streams on the CPU: one worker thread per stream, a FIFO queue, and events.
+
+NumPy copies of large arrays release the GIL, so a copy on a stream really overlaps the
+kernels running on the calling thread. With `lazy=True` (the executor's check mode) a copy
+runs only when someone waits for it, so a step that reads a prefetched buffer before its
+wait sees the poison instead of data that happened to arrive in time.
+"""
+
+import queue
+import threading
+
+
+class CopyEvent:
+    """Completion of one queued copy; `wait` re-raises the copy's error, if any."""
+
+    def __init__(self, copy=None):
+        self._done = threading.Event()
+        self._copy = copy  # set only for lazy copies: run at wait time
+        self.error = None
+
+    def _run(self, copy):
+        try:
+            copy()
+        except BaseException as e:  # reported to the waiter
+            self.error = e
+        finally:
+            self._done.set()
+
+    def wait(self):
+        if self._copy is not None:
+            copy, self._copy = self._copy, None
+            self._run(copy)
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class CopyStream:
+    """A FIFO of copies run by one daemon thread (or at wait time when `lazy`)."""
+
+    def __init__(self, name, lazy=False):
+        self.name, self.lazy = name, lazy
+        self._queue = queue.Queue()
+        self._thread = None
+
+    def submit(self, copy):
+        """Queue `copy` (a no-argument callable); returns its CopyEvent."""
+        if self.lazy:
+            return CopyEvent(copy)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=f"snrt-{self.name}", daemon=True)
+            self._thread.start()
+        event = CopyEvent()
+        self._queue.put((copy, event))
+        return event
+
+    def _work(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            copy, event = item
+            event._run(copy)
+
+    def close(self):
+        """Finish queued copies and stop the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None

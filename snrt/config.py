@@ -116,6 +116,16 @@ POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "iterations"), (OptimizerConfi
 
 
 # ---- public entry points ----------------------------------------------------------------
+def config_from_graph(graph, classes, train=None, memory=None, name=None):
+    """A Config for a graph built in Python (its images come in through the node "data")."""
+    if "data" not in graph.nodes or "label" not in graph.nodes:
+        raise ConfigError(name or graph.name, "", "a trainable graph needs Input nodes named 'data' and 'label'")
+    input_cfg = InputConfig(list(graph["data"].shape), classes)
+    return Config(name or graph.name, graph, input_cfg, train or TrainConfig(), memory or MemoryConfig(),
+                  f"<graph {graph.name}>")
+
+
+
 def load_config(source, overrides=None):
     """Load a network file (path) or an already parsed dict into a Config.
 

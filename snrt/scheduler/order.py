@@ -98,12 +98,18 @@ class _StepBuilder:
         return steps
 
     def _needs_grad(self):
-        """Nodes whose output gradient is needed: they have parameters upstream of the loss."""
+        """Nodes whose output gradient is needed: they feed the loss and have parameters at
+        or above them. (A branch the loss does not read gets no gradient, as in autograd.)"""
+        feeds_loss = {n.name for n in self.graph.nodes.values() if n.layer.type_name == "SoftmaxCrossEntropy"}
+        for node in reversed(list(self.graph.nodes.values())):
+            if node.name in feeds_loss:
+                feeds_loss.update(node.inputs)
         needs = {}
         for node in self.graph.nodes.values():
             layer = node.layer
             wanted = range(len(node.inputs)) if layer.differentiable_inputs is None else layer.differentiable_inputs
-            needs[node.name] = bool(self.params.get(node.name)) or any(needs[node.inputs[i]] for i in wanted)
+            upstream = bool(self.params.get(node.name)) or any(needs[node.inputs[i]] for i in wanted)
+            needs[node.name] = upstream and node.name in feeds_loss
         return needs
 
     def backward_steps(self, momentum):

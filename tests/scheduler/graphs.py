@@ -1,0 +1,65 @@
+"""Generated graphs for planner property tests: chains, residual joins, concat branches, fan-out."""
+
+from hypothesis import strategies as st
+
+from snrt.graph import Graph
+from snrt.layers.activation import ReLU, Tanh
+from snrt.layers.conv import Conv2d
+from snrt.layers.dropout import Dropout
+from snrt.layers.input import Input
+from snrt.layers.join import Add, Concat
+from snrt.layers.linear import Linear
+from snrt.layers.loss import SoftmaxCrossEntropy
+from snrt.layers.norm import BatchNorm
+from snrt.layers.pool import GlobalAvgPool, MaxPool
+
+CHANNELS, SIZE, CLASSES = 3, 6, 4
+
+OPS = ("conv", "conv1", "bn", "relu", "tanh", "pool", "dropout", "add", "concat")
+
+
+@st.composite
+def graph_recipes(draw, max_ops=12):
+    """A list of (op, a, b): op applied to earlier nodes a (and b), by position."""
+    n = draw(st.integers(1, max_ops))
+    recipe = []
+    for k in range(n):
+        op = draw(st.sampled_from(OPS))
+        a = draw(st.integers(0, k))
+        b = draw(st.integers(0, k))
+        recipe.append((op, a, b))
+    return recipe
+
+
+def build(recipe):
+    """The Graph of `recipe`: every main-path node has shape (CHANNELS, SIZE, SIZE)."""
+    g = Graph("generated")
+    g.add(Input(shape=(CHANNELS, SIZE, SIZE)), name="data")
+    g.add(Input(shape=(), dtype="int64"), name="label")
+    nodes = [g.add(Conv2d(out_channels=CHANNELS, kernel=3, padding=1), inputs=["data"], name="stem")]
+    for k, (op, a, b) in enumerate(recipe):
+        x, y = nodes[a], nodes[b]
+        name = f"n{k}"
+        if op == "conv":
+            nodes.append(g.add(Conv2d(out_channels=CHANNELS, kernel=3, padding=1, bias=False), inputs=[x], name=name))
+        elif op == "conv1":
+            nodes.append(g.add(Conv2d(out_channels=CHANNELS, kernel=1), inputs=[x], name=name))
+        elif op == "bn":
+            nodes.append(g.add(BatchNorm(), inputs=[x], name=name))
+        elif op == "relu":
+            nodes.append(g.add(ReLU(), inputs=[x], name=name))
+        elif op == "tanh":
+            nodes.append(g.add(Tanh(), inputs=[x], name=name))
+        elif op == "pool":
+            nodes.append(g.add(MaxPool(kernel=3, stride=1, padding=1), inputs=[x], name=name))
+        elif op == "dropout":
+            nodes.append(g.add(Dropout(p=0.25), inputs=[x], name=name))
+        elif op == "add":
+            nodes.append(g.add(Add(), inputs=[x, y], name=name))
+        else:  # concat, then a 1x1 conv back to CHANNELS
+            cat = g.add(Concat(), inputs=[x, y], name=f"{name}_cat")
+            nodes.append(g.add(Conv2d(out_channels=CHANNELS, kernel=1), inputs=[cat], name=name))
+    g.add(GlobalAvgPool(), inputs=[nodes[-1]], name="gap")
+    g.add(Linear(out_features=CLASSES), name="fc")
+    g.add(SoftmaxCrossEntropy(), inputs=["fc", "label"], name="loss")
+    return g

@@ -1,0 +1,105 @@
+"""Memory policies never change results: bit-identical training under every policy, with the
+executor's check mode on (poisoned memory, live bytes verified after every step)."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import snrt
+from snrt.config import DataConfig, TrainConfig, config_from_graph
+from snrt.scheduler.planner import POLICIES
+from snrt.train import Trainer
+from tests.scheduler.graphs import CLASSES, build, graph_recipes
+from tests.test_train import SMALL_RESNET
+
+CONCAT_NET = {
+    "name": "concat_net",
+    "input": {"shape": [3, 10, 10], "classes": 4},
+    "blocks": {
+        "mixed": {  # Inception-style branches joined by Concat, DenseNet-style reuse of $in
+            "args": {"width": None},
+            "layers": [
+                {"type": "Conv2d", "name": "a", "inputs": ["$in"], "out_channels": "$width", "kernel": 1},
+                {"type": "BatchNorm"},
+                {"type": "ReLU", "name": "a_out"},
+                {"type": "MaxPool", "name": "b", "inputs": ["$in"], "kernel": 3, "stride": 1, "padding": 1},
+                {"type": "Conv2d", "out_channels": "$width", "kernel": 3, "padding": 1},
+                {"type": "LeakyReLU", "name": "b_out", "slope": 0.1},
+                {"type": "Concat", "inputs": ["$in", "a_out", "b_out"]},
+            ],
+        }
+    },
+    "train": {"batch": 4, "seed": 1, "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0005},
+              "data": {"samples": 32}},
+    "network": [
+        {"type": "Conv2d", "out_channels": 4, "kernel": 3, "padding": 1},
+        {"block": "mixed", "args": {"width": 3}, "repeat": 2},
+        {"type": "AvgPool", "kernel": 2},
+        {"type": "Sigmoid"},
+        {"type": "Flatten"},
+        {"type": "Dropout", "p": 0.2},
+        {"type": "Linear", "out_features": "$classes"},
+        {"type": "SoftmaxCrossEntropy"},
+    ],
+}
+
+
+def run_under(config, policy, iterations):
+    """Losses, persistent arrays and (predicted, measured) peaks of a checked run."""
+    trainer = Trainer(config, policy=policy, check=True)
+    losses = [m.loss for m in trainer.fit(iterations=iterations)]
+    return losses, trainer.host_arrays(), (trainer.plan.peak_bytes, trainer.backend.arena.peak_bytes)
+
+
+def assert_policies_agree(config, iterations):
+    base_losses, base_arrays, peaks = run_under(config, "none", iterations)
+    assert peaks[0] == peaks[1]
+    for policy in POLICIES[1:]:
+        losses, arrays, (predicted, measured) = run_under(config, policy, iterations)
+        assert losses == base_losses, policy
+        for key, value in arrays.items():
+            np.testing.assert_array_equal(value, base_arrays[key], err_msg=f"{policy}: {key}")
+        assert measured == predicted, policy
+        assert predicted < peaks[0], policy
+
+
+def test_resnet_with_batchnorm_is_bit_identical_under_every_policy():
+    assert_policies_agree(snrt.load_config(SMALL_RESNET), iterations=3)
+
+
+def test_concat_branches_are_bit_identical_under_every_policy():
+    assert_policies_agree(snrt.load_config(CONCAT_NET), iterations=3)
+
+
+def test_alexnet_with_dropout_and_lrn_is_bit_identical_under_every_policy():
+    config = snrt.load_config("configs/alexnet.yaml", {
+        "input.shape": [3, 67, 67], "train.batch": 2, "train.data": {"samples": 8}})
+    assert_policies_agree(config, iterations=2)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_recipes(max_ops=8))
+def test_generated_graphs_train_identically_under_every_policy(recipe):
+    train = TrainConfig(batch=2, iterations=2, data=DataConfig(samples=8))
+    assert_policies_agree(config_from_graph(build(recipe), CLASSES, train), iterations=2)
+
+
+def test_check_mode_catches_a_read_of_freed_memory():
+    from dataclasses import replace
+
+    from snrt.executor import PlanViolation
+
+    trainer = Trainer(snrt.load_config(SMALL_RESNET), policy="liveness", check=True)
+    plan = trainer.plan
+    k = next(i for i, s in enumerate(plan.steps)
+             if s.kind == "free" and set(s.buffers) & set(plan.steps[i - 1].reads()))
+    freed = sum(plan.buffers[b].nbytes for b in plan.steps[k].buffers)
+    # run the step before that free once more, after the free: it reads freed memory
+    trainer.executor.plan = replace(
+        plan,
+        steps=plan.steps[:k + 1] + (plan.steps[k - 1],) + plan.steps[k + 1:],
+        allocations=plan.allocations[:k + 1] + ((),) + plan.allocations[k + 1:],
+        device_bytes=plan.device_bytes[:k + 1] + (plan.device_bytes[k] - freed,) + plan.device_bytes[k + 1:],
+    )
+    with pytest.raises(PlanViolation, match="holds poison"):
+        trainer.fit(iterations=1)

@@ -1,0 +1,104 @@
+"""Plans of every policy are consistent (static checks, property tests on generated graphs)."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import snrt
+from snrt.scheduler.plan import Plan
+from snrt.scheduler.planner import POLICIES, BudgetError, make_plan
+from snrt.scheduler.verify import PlanError, verify_plan
+from tests.scheduler.graphs import build, graph_recipes
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_recipes())
+def test_every_policy_gives_a_consistent_plan(recipe):
+    graph = build(recipe)
+    for policy in POLICIES:
+        plan = make_plan(graph, 2, policy)
+        verify_plan(plan)
+        verify_plan(plan, budget=plan.arena_bytes)
+        with pytest.raises(BudgetError):
+            make_plan(graph, 2, policy, budget=plan.arena_bytes - 1)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_recipes())
+def test_plans_are_deterministic_and_round_trip_through_json(recipe):
+    graph = build(recipe)
+    for policy in POLICIES:
+        text = make_plan(graph, 2, policy).to_json()
+        assert make_plan(build(recipe), 2, policy).to_json() == text
+        assert Plan.from_json(text).to_json() == text
+
+
+def test_the_verifier_catches_broken_plans():
+    from dataclasses import replace
+
+    graph = build([("conv", 0, 0), ("bn", 1, 1), ("relu", 2, 2)])
+    plan = make_plan(graph, 2, "liveness")
+    frees = [i for i, s in enumerate(plan.steps) if s.kind == "free"]
+    early = list(plan.steps)
+    moved = early.pop(frees[0])
+    early.insert(0, moved)  # free a buffer before it exists
+    with pytest.raises(PlanError):
+        verify_plan(replace(plan, steps=tuple(early)))
+    overlapping = [replace(b, offset=0) if b.role == "activation" else b for b in plan.buffers]
+    with pytest.raises(PlanError, match="overlaps"):
+        verify_plan(replace(plan, buffers=tuple(overlapping)))
+
+
+def test_policies_shrink_the_peak_of_a_resnet():
+    graph = snrt.load_config("configs/resnet50.yaml").graph
+    peaks = {p: make_plan(graph, 8, p).peak_bytes for p in POLICIES}
+    assert peaks["liveness"] < 0.5 * peaks["none"]
+    assert peaks["recompute"] < peaks["liveness"]
+    assert peaks["offload"] < peaks["liveness"]
+    assert peaks["superneurons"] < 0.5 * peaks["liveness"]
+
+
+def test_recompute_replays_only_cheap_layers():
+    graph = snrt.load_config("configs/cifar_resnet20.yaml").graph
+    plan = make_plan(graph, 4, "recompute")
+    replayed = {graph[s.node].layer.type_name for s in plan.steps if s.kind == "recompute"}
+    assert {"BatchNorm", "ReLU"} <= replayed
+    assert all(snrt.LAYERS[t].recompute_cost == "cheap" for t in replayed)
+    assert plan.recompute_flops > 0
+
+
+def test_offload_moves_bytes_to_the_host_and_waits_for_every_copy():
+    graph = snrt.load_config("configs/cifar_resnet20.yaml").graph
+    plan = make_plan(graph, 4, "offload")
+    kinds = [s.kind for s in plan.steps]
+    assert plan.host_bytes > 0
+    assert kinds.count("offload") == kinds.count("prefetch")
+    assert kinds.count("wait") == 2 * kinds.count("offload")
+
+
+def test_auto_picks_a_policy_that_fits_and_infeasible_budgets_say_what_would_work():
+    graph = snrt.load_config("configs/cifar_resnet20.yaml").graph
+    none = make_plan(graph, 8, "none")
+    roomy = make_plan(graph, 8, "auto", budget=none.arena_bytes)
+    assert roomy.arena_bytes <= none.arena_bytes and roomy.policy.startswith("auto:")
+    frugal = min(make_plan(graph, 8, p).arena_bytes for p in POLICIES)
+    tight = make_plan(graph, 8, "auto", budget=frugal)
+    assert tight.arena_bytes <= frugal
+    with pytest.raises(BudgetError) as info:
+        make_plan(graph, 8, "auto", budget=frugal - 1)
+    assert info.value.smallest_bytes == frugal
+    assert 1 <= info.value.largest_batch < 8
+    assert make_plan(graph, info.value.largest_batch, "auto", budget=frugal - 1).arena_bytes < frugal
+    assert "smallest budget that works" in str(info.value)
+
+
+def test_policy_auto_needs_a_budget():
+    graph = build([("relu", 0, 0)])
+    with pytest.raises(snrt.SnrtError, match="needs a budget"):
+        make_plan(graph, 2, "auto")
+
+
+def test_device_bytes_are_nonnegative_and_peak_is_their_max():
+    plan = make_plan(build([("conv", 0, 0), ("add", 1, 0)]), 2, "superneurons")
+    assert min(plan.device_bytes) > 0
+    assert plan.peak_bytes == max(plan.device_bytes) == int(np.max(plan.device_bytes))

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from snrt.config import DATASETS, POLICIES, config_to_yaml, load_config
+from snrt.config import DATASETS, MEMORY_POLICIES, POLICIES, config_to_yaml, load_config
 from snrt.errors import SnrtError
 from snrt.summary import human_bytes, summary_table, totals_by_type
 
@@ -47,7 +47,7 @@ def build_parser():
     _add_run_options(train)
     train.add_argument("--iterations", type=_positive_int, help="train up to this iteration (overrides train.iterations)")
     train.add_argument("--lr", type=float, help="base learning rate (overrides train.optimizer.lr)")
-    train.add_argument("--policy", choices=POLICIES, help="memory policy (overrides memory.policy)")
+    train.add_argument("--policy", choices=MEMORY_POLICIES, help="memory policy (overrides memory.policy)")
     train.add_argument("--budget", help="device-memory budget such as 12GiB (overrides memory.budget)")
     train.add_argument("--seed", type=int, help="seed for initialisation, data and dropout (overrides train.seed)")
     train.add_argument("--out", help="output folder for metrics, checkpoint and summary (default runs/NAME)")
@@ -57,6 +57,18 @@ def build_parser():
     train.add_argument("--check", action="store_true", help="debug mode: check arena overlaps, poison freed memory")
     train.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
     train.set_defaults(run=run_train)
+
+    plan = commands.add_parser("plan", help="memory plans of every policy, the steps, and a timeline PNG")
+    plan.add_argument("config", help="network YAML file, e.g. configs/resnet2500.yaml")
+    plan.add_argument("--batch", type=_positive_int, help="batch size (overrides train.batch)")
+    plan.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
+    plan.add_argument("--policy", choices=MEMORY_POLICIES, help="the policy to detail (default: memory.policy)")
+    plan.add_argument("--budget", help="device-memory budget such as 12GiB (overrides memory.budget)")
+    plan.add_argument("--json", action="store_true", help="print the per-policy summary as JSON")
+    plan.add_argument("--steps", action="store_true", help="print every step of the detailed plan")
+    plan.add_argument("--png", help="write the memory timeline of the detailed plan to this PNG file")
+    plan.add_argument("--save", help="write the detailed plan as JSON to this file")
+    plan.set_defaults(run=run_plan, data=None)
 
     evaluate = commands.add_parser("eval", help="loss and accuracy of a checkpoint on the held-out split")
     _add_run_options(evaluate)
@@ -132,16 +144,81 @@ def run_inspect(args, console):
 
 
 def plan_headline(plan):
-    """A table of the plan's peak device bytes and its buffers' bytes by role."""
-    table = Table(title=f"memory plan: policy {plan.policy}, batch {plan.batch}")
-    table.add_column("role")
-    table.add_column("bytes", justify="right")
+    """A table of the plan's device bytes by role: at the peak step, and summed over buffers."""
+    table = Table(title=f"memory plan: {plan.policy}, batch {plan.batch}")
+    table.add_column("role", no_wrap=True)
+    table.add_column("at peak", justify="right", no_wrap=True)
+    table.add_column("all buffers", justify="right", no_wrap=True)
+    at_peak = plan.peak_by_role()
     for role, nbytes in plan.bytes_by_role().items():
         if nbytes:
-            table.add_row(role.replace("_", " "), human_bytes(nbytes))
+            table.add_row(role.replace("_", " "), human_bytes(at_peak.get(role, 0)), human_bytes(nbytes))
     table.add_section()
-    table.add_row("predicted peak on device", human_bytes(plan.peak_bytes))
-    table.add_row("arena", human_bytes(plan.arena_bytes))
+    table.add_row("peak on device", human_bytes(plan.peak_bytes), "")
+    table.add_row("arena", human_bytes(plan.arena_bytes), "")
+    if plan.host_bytes:
+        table.add_row("host store", human_bytes(plan.host_bytes), "")
+    return table
+
+
+def policy_row(plan, budget):
+    """The numbers `snrt plan` shows for one plan."""
+    return {
+        "policy": plan.policy,
+        "peak_bytes": plan.peak_bytes,
+        "arena_bytes": plan.arena_bytes,
+        "peak_by_role": {r: b for r, b in plan.peak_by_role().items() if b},
+        "offloaded_bytes": plan.host_bytes,
+        "recomputed_flops": plan.recompute_flops,
+        "predicted_s": plan.predicted_s,
+        "exposed_copy_s": plan.stall_s,
+        "fits_budget": None if budget is None else plan.arena_bytes <= budget,
+    }
+
+
+def run_plan(args, console):
+    from snrt.scheduler.planner import make_plan
+
+    config = load_config(args.config, _overrides(args))
+    batch, budget = config.train.batch, config.memory.budget
+    rows = []
+    with console.status("planning...") as status:
+        for policy in POLICIES:
+            status.update(f"planning {policy}...")
+            rows.append(policy_row(make_plan(config.graph, batch, policy), budget))
+        chosen = args.policy or config.memory.policy
+        status.update(f"planning {chosen}...")
+        detail = make_plan(config.graph, batch, chosen, budget=budget)
+    if args.json:
+        print(json.dumps({"network": config.name, "batch": batch, "budget_bytes": budget, "policies": rows,
+                          "chosen": policy_row(detail, budget)}, indent=2))
+    else:
+        console.print(_policy_table(config, batch, budget, rows))
+        console.print(plan_headline(detail))
+    if args.steps:
+        for i in range(len(detail.steps)):
+            console.print(detail.describe_step(i), highlight=False, markup=False)
+    if args.save:
+        Path(args.save).write_text(detail.to_json())
+    if args.png:
+        from snrt.timeline import draw_timeline  # matplotlib only when a picture is asked for
+
+        draw_timeline(detail, args.png, budget=budget, title=f"{config.name}: {detail.policy}, batch {batch}")
+        console.print(f"timeline written to {args.png}")
+
+
+def _policy_table(config, batch, budget, rows):
+    title = f"{config.name}: memory plans at batch {batch}" + (f", budget {human_bytes(budget)}" if budget else "")
+    table = Table(title=title)
+    for header in ("policy", "peak", "arena", "act+grad@peak", "offloaded", "recomputed", "predicted", "stalls",
+                   "fits"):
+        table.add_column(header, justify="left" if header == "policy" else "right", no_wrap=True)
+    for r in rows:
+        at_peak = r["peak_by_role"].get("activation", 0) + r["peak_by_role"].get("gradient", 0)
+        table.add_row(r["policy"], human_bytes(r["peak_bytes"]), human_bytes(r["arena_bytes"]), human_bytes(at_peak),
+                      human_bytes(r["offloaded_bytes"]), f"{r['recomputed_flops'] / 1e9:.1f} GF",
+                      f"{r['predicted_s']:.2f} s", f"{r['exposed_copy_s']:.3f} s",
+                      {None: "-", True: "yes", False: "no"}[r["fits_budget"]])
     return table
 
 
@@ -237,6 +314,8 @@ def run_eval(args, console):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     console = Console()
+    if not console.is_terminal:  # logs and pipes: wide enough for the tables
+        console = Console(width=120)
     try:
         return args.run(args, console) or 0
     except SnrtError as e:

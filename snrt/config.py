@@ -24,7 +24,8 @@ from snrt.layers import LAYERS
 from snrt.layers.input import Input
 from snrt.units import parse_bytes
 
-POLICIES = ("none", "liveness", "recompute", "offload", "superneurons", "auto")
+POLICIES = ("none", "liveness", "recompute", "offload", "superneurons")  # see snrt/scheduler/planner.py
+MEMORY_POLICIES = POLICIES + ("auto",)
 OPTIMIZERS = ("sgd",)
 DATASETS = ("synthetic", "npz", "cifar10", "cifar100", "digits")
 TOP_LEVEL_KEYS = ("name", "input", "vars", "train", "memory", "blocks", "network")
@@ -109,7 +110,7 @@ CHOICES = {
     (ScheduleConfig, "type"): ("constant", "step", "cosine"),
     (DataConfig, "type"): DATASETS,
     (TrainConfig, "init"): ("default", "he", "xavier"),
-    (MemoryConfig, "policy"): POLICIES,
+    (MemoryConfig, "policy"): MEMORY_POLICIES,
 }
 POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "iterations"), (OptimizerConfig, "lr"),
             (DataConfig, "samples"), (DataConfig, "holdout")}

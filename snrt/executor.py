@@ -32,6 +32,7 @@ class Executor:
             "prefetch": self._prefetch, "wait": self._wait,
         }
         self.pending = {}  # buffer id -> copy event
+        self.measured_bytes = [0] * len(plan.steps)  # live arena bytes seen at each step
         self.optimizer = None
         self.lr = 0.0
 
@@ -61,6 +62,7 @@ class Executor:
                 arena.reserve(buffers[b])
             if i == 0:
                 self._feed(feed)
+            self.measured_bytes[i] = arena.live_bytes
             if arena.check:
                 self._verify(i, step)
             self.handlers[step.kind](step)

@@ -37,18 +37,20 @@ class Metrics:
 class Trainer:
     """Trains `config` (a snrt.Config) on `backend` ("cpu"): `fit`, `evaluate`, `save`, `restore`.
 
-    `batch` and `policy` override the config's train.batch and memory.policy; `check` turns
-    on the arena's overlap checks and NaN poisoning of released memory.
+    `batch`, `policy` and `budget` (bytes) override the config's train.batch, memory.policy
+    and memory.budget; `check` turns on the executor's check mode (poisoned memory, live
+    bytes and reads verified against the plan after every step).
     """
 
-    def __init__(self, config, backend="cpu", batch=None, policy=None, check=False):
+    def __init__(self, config, backend="cpu", batch=None, policy=None, budget=None, check=False):
         self.config = config
         self.graph = config.graph
         self.batch = batch or config.train.batch
         self.policy = policy or config.memory.policy
         train = config.train
         self.optimizer = SGD(train.optimizer.momentum, train.optimizer.nesterov, train.optimizer.weight_decay)
-        self.plan = make_plan(self.graph, self.batch, self.policy, training=True,
+        self.budget = budget if budget is not None else config.memory.budget
+        self.plan = make_plan(self.graph, self.batch, self.policy, budget=self.budget, training=True,
                               momentum=train.optimizer.momentum != 0)
         self.backend = make_backend(backend, self.plan, check=check)
         self.executor = Executor(self.graph, self.plan, self.backend)
@@ -126,7 +128,7 @@ class Trainer:
     def evaluate(self, dataset=None):
         """(mean loss, accuracy) over `dataset` (default: the held-out split), in eval mode."""
         dataset = dataset if dataset is not None else self.heldout_set
-        plan = make_plan(self.graph, self.batch, self.policy, training=False)
+        plan = make_plan(self.graph, self.batch, "liveness", training=False)  # forward only
         backend = make_backend(self._backend_name, plan, check=self._check)
         executor = Executor(self.graph, plan, backend)
         for key, value in self.host_arrays(("parameter", "state")).items():

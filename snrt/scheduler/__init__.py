@@ -1,2 +1,18 @@
 """Memory planning passes: execution order, liveness, recomputation, offload. Pure functions
 from a Graph and options to a Plan; no numpy or cupy here."""
+
+from snrt.scheduler.plan import Plan
+from snrt.scheduler.planner import BudgetError, make_plan
+from snrt.units import parse_bytes
+
+
+def plan(graph, batch, policy="none", budget=None, training=True, **options):
+    """The memory plan of one iteration of `graph` at `batch` under `policy`.
+
+    `budget` is bytes or a string such as "12GiB"; see make_plan for the other options.
+    """
+    budget = parse_bytes(budget) if budget is not None else None
+    return make_plan(graph, batch, policy, budget=budget, training=training, **options)
+
+
+__all__ = ["BudgetError", "Plan", "make_plan", "plan"]

@@ -184,6 +184,44 @@ class Plan:
             totals[b.role] += b.nbytes
         return totals
 
+    def bytes_by_role_per_step(self):
+        """[{role: bytes alive while step i runs}] for every step (the memory timeline)."""
+        live = {role: 0 for role in ROLES}
+        for b in self.buffers:
+            if b.role in PERSISTENT_ROLES:
+                live[b.role] += b.nbytes
+        out = []
+        for step, fresh in zip(self.steps, self.allocations):
+            for b in fresh:
+                live[self.buffers[b].role] += self.buffers[b].nbytes
+            out.append(dict(live))
+            if step.kind == "free":
+                for b in step.buffers:
+                    live[self.buffers[b].role] -= self.buffers[b].nbytes
+        return out
+
+    def peak_by_role(self):
+        """{role: bytes} alive at the peak step."""
+        if not self.steps:
+            return {}
+        per_step = self.bytes_by_role_per_step()
+        return per_step[self.device_bytes.index(self.peak_bytes)]
+
+    def describe_step(self, i):
+        """One line of text for step i, e.g. '12 backward conv1  reads 3 writes 2  1.2 MiB'."""
+        step = self.steps[i]
+        names = self._names
+        if step.kind in ("offload", "prefetch", "wait"):
+            what = self.buffers[step.buffer].name
+        elif step.kind == "free":
+            what = names(step.buffers)
+        else:
+            what = f"{step.node}  reads [{names(step.reads())}]  writes [{names(step.writes())}]"
+        return f"{i:6d}  {step.kind:9s} {what}  ({self.device_bytes[i]} bytes on device)"
+
+    def _names(self, ids):
+        return ", ".join(self.buffers[b].name for b in ids)
+
     def buffer(self, buffer_id):
         return self.buffers[buffer_id]
 

@@ -13,6 +13,7 @@ that states the smallest budget that works and the largest batch that fits.
 
 from dataclasses import replace
 
+from snrt.config import MEMORY_POLICIES, POLICIES
 from snrt.errors import SnrtError
 from snrt.memory.offsets import assign_offsets
 from snrt.scheduler import cost as cost_models
@@ -23,8 +24,6 @@ from snrt.scheduler.plan import Plan
 from snrt.scheduler.recompute import plan_recomputation, version_buffers
 from snrt.summary import human_bytes
 
-POLICIES = ("none", "liveness", "recompute", "offload", "superneurons")
-ALL_POLICIES = POLICIES + ("auto",)
 
 
 class BudgetError(SnrtError):
@@ -42,8 +41,8 @@ def make_plan(graph, batch, policy="none", budget=None, training=True, momentum=
     `budget` (bytes) is checked against the arena; `training` False gives a forward-only
     plan; `momentum` allocates one optimizer-state buffer per parameter.
     """
-    if policy not in ALL_POLICIES:
-        raise SnrtError(f"unknown memory policy {policy!r}; expected one of {', '.join(ALL_POLICIES)}")
+    if policy not in MEMORY_POLICIES:
+        raise SnrtError(f"unknown memory policy {policy!r}; expected one of {', '.join(MEMORY_POLICIES)}")
     if policy == "auto":
         return _auto(graph, batch, budget, training, momentum, cost_model, dtype)
     plan = _build(graph, batch, policy, training, momentum, cost_model, dtype)

@@ -1,0 +1,399 @@
+"""2-D convolution (cross-correlation, PyTorch semantics) by im2col/col2im and BLAS GEMM.
+
+Column matrix. For a chunk of `nb` samples the planned workspace holds `col` of shape
+(C*kh*kw, nb*Ho*Wo), rows ordered (c, i, j) and columns (n, ho, wo):
+
+    col[(c, i, j), (n, ho, wo)] = x[n, c, ho*sh + i*dh - ph, wo*sw + j*dw - pw]   (0 outside x)
+
+It is filled by kh*kw strided slice copies of x (one per kernel tap), zeroing only the
+strips where the window falls into the padding, so no padded copy of x is made. With stride
+1 and "same" width a tap's band of rows is one contiguous span of the flattened image, so the
+copy runs over long spans rather than single rows. Each group is then one GEMM per chunk:
+
+    forward   y[chunk, g] (Og, nb*Ho*Wo)      = W[g] (Og, Cg*kh*kw) @ col[g] (Cg*kh*kw, nb*Ho*Wo)
+    backward  gW[g] (Og, Cg*kh*kw)          += gy[chunk, g] @ col[g]^T
+              gcol[g] (Cg*kh*kw, nb*Ho*Wo)   = W[g]^T @ gy[chunk, g]   (over col), then col2im
+
+The batch is processed in chunks of `nb` samples, nb the fewest giving `GEMM_COLUMNS`
+GEMM columns (BLAS is at full speed from about 800 columns on; a per-sample GEMM on a
+14x14 image is 20 % slower), so the workspace is nb/N of a whole-batch column matrix and a
+chunk's columns are still in cache when the GEMM reads them. With nb > 1 the chunk's output
+(or output gradient) is staged batch-transposed, (O, nb*Ho*Wo), in a second workspace array;
+with nb = 1 the GEMM reads and writes y[n] / gy[n] directly. Backward sums the weight
+gradient of later chunks through one (O, C/groups*kh*kw) workspace array.
+
+A 1x1 kernel with stride 1, no padding and no dilation needs no column matrix: x[n] (C, H*W)
+already is one. Its forward uses no workspace; its backward only the weight-gradient partial.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from snrt.errors import ShapeError
+from snrt.layers.base import (
+    BACKWARD,
+    EXPENSIVE,
+    FLOAT32_BYTES,
+    Cost,
+    Layer,
+    ParamSpec,
+    Saves,
+    numel,
+    pair,
+    scratch_bytes,
+)
+from snrt.layers.registry import register
+
+GEMM_COLUMNS = 1024  # GEMM columns per chunk: BLAS runs at full speed from about 800 on
+TAP_ELEMENTS = 1 << 16  # elements per tap copy, at least: amortises a numpy call's overhead
+
+
+def _positive_pair(value, name):
+    """`pair(value, name)`, also requiring both entries to be >= 1."""
+    message = f"option '{name}' must be a positive int or pair of positive ints, got {value!r}"
+    try:
+        result = pair(value, name)
+    except ValueError:
+        raise ValueError(message) from None
+    if min(result) < 1:
+        raise ValueError(message)
+    return result
+
+
+def _positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"option '{name}' must be a positive int, got {value!r}")
+
+
+def _tap_range(size, out_size, offset, stride):
+    """Output positions [lo, hi) whose input position o*stride + offset lies in [0, size)."""
+    lo = min(out_size, max(0, -(offset // stride)))
+    hi = max(lo, min(out_size, (size - 1 - offset) // stride + 1))
+    return lo, hi
+
+
+def _zero_outside(block, h0, h1, w0, w1):
+    """Zero block[:, :, r, c] (block (C, N, Ho, Wo)) outside rows [h0, h1) x columns [w0, w1)."""
+    block[:, :, :h0] = 0
+    block[:, :, h1:] = 0
+    block[:, :, h0:h1, :w0] = 0
+    block[:, :, h0:h1, w1:] = 0
+
+
+def _prefix(buffer, shape):
+    """A C-contiguous view of `shape` over the first elements of a contiguous `buffer`."""
+    return buffer.reshape(-1)[: numel(shape)].reshape(shape)
+
+
+@register
+@dataclass(frozen=True)
+class Conv2d(Layer):
+    """y[n, o] = b[o] + sum_{c in group(o), i, j} W[o, c, i, j] * xpad[n, c, s*h + d*i, s*w + d*j].
+
+    x (N, C, H, W), W (O, C/groups, kh, kw), b (O,), y (N, O, Ho, Wo) with
+    Ho = floor((H + 2*ph - dh*(kh-1) - 1)/sh) + 1 (likewise Wo); `padding` is symmetric zero
+    padding per spatial dim; output channel o sees the input channels of its group
+    o // (O/groups). Backward reads the input and the weight only:
+    gW = sum_n gy[n] (*) x[n], gb = sum_{n,h,w} gy, gx = the transposed convolution of gy.
+    """
+
+    type_name = "Conv2d"
+    recompute_cost = EXPENSIVE
+    saves = Saves(inputs=(0,))
+    gemm_columns: ClassVar[int] = GEMM_COLUMNS
+    tap_elements: ClassVar[int] = TAP_ELEMENTS
+    out_channels: int = 1
+    kernel: int | tuple = 3  # int or (kh, kw); normalised to a pair
+    stride: int | tuple = 1
+    padding: int | tuple = 0  # symmetric zero padding per spatial dim
+    dilation: int | tuple = 1
+    groups: int = 1
+    bias: bool = True
+
+    def __post_init__(self):
+        _positive_int(self.out_channels, "out_channels")
+        _positive_int(self.groups, "groups")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"option 'bias' must be true or false, got {self.bias!r}")
+        for name in ("kernel", "stride", "dilation"):
+            object.__setattr__(self, name, _positive_pair(getattr(self, name), name))
+        message = f"option 'padding' must be a non-negative int or pair of non-negative ints, got {self.padding!r}"
+        try:
+            padding = pair(self.padding, "padding")
+        except ValueError:
+            raise ValueError(message) from None
+        if min(padding) < 0:
+            raise ValueError(message)
+        object.__setattr__(self, "padding", padding)
+
+    # ---- facts -------------------------------------------------------------------------
+    def _geometry(self, in_shapes):
+        """(N, C, H, W, Ho, Wo) after validating the input shape against the options."""
+        self.require_rank(in_shapes, 4)
+        n, c, h, w = in_shapes[0]
+        if c % self.groups:
+            raise ShapeError(f"input channels {c} are not divisible by groups {self.groups}")
+        if self.out_channels % self.groups:
+            raise ShapeError(
+                f"out_channels {self.out_channels} is not divisible by groups {self.groups}"
+            )
+        out = []
+        for size, k, s, p, d in zip((h, w), self.kernel, self.stride, self.padding, self.dilation):
+            out.append((size + 2 * p - d * (k - 1) - 1) // s + 1)
+        if min(out) < 1:
+            window = [d * (k - 1) + 1 for k, d in zip(self.kernel, self.dilation)]
+            raise ShapeError(
+                f"output spatial size {out[0]}x{out[1]} < 1: input {h}x{w} with padding "
+                f"{list(self.padding)} is smaller than the dilated kernel {window[0]}x{window[1]}"
+            )
+        return n, c, h, w, out[0], out[1]
+
+    def infer_shape(self, in_shapes):
+        n, _, _, _, ho, wo = self._geometry(in_shapes)
+        return (n, self.out_channels, ho, wo)
+
+    def param_specs(self, in_shapes):
+        _, c, _, _, _, _ = self._geometry(in_shapes)
+        kh, kw = self.kernel
+        fan_in = c // self.groups * kh * kw
+        fan_out = self.out_channels * kh * kw // self.groups
+        weight = (self.out_channels, c // self.groups, kh, kw)
+        specs = {"weight": ParamSpec(weight, "he_normal", fan_in, fan_out)}
+        if self.bias:
+            specs["bias"] = ParamSpec((self.out_channels,), "zeros", fan_in, fan_out, decay=False)
+        return specs
+
+    def _is_pointwise(self):
+        """1x1 kernel, stride 1, no padding, no dilation: the input is its own column matrix."""
+        return (self.kernel == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0)
+                and self.dilation == (1, 1))
+
+    def _chunking(self, n, c, ho, wo):
+        """(samples, output rows) per GEMM: about `gemm_columns` columns, whole rows.
+
+        A sample with more columns than that is cut into bands of rows; smaller samples are
+        grouped. A tap's copy must move at least `tap_elements` (C * columns) so that few
+        input channels do not make im2col a loop of tiny numpy calls. Chunks are balanced so
+        the last one is not much smaller than the rest. The 1x1 path works sample by sample
+        (its column matrix is x[n] itself).
+        """
+        if self._is_pointwise():
+            return 1, ho
+        columns = max(self.gemm_columns, -(-self.tap_elements // c))
+        rows = min(ho, -(-columns // wo))
+        if rows < ho:
+            return 1, -(-ho // -(-ho // rows))
+        nb = min(n, -(-columns // (ho * wo)))
+        return -(-n // -(-n // nb)), ho
+
+    def _chunk_ranges(self, n, c, ho, wo):
+        """(n0, n1, r0, r1) for every chunk: samples [n0, n1), output rows [r0, r1)."""
+        nb, rb = self._chunking(n, c, ho, wo)
+        for n0 in range(0, n, nb):
+            for r0 in range(0, ho, rb):
+                yield n0, min(n, n0 + nb), r0, min(ho, r0 + rb)
+
+    def _scratch_shapes(self, in_shapes, phase):
+        """Shapes of the workspace arrays a kernel call carves, in the order it carves them."""
+        n, c, _, _, ho, wo = self._geometry(in_shapes)
+        kh, kw = self.kernel
+        o, g = self.out_channels, self.groups
+        nb, rb = self._chunking(n, c, ho, wo)
+        shapes = []
+        if not self._is_pointwise():
+            shapes.append((c * kh * kw, nb * rb * wo))  # column matrix of one chunk
+        if nb > 1:
+            shapes.append((o, nb * rb * wo))  # the chunk's y or gy, batch-transposed
+        if phase == BACKWARD and (n > nb or ho > rb):
+            shapes.append((g, o // g, c // g * kh * kw))  # weight gradient of a later chunk
+        return shapes
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        """Column matrix of one batch chunk, staging for its output, weight-gradient partial.
+
+        See the module docstring; the 1x1 fast path needs no workspace in forward.
+        """
+        return scratch_bytes(*(numel(shape) * itemsize for shape in self._scratch_shapes(in_shapes, phase)))
+
+    def cost(self, in_shapes, phase):
+        n, c, h, w, ho, wo = self._geometry(in_shapes)
+        kh, kw = self.kernel
+        gemm = 2 * n * self.out_channels * ho * wo * (c // self.groups) * kh * kw
+        x_size, y_size = n * c * h * w, n * self.out_channels * ho * wo
+        w_size = self.out_channels * (c // self.groups) * kh * kw
+        if phase == BACKWARD:  # gx = col2im(W^T gy), gW = gy col^T, gb = sum gy
+            return Cost(2 * gemm + y_size, (2 * x_size + 2 * w_size + y_size) * FLOAT32_BYTES)
+        return Cost(gemm + (y_size if self.bias else 0), (x_size + w_size + y_size) * FLOAT32_BYTES)
+
+    # ---- im2col / col2im ---------------------------------------------------------------
+    def _tap_slices(self, in_hw, out_hw, i, j, rows):
+        """For kernel tap (i, j) and output rows [r0, r1): ((h0, h1), (w0, w1)), the output
+        ranges (rows relative to r0) whose input lies inside x, and the (rows, cols) slices of
+        x they read. Outside those ranges the tap reads padding."""
+        out_ranges, in_slices = [], []
+        bands = (rows, (0, out_hw[1]))
+        for size, out_size, (b0, b1), tap, s, p, d in zip(
+            in_hw, out_hw, bands, (i, j), self.stride, self.padding, self.dilation
+        ):
+            offset = tap * d - p
+            lo, hi = _tap_range(size, out_size, offset, s)
+            lo, hi = max(lo, b0), min(hi, b1)
+            hi = max(hi, lo)
+            out_ranges.append((lo - b0, hi - b0))
+            start = lo * s + offset
+            in_slices.append(slice(start, start + (hi - lo - 1) * s + 1, s) if hi > lo else slice(0, 0))
+        return out_ranges, in_slices
+
+    def _flat_rows(self, in_hw, out_hw):
+        """True when stride is 1 and output rows are as wide as input rows ("same" width).
+
+        Then a tap's band of output rows reads one contiguous span of the flattened input
+        image, shifted by (i*dh - ph)*W + (j*dw - pw): one long copy per (channel, sample)
+        instead of one short copy per row. The elements that wrap around a row edge land in
+        the columns outside [w0, w1), which read padding and are zeroed.
+        """
+        return self.stride == (1, 1) and in_hw[1] == out_hw[1]
+
+    def _flat_span(self, in_hw, i, j, h0, h1):
+        """(a, b, shift): the flat output positions [a, b) of tap (i, j) in output rows
+        [h0, h1) (absolute) whose flat input position a + shift, ... lies inside x."""
+        h, w = in_hw
+        shift = (i * self.dilation[0] - self.padding[0]) * w + j * self.dilation[1] - self.padding[1]
+        return max(h0 * w, -shift), min(h1 * w, h * w - shift), shift
+
+    def _tap_blocks(self, x_shape, out_hw, col, rows):
+        """Per tap: (dst, local ranges, input slices, flat span or None); dst (C, nb, rb, Wo)
+        is the tap's block of `col` for the chunk of samples x_shape[0] and output rows."""
+        n, c, h, w = x_shape
+        kh, kw = self.kernel
+        r0, r1 = rows
+        taps = col.reshape(c, kh, kw, n, r1 - r0, out_hw[1])
+        flat = self._flat_rows((h, w), out_hw)
+        for i in range(kh):
+            for j in range(kw):
+                ((h0, h1), (w0, w1)), slices = self._tap_slices((h, w), out_hw, i, j, rows)
+                span = None
+                if flat and h1 > h0 and w1 > w0:
+                    a, b, shift = self._flat_span((h, w), i, j, r0 + h0, r0 + h1)
+                    span = (a - r0 * w, b - r0 * w, a + shift, b + shift)
+                yield taps[:, i, j], (h0, h1, w0, w1), slices, span
+
+    def _im2col(self, x, out_hw, col, rows):
+        """Fill `col` (C*kh*kw, nb*rb*Wo) from x (nb, C, H, W) for output rows [r0, r1)."""
+        n, c, h, w = x.shape
+        xt = x.transpose(1, 0, 2, 3)  # (C, nb, H, W) view
+        xflat = x.reshape(n, c, h * w).transpose(1, 0, 2)  # (C, nb, H*W) view
+        for dst, (h0, h1, w0, w1), (rs, cs), span in self._tap_blocks(x.shape, out_hw, col, rows):
+            if span is not None:
+                a, b, src_a, src_b = span
+                dst.reshape(c, n, -1)[:, :, a:b] = xflat[:, :, src_a:src_b]
+            elif h1 > h0 and w1 > w0:
+                dst[:, :, h0:h1, w0:w1] = xt[:, :, rs, cs]
+            _zero_outside(dst, h0, h1, w0, w1)
+
+    def _col2im(self, col, gx, out_hw, rows):
+        """gx (nb, C, H, W) += the adjoint of im2col applied to the column gradient in `col`.
+
+        Each tap adds its (C, nb, rb, Wo) block into the strided window of gx it was read
+        from. Consumes `col` (its padding entries are zeroed on the way).
+        """
+        n, c, h, w = gx.shape
+        gxt = gx.transpose(1, 0, 2, 3)
+        gxflat = gx.reshape(n, c, h * w).transpose(1, 0, 2)
+        for src, (h0, h1, w0, w1), (rs, cs), span in self._tap_blocks(gx.shape, out_hw, col, rows):
+            if span is not None:
+                a, b, dst_a, dst_b = span
+                _zero_outside(src, h0, h1, w0, w1)  # wrapped-around entries must add nothing
+                gxflat[:, :, dst_a:dst_b] += src.reshape(c, n, -1)[:, :, a:b]
+            elif h1 > h0 and w1 > w0:
+                gxt[:, :, rs, cs] += src[:, :, h0:h1, w0:w1]
+
+    # ---- kernels -----------------------------------------------------------------------
+    def _chunks(self, ctx, x, out_hw, phase):
+        """Carve the workspace; return (staging, partial, chunks), chunks yielding
+        (n0, n1, r0, r1, col) with col (C*kh*kw, GEMM columns) filled from x.
+
+        staging (O, nb*rb*Wo) is None when chunks are single samples; partial (G, Og,
+        Cg*kh*kw) is None when there is one chunk or in forward. On the 1x1 path col is
+        x[n0] itself, (C, H*W).
+        """
+        n, c = x.shape[:2]
+        buffers = [ctx.scratch(shape, x.dtype) for shape in self._scratch_shapes([x.shape], phase)]
+        col_buffer = None if self._is_pointwise() else buffers.pop(0)
+        staging = buffers.pop(0) if self._chunking(n, c, *out_hw)[0] > 1 else None
+        partial = buffers.pop(0) if buffers else None
+
+        def chunks():
+            for n0, n1, r0, r1 in self._chunk_ranges(n, c, *out_hw):
+                if col_buffer is None:
+                    yield n0, n1, r0, r1, x[n0].reshape(c, -1)
+                    continue
+                col = _prefix(col_buffer, (col_buffer.shape[0], (n1 - n0) * (r1 - r0) * out_hw[1]))
+                self._im2col(x[n0:n1], out_hw, col, (r0, r1))
+                yield n0, n1, r0, r1, col
+
+        return staging, partial, chunks()
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        """y (N, O, Ho, Wo) = conv(x (N, C, H, W), W (O, C/g, kh, kw)) + b (O,), chunk by chunk."""
+        xp = ctx.xp
+        x = xs[0]
+        _, o, ho, wo = y.shape
+        g = self.groups
+        weight = params["weight"].reshape(g, o // g, -1)  # (G, Og, Cg*kh*kw)
+        bias = params["bias"].reshape(o, 1) if self.bias else None
+        staging, _, chunks = self._chunks(ctx, x, (ho, wo), "forward")
+        for n0, n1, r0, r1, col in chunks:
+            k, columns = n1 - n0, col.shape[1]
+            cols = col.reshape(g, -1, columns)
+            if staging is None:  # one sample: the GEMM writes the rows of y[n0] in place
+                out = y[n0].reshape(o, ho * wo)[:, r0 * wo : r1 * wo]
+                xp.matmul(weight, cols, out=out.reshape(g, o // g, columns))
+                if bias is not None:
+                    out += bias
+                continue
+            yt = _prefix(staging, (o, columns))
+            xp.matmul(weight, cols, out=yt.reshape(g, o // g, columns))
+            yt_nchw = yt.reshape(o, k, ho * wo).transpose(1, 0, 2)
+            if bias is not None:
+                xp.add(yt_nchw, bias, out=y[n0:n1].reshape(k, o, ho * wo))
+            else:
+                xp.copyto(y[n0:n1].reshape(k, o, ho * wo), yt_nchw)
+        ctx.release_scratch()
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        """gW = sum over chunks of gy col^T, gb = sum_{n,h,w} gy, gx = col2im(W^T gy)."""
+        xp = ctx.xp
+        x, gx = saved.xs[0], gxs[0]
+        n, c = x.shape[:2]
+        _, o, ho, wo = gy.shape
+        g = self.groups
+        weight_t = params["weight"].reshape(g, o // g, -1).transpose(0, 2, 1)  # (G, Cg*kh*kw, Og)
+        gweight = gparams["weight"].reshape(g, o // g, -1)
+        if self.bias:
+            xp.sum(gy.reshape(n, o, ho * wo), axis=(0, 2), out=gparams["bias"])
+        staging, partial, chunks = self._chunks(ctx, x, (ho, wo), BACKWARD)
+        for n0, n1, r0, r1, col in chunks:
+            k, columns = n1 - n0, col.shape[1]
+            if staging is None:
+                gyt = gy[n0].reshape(o, ho * wo)[:, r0 * wo : r1 * wo]
+            else:
+                gyt = _prefix(staging, (o, columns))
+                xp.copyto(gyt.reshape(o, k, ho * wo), gy[n0:n1].reshape(k, o, ho * wo).transpose(1, 0, 2))
+            gyt = gyt.reshape(g, o // g, columns)
+            cols = col.reshape(g, -1, columns)
+            if n0 == 0 and r0 == 0:
+                xp.matmul(gyt, cols.transpose(0, 2, 1), out=gweight)
+            else:
+                xp.matmul(gyt, cols.transpose(0, 2, 1), out=partial)
+                gweight += partial
+            if gx is None:
+                continue
+            if self._is_pointwise():  # the column gradient is the input gradient
+                xp.matmul(weight_t, gyt, out=gx[n0].reshape(g, c // g, -1))
+                continue
+            if r0 == 0:
+                gx[n0:n1] = 0
+            xp.matmul(weight_t, gyt, out=cols)  # column gradient, over col
+            self._col2im(col, gx[n0:n1], (ho, wo), (r0, r1))
+        ctx.release_scratch()

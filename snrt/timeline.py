@@ -1,0 +1,46 @@
+"""The memory timeline: bytes on the device per step, stacked by role, with the budget line.
+
+Predicted from a Plan, and, after a run, the measured live bytes per step drawn on top.
+"""
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+from snrt.scheduler.plan import ROLES  # noqa: E402
+
+GIB = 2**30
+MIB = 2**20
+
+
+def draw_timeline(plan, path, budget=None, measured=None, title=None):
+    """Write a PNG of `plan`'s device bytes per step to `path`.
+
+    `measured` (bytes per step, from a run) is drawn as a line over the prediction.
+    """
+    per_step = plan.bytes_by_role_per_step()
+    steps = range(len(per_step))
+    scale, unit = (GIB, "GiB") if max(plan.peak_bytes, budget or 0) >= GIB else (MIB, "MiB")
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    roles = [r for r in ROLES if any(s[r] for s in per_step)]
+    ax.stackplot(steps, *[[s[r] / scale for s in per_step] for r in roles],
+                 labels=[r.replace("_", " ") for r in roles], alpha=0.85, linewidth=0)
+    if measured is not None:
+        ax.plot(steps, [b / scale for b in measured], color="black", linewidth=1, linestyle="--",
+                label="measured")
+    if budget is not None:
+        ax.axhline(budget / scale, color="red", linewidth=1.2, label=f"budget {budget / scale:.2f} {unit}")
+    backward = next((i for i, s in enumerate(plan.steps) if s.kind == "backward"), None)
+    if backward is not None:
+        ax.axvline(backward, color="grey", linewidth=0.8, linestyle=":")
+        ax.text(backward, ax.get_ylim()[1] * 0.97, " backward", color="grey", va="top", fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"device memory ({unit})")
+    ax.set_title(title or f"{plan.policy}: peak {plan.peak_bytes / scale:.2f} {unit}, "
+                 f"arena {plan.arena_bytes / scale:.2f} {unit}, batch {plan.batch}")
+    ax.legend(loc="upper left", fontsize=8, ncol=2)
+    ax.margins(x=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

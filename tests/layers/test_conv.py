@@ -1,0 +1,224 @@
+import numpy as np
+import pytest
+import torch
+
+from snrt.errors import ShapeError
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, scratch_bytes
+from snrt.layers.conv import Conv2d
+from tests.layers.harness import check_layer
+
+
+def _reference(layer):
+    def reference(xs, p):
+        return torch.nn.functional.conv2d(xs[0], p["weight"], p.get("bias"), layer.stride, layer.padding,
+                                          layer.dilation, layer.groups)
+    return reference
+
+
+def _check(shape, **options):
+    x = np.random.default_rng(0).standard_normal(shape)
+    layer = Conv2d(**options)
+    check_layer(layer, [x], _reference(layer))
+    return layer
+
+
+@pytest.mark.parametrize("options", [
+    dict(out_channels=3, kernel=3),
+    dict(out_channels=3, kernel=3, padding=1),
+    dict(out_channels=3, kernel=3, stride=2),
+    dict(out_channels=3, kernel=3, stride=2, padding=1),
+    dict(out_channels=3, kernel=3, stride=(2, 1), padding=(1, 2)),
+    dict(out_channels=3, kernel=3, padding=1, dilation=2),
+    dict(out_channels=2, kernel=(2, 3), stride=(1, 2), padding=(0, 1), dilation=(2, 1)),
+    dict(out_channels=6, kernel=3, padding=1, groups=2),
+    dict(out_channels=4, kernel=3, padding=1, stride=2, groups=4),  # depthwise
+    dict(out_channels=8, kernel=3, padding=1, groups=4),  # depthwise, channel multiplier 2
+    dict(out_channels=3, kernel=3, padding=1, bias=False),
+    dict(out_channels=3, kernel=(1, 3), padding=(0, 1)),
+    dict(out_channels=3, kernel=(3, 1), padding=(1, 0)),
+    dict(out_channels=3, kernel=(7, 1), padding=(3, 0)),  # Inception-style factorised
+    dict(out_channels=3, kernel=(1, 7), padding=(0, 3)),
+    dict(out_channels=3, kernel=5, padding=3),  # padding wider than some taps reach
+    dict(out_channels=3, kernel=1),  # 1x1 fast path
+    dict(out_channels=6, kernel=1, groups=2, bias=False),
+    dict(out_channels=5, kernel=1, stride=2),  # 1x1 strided: general path
+    dict(out_channels=5, kernel=1, padding=1),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_conv2d(options):
+    _check((2, 4, 7, 6), **options)
+
+
+def test_conv2d_kernel_covers_input():
+    _check((1, 2, 3, 3), out_channels=2, kernel=3)  # 1x1 output, one GEMM column per sample
+
+
+def test_conv2d_single_sample_big_stride():
+    _check((1, 3, 9, 8), out_channels=2, kernel=2, stride=4, padding=2)
+
+
+def test_conv2d_float32_matches_float64():
+    rng = np.random.default_rng(3)
+    layer = Conv2d(out_channels=4, kernel=3, padding=1, stride=2)
+    x64 = rng.standard_normal((2, 3, 8, 8))
+    params = {k: rng.standard_normal(s.shape) for k, s in layer.param_specs([x64.shape]).items()}
+    outs = []
+    for dtype in (np.float32, np.float64):
+        y = np.full(layer.infer_shape([x64.shape]), np.nan, dtype)
+        ws = np.zeros(layer.workspace_bytes([x64.shape], FORWARD, np.dtype(dtype).itemsize), np.uint8)
+        layer.forward(KernelContext(np, workspace=ws), [x64.astype(dtype)],
+                      {k: v.astype(dtype) for k, v in params.items()}, {}, y, {})
+        assert y.dtype == dtype
+        outs.append(y)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+
+
+def test_conv2d_skips_data_gradient():
+    rng = np.random.default_rng(4)
+    layer = Conv2d(out_channels=3, kernel=3, padding=1)
+    x = rng.standard_normal((2, 2, 5, 5))
+    params = {k: rng.standard_normal(s.shape) for k, s in layer.param_specs([x.shape]).items()}
+    gy = rng.standard_normal(layer.infer_shape([x.shape]))
+    ws = np.zeros(layer.workspace_bytes([x.shape], BACKWARD, 8), np.uint8)
+    gparams = {k: np.full_like(v, np.nan) for k, v in params.items()}
+    from snrt.layers.base import Saved
+    layer.backward(KernelContext(np, workspace=ws), gy, Saved(xs=(x,)), params, {}, [None], gparams)
+    xt = torch.tensor(x)
+    wt = torch.tensor(params["weight"], requires_grad=True)
+    bt = torch.tensor(params["bias"], requires_grad=True)
+    torch.nn.functional.conv2d(xt, wt, bt, 1, 1).backward(torch.tensor(gy))
+    np.testing.assert_allclose(gparams["weight"], wt.grad.numpy(), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(gparams["bias"], bt.grad.numpy(), rtol=1e-10, atol=1e-10)
+
+
+def test_conv2d_infer_shape_and_params():
+    layer = Conv2d(out_channels=64, kernel=7, stride=2, padding=3)
+    assert layer.infer_shape([(8, 3, 224, 224)]) == (8, 64, 112, 112)
+    specs = Conv2d(out_channels=8, kernel=(3, 1), groups=2).param_specs([(2, 4, 5, 5)])
+    assert specs["weight"].shape == (8, 2, 3, 1) and specs["weight"].init == "he_normal"
+    assert specs["weight"].fan_in == 2 * 3 and specs["weight"].fan_out == 8 * 3 // 2
+    assert specs["bias"].shape == (8,) and specs["bias"].init == "zeros" and not specs["bias"].decay
+    assert "bias" not in Conv2d(out_channels=8, bias=False).param_specs([(2, 4, 5, 5)])
+    assert Conv2d(kernel=3, dilation=2, padding=(2, 0)).infer_shape([(1, 1, 9, 9)]) == (1, 1, 9, 5)
+
+
+def test_conv2d_options_normalised():
+    layer = Conv2d(out_channels=2, kernel=(1, 7), stride=2, padding=[0, 3])
+    assert layer.kernel == (1, 7) and layer.stride == (2, 2) and layer.padding == (0, 3)
+    assert layer.dilation == (1, 1)
+    assert layer.options()["kernel"] == [1, 7]
+
+
+def test_conv2d_workspace():
+    shape = [(2, 4, 7, 6)]
+    layer = Conv2d(out_channels=3, kernel=3, padding=1)
+    col, out = 4 * 9 * 2 * 7 * 6 * 8, 3 * 2 * 7 * 6 * 8  # whole batch in one chunk
+    assert layer.workspace_bytes(shape, FORWARD, 8) == scratch_bytes(col, out)
+    assert layer.workspace_bytes(shape, BACKWARD, 8) == scratch_bytes(col, out)
+    pointwise = Conv2d(out_channels=3, kernel=1)
+    assert pointwise.workspace_bytes(shape, FORWARD, 4) == 0
+    assert pointwise.workspace_bytes(shape, BACKWARD, 4) == scratch_bytes(3 * 4 * 4)
+    assert pointwise.workspace_bytes([(1, 4, 7, 6)], BACKWARD, 4) == 0
+
+
+def test_conv2d_workspace_is_one_chunk():
+    """The workspace holds one chunk's column matrix, not the batch's: bands of rows of one
+    sample for big images, a few samples for small ones, about gemm_columns GEMM columns."""
+    layer = Conv2d(out_channels=64, kernel=3, padding=1)
+    columns = 19 * 56  # 56 rows in 3 bands of at most 19 rows (gemm_columns 1024)
+    assert layer._chunking(8, 64, 56, 56) == (1, 19)
+    assert layer.workspace_bytes([(8, 64, 56, 56)], FORWARD, 4) == 64 * 9 * columns * 4
+    assert layer.workspace_bytes([(8, 64, 56, 56)], BACKWARD, 4) == scratch_bytes(
+        64 * 9 * columns * 4, 64 * 64 * 9 * 4)
+    assert layer._chunking(8, 64, 14, 14) == (4, 14)  # 2 chunks of 4 samples, 784 columns each
+    assert layer.workspace_bytes([(8, 64, 14, 14)], FORWARD, 4) == scratch_bytes(
+        64 * 9 * 4 * 196 * 4, 64 * 4 * 196 * 4)
+    assert layer.workspace_bytes([(1, 64, 14, 14)], BACKWARD, 4) == scratch_bytes(64 * 9 * 196 * 4)
+    stem = Conv2d(out_channels=64, kernel=7, stride=2, padding=3)
+    assert stem._chunking(8, 3, 112, 112) == (2, 112)  # 3 channels: big chunks, few numpy calls
+
+
+# gemm_columns 1: one output row per chunk; 10: bands of 2, 2, 2, 1 rows (or 2 + 1 samples);
+# 50: 2 + 1 samples; 100: the whole batch in one chunk.
+@pytest.mark.parametrize("gemm_columns", [1, 10, 50, 100])
+@pytest.mark.parametrize("options", [
+    dict(out_channels=4, kernel=3, padding=1, groups=2),
+    dict(out_channels=3, kernel=(2, 3), stride=2, bias=False),
+    dict(out_channels=2, kernel=3, padding=(2, 1), dilation=(2, 1)),
+    dict(out_channels=4, kernel=1, groups=2),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_conv2d_batch_chunks(monkeypatch, gemm_columns, options):
+    monkeypatch.setattr(Conv2d, "gemm_columns", gemm_columns)
+    monkeypatch.setattr(Conv2d, "tap_elements", 1)
+    _check((3, 4, 7, 5), **options)
+
+
+def test_conv2d_cost():
+    layer = Conv2d(out_channels=8, kernel=3, padding=1, groups=2)
+    forward = layer.cost([(2, 4, 5, 5)], FORWARD)
+    assert forward.flops == 2 * 2 * 8 * 25 * 2 * 9 + 2 * 8 * 25
+    assert layer.cost([(2, 4, 5, 5)], BACKWARD).flops > forward.flops
+
+
+@pytest.mark.parametrize("in_shape, options, words", [
+    ((2, 4, 7), dict(), "NCHW"),
+    ((2, 3, 7, 7), dict(groups=2, out_channels=2), "input channels 3"),
+    ((2, 4, 7, 7), dict(groups=2, out_channels=3), "out_channels 3"),
+    ((2, 4, 2, 7), dict(kernel=3), "output spatial size"),
+    ((2, 4, 5, 5), dict(kernel=3, dilation=3), "output spatial size"),
+])
+def test_conv2d_shape_errors(in_shape, options, words):
+    with pytest.raises(ShapeError, match=words):
+        Conv2d(**options).infer_shape([in_shape])
+
+
+@pytest.mark.parametrize("options, name", [
+    (dict(stride=0), "stride"),
+    (dict(kernel=(3, 0)), "kernel"),
+    (dict(kernel=(3, 3, 3)), "kernel"),
+    (dict(kernel=2.5), "kernel"),
+    (dict(dilation=True), "dilation"),
+    (dict(padding=-1), "padding"),
+    (dict(padding="same"), "padding"),
+    (dict(out_channels=0), "out_channels"),
+    (dict(groups=0), "groups"),
+    (dict(bias="yes"), "bias"),
+])
+def test_conv2d_option_validation(options, name):
+    with pytest.raises(ValueError, match=f"option '{name}'"):
+        Conv2d(**options)
+
+
+def test_conv2d_stride_message():
+    with pytest.raises(ValueError, match=r"option 'stride' must be a positive int or pair of positive ints, got 0"):
+        Conv2d(stride=0)
+
+
+@pytest.mark.parametrize("gemm_columns", [5, 1000])
+@pytest.mark.parametrize("options", [
+    dict(out_channels=3, kernel=3, padding=2, stride=2),
+    dict(out_channels=4, kernel=(3, 1), padding=(1, 0), groups=2),
+    dict(out_channels=3, kernel=3, padding=1),
+    dict(out_channels=3, kernel=1),
+])
+def test_conv2d_ignores_stale_workspace(monkeypatch, options, gemm_columns):
+    """The harness hands out zeroed workspace; a planned one holds leftovers (here NaN bytes)."""
+    monkeypatch.setattr(Conv2d, "gemm_columns", gemm_columns)
+    monkeypatch.setattr(Conv2d, "tap_elements", 1)
+    rng = np.random.default_rng(5)
+    layer = Conv2d(**options)
+    x = rng.standard_normal((2, 4, 6, 5))
+    params = {k: rng.standard_normal(s.shape) for k, s in layer.param_specs([x.shape]).items()}
+    gy = rng.standard_normal(layer.infer_shape([x.shape]))
+    from snrt.layers.base import Saved
+    results = []
+    for fill in (0, 0xFF):
+        def ctx(phase):
+            return KernelContext(np, workspace=np.full(layer.workspace_bytes([x.shape], phase, 8), fill, np.uint8))
+        y = np.full(gy.shape, np.nan)
+        layer.forward(ctx(FORWARD), [x], params, {}, y, {})
+        gxs, gparams = [np.full_like(x, np.nan)], {k: np.full_like(v, np.nan) for k, v in params.items()}
+        layer.backward(ctx(BACKWARD), gy, Saved(xs=(x,)), params, {}, gxs, gparams)
+        results.append([y, gxs[0], *gparams.values()])
+    for clean, stale in zip(*results):
+        assert not np.isnan(stale).any()
+        np.testing.assert_array_equal(clean, stale)

@@ -5,6 +5,8 @@ them under `allocations`, die at `free` steps, and every array a kernel touches 
 the backend's arena at the planned offset.
 """
 
+import time
+
 from snrt.layers.base import KernelContext, Saved
 from snrt.scheduler.plan import PERSISTENT_ROLES
 
@@ -33,6 +35,7 @@ class Executor:
         }
         self.pending = {}  # buffer id -> copy event
         self.measured_bytes = [0] * len(plan.steps)  # live arena bytes seen at each step
+        self.copy_stats = {"copy_s": 0.0, "stalled_s": 0.0}  # copy time, and how much the compute waited
         self.optimizer = None
         self.lr = 0.0
 
@@ -129,7 +132,11 @@ class Executor:
         self.pending[step.buffer] = self.backend.prefetch(buffers[step.buffer], buffers[step.source])
 
     def _wait(self, step):
-        self.pending.pop(step.buffer).wait()
+        event = self.pending.pop(step.buffer)
+        start = time.perf_counter()
+        event.wait()
+        self.copy_stats["stalled_s"] += time.perf_counter() - start
+        self.copy_stats["copy_s"] += event.seconds
 
     def _verify(self, i, step):
         """Check mode: the live bytes are the plan's, and no step reads poisoned memory."""

@@ -8,6 +8,7 @@ wait sees the poison instead of data that happened to arrive in time.
 
 import queue
 import threading
+import time
 
 
 class CopyEvent:
@@ -17,13 +18,16 @@ class CopyEvent:
         self._done = threading.Event()
         self._copy = copy  # set only for lazy copies: run at wait time
         self.error = None
+        self.seconds = 0.0  # how long the copy itself took
 
     def _run(self, copy):
+        start = time.perf_counter()
         try:
             copy()
         except BaseException as e:  # reported to the waiter
             self.error = e
         finally:
+            self.seconds = time.perf_counter() - start
             self._done.set()
 
     def wait(self):

@@ -51,6 +51,7 @@ class BatchNorm(Layer):
     saves = Saves(inputs=(0,))
     momentum: float = 0.1
     eps: float = 1e-5
+    zero_init: bool = False  # scale starts at 0: a residual branch starts as nothing (Goyal et al. 2017)
 
     def __post_init__(self):
         _check_number(self.momentum, "momentum", 0, high=1)
@@ -69,7 +70,7 @@ class BatchNorm(Layer):
     def param_specs(self, in_shapes):
         c = self._channels(in_shapes)
         return {
-            "weight": ParamSpec((c,), "ones", decay=False),
+            "weight": ParamSpec((c,), "zeros" if self.zero_init else "ones", decay=False),
             "bias": ParamSpec((c,), "zeros", decay=False),
         }
 

@@ -22,13 +22,14 @@ def image_graph(name, channels, image_size):
     return g, "data"
 
 
-def conv_bn_relu(g, x, name, out_channels, kernel, stride=1, padding=0, eps=1e-5, relu=True):
+def conv_bn_relu(g, x, name, out_channels, kernel, stride=1, padding=0, eps=1e-5, relu=True, zero_init=False):
     """Conv2d (no bias: BatchNorm's shift replaces it), BatchNorm, then ReLU unless relu=False.
 
+    `zero_init` starts the BatchNorm scale at 0 (the last unit of a residual branch).
     Returns the name of the last node; nodes are named `<name>.conv`, `.bn`, `.relu`.
     """
     y = g.add(Conv2d(out_channels, kernel, stride, padding, bias=False), [x], f"{name}.conv")
-    y = g.add(BatchNorm(eps=eps), [y], f"{name}.bn")
+    y = g.add(BatchNorm(eps=eps, zero_init=zero_init), [y], f"{name}.bn")
     return g.add(ReLU(), [y], f"{name}.relu") if relu else y
 
 

@@ -33,17 +33,19 @@ def _residual(g, x, y, name, stride):
 
 
 def bottleneck(g, x, name, width, stride=1):
-    """1x1 width, 3x3 width (stride), 1x1 4*width, each with BN; shortcut; ReLU. Returns the output."""
+    """1x1 width, 3x3 width (stride), 1x1 4*width, each with BN (the last one's scale starting
+    at 0, so that the block starts as its shortcut); shortcut; ReLU. Returns the output."""
     y = conv_bn_relu(g, x, f"{name}.a", width, 1)
     y = conv_bn_relu(g, y, f"{name}.b", width, 3, stride, 1)
-    y = conv_bn_relu(g, y, f"{name}.c", 4 * width, 1, relu=False)
+    y = conv_bn_relu(g, y, f"{name}.c", 4 * width, 1, relu=False, zero_init=True)
     return _residual(g, x, y, name, stride)
 
 
 def basic_block(g, x, name, width, stride=1):
-    """Two 3x3 convs of `width` (the first with the stride), each with BN; shortcut; ReLU."""
+    """Two 3x3 convs of `width` (the first with the stride), each with BN (the last one's scale
+    starting at 0); shortcut; ReLU."""
     y = conv_bn_relu(g, x, f"{name}.a", width, 3, stride, 1)
-    y = conv_bn_relu(g, y, f"{name}.b", width, 3, 1, 1, relu=False)
+    y = conv_bn_relu(g, y, f"{name}.b", width, 3, 1, 1, relu=False, zero_init=True)
     return _residual(g, x, y, name, stride)
 
 

@@ -32,28 +32,29 @@ def _residual(g, x, y, name, stride):
     return g.add(ReLU(), [y], f"{name}.relu")
 
 
-def bottleneck(g, x, name, width, stride=1):
-    """1x1 width, 3x3 width (stride), 1x1 4*width, each with BN (the last one's scale starting
-    at 0, so that the block starts as its shortcut); shortcut; ReLU. Returns the output."""
+def bottleneck(g, x, name, width, stride=1, zero_init=False):
+    """1x1 width, 3x3 width (stride), 1x1 4*width, each with BN; shortcut; ReLU. Returns the output.
+
+    `zero_init` starts the last BN's scale at 0, so that the block starts as its shortcut.
+    """
     y = conv_bn_relu(g, x, f"{name}.a", width, 1)
     y = conv_bn_relu(g, y, f"{name}.b", width, 3, stride, 1)
-    y = conv_bn_relu(g, y, f"{name}.c", 4 * width, 1, relu=False, zero_init=True)
+    y = conv_bn_relu(g, y, f"{name}.c", 4 * width, 1, relu=False, zero_init=zero_init)
     return _residual(g, x, y, name, stride)
 
 
-def basic_block(g, x, name, width, stride=1):
-    """Two 3x3 convs of `width` (the first with the stride), each with BN (the last one's scale
-    starting at 0); shortcut; ReLU."""
+def basic_block(g, x, name, width, stride=1, zero_init=False):
+    """Two 3x3 convs of `width` (the first with the stride), each with BN; shortcut; ReLU."""
     y = conv_bn_relu(g, x, f"{name}.a", width, 3, stride, 1)
-    y = conv_bn_relu(g, y, f"{name}.b", width, 3, 1, 1, relu=False, zero_init=True)
+    y = conv_bn_relu(g, y, f"{name}.b", width, 3, 1, 1, relu=False, zero_init=zero_init)
     return _residual(g, x, y, name, stride)
 
 
-def _stages(g, x, block, widths, counts, strides):
+def _stages(g, x, block, widths, counts, strides, zero_init=False):
     """`counts[s]` blocks of `widths[s]` per stage, the first of each with `strides[s]`."""
     for s, (width, count, stride) in enumerate(zip(widths, counts, strides), start=1):
         for i in range(count):
-            x = block(g, x, f"stage{s}.{i}", width, stride if i == 0 else 1)
+            x = block(g, x, f"stage{s}.{i}", width, stride if i == 0 else 1, zero_init)
     return x
 
 
@@ -62,11 +63,12 @@ def _head(g, x, classes):
     return classifier_head(g, x, classes)
 
 
-def resnet(depth=None, stages=None, image_size=224, classes=1000):
+def resnet(depth=None, stages=None, image_size=224, classes=1000, zero_init_residual=False):
     """ImageNet bottleneck ResNet of any depth (ResNet-50 when neither depth nor stages is given).
 
     `stages` (four block counts) defaults to the paper's table for depth 50, 101, 152, 200;
     any other depth needs `stages`, and depth must equal 3 * sum(stages) + 2 when both are given.
+    `zero_init_residual` starts every block as its shortcut (needed to train thousands of layers).
     """
     if stages is None:
         depth = 50 if depth is None else depth
@@ -79,13 +81,17 @@ def resnet(depth=None, stages=None, image_size=224, classes=1000):
     g, x = image_graph(f"resnet{depth}", 3, image_size)
     x = conv_bn_relu(g, x, "conv1", 64, 7, 2, 3)
     x = g.add(MaxPool(kernel=3, stride=2, padding=1), [x], "maxpool")
-    x = _stages(g, x, bottleneck, (64, 128, 256, 512), stages, (1, 2, 2, 2))
+    x = _stages(g, x, bottleneck, (64, 128, 256, 512), stages, (1, 2, 2, 2), zero_init_residual)
     return _head(g, x, classes)
 
 
 def resnet2500(image_size=227, classes=1000):
-    """SuperNeurons' ResNet2500: bottleneck stages of 6, 32, 788, 6 blocks (depth 2498)."""
-    return resnet(stages=SUPERNEURONS_2500_STAGES, image_size=image_size, classes=classes)
+    """SuperNeurons' ResNet2500: bottleneck stages of 6, 32, 788, 6 blocks (depth 2498).
+
+    Every block starts as its shortcut (zero-initialised last BN scale): without it, the
+    variances of 832 residual branches add up and the first updates diverge.
+    """
+    return resnet(stages=SUPERNEURONS_2500_STAGES, image_size=image_size, classes=classes, zero_init_residual=True)
 
 
 BLOCKS = {"basic": (basic_block, 2), "bottleneck": (bottleneck, 3)}  # block, convs per block

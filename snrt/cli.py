@@ -263,6 +263,12 @@ def run_train(args, console):
     elif not args.no_eval:
         summary["heldout_loss"], summary["heldout_accuracy"] = trainer.evaluate()
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if history:
+        from snrt.timeline import draw_timeline  # matplotlib only once there is something to draw
+
+        draw_timeline(trainer.plan, out / "memory.png", budget=trainer.budget,
+                      measured=trainer.executor.measured_bytes, title=f"{config.name}: {trainer.plan.policy}, "
+                      f"batch {trainer.batch} (measured dashed)")
     console.print(_summary_table(summary))
     return 130 if trainer.stop_requested else 0
 

@@ -172,18 +172,16 @@ class Graph:
 
     def param_specs(self):
         """{node name: {param name: ParamSpec}} for nodes that have parameters."""
-        specs = {}
-        for node in self.nodes.values():
-            node_specs = node.layer.param_specs(self.in_shapes(node.name, 1))
-            if node_specs:
-                specs[node.name] = node_specs
-        return specs
+        return self._specs("param_specs")
 
     def state_specs(self):
         """{node name: {state name: StateSpec}} for nodes with persistent state."""
+        return self._specs("state_specs")
+
+    def _specs(self, method):
         specs = {}
         for node in self.nodes.values():
-            node_specs = node.layer.state_specs(self.in_shapes(node.name, 1))
+            node_specs = getattr(node.layer, method)(self.in_shapes(node.name, 1))
             if node_specs:
                 specs[node.name] = node_specs
         return specs

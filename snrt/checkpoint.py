@@ -31,10 +31,17 @@ def save_checkpoint(path, arrays, meta):
             np.savez(f, __meta__=np.frombuffer(json.dumps({"format": FORMAT, **meta}).encode(), np.uint8), **arrays)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def load_checkpoint(path):

@@ -1,0 +1,84 @@
+"""The command line as a user meets it: inspect, plan, train, eval, Ctrl-C and resume."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from snrt.cli import main
+
+LENET = "configs/lenet.yaml"
+SYNTHETIC = ["--data", "synthetic"]
+
+
+def test_inspect_json_reports_the_published_parameter_count(capsys):
+    assert main(["inspect", "configs/resnet50.yaml", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["params"] == 25_557_032
+    assert report["layers"] == sum(t["layers"] for t in report["by_type"])
+    assert {t["type"] for t in report["by_type"]} >= {"Conv2d", "BatchNorm", "ReLU", "Add", "Linear"}
+
+
+def test_plan_prints_every_policy_and_writes_a_timeline(tmp_path, capsys):
+    png = tmp_path / "timeline.png"
+    assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--policy", "superneurons",
+                 "--png", str(png), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.split("timeline written")[0])
+    assert [r["policy"] for r in report["policies"]] == ["none", "liveness", "recompute", "offload", "superneurons"]
+    assert report["chosen"]["policy"] == "superneurons"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_with_an_infeasible_budget_says_what_would_work(capsys):
+    assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--policy", "auto", "--budget", "4MiB"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "smallest budget that works is" in err and "largest batch" in err
+
+
+def test_train_writes_metrics_checkpoint_summary_and_timeline(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", LENET, *SYNTHETIC, "--iterations", "3", "--batch", "8", "--out", str(out),
+                 "--no-progress", "--policy", "superneurons"]) == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in lines] == [0, 1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["measured_peak_device_bytes"] == summary["predicted_peak_device_bytes"]
+    assert 0 <= summary["heldout_accuracy"] <= 1
+    assert (out / "checkpoint.npz").stat().st_size > 0
+    assert (out / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["eval", LENET, *SYNTHETIC, "--batch", "8", "--checkpoint", str(out / "checkpoint.npz")]) == 0
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "snrt.cli", "train", LENET, *SYNTHETIC, "--iterations", "100000",
+               "--batch", "8", "--out", str(out), "--no-progress", "--no-eval"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "interrupted at iteration" in output and "Traceback" not in output
+    done = len(metrics.read_text().splitlines())
+    assert main(["train", LENET, *SYNTHETIC, "--iterations", str(done + 2), "--batch", "8", "--out", str(out),
+                 "--no-progress", "--no-eval", "--resume"]) == 0
+    iterations = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()]
+    assert iterations == list(range(done + 2))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "configs/nope.yaml"], "file not found"),
+    (["train", LENET, "--data", "cifar10:/no/such/folder"], "/no/such/folder"),
+    (["eval", LENET, *SYNTHETIC, "--checkpoint", "/no/such.npz"], "checkpoint not found"),
+    (["train", LENET, "--data", "npz:/no/such.npz"], "/no/such.npz"),
+])
+def test_user_errors_are_one_line_without_a_traceback(argv, words, capsys, tmp_path):
+    assert main([*argv, "--no-progress"] + (["--out", str(tmp_path)] if argv[0] == "train" else [])) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err

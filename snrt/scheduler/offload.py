@@ -31,13 +31,15 @@ def offload_candidates(steps, buffers, start, keep=()):
     return sorted(chosen, key=lambda b: last_before[b]), last_before, first_read_after
 
 
-def plan_offload(steps, buffers, seconds, model, keep=()):
+def plan_offload(steps, buffers, seconds, model, keep=(), hide_copies=True):
     """`steps` with offload/wait after forward uses and prefetch/wait before backward uses.
 
     `seconds[i]` is the predicted compute time of step i; `keep` are never offloaded. After
     recomputation only checkpoints are still read by the backward pass, so under the
     superneurons policy exactly the checkpoints are offloaded. Returns
-    (steps, {buffer id: host slot offset}, host bytes).
+    (steps, {buffer id: host slot offset}, host bytes). With `hide_copies` False every copy
+    is waited for at once and prefetched just before its use: slower, but no tensor is on
+    the device longer than it must be (what a tight budget needs).
     """
     start = backward_start(steps)
     chosen, last_before, first_after = offload_candidates(steps, buffers, start, keep)
@@ -49,9 +51,9 @@ def plan_offload(steps, buffers, seconds, model, keep=()):
         copy_s = model.copy_s(buffers[b].nbytes)
         last, use = last_before[b], first_after[b]
         after.setdefault(last, []).append(Offload(b))
-        wait_at = _hide_forward(seconds, last + 1, start, copy_s)
+        wait_at = _hide_forward(seconds, last + 1, start, copy_s if hide_copies else 0.0)
         before.setdefault(wait_at, []).append(Wait(b))
-        fetch_at = _hide_backward(seconds, use, max(wait_at, start), copy_s)
+        fetch_at = _hide_backward(seconds, use, max(wait_at, start), copy_s if hide_copies else 0.0)
         before.setdefault(fetch_at, []).append(Prefetch(b, b))
         before.setdefault(use, []).append(Wait(b))
     out = []

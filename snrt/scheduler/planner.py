@@ -26,6 +26,9 @@ from snrt.summary import human_bytes
 
 
 
+COPYING = ("offload", "superneurons")  # policies whose prefetch distance trades memory for speed
+
+
 class BudgetError(SnrtError):
     """No policy fits the budget. `smallest_bytes` works at this batch; `largest_batch` fits."""
 
@@ -46,12 +49,15 @@ def make_plan(graph, batch, policy="none", budget=None, training=True, momentum=
     if policy == "auto":
         return _auto(graph, batch, budget, training, momentum, cost_model, dtype)
     plan = _build(graph, batch, policy, training, momentum, cost_model, dtype)
+    if budget is not None and plan.arena_bytes > budget and policy in COPYING:
+        plan = _build(graph, batch, policy, training, momentum, cost_model, dtype, hide_copies=False)
     if budget is not None and plan.arena_bytes > budget:
         raise _infeasible(graph, batch, budget, (policy,), training, momentum, cost_model, dtype)
     return plan
 
 
-def _build(graph, batch, policy, training, momentum, cost_model, dtype):
+def _build(graph, batch, policy, training, momentum, cost_model, dtype, hide_copies=True):
+    """The plan of `policy`; `hide_copies` False prefetches just in time (see plan_offload)."""
     it = build_iteration(graph, batch, training, momentum, dtype)
     table = BufferTable()
     table.buffers = list(it.buffers)
@@ -63,7 +69,7 @@ def _build(graph, batch, policy, training, momentum, cost_model, dtype):
         steps = version_buffers(steps, table)
     if policy in ("offload", "superneurons") and training:
         seconds = [cost_models.step_seconds(s, graph, batch, cost_model) for s in steps]
-        steps, slots, host_bytes = plan_offload(steps, table.buffers, seconds, cost_model, keep)
+        steps, slots, host_bytes = plan_offload(steps, table.buffers, seconds, cost_model, keep, hide_copies)
         steps = version_buffers(steps, table)
     if policy != "none":
         steps = insert_frees(steps, table.buffers, keep)
@@ -81,25 +87,32 @@ def _build(graph, batch, policy, training, momentum, cost_model, dtype):
                 predicted_s=predicted_s, stall_s=stall_s, recompute_flops=recompute_flops)
 
 
+def _candidates(graph, batch, policies, training, momentum, cost_model, dtype):
+    """[(plan, hide_copies)] for `policies`, the copying ones also with just-in-time prefetch."""
+    return [(_build(graph, batch, p, training, momentum, cost_model, dtype, hide), hide)
+            for p in policies for hide in ((True, False) if p in COPYING else (True,))]
+
+
 def _auto(graph, batch, budget, training, momentum, cost_model, dtype):
     """The fastest policy whose arena fits `budget` (ties: the smaller arena)."""
     if budget is None:
         raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
-    plans = [_build(graph, batch, p, training, momentum, cost_model, dtype) for p in POLICIES]
-    fitting = [p for p in plans if p.arena_bytes <= budget]
+    candidates = _candidates(graph, batch, POLICIES, training, momentum, cost_model, dtype)
+    fitting = [plan for plan, _ in candidates if plan.arena_bytes <= budget]
     if not fitting:
-        raise _infeasible(graph, batch, budget, POLICIES, training, momentum, cost_model, dtype, plans)
+        raise _infeasible(graph, batch, budget, POLICIES, training, momentum, cost_model, dtype, candidates)
     best = min(fitting, key=lambda p: (p.predicted_s, p.arena_bytes))
     return replace(best, policy=f"auto:{best.policy}")
 
 
-def _infeasible(graph, batch, budget, policies, training, momentum, cost_model, dtype, plans=None):
-    plans = plans or [_build(graph, batch, p, training, momentum, cost_model, dtype) for p in policies]
-    smallest = min(p.arena_bytes for p in plans)
-    frugal = min(plans, key=lambda p: p.arena_bytes).policy
+def _infeasible(graph, batch, budget, policies, training, momentum, cost_model, dtype, candidates=None):
+    """The BudgetError for `budget`: the smallest budget that works, the largest batch that fits."""
+    candidates = candidates or _candidates(graph, batch, policies, training, momentum, cost_model, dtype)
+    frugal, hide = min(candidates, key=lambda c: c[0].arena_bytes)
+    smallest = frugal.arena_bytes
 
     def fits(b):
-        return _build(graph, b, frugal, training, momentum, cost_model, dtype).arena_bytes <= budget
+        return _build(graph, b, frugal.policy, training, momentum, cost_model, dtype, hide).arena_bytes <= budget
 
     low, high = 0, batch - 1  # the largest batch in [1, batch) that fits, by bisection
     while low < high:
@@ -110,9 +123,9 @@ def _infeasible(graph, batch, budget, policies, training, momentum, cost_model, 
             high = mid - 1
     largest = low
     names = "/".join(policies)
-    where = f"the largest batch that fits is {largest} (policy {frugal})" if largest else \
+    where = f"the largest batch that fits is {largest} (policy {frugal.policy})" if largest else \
         "no batch size fits: the parameters and optimizer state alone are too large"
     return BudgetError(
         f"budget {human_bytes(budget)} is too small for batch {batch} under {names}: the smallest "
-        f"budget that works is {human_bytes(smallest)} ({smallest} bytes, policy {frugal}); {where}",
+        f"budget that works is {human_bytes(smallest)} ({smallest} bytes, policy {frugal.policy}); {where}",
         smallest, largest)

@@ -1,8 +1,11 @@
 """Offset assignment: every buffer gets a fixed place in one device arena.
 
-The buffers' live intervals are replayed in step order against a best-fit allocator over
-one address range (holes are coalesced on free), so two buffers share bytes only when their
-intervals do not overlap. The arena is the highest address used; the sum of live bytes at
+Two buffers may share bytes only when their live intervals do not overlap. Two packings are
+tried and the smaller arena kept: the intervals replayed in step order against a best-fit
+allocator (holes coalesced on free; linear in the number of buffers), and, for plans of up to
+GREEDY_MAX_BUFFERS buffers, the offline greedy that places the largest buffers first, each at
+the lowest offset free over its whole interval (quadratic, usually tighter). Persistent
+buffers sit at the bottom. The arena is the highest address used; the sum of live bytes at
 the peak step is the lower bound any assignment must reach.
 """
 
@@ -12,6 +15,7 @@ from dataclasses import replace
 from snrt.scheduler.plan import PERSISTENT_ROLES
 
 ALIGN_BYTES = 256
+GREEDY_MAX_BUFFERS = 8000
 
 
 def aligned(nbytes):
@@ -64,16 +68,59 @@ class _Holes:
 
 def assign_offsets(buffers, steps, allocations):
     """(buffers with offsets, arena bytes) for buffers alive as `allocations` and Free steps say."""
-    holes = _Holes()
-    offsets = {}
-    for b in buffers:
-        if b.role in PERSISTENT_ROLES:
-            offsets[b.id] = holes.take(aligned(b.nbytes))
+    resident = [b.id for b in buffers if b.role in PERSISTENT_ROLES]
+    offsets, bottom = {}, 0
+    for b in resident:
+        offsets[b] = bottom
+        bottom += aligned(buffers[b].nbytes)
+    intervals = _intervals(steps, allocations)
+    best, top = _best_fit(buffers, steps, allocations)
+    if len(intervals) <= GREEDY_MAX_BUFFERS:
+        greedy, greedy_top = _largest_first(buffers, intervals)
+        if greedy_top < top:
+            best, top = greedy, greedy_top
+    offsets.update({b: bottom + off for b, off in best.items()})
+    placed = [replace(b, offset=offsets.get(b.id, -1)) for b in buffers]
+    return placed, bottom + top
+
+
+def _intervals(steps, allocations):
+    """{buffer id: (first step alive, last step alive)} of the non-persistent buffers."""
+    start, end = {}, {}
+    for i, (step, fresh) in enumerate(zip(steps, allocations)):
+        for b in fresh:
+            start[b] = i
+        if step.kind == "free":
+            for b in step.buffers:
+                end[b] = i
+    return {b: (s, end.get(b, len(steps))) for b, s in start.items()}
+
+
+def _best_fit(buffers, steps, allocations):
+    """Offsets (from 0) by replaying allocations and frees against a best-fit allocator."""
+    holes, offsets = _Holes(), {}
     for step, fresh in zip(steps, allocations):
         for b in fresh:
             offsets[b] = holes.take(aligned(buffers[b].nbytes))
         if step.kind == "free":
             for b in step.buffers:
                 holes.give(offsets[b], aligned(buffers[b].nbytes))
-    placed = [replace(b, offset=offsets.get(b.id, -1)) for b in buffers]
-    return placed, holes.top
+    return offsets, holes.top
+
+
+def _largest_first(buffers, intervals):
+    """Offsets (from 0): largest buffers first, each at the lowest offset free over its interval."""
+    order = sorted(intervals, key=lambda b: (-aligned(buffers[b].nbytes), intervals[b][0], b))
+    placed, offsets, top = [], {}, 0
+    for b in order:
+        start, end = intervals[b]
+        size = aligned(buffers[b].nbytes)
+        offset = 0
+        for low, high in sorted((o, o + n) for s, e, o, n in placed if s <= end and start <= e):
+            if offset + size <= low:
+                break
+            offset = max(offset, high)
+        placed.append((start, end, offset, size))
+        offsets[b] = offset
+        top = max(top, offset + size)
+    return offsets, top

@@ -21,7 +21,7 @@ from snrt.scheduler.liveness import allocation_points, insert_frees, predict_dev
 from snrt.scheduler.offload import plan_offload, with_host_slots
 from snrt.scheduler.order import BufferTable, build_iteration
 from snrt.scheduler.plan import Plan
-from snrt.scheduler.recompute import plan_recomputation, version_buffers
+from snrt.scheduler.recompute import plan_recomputation, speed_segments_that_fit, version_buffers
 from snrt.summary import human_bytes
 
 
@@ -57,15 +57,31 @@ def make_plan(graph, batch, policy="none", budget=None, training=True, momentum=
 
 
 def _build(graph, batch, policy, training, momentum, cost_model, dtype, hide_copies=True):
-    """The plan of `policy`; `hide_copies` False prefetches just in time (see plan_offload)."""
+    """The plan of `policy`; `hide_copies` False prefetches just in time (see plan_offload).
+
+    With recomputation, the all-memory-centric plan is built first; segments that fit under
+    its peak are then replayed speed-centric, and that plan is kept unless its peak is higher.
+    """
+    plan, segments = _assemble(graph, batch, policy, training, momentum, cost_model, dtype, hide_copies, ())
+    if segments:
+        speed = speed_segments_that_fit(plan, segments)
+        if speed:
+            faster, _ = _assemble(graph, batch, policy, training, momentum, cost_model, dtype, hide_copies, speed)
+            if faster.arena_bytes <= plan.arena_bytes:
+                plan = faster
+    return plan
+
+
+def _assemble(graph, batch, policy, training, momentum, cost_model, dtype, hide_copies, speed_segments):
+    """(plan, recompute segments) with the given speed-centric segments."""
     it = build_iteration(graph, batch, training, momentum, dtype)
     table = BufferTable()
     table.buffers = list(it.buffers)
     steps = list(it.steps)
     keep = set(it.loss[:1] + it.loss[2:]) if it.loss else set()
-    slots, host_bytes = {}, 0
+    slots, host_bytes, segments = {}, 0, {}
     if policy in ("recompute", "superneurons") and training:
-        steps, _ = plan_recomputation(graph, steps, table.buffers)
+        steps, segments = plan_recomputation(graph, steps, table.buffers, speed_segments)
         steps = version_buffers(steps, table)
     if policy in ("offload", "superneurons") and training:
         seconds = [cost_models.step_seconds(s, graph, batch, cost_model) for s in steps]
@@ -82,9 +98,10 @@ def _build(graph, batch, policy, training, momentum, cost_model, dtype, hide_cop
     predicted_s, stall_s = cost_models.simulate(steps, buffers, seconds, cost_model)
     recompute_flops = sum(graph[s.node].layer.cost(graph.in_shapes(s.node, batch), "forward").flops
                           for s in steps if s.kind == "recompute")
-    return Plan(batch, policy, training, tuple(buffers), tuple(steps), tuple(device_bytes), arena_bytes,
+    plan = Plan(batch, policy, training, tuple(buffers), tuple(steps), tuple(device_bytes), arena_bytes,
                 host_bytes, tuple(allocations), tuple(it.inputs), it.loss,
                 predicted_s=predicted_s, stall_s=stall_s, recompute_flops=recompute_flops)
+    return plan, segments
 
 
 def _candidates(graph, batch, policies, training, momentum, cost_model, dtype):

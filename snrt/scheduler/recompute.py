@@ -7,8 +7,8 @@ or a join). A segment is the set of dropped nodes that share a checkpoint. Each 
 replayed
 
 - speed-centric: once, before the first backward step that needs any of it, its outputs kept
-  until their last backward use, when the segment's bytes fit under the largest step's own
-  working set (replaying it then costs no peak memory);
+  until their last backward use, when that fits under the peak of the memory-centric plan
+  (so replaying it once costs no peak memory);
 - memory-centric: otherwise, once per backward step that needs it, only the chain up to the
   needed tensor, each replayed tensor freed right after its use.
 
@@ -59,7 +59,8 @@ def droppable_nodes(graph, steps, start):
 
 
 def largest_step_bytes(steps, buffers):
-    """The largest working set of one step: non-persistent bytes it reads and writes."""
+    """The largest working set of one step: non-persistent bytes it reads and writes (with the
+    resident bytes, the floor no schedule goes below; see scripts/bench_memory.py)."""
     def own(step):
         ids = set(step.reads()) | set(step.writes())
         return sum(buffers[b].nbytes for b in ids if buffers[b].role not in PERSISTENT_ROLES)
@@ -67,10 +68,11 @@ def largest_step_bytes(steps, buffers):
     return max((own(s) for s in steps), default=0)
 
 
-def plan_recomputation(graph, steps, buffers, mode="auto"):
-    """`steps` with recompute steps inserted; `mode` is speed, memory or auto (per segment).
+def plan_recomputation(graph, steps, buffers, speed_segments=()):
+    """`steps` with recompute steps inserted.
 
-    Returns (steps, {node: SPEED or MEMORY} for every dropped node).
+    Segments whose checkpoint (root buffer id) is in `speed_segments` are replayed
+    speed-centric, the others memory-centric. Returns (steps, {root: [segment nodes]}).
     """
     start = backward_start(steps)
     forwards = {s.node: s for s in steps[:start] if s.kind == "forward"}
@@ -91,13 +93,7 @@ def plan_recomputation(graph, steps, buffers, mode="auto"):
     segments = {}
     for n in dropped:
         segments.setdefault(root[n], []).append(n)
-    limit = largest_step_bytes(steps, buffers)
-    choice = {}
-    for members in segments.values():
-        nbytes = sum(buffers[b].nbytes for n in members for b in forwards[n].writes())
-        seg_mode = mode if mode != "auto" else (SPEED if nbytes <= limit else MEMORY)
-        for n in members:
-            choice[n] = seg_mode
+    choice = {n: SPEED if root[n] in speed_segments else MEMORY for n in dropped}
 
     made = {(forwards[n].output, n) for n in dropped} | {(b, n) for n in dropped for _, b in forwards[n].aux}
     made_by = dict(made)
@@ -116,7 +112,38 @@ def plan_recomputation(graph, steps, buffers, mode="auto"):
         for n in sorted(set(replay), key=list(forwards).index):
             out.append(replace(forwards[n], recompute=True))
         out.append(step)
-    return out, choice
+    return out, segments
+
+
+def speed_segments_that_fit(plan, segments):
+    """Roots of the segments that can be replayed speed-centric without raising the peak.
+
+    `plan` is the all-memory-centric plan. Speed-centric keeps a segment's tensors alive from
+    its first replay to the backward of its first node; a segment qualifies when the plan's
+    bytes over that span plus the segment's bytes stay under the plan's peak. Accepted
+    segments are counted in for the next ones.
+    """
+    device = list(plan.device_bytes)
+    first_replay, own_backward, writes = {}, {}, {}
+    for i, step in enumerate(plan.steps):
+        if step.kind == "forward":
+            writes[step.node] = step.writes()
+        elif step.kind == "recompute":
+            first_replay.setdefault(step.node, i)
+        elif step.kind == "backward":
+            own_backward[step.node] = i
+    chosen = []
+    for root, members in segments.items():
+        replays = [first_replay[n] for n in members if n in first_replay]
+        if not replays:
+            continue
+        start, end = min(replays), max(own_backward.get(n, min(replays)) for n in members)
+        nbytes = sum(plan.buffers[b].nbytes for n in members for b in writes[n])
+        if max(device[start:end + 1]) + nbytes <= plan.peak_bytes:
+            chosen.append(root)
+            for i in range(start, end + 1):
+                device[i] += nbytes
+    return chosen
 
 
 class _Versions(dict):

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from snrt.backends import BACKENDS, default_backend
 from snrt.config import DATASETS, MEMORY_POLICIES, POLICIES, config_to_yaml, load_config
 from snrt.errors import SnrtError
 from snrt.summary import human_bytes, summary_table, totals_by_type
@@ -43,7 +44,7 @@ def build_parser():
     inspect.add_argument("--layers", action="store_true", help="list every node, not only totals by type")
     inspect.set_defaults(run=run_inspect)
 
-    train = commands.add_parser("train", help="train a network on the CPU backend")
+    train = commands.add_parser("train", help="train a network (CPU, or CUDA where CuPy finds a GPU)")
     _add_run_options(train)
     train.add_argument("--iterations", type=_positive_int, help="train up to this iteration (overrides train.iterations)")
     train.add_argument("--lr", type=float, help="base learning rate (overrides train.optimizer.lr)")
@@ -83,7 +84,7 @@ def _add_run_options(parser):
     parser.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
     parser.add_argument("--data", type=_data_spec, metavar="TYPE[:PATH]",
                         help=f"data set: {', '.join(DATASETS)}; npz and cifar take :PATH")
-    parser.add_argument("--backend", default="cpu", help="execution backend (default cpu)")
+    parser.add_argument("--backend", choices=BACKENDS, help="cpu or cuda (default: cuda when CuPy finds a GPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
 
 
@@ -225,7 +226,7 @@ def _policy_table(config, batch, budget, rows):
 def _make_trainer(args, config):
     from snrt.train import Trainer  # the trainer pulls in the data pipeline; inspect doesn't need it
 
-    return Trainer(config, backend=args.backend, check=getattr(args, "check", False))
+    return Trainer(config, backend=args.backend or default_backend(), check=getattr(args, "check", False))
 
 
 def run_train(args, console):

@@ -28,6 +28,12 @@ class Executor:
                 arena.reserve(b)
                 self.views[b.id].fill(0)  # optimizer state starts at zero; the rest is loaded
         self.node_index = {name: i for i, name in enumerate(graph.nodes)}
+        kernel_for = getattr(backend, "kernel_for", None)  # a backend may bring faster kernels
+        self.kernels = {
+            name: kernel_for(node.layer, graph.in_shapes(name, plan.batch)) if kernel_for else node.layer
+            for name, node in graph.nodes.items() if node.inputs
+        }
+        self.waited = []  # copy events waited for this iteration (their times are read at the end)
         self.handlers = {
             "forward": self._forward, "recompute": self._forward, "backward": self._backward,
             "update": self._update, "free": self._free, "offload": self._offload,
@@ -70,6 +76,9 @@ class Executor:
                 self._verify(i, step)
             self.handlers[step.kind](step)
         outputs = self._outputs()
+        for event in self.waited:  # reading a copy's time may block, so only now
+            self.copy_stats["copy_s"] += event.seconds
+        self.waited.clear()
         for b in list(arena.live.values()):
             if b.role not in PERSISTENT_ROLES:
                 arena.release(b)
@@ -84,8 +93,12 @@ class Executor:
         return to_host(v[out]), to_host(correct)
 
     def _feed(self, feed):
+        upload = getattr(self.backend, "upload", None)
         for name, b in self.plan.inputs:
-            self.views[b][...] = self.xp.asarray(feed[name])
+            if upload is not None:
+                upload(self.views[b], feed[name])
+            else:
+                self.views[b][...] = self.xp.asarray(feed[name])
         if self.plan.loss and self.plan.loss[1] >= 0:
             self.views[self.plan.loss[1]].fill(1.0 / self.plan.batch)
 
@@ -99,13 +112,13 @@ class Executor:
         return {name: self.views[b] for name, b in pairs}
 
     def _forward(self, step):
-        layer = self.graph[step.node].layer
+        layer = self.kernels[step.node]
         xs = [self.views[b] for b in step.inputs]
         layer.forward(self._ctx(step.node, step.workspace), xs, self._named(step.params), self._named(step.state),
                       self.views[step.output], self._named(step.aux), recompute=step.recompute)
 
     def _backward(self, step):
-        layer = self.graph[step.node].layer
+        layer = self.kernels[step.node]
         v = self.views
         saved = Saved(tuple(v[b] if b >= 0 else None for b in step.saved_inputs),
                       v[step.saved_output] if step.saved_output >= 0 else None)
@@ -136,7 +149,7 @@ class Executor:
         start = time.perf_counter()
         event.wait()
         self.copy_stats["stalled_s"] += time.perf_counter() - start
-        self.copy_stats["copy_s"] += event.seconds
+        self.waited.append(event)
 
     def _verify(self, i, step):
         """Check mode: the live bytes are the plan's, and no step reads poisoned memory."""

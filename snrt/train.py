@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snrt.backends import make_backend
+from snrt.backends import make_backend, plan_kernels
 from snrt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from snrt.data import Batches, eval_batches, load_datasets, normalization
 from snrt.executor import Executor
 from snrt.init import initial_parameters, initial_state
 from snrt.optim import SGD, learning_rate
+from snrt.scheduler import cost
 from snrt.scheduler.planner import make_plan
 
 
@@ -35,7 +36,7 @@ class Metrics:
 
 
 class Trainer:
-    """Trains `config` (a snrt.Config) on `backend` ("cpu"): `fit`, `evaluate`, `save`, `restore`.
+    """Trains `config` (a snrt.Config) on `backend` ("cpu" or "cuda"): `fit`, `evaluate`, `save`, `restore`.
 
     `batch`, `policy` and `budget` (bytes) override the config's train.batch, memory.policy
     and memory.budget; `check` turns on the executor's check mode (poisoned memory, live
@@ -50,9 +51,12 @@ class Trainer:
         train = config.train
         self.optimizer = SGD(train.optimizer.momentum, train.optimizer.nesterov, train.optimizer.weight_decay)
         self.budget = budget if budget is not None else config.memory.budget
+        self.kernels = plan_kernels(backend)  # the backend's kernels size the plan's workspaces
+        self.cost_model = cost.CUDA if backend == "cuda" else cost.CPU
         self.plan = make_plan(self.graph, self.batch, self.policy, budget=self.budget, training=True,
-                              momentum=train.optimizer.momentum != 0)
-        self.backend = make_backend(backend, self.plan, check=check)
+                              momentum=train.optimizer.momentum != 0, cost_model=self.cost_model,
+                              kernels=self.kernels)
+        self.backend = make_backend(backend, self.plan, check=check, kernels=self.kernels)
         self.executor = Executor(self.graph, self.plan, self.backend)
         self._backend_name, self._check = backend, check
         self.iteration = 0
@@ -128,8 +132,9 @@ class Trainer:
     def evaluate(self, dataset=None):
         """(mean loss, accuracy) over `dataset` (default: the held-out split), in eval mode."""
         dataset = dataset if dataset is not None else self.heldout_set
-        plan = make_plan(self.graph, self.batch, "liveness", training=False)  # forward only
-        backend = make_backend(self._backend_name, plan, check=self._check)
+        plan = make_plan(self.graph, self.batch, "liveness", training=False,  # forward only
+                         cost_model=self.cost_model, kernels=self.kernels)
+        backend = make_backend(self._backend_name, plan, check=self._check, kernels=self.kernels)
         executor = Executor(self.graph, plan, backend)
         for key, value in self.host_arrays(("parameter", "state")).items():
             executor.view_of(*key)[...] = backend.xp.asarray(value)

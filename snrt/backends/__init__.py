@@ -1,14 +1,70 @@
-"""Backends: the only code that knows numpy from cupy (device arena, host store, streams)."""
+"""Backends: the only code that knows numpy from cupy (device arena, host store, streams).
+
+"cpu" (NumPy) always works; "cuda" (CuPy, cuDNN) needs the `gpu` extra and a CUDA device,
+and asking for it without them is an error that says what is missing, never a quiet run on
+the CPU. CuPy is imported only on the cuda path, so `import snrt` never touches it.
+"""
 
 from snrt.errors import SnrtError
 
-BACKENDS = ("cpu",)
+BACKENDS = ("cpu", "cuda")
+GPU_EXTRA = "pip install 'snrt[gpu]'"
 
 
-def make_backend(name, plan, check=False):
-    """The backend called `name`, with the arena and host store that `plan` needs."""
+def cuda_unavailable_reason():
+    """None when CuPy finds a CUDA device, else a sentence saying what is missing."""
+    try:
+        import cupy
+    except ImportError as e:
+        return f"CuPy is not installed ({e}); the cuda backend needs the gpu extra: {GPU_EXTRA}"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError: no driver, or a driver older than the runtime
+        return f"CuPy {cupy.__version__} is installed but cannot reach a CUDA device: {e}"
+    if count < 1:
+        return f"CuPy {cupy.__version__} is installed but finds no CUDA device"
+    return None
+
+
+def cuda_available():
+    """True when CuPy is installed and finds at least one CUDA device."""
+    return cuda_unavailable_reason() is None
+
+
+def default_backend():
+    """"cuda" when CuPy finds a GPU, else "cpu"."""
+    return "cuda" if cuda_available() else "cpu"
+
+
+def plan_kernels(name):
+    """The kernel choice a plan for backend `name` should be made with (its workspaces come
+    from these kernels), to hand to `make_backend` too: None for "cpu" (the layers' own),
+    the process's CudaKernels for "cuda" (cuDNN graphs built once per shape)."""
+    if name != "cuda":
+        return None
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        raise SnrtError(f"the cuda backend is not available: {reason}; use --backend cpu")
+    from snrt.backends.cupy_backend import default_kernels
+
+    return default_kernels()
+
+
+def make_backend(name, plan, check=False, kernels=None):
+    """The backend called `name`, with the arena and host store that `plan` needs.
+
+    For "cuda", `kernels` is the snrt.backends.cuda_kernels.CudaKernels the plan was made
+    with (`plan_kernels("cuda")`, the process's, when None).
+    """
     if name == "cpu":
         from snrt.backends.numpy_backend import NumpyBackend
 
         return NumpyBackend(plan.arena_bytes, plan.host_bytes, check=check)
+    if name == "cuda":
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            raise SnrtError(f"the cuda backend is not available: {reason}; use --backend cpu")
+        from snrt.backends.cupy_backend import CupyBackend
+
+        return CupyBackend(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)
     raise SnrtError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")

@@ -1,7 +1,8 @@
 """2-D convolution (cross-correlation, PyTorch semantics) by im2col/col2im and BLAS GEMM.
 
-Column matrix. For a chunk of `nb` samples the planned workspace holds `col` of shape
-(C*kh*kw, nb*Ho*Wo), rows ordered (c, i, j) and columns (n, ho, wo):
+Column matrix. For a chunk of the batch (samples [n0, n1), output rows [r0, r1)) the planned
+workspace holds `col` of shape (C*kh*kw, columns), rows ordered (c, i, j) and columns
+(n, ho, wo) of the chunk:
 
     col[(c, i, j), (n, ho, wo)] = x[n, c, ho*sh + i*dh - ph, wo*sw + j*dw - pw]   (0 outside x)
 
@@ -10,17 +11,18 @@ strips where the window falls into the padding, so no padded copy of x is made. 
 1 and "same" width a tap's band of rows is one contiguous span of the flattened image, so the
 copy runs over long spans rather than single rows. Each group is then one GEMM per chunk:
 
-    forward   y[chunk, g] (Og, nb*Ho*Wo)      = W[g] (Og, Cg*kh*kw) @ col[g] (Cg*kh*kw, nb*Ho*Wo)
+    forward   y[chunk, g] (Og, columns)      = W[g] (Og, Cg*kh*kw) @ col[g] (Cg*kh*kw, columns)
     backward  gW[g] (Og, Cg*kh*kw)          += gy[chunk, g] @ col[g]^T
-              gcol[g] (Cg*kh*kw, nb*Ho*Wo)   = W[g]^T @ gy[chunk, g]   (over col), then col2im
+              gcol[g] (Cg*kh*kw, columns)    = W[g]^T @ gy[chunk, g]   (over col), then col2im
 
-The batch is processed in chunks of `nb` samples, nb the fewest giving `GEMM_COLUMNS`
-GEMM columns (BLAS is at full speed from about 800 columns on; a per-sample GEMM on a
-14x14 image is 20 % slower), so the workspace is nb/N of a whole-batch column matrix and a
-chunk's columns are still in cache when the GEMM reads them. With nb > 1 the chunk's output
-(or output gradient) is staged batch-transposed, (O, nb*Ho*Wo), in a second workspace array;
-with nb = 1 the GEMM reads and writes y[n] / gy[n] directly. Backward sums the weight
-gradient of later chunks through one (O, C/groups*kh*kw) workspace array.
+Chunks hold about `GEMM_COLUMNS` columns: BLAS runs at full speed from about 800 columns
+on (a per-sample GEMM on a 14x14 image is about 20 % slower), and a smaller column matrix
+is still in cache when its GEMM reads it. So the workspace is one chunk's, not the batch's:
+small images group samples, big ones are cut into bands of rows in forward (backward keeps
+whole samples, see `Conv2d._chunking`). When a chunk holds several samples its output (or
+output gradient) is staged batch-transposed, (O, columns), in a second workspace array;
+a single-sample chunk's GEMM reads and writes y[n] / gy[n] in place. Backward sums the
+weight gradient of later chunks through one (O, C/groups*kh*kw) workspace array.
 
 A 1x1 kernel with stride 1, no padding and no dilation needs no column matrix: x[n] (C, H*W)
 already is one. Its forward uses no workspace; its backward only the weight-gradient partial.
@@ -33,6 +35,7 @@ from snrt.errors import ShapeError
 from snrt.layers.base import (
     BACKWARD,
     EXPENSIVE,
+    FORWARD,
     FLOAT32_BYTES,
     Cost,
     Layer,
@@ -168,27 +171,29 @@ class Conv2d(Layer):
         return (self.kernel == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0)
                 and self.dilation == (1, 1))
 
-    def _chunking(self, n, c, ho, wo):
+    def _chunking(self, n, c, ho, wo, phase):
         """(samples, output rows) per GEMM: about `gemm_columns` columns, whole rows.
 
-        A sample with more columns than that is cut into bands of rows; smaller samples are
-        grouped. A tap's copy must move at least `tap_elements` (C * columns) so that few
-        input channels do not make im2col a loop of tiny numpy calls. Chunks are balanced so
-        the last one is not much smaller than the rest. The 1x1 path works sample by sample
-        (its column matrix is x[n] itself).
+        Forward cuts a sample with more columns than that into bands of rows (the band's
+        column matrix stays in cache for its GEMM); backward keeps whole samples, as col2im
+        adds run much slower on band-length rows. Smaller samples are grouped. A tap's copy
+        moves at least `tap_elements` (C * columns), so that few input channels do not turn
+        im2col into a loop of tiny numpy calls. Chunks are balanced so the last one is not
+        much smaller than the rest. The 1x1 path works sample by sample (its column matrix
+        is x[n] itself).
         """
         if self._is_pointwise():
             return 1, ho
         columns = max(self.gemm_columns, -(-self.tap_elements // c))
         rows = min(ho, -(-columns // wo))
-        if rows < ho:
+        if rows < ho and phase != BACKWARD:
             return 1, -(-ho // -(-ho // rows))
         nb = min(n, -(-columns // (ho * wo)))
         return -(-n // -(-n // nb)), ho
 
-    def _chunk_ranges(self, n, c, ho, wo):
+    def _chunk_ranges(self, n, c, ho, wo, phase):
         """(n0, n1, r0, r1) for every chunk: samples [n0, n1), output rows [r0, r1)."""
-        nb, rb = self._chunking(n, c, ho, wo)
+        nb, rb = self._chunking(n, c, ho, wo, phase)
         for n0 in range(0, n, nb):
             for r0 in range(0, ho, rb):
                 yield n0, min(n, n0 + nb), r0, min(ho, r0 + rb)
@@ -198,7 +203,7 @@ class Conv2d(Layer):
         n, c, _, _, ho, wo = self._geometry(in_shapes)
         kh, kw = self.kernel
         o, g = self.out_channels, self.groups
-        nb, rb = self._chunking(n, c, ho, wo)
+        nb, rb = self._chunking(n, c, ho, wo, phase)
         shapes = []
         if not self._is_pointwise():
             shapes.append((c * kh * kw, nb * rb * wo))  # column matrix of one chunk
@@ -216,14 +221,16 @@ class Conv2d(Layer):
         return scratch_bytes(*(numel(shape) * itemsize for shape in self._scratch_shapes(in_shapes, phase)))
 
     def cost(self, in_shapes, phase):
+        """FLOPs of the GEMMs (2 per multiply-add) plus the bias; bytes of x, W, y (and grads)."""
         n, c, h, w, ho, wo = self._geometry(in_shapes)
         kh, kw = self.kernel
         gemm = 2 * n * self.out_channels * ho * wo * (c // self.groups) * kh * kw
         x_size, y_size = n * c * h * w, n * self.out_channels * ho * wo
         w_size = self.out_channels * (c // self.groups) * kh * kw
+        bias = y_size if self.bias else 0  # bias add, or bias gradient sum
         if phase == BACKWARD:  # gx = col2im(W^T gy), gW = gy col^T, gb = sum gy
-            return Cost(2 * gemm + y_size, (2 * x_size + 2 * w_size + y_size) * FLOAT32_BYTES)
-        return Cost(gemm + (y_size if self.bias else 0), (x_size + w_size + y_size) * FLOAT32_BYTES)
+            return Cost(2 * gemm + bias, (2 * x_size + 2 * w_size + y_size) * FLOAT32_BYTES)
+        return Cost(gemm + bias, (x_size + w_size + y_size) * FLOAT32_BYTES)
 
     # ---- im2col / col2im ---------------------------------------------------------------
     def _tap_slices(self, in_hw, out_hw, i, j, rows):
@@ -320,11 +327,11 @@ class Conv2d(Layer):
         n, c = x.shape[:2]
         buffers = [ctx.scratch(shape, x.dtype) for shape in self._scratch_shapes([x.shape], phase)]
         col_buffer = None if self._is_pointwise() else buffers.pop(0)
-        staging = buffers.pop(0) if self._chunking(n, c, *out_hw)[0] > 1 else None
+        staging = buffers.pop(0) if self._chunking(n, c, *out_hw, phase)[0] > 1 else None
         partial = buffers.pop(0) if buffers else None
 
         def chunks():
-            for n0, n1, r0, r1 in self._chunk_ranges(n, c, *out_hw):
+            for n0, n1, r0, r1 in self._chunk_ranges(n, c, *out_hw, phase):
                 if col_buffer is None:
                     yield n0, n1, r0, r1, x[n0].reshape(c, -1)
                     continue
@@ -341,59 +348,55 @@ class Conv2d(Layer):
         _, o, ho, wo = y.shape
         g = self.groups
         weight = params["weight"].reshape(g, o // g, -1)  # (G, Og, Cg*kh*kw)
-        bias = params["bias"].reshape(o, 1) if self.bias else None
-        staging, _, chunks = self._chunks(ctx, x, (ho, wo), "forward")
+        bias = params["bias"].reshape(o, 1, 1) if self.bias else None
+        staging, _, chunks = self._chunks(ctx, x, (ho, wo), FORWARD)
         for n0, n1, r0, r1, col in chunks:
             k, columns = n1 - n0, col.shape[1]
             cols = col.reshape(g, -1, columns)
             if staging is None:  # one sample: the GEMM writes the rows of y[n0] in place
                 out = y[n0].reshape(o, ho * wo)[:, r0 * wo : r1 * wo]
                 xp.matmul(weight, cols, out=out.reshape(g, o // g, columns))
-                if bias is not None:
-                    out += bias
-                continue
-            yt = _prefix(staging, (o, columns))
-            xp.matmul(weight, cols, out=yt.reshape(g, o // g, columns))
-            yt_nchw = yt.reshape(o, k, ho * wo).transpose(1, 0, 2)
-            if bias is not None:
-                xp.add(yt_nchw, bias, out=y[n0:n1].reshape(k, o, ho * wo))
             else:
-                xp.copyto(y[n0:n1].reshape(k, o, ho * wo), yt_nchw)
+                yt = _prefix(staging, (o, columns))
+                xp.matmul(weight, cols, out=yt.reshape(g, o // g, columns))
+                xp.copyto(y[n0:n1].reshape(k, o, ho * wo), yt.reshape(o, k, ho * wo).transpose(1, 0, 2))
+            if bias is not None and r1 == ho:  # the chunk's samples are complete: one contiguous add
+                y[n0:n1] += bias
         ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        """gW = sum over chunks of gy col^T, gb = sum_{n,h,w} gy, gx = col2im(W^T gy)."""
+        """gW = sum over chunks of gy col^T, gb = sum_{n,h,w} gy, gx = col2im(W^T gy).
+
+        Backward chunks are whole samples (see `_chunking`).
+        """
         xp = ctx.xp
         x, gx = saved.xs[0], gxs[0]
         n, c = x.shape[:2]
         _, o, ho, wo = gy.shape
-        g = self.groups
+        g, m = self.groups, ho * wo
         weight_t = params["weight"].reshape(g, o // g, -1).transpose(0, 2, 1)  # (G, Cg*kh*kw, Og)
         gweight = gparams["weight"].reshape(g, o // g, -1)
         if self.bias:
-            xp.sum(gy.reshape(n, o, ho * wo), axis=(0, 2), out=gparams["bias"])
+            xp.sum(gy.reshape(n, o, m), axis=(0, 2), out=gparams["bias"])
         staging, partial, chunks = self._chunks(ctx, x, (ho, wo), BACKWARD)
-        for n0, n1, r0, r1, col in chunks:
-            k, columns = n1 - n0, col.shape[1]
+        for n0, n1, _, _, col in chunks:
+            k = n1 - n0
             if staging is None:
-                gyt = gy[n0].reshape(o, ho * wo)[:, r0 * wo : r1 * wo]
+                gyt = gy[n0].reshape(g, o // g, m)
             else:
-                gyt = _prefix(staging, (o, columns))
-                xp.copyto(gyt.reshape(o, k, ho * wo), gy[n0:n1].reshape(k, o, ho * wo).transpose(1, 0, 2))
-            gyt = gyt.reshape(g, o // g, columns)
-            cols = col.reshape(g, -1, columns)
-            if n0 == 0 and r0 == 0:
-                xp.matmul(gyt, cols.transpose(0, 2, 1), out=gweight)
-            else:
-                xp.matmul(gyt, cols.transpose(0, 2, 1), out=partial)
+                gyt = _prefix(staging, (o, k * m))
+                xp.copyto(gyt.reshape(o, k, m), gy[n0:n1].reshape(k, o, m).transpose(1, 0, 2))
+                gyt = gyt.reshape(g, o // g, k * m)
+            cols = col.reshape(g, -1, k * m)
+            xp.matmul(gyt, cols.transpose(0, 2, 1), out=gweight if n0 == 0 else partial)
+            if n0:
                 gweight += partial
             if gx is None:
                 continue
             if self._is_pointwise():  # the column gradient is the input gradient
-                xp.matmul(weight_t, gyt, out=gx[n0].reshape(g, c // g, -1))
+                xp.matmul(weight_t, gyt, out=gx[n0].reshape(g, c // g, m))
                 continue
-            if r0 == 0:
-                gx[n0:n1] = 0
             xp.matmul(weight_t, gyt, out=cols)  # column gradient, over col
-            self._col2im(col, gx[n0:n1], (ho, wo), (r0, r1))
+            gx[n0:n1] = 0
+            self._col2im(col, gx[n0:n1], (ho, wo), (0, ho))
         ctx.release_scratch()

@@ -26,10 +26,14 @@ class Iteration:
     output: dict  # node -> activation buffer id
 
 
-def build_iteration(graph, batch, training=True, momentum=True, dtype="float32"):
-    """Buffers and compute steps of one iteration (forward only when not `training`)."""
+def build_iteration(graph, batch, training=True, momentum=True, dtype="float32", kernels=None):
+    """Buffers and compute steps of one iteration (forward only when not `training`).
+
+    `kernels`, when given, sizes the workspaces for the kernels a backend will run
+    (`kernels.workspace_bytes(layer, in_shapes, phase, itemsize)`); else the layers' own.
+    """
     table = BufferTable()
-    builder = _StepBuilder(graph, batch, table, dtype)
+    builder = _StepBuilder(graph, batch, table, dtype, kernels)
     steps = builder.forward_steps()
     if training:
         steps += builder.backward_steps(momentum)
@@ -51,8 +55,8 @@ class BufferTable:
 class _StepBuilder:
     """Creates buffers and steps for one graph; keeps the node -> buffer maps."""
 
-    def __init__(self, graph, batch, table, dtype):
-        self.graph, self.batch, self.table, self.dtype = graph, batch, table, dtype
+    def __init__(self, graph, batch, table, dtype, kernels=None):
+        self.graph, self.batch, self.table, self.dtype, self.kernels = graph, batch, table, dtype, kernels
         self.output, self.aux, self.params, self.state = {}, {}, {}, {}
         self.input_buffers = []
         self.grad = {}
@@ -81,8 +85,11 @@ class _StepBuilder:
         )
 
     def _workspace(self, name, phase):
-        layer = self.graph[name].layer
-        nbytes = layer.workspace_bytes(self.graph.in_shapes(name, self.batch), phase, itemsize=ITEMSIZE[self.dtype])
+        layer, in_shapes, itemsize = self.graph[name].layer, self.graph.in_shapes(name, self.batch), ITEMSIZE[self.dtype]
+        if self.kernels is not None:
+            nbytes = self.kernels.workspace_bytes(layer, in_shapes, phase, itemsize)
+        else:
+            nbytes = layer.workspace_bytes(in_shapes, phase, itemsize=itemsize)
         return self.table.add(f"{name}:workspace:{phase}", (nbytes,), "uint8", "workspace") if nbytes else -1
 
     def forward_steps(self):

@@ -11,12 +11,13 @@ A budget (bytes) is checked against the arena the plan needs; an infeasible one 
 that states the smallest budget that works and the largest batch that fits.
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from snrt.config import MEMORY_POLICIES, POLICIES
 from snrt.errors import SnrtError
 from snrt.memory.offsets import assign_offsets
 from snrt.scheduler import cost as cost_models
+from snrt.scheduler.cost import CostModel
 from snrt.scheduler.liveness import allocation_points, insert_frees, predict_device_bytes
 from snrt.scheduler.offload import plan_offload, with_host_slots
 from snrt.scheduler.order import BufferTable, build_iteration
@@ -29,6 +30,21 @@ from snrt.summary import human_bytes
 COPYING = ("offload", "superneurons")  # policies whose prefetch distance trades memory for speed
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """What every pass needs besides the graph, batch and policy.
+
+    `kernels` (optional) answers `workspace_bytes(layer, in_shapes, phase, itemsize)` for
+    the kernels a backend will run (cuDNN's workspace on the GPU); None uses the layers'.
+    """
+
+    training: bool = True
+    momentum: bool = True
+    cost_model: CostModel = cost_models.CPU
+    dtype: str = "float32"
+    kernels: object = None
+
+
 class BudgetError(SnrtError):
     """No policy fits the budget. `smallest_bytes` works at this batch; `largest_batch` fits."""
 
@@ -38,43 +54,46 @@ class BudgetError(SnrtError):
 
 
 def make_plan(graph, batch, policy="none", budget=None, training=True, momentum=True,
-              cost_model=cost_models.CPU, dtype="float32"):
+              cost_model=cost_models.CPU, dtype="float32", kernels=None):
     """The Plan of one iteration of `graph` at `batch` under `policy` (see the module doc).
 
     `budget` (bytes) is checked against the arena; `training` False gives a forward-only
-    plan; `momentum` allocates one optimizer-state buffer per parameter.
+    plan; `momentum` allocates one optimizer-state buffer per parameter; `kernels` see
+    PlanOptions.
     """
     if policy not in MEMORY_POLICIES:
         raise SnrtError(f"unknown memory policy {policy!r}; expected one of {', '.join(MEMORY_POLICIES)}")
+    opts = PlanOptions(training, momentum, cost_model, dtype, kernels)
     if policy == "auto":
-        return _auto(graph, batch, budget, training, momentum, cost_model, dtype)
-    plan = _build(graph, batch, policy, training, momentum, cost_model, dtype)
+        return _auto(graph, batch, budget, opts)
+    plan = _build(graph, batch, policy, opts)
     if budget is not None and plan.arena_bytes > budget and policy in COPYING:
-        plan = _build(graph, batch, policy, training, momentum, cost_model, dtype, hide_copies=False)
+        plan = _build(graph, batch, policy, opts, hide_copies=False)
     if budget is not None and plan.arena_bytes > budget:
-        raise _infeasible(graph, batch, budget, (policy,), training, momentum, cost_model, dtype)
+        raise _infeasible(graph, batch, budget, (policy,), opts)
     return plan
 
 
-def _build(graph, batch, policy, training, momentum, cost_model, dtype, hide_copies=True):
+def _build(graph, batch, policy, opts, hide_copies=True):
     """The plan of `policy`; `hide_copies` False prefetches just in time (see plan_offload).
 
     With recomputation, the all-memory-centric plan is built first; segments that fit under
     its peak are then replayed speed-centric, and that plan is kept unless its peak is higher.
     """
-    plan, segments = _assemble(graph, batch, policy, training, momentum, cost_model, dtype, hide_copies, ())
+    plan, segments = _assemble(graph, batch, policy, opts, hide_copies, ())
     if segments:
         speed = speed_segments_that_fit(plan, segments)
         if speed:
-            faster, _ = _assemble(graph, batch, policy, training, momentum, cost_model, dtype, hide_copies, speed)
+            faster, _ = _assemble(graph, batch, policy, opts, hide_copies, speed)
             if faster.arena_bytes <= plan.arena_bytes:
                 plan = faster
     return plan
 
 
-def _assemble(graph, batch, policy, training, momentum, cost_model, dtype, hide_copies, speed_segments):
+def _assemble(graph, batch, policy, opts, hide_copies, speed_segments):
     """(plan, recompute segments) with the given speed-centric segments."""
-    it = build_iteration(graph, batch, training, momentum, dtype)
+    training, cost_model = opts.training, opts.cost_model
+    it = build_iteration(graph, batch, training, opts.momentum, opts.dtype, opts.kernels)
     table = BufferTable()
     table.buffers = list(it.buffers)
     steps = list(it.steps)
@@ -104,32 +123,32 @@ def _assemble(graph, batch, policy, training, momentum, cost_model, dtype, hide_
     return plan, segments
 
 
-def _candidates(graph, batch, policies, training, momentum, cost_model, dtype):
+def _candidates(graph, batch, policies, opts):
     """[(plan, hide_copies)] for `policies`, the copying ones also with just-in-time prefetch."""
-    return [(_build(graph, batch, p, training, momentum, cost_model, dtype, hide), hide)
+    return [(_build(graph, batch, p, opts, hide), hide)
             for p in policies for hide in ((True, False) if p in COPYING else (True,))]
 
 
-def _auto(graph, batch, budget, training, momentum, cost_model, dtype):
+def _auto(graph, batch, budget, opts):
     """The fastest policy whose arena fits `budget` (ties: the smaller arena)."""
     if budget is None:
         raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
-    candidates = _candidates(graph, batch, POLICIES, training, momentum, cost_model, dtype)
+    candidates = _candidates(graph, batch, POLICIES, opts)
     fitting = [plan for plan, _ in candidates if plan.arena_bytes <= budget]
     if not fitting:
-        raise _infeasible(graph, batch, budget, POLICIES, training, momentum, cost_model, dtype, candidates)
+        raise _infeasible(graph, batch, budget, POLICIES, opts, candidates)
     best = min(fitting, key=lambda p: (p.predicted_s, p.arena_bytes))
     return replace(best, policy=f"auto:{best.policy}")
 
 
-def _infeasible(graph, batch, budget, policies, training, momentum, cost_model, dtype, candidates=None):
+def _infeasible(graph, batch, budget, policies, opts, candidates=None):
     """The BudgetError for `budget`: the smallest budget that works, the largest batch that fits."""
-    candidates = candidates or _candidates(graph, batch, policies, training, momentum, cost_model, dtype)
+    candidates = candidates or _candidates(graph, batch, policies, opts)
     frugal, hide = min(candidates, key=lambda c: c[0].arena_bytes)
     smallest = frugal.arena_bytes
 
     def fits(b):
-        return _build(graph, b, frugal.policy, training, momentum, cost_model, dtype, hide).arena_bytes <= budget
+        return _build(graph, b, frugal.policy, opts, hide).arena_bytes <= budget
 
     low, high = 0, batch - 1  # the largest batch in [1, batch) that fits, by bisection
     while low < high:

@@ -52,6 +52,10 @@ def test_conv2d_kernel_covers_input():
     _check((1, 2, 3, 3), out_channels=2, kernel=3)  # 1x1 output, one GEMM column per sample
 
 
+def test_conv2d_pointwise_single_sample():
+    _check((1, 4, 5, 3), out_channels=3, kernel=1)  # no workspace at all, forward or backward
+
+
 def test_conv2d_single_sample_big_stride():
     _check((1, 3, 9, 8), out_channels=2, kernel=2, stride=4, padding=2)
 
@@ -124,20 +128,22 @@ def test_conv2d_workspace_is_one_chunk():
     """The workspace holds one chunk's column matrix, not the batch's: bands of rows of one
     sample for big images, a few samples for small ones, about gemm_columns GEMM columns."""
     layer = Conv2d(out_channels=64, kernel=3, padding=1)
-    columns = 19 * 56  # 56 rows in 3 bands of at most 19 rows (gemm_columns 1024)
-    assert layer._chunking(8, 64, 56, 56) == (1, 19)
+    columns = 19 * 56  # forward: 56 rows in 3 bands of at most 19 rows (gemm_columns 1024)
+    assert layer._chunking(8, 64, 56, 56, FORWARD) == (1, 19)
     assert layer.workspace_bytes([(8, 64, 56, 56)], FORWARD, 4) == 64 * 9 * columns * 4
+    assert layer._chunking(8, 64, 56, 56, BACKWARD) == (1, 56)  # backward: whole samples
     assert layer.workspace_bytes([(8, 64, 56, 56)], BACKWARD, 4) == scratch_bytes(
-        64 * 9 * columns * 4, 64 * 64 * 9 * 4)
-    assert layer._chunking(8, 64, 14, 14) == (4, 14)  # 2 chunks of 4 samples, 784 columns each
+        64 * 9 * 56 * 56 * 4, 64 * 64 * 9 * 4)
+    assert layer._chunking(8, 64, 14, 14, FORWARD) == (4, 14)  # 2 chunks of 4 samples, 784 columns
     assert layer.workspace_bytes([(8, 64, 14, 14)], FORWARD, 4) == scratch_bytes(
         64 * 9 * 4 * 196 * 4, 64 * 4 * 196 * 4)
     assert layer.workspace_bytes([(1, 64, 14, 14)], BACKWARD, 4) == scratch_bytes(64 * 9 * 196 * 4)
     stem = Conv2d(out_channels=64, kernel=7, stride=2, padding=3)
-    assert stem._chunking(8, 3, 112, 112) == (2, 112)  # 3 channels: big chunks, few numpy calls
+    assert stem._chunking(8, 3, 112, 112, FORWARD) == (2, 112)  # 3 channels: big chunks, few numpy calls
 
 
-# gemm_columns 1: one output row per chunk; 10: bands of 2, 2, 2, 1 rows (or 2 + 1 samples);
+# gemm_columns 1: one output row per forward chunk; 10: bands of 2, 2, 2, 1 rows (or 2 + 1
+# samples); backward: single samples;
 # 50: 2 + 1 samples; 100: the whole batch in one chunk.
 @pytest.mark.parametrize("gemm_columns", [1, 10, 50, 100])
 @pytest.mark.parametrize("options", [

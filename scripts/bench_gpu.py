@@ -1,0 +1,113 @@
+"""Time per training iteration and peak device memory of ResNet-50 under every memory policy
+on the CUDA backend (needs a GPU and the gpu extra).
+
+For each policy: the plan (made with the CUDA cost model), one warm-up iteration, then the
+median of `--iterations` timed iterations (the compute and copy streams synchronized around
+each), the measured peak of live arena bytes against the plan's, the copy time and the
+time the compute stream waited for copies (CUDA events), and what cudaMemGetInfo saw
+beyond the arena. Writes results/bench_gpu.json.
+
+    python scripts/bench_gpu.py                      # ResNet-50, 224x224, batch 32
+    python scripts/bench_gpu.py --config configs/resnet2500.yaml --batch 16 --image-size 227 --policies superneurons
+"""
+
+import argparse
+import json
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+import snrt
+from snrt.backends import cuda_unavailable_reason
+from snrt.config import POLICIES
+from snrt.executor import Executor
+from snrt.init import initial_parameters, initial_state
+from snrt.optim import SGD
+from snrt.scheduler import cost
+from snrt.scheduler.planner import make_plan
+from snrt.summary import human_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(config_path, image_size):
+    overrides = {"input.shape": lambda shape: [shape[0], image_size, image_size]} if image_size else None
+    return snrt.load_config(config_path, overrides)
+
+
+def run_policy(config, batch, policy, iterations, budget):
+    import cupy
+
+    from snrt.backends.cupy_backend import CupyBackend, default_kernels
+
+    graph = config.graph
+    plan = make_plan(graph, batch, policy, budget=budget, cost_model=cost.CUDA)
+    backend = CupyBackend(plan.arena_bytes, plan.host_bytes, kernels=default_kernels())
+    try:
+        executor = Executor(graph, plan, backend)
+        for key, value in {**initial_parameters(graph, 0), **initial_state(graph)}.items():
+            executor.view_of(*key)[...] = cupy.asarray(value)
+        rng = np.random.default_rng(0)
+        feed = {}
+        for name, b in plan.inputs:
+            if plan.buffers[b].dtype.startswith("int"):
+                feed[name] = rng.integers(0, config.input.classes, batch)
+            else:
+                feed[name] = rng.standard_normal((batch, *config.input.shape)).astype(np.float32)
+        optimizer = SGD(momentum=0.9)
+        seconds = []
+        for iteration in range(iterations + 1):
+            backend.synchronize()
+            start = time.perf_counter()
+            executor.run(feed, iteration, seed=0, optimizer=optimizer, lr=0.01)
+            backend.synchronize()
+            if iteration:  # the first one compiles kernels and builds cuDNN graphs
+                seconds.append(time.perf_counter() - start)
+        report = backend.memory_report()
+        return {
+            "policy": policy, "batch": batch, "seconds_per_iteration": statistics.median(seconds),
+            "images_per_s": batch / statistics.median(seconds),
+            "planned_peak_bytes": plan.peak_bytes, "measured_peak_bytes": backend.arena.peak_bytes,
+            "arena_bytes": plan.arena_bytes, "host_bytes": plan.host_bytes,
+            "copy_s": executor.copy_stats["copy_s"] / (iterations + 1),
+            "memory": report, "kernels": default_kernels().summary(),
+        }
+    finally:
+        backend.close()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "resnet50.yaml"))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=0)
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--policies", nargs="*", default=list(POLICIES))
+    parser.add_argument("--budget", type=int, default=None, help="device budget in bytes")
+    parser.add_argument("--out", default=str(ROOT / "results" / "bench_gpu.json"))
+    args = parser.parse_args()
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"bench_gpu needs a CUDA device: {reason}")
+    from snrt.backends.cupy_backend import device_summary
+
+    config = load(args.config, args.image_size)
+    rows = []
+    for policy in args.policies:
+        row = run_policy(config, args.batch, policy, args.iterations, args.budget)
+        rows.append(row)
+        print(f"{policy:13s} {row['seconds_per_iteration'] * 1e3:9.1f} ms/iter  {row['images_per_s']:8.1f} img/s  "
+              f"peak {human_bytes(row['measured_peak_bytes'])} (plan {human_bytes(row['planned_peak_bytes'])})  "
+              f"outside arena {human_bytes(row['memory']['untracked_bytes'])}  kernels {row['kernels']}", flush=True)
+    doc = {"device": device_summary(), "config": args.config, "when": datetime.now(timezone.utc).isoformat(),
+           "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+"""Convolution and BatchNorm through NVIDIA's cuDNN frontend Python graph API (`import cudnn`,
+the nvidia-cudnn-frontend package; CuPy 14 removed its own cuDNN module and points there).
+
+Three layers, from pure Python to the device:
+
+1. Translation (no cudnn, no device): `conv_spec` and `batchnorm_spec` turn a layer and its
+   full input shapes into the tensor dims, strides and options cuDNN is given. snrt's
+   buffers are packed row-major NCHW views of the arena; a (N, C) BatchNorm input is
+   (N, C, 1, 1). The weight (O, C/groups, kh, kw) tells cuDNN the group count.
+2. Description (cudnn imported, no device): `describe_conv` and `describe_batchnorm` build a
+   `cudnn.pygraph` for one operation - conv_fprop, conv_dgrad, conv_wgrad, batchnorm
+   (training, with or without the running-statistics update) and batchnorm_backward. In
+   frontend 1.32 a pygraph is a Python IR: it is created and filled without a handle, and it
+   infers the outputs' dims itself (conv_fprop). `validate()` and everything after it lower
+   the graph to the cuDNN library and need the CUDA driver (cuInit) and a handle.
+3. Building and running (device): `CudnnContext.build` validates, lowers, asks the
+   heuristics (modes A, then FALLBACK) for the ranked engines, drops non-deterministic ones
+   (and TF32 tensor-core ones unless allowed), drops those whose workspace exceeds the
+   limit, and builds the first that is left: the fastest engine that fits. A graph is built
+   once per (operation, shapes, workspace limit) and cached on its kernel.
+   `CudnnGraph.execute` runs it on the handle's stream (the backend's compute stream) with
+   raw device pointers into the arena and the step's workspace.
+
+Kernels `CudnnConv2d` and `CudnnBatchNorm` have the layer contract. What cuDNN refuses (no
+engine for the shape, or none within the workspace) runs on the fallback kernel of
+snrt/backends/cuda_kernels.py (im2col + cuBLAS, or the one-block-per-channel BatchNorm), and
+the reason is kept in `CudnnContext.refusals`. BatchNorm goes to cuDNN in training only
+(forward and backward with an input gradient); eval uses the fallback.
+
+The workspace a kernel asks the planner for (`workspace_bytes`) is its cuDNN graphs' need
+under the context's `workspace_limit_bytes` (forward: conv_fprop; backward: the larger of
+conv_dgrad and conv_wgrad, which run one after the other in the same workspace). At run
+time a kernel uses the planned graph when it fits the step's workspace, else the fastest
+engine within that workspace, so plans made without cuDNN's sizes run too.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from snrt.backends.cuda_kernels import XpKernel, _Float32Kernel, _i64, _ptr, grid_for
+from snrt.layers.base import FORWARD, numel
+
+CONV_OPS = ("fprop", "dgrad", "wgrad")
+BATCHNORM_OPS = ("forward", "forward_no_running", "backward")
+
+
+def row_major_strides(dims):
+    """Element strides of a packed row-major (C-contiguous) tensor of `dims`."""
+    strides, step = [], 1
+    for d in reversed(dims):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """What cuDNN is told about one Conv2d call: x, w, y dims (NCHW, packed) and options."""
+
+    x: tuple
+    w: tuple
+    y: tuple
+    padding: tuple
+    stride: tuple
+    dilation: tuple
+    groups: int
+
+
+def conv_spec(layer, in_shapes):
+    """The ConvSpec of a Conv2d layer at full input shapes `in_shapes` (batch first)."""
+    x = tuple(in_shapes[0])
+    y = tuple(layer.infer_shape(in_shapes))
+    w = tuple(layer.param_specs(in_shapes)["weight"].shape)
+    return ConvSpec(x, w, y, tuple(layer.padding), tuple(layer.stride), tuple(layer.dilation), layer.groups)
+
+
+@dataclass(frozen=True)
+class BatchNormSpec:
+    """What cuDNN is told about one BatchNorm call: x as NCHW, per-channel tensors (1, C, 1, 1)."""
+
+    x: tuple
+    channels: int
+    eps: float
+    momentum: float
+
+    @property
+    def stats(self):
+        return (1, self.channels, 1, 1)
+
+
+def batchnorm_spec(layer, in_shapes):
+    """The BatchNormSpec of a BatchNorm layer; a (N, C) input is described as (N, C, 1, 1)."""
+    shape = tuple(in_shapes[0])
+    layer.infer_shape(in_shapes)  # validates the rank
+    x = shape if len(shape) == 4 else (*shape, 1, 1)
+    return BatchNormSpec(x, shape[1], layer.eps, layer.momentum)
+
+
+def _new_graph(cudnn, name, handle):
+    f32 = cudnn.data_type.FLOAT
+    return cudnn.pygraph(name=name, io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
+                         handle=handle)
+
+
+def _tensor(cudnn, graph, name, dims):
+    return graph.tensor(name=name, dim=list(dims), stride=list(row_major_strides(dims)),
+                        data_type=cudnn.data_type.FLOAT)
+
+
+def _output(cudnn, tensor, dims=None):
+    tensor.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+    if dims is not None:
+        tensor.set_dim(list(dims)).set_stride(list(row_major_strides(dims)))
+    return tensor
+
+
+def describe_conv(cudnn, spec, op, handle=None):
+    """(pygraph, {role: tensor}) of one convolution operation, `op` in CONV_OPS.
+
+    fprop: x, w -> y; dgrad: dy, w -> dx; wgrad: x, dy -> dw (roles name the snrt buffers).
+    The dgrad and wgrad output dims are set from the spec (cuDNN cannot infer them).
+    """
+    graph = _new_graph(cudnn, f"snrt_conv_{op}", handle)
+    options = dict(padding=list(spec.padding), stride=list(spec.stride), dilation=list(spec.dilation),
+                   compute_data_type=cudnn.data_type.FLOAT)
+    if op == "fprop":
+        x, w = _tensor(cudnn, graph, "x", spec.x), _tensor(cudnn, graph, "w", spec.w)
+        y = _output(cudnn, graph.conv_fprop(image=x, weight=w, name="fprop", **options))
+        return graph, {"x": x, "w": w, "y": y}
+    if op == "dgrad":
+        dy, w = _tensor(cudnn, graph, "dy", spec.y), _tensor(cudnn, graph, "w", spec.w)
+        dx = _output(cudnn, graph.conv_dgrad(loss=dy, filter=w, name="dgrad", **options), spec.x)
+        return graph, {"dy": dy, "w": w, "dx": dx}
+    if op == "wgrad":
+        x, dy = _tensor(cudnn, graph, "x", spec.x), _tensor(cudnn, graph, "dy", spec.y)
+        dw = _output(cudnn, graph.conv_wgrad(image=x, loss=dy, name="wgrad", **options), spec.w)
+        return graph, {"x": x, "dy": dy, "dw": dw}
+    raise ValueError(f"unknown convolution operation {op!r}; expected one of {', '.join(CONV_OPS)}")
+
+
+def describe_batchnorm(cudnn, spec, op, handle=None):
+    """(pygraph, {role: tensor}) of one BatchNorm operation, `op` in BATCHNORM_OPS.
+
+    forward: x, scale, bias, running mean/var in, epsilon, momentum -> y, mean, inv_std,
+    running mean/var out (the executor binds in and out to the same state buffers);
+    forward_no_running: the same without the running statistics (a recomputed forward);
+    backward: dy, x, scale, mean, inv_std -> dx, dscale, dbias.
+    epsilon and momentum are pass-by-value (host) scalars.
+    """
+    graph = _new_graph(cudnn, f"snrt_batchnorm_{op}", handle)
+    stats = spec.stats
+    if op in ("forward", "forward_no_running"):
+        t = {"x": _tensor(cudnn, graph, "x", spec.x), "scale": _tensor(cudnn, graph, "scale", stats),
+             "bias": _tensor(cudnn, graph, "bias", stats)}
+        scalar = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.FLOAT, is_pass_by_value=True)
+        t["epsilon"] = graph.tensor(name="epsilon", **scalar)
+        t["momentum"] = graph.tensor(name="momentum", **scalar)
+        running = {}
+        if op == "forward":
+            t["running_mean"] = _tensor(cudnn, graph, "running_mean", stats)
+            t["running_var"] = _tensor(cudnn, graph, "running_var", stats)
+            running = dict(in_running_mean=t["running_mean"], in_running_var=t["running_var"])
+        outputs = graph.batchnorm(name="bn", input=t["x"], scale=t["scale"], bias=t["bias"], epsilon=t["epsilon"],
+                                  momentum=t["momentum"], **running)
+        y, mean, inv_std, next_mean, next_var = outputs
+        t["y"], t["mean"], t["inv_std"] = _output(cudnn, y), _output(cudnn, mean, stats), _output(cudnn, inv_std, stats)
+        if op == "forward":
+            t["next_running_mean"], t["next_running_var"] = _output(cudnn, next_mean, stats), _output(cudnn, next_var, stats)
+        return graph, t
+    if op == "backward":
+        t = {"dy": _tensor(cudnn, graph, "dy", spec.x), "x": _tensor(cudnn, graph, "x", spec.x),
+             "scale": _tensor(cudnn, graph, "scale", stats), "mean": _tensor(cudnn, graph, "mean", stats),
+             "inv_std": _tensor(cudnn, graph, "inv_std", stats)}
+        dx, dscale, dbias = graph.batchnorm_backward(name="dbn", grad=t["dy"], input=t["x"], scale=t["scale"],
+                                                     mean=t["mean"], inv_variance=t["inv_std"])
+        t["dx"], t["dscale"], t["dbias"] = _output(cudnn, dx), _output(cudnn, dscale, stats), _output(cudnn, dbias, stats)
+        return graph, t
+    raise ValueError(f"unknown BatchNorm operation {op!r}; expected one of {', '.join(BATCHNORM_OPS)}")
+
+
+class CudnnGraph:
+    """A built graph: its tensors by role, the workspace its engine needs, and `execute`."""
+
+    def __init__(self, graph, tensors, handle):
+        self.graph, self.tensors, self.handle = graph, tensors, handle
+        self.workspace_bytes = int(graph.get_workspace_size())
+
+    def execute(self, pointers, workspace_ptr):
+        """Run on the handle's stream; `pointers` maps roles to device (or, for
+        pass-by-value scalars, host) addresses as ints."""
+        pack = {self.tensors[role].uid: int(ptr) for role, ptr in pointers.items()}
+        self.graph.execute(pack, workspace_ptr if self.workspace_bytes else None, handle=self.handle)
+
+
+class CudnnContext:
+    """One cuDNN handle on the current device, and graph building with engine selection."""
+
+    def __init__(self, workspace_limit_bytes=None, allow_tf32=False):
+        import cudnn
+
+        # The frontend also offers Python engine families ("frost"); some import torch and,
+        # with a CPU-only torch installed, fail to load with a logged traceback. snrt's graphs
+        # only use the library's engines, so that log is noise: keep it quiet.
+        logging.getLogger("cudnn.engines.manifest").setLevel(logging.CRITICAL)
+        self.cudnn = cudnn
+        self.handle = cudnn.create_handle()
+        self.workspace_limit_bytes = workspace_limit_bytes
+        self.allow_tf32 = allow_tf32
+        self.refusals = {}  # description -> why cuDNN did not serve it
+
+    def set_stream(self, stream):
+        self.cudnn.set_stream(self.handle, stream.ptr)
+
+    def build(self, description, describe, limit):
+        """The CudnnGraph from `describe(cudnn, handle)` with the fastest engine whose
+        workspace is at most `limit` bytes (None: any), or None when cuDNN has none."""
+        cudnn = self.cudnn
+        try:
+            graph, tensors = describe(cudnn, self.handle)
+            graph.validate()
+            graph.build_operation_graph()
+            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            notes = [cudnn.numerical_note.NONDETERMINISTIC]
+            if not self.allow_tf32:
+                notes.append(cudnn.numerical_note.TENSOR_CORE)  # float32 on tensor cores is TF32
+            graph.deselect_numeric_notes(notes)
+            if limit is not None:
+                graph.deselect_workspace_greater_than(int(limit))
+            graph.check_support()
+            graph.build_plans()
+            return CudnnGraph(graph, tensors, self.handle)
+        except Exception as e:  # cudnnGraphNotSupportedError, or a lowering the library rejects
+            self.refusals[f"{description} (workspace limit {limit})"] = f"{type(e).__name__}: {e}"
+            return None
+
+
+def _workspace(ctx):
+    """(capacity in bytes, address) of the step's workspace."""
+    if ctx.workspace is None:
+        return 0, 0
+    return ctx.workspace.nbytes, _ptr(ctx.workspace)
+
+
+class _CudnnKernel(_Float32Kernel):
+    """Graph caching shared by the cuDNN kernels: one graph per (operation, workspace limit)."""
+
+    name = "cudnn"
+    describe = None  # describe_conv or describe_batchnorm
+
+    def __init__(self, layer, in_shapes, kernels, fallback, spec):
+        super().__init__(layer, in_shapes, kernels.module)
+        self.kernels, self.fallback, self.spec = kernels, fallback, spec
+        self._graphs = {}
+
+    @property
+    def context(self):
+        return self.kernels.cudnn
+
+    def graph(self, op, limit):
+        """The graph of `op` under workspace `limit` (built on first use), or None."""
+        key = (op, limit)
+        if key not in self._graphs:
+            describe = type(self).describe
+            self._graphs[key] = self.context.build(
+                f"{self.layer.type_name} {op} {self.spec}",
+                lambda cudnn, handle: describe(cudnn, self.spec, op, handle), limit)
+        return self._graphs[key]
+
+    def graph_within(self, op, capacity):
+        """The planned graph when it fits `capacity` workspace bytes, else the fastest that does."""
+        planned = self.graph(op, self.context.workspace_limit_bytes)
+        if planned is not None and planned.workspace_bytes <= capacity:
+            return planned
+        return self.graph(op, capacity)
+
+
+class CudnnConv2d(_CudnnKernel):
+    """Conv2d by cuDNN conv_fprop / conv_dgrad / conv_wgrad; the bias by snrt_bias_add and
+    snrt_channel_sum; whatever cuDNN refuses by the GEMM fallback."""
+
+    describe = staticmethod(describe_conv)
+
+    def __init__(self, layer, in_shapes, kernels, fallback):
+        super().__init__(layer, in_shapes, kernels, fallback, conv_spec(layer, in_shapes))
+
+    def own_workspace_bytes(self, in_shapes, phase):
+        limit = self.context.workspace_limit_bytes
+        needs = []
+        for op in (("fprop",) if phase == FORWARD else ("dgrad", "wgrad")):
+            built = self.graph(op, limit)
+            needs.append(built.workspace_bytes if built is not None else self.fallback.own_workspace_bytes(in_shapes, phase))
+        return max(needs)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        if not self.is_float32(x):
+            return XpKernel.forward(self, ctx, xs, params, state, y, aux, recompute)
+        capacity, workspace = _workspace(ctx)
+        built = self.graph_within("fprop", capacity)
+        if built is None:
+            return self.fallback.forward(ctx, xs, params, state, y, aux, recompute)
+        built.execute({"x": _ptr(x), "w": _ptr(params["weight"]), "y": _ptr(y)}, workspace)
+        if self.layer.bias:
+            o, plane = y.shape[1], numel(y.shape[2:])
+            self.module.launch("snrt_bias_add", grid_for(y.size), (y, params["bias"], *_i64(y.size, o, plane)))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        x, gx = saved.xs[0], gxs[0]
+        if not self.is_float32(x):
+            return XpKernel.backward(self, ctx, gy, saved, params, aux, gxs, gparams)
+        capacity, workspace = _workspace(ctx)
+        wgrad = self.graph_within("wgrad", capacity)
+        dgrad = self.graph_within("dgrad", capacity) if gx is not None else None
+        if self.layer.bias:
+            n, o = gy.shape[:2]
+            self.module.launch("snrt_channel_sum", o, (gy, gparams["bias"], *_i64(n, o, numel(gy.shape[2:]))))
+        if wgrad is None or (gx is not None and dgrad is None):
+            self.fallback.backward_parts(ctx, gy, x, gx if dgrad is None else None, params, gparams,
+                                         weight_grad=wgrad is None, bias_grad=False)
+        if wgrad is not None:
+            wgrad.execute({"x": _ptr(x), "dy": _ptr(gy), "dw": _ptr(gparams["weight"])}, workspace)
+        if dgrad is not None:
+            dgrad.execute({"dy": _ptr(gy), "w": _ptr(params["weight"]), "dx": _ptr(gx)}, workspace)
+
+
+class CudnnBatchNorm(_CudnnKernel):
+    """BatchNorm training forward and backward by cuDNN; eval, a backward without an input
+    gradient, and what cuDNN refuses by the one-block-per-channel kernel."""
+
+    describe = staticmethod(describe_batchnorm)
+
+    def __init__(self, layer, in_shapes, kernels, fallback):
+        super().__init__(layer, in_shapes, kernels, fallback, batchnorm_spec(layer, in_shapes))
+        self._eps = np.full(1, layer.eps, np.float32)  # pass-by-value scalars live on the host
+        self._momentum = np.full(1, layer.momentum, np.float32)
+
+    def own_workspace_bytes(self, in_shapes, phase):
+        limit = self.context.workspace_limit_bytes
+        ops = ("forward", "forward_no_running") if phase == FORWARD else ("backward",)
+        return max((built.workspace_bytes for built in (self.graph(op, limit) for op in ops) if built is not None),
+                   default=0)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        if not self.is_float32(x) or not ctx.training:
+            return self.fallback.forward(ctx, xs, params, state, y, aux, recompute)
+        if x.shape[0] * numel(x.shape[2:]) < 2:
+            raise ValueError(f"BatchNorm needs more than 1 value per channel when training, got {x.shape[0]}")
+        capacity, workspace = _workspace(ctx)
+        op = "forward_no_running" if recompute else "forward"
+        built = self.graph_within(op, capacity)
+        if built is None:
+            return self.fallback.forward(ctx, xs, params, state, y, aux, recompute)
+        pointers = {"x": _ptr(x), "scale": _ptr(params["weight"]), "bias": _ptr(params["bias"]),
+                    "epsilon": self._eps.ctypes.data, "momentum": self._momentum.ctypes.data, "y": _ptr(y),
+                    "mean": _ptr(aux["mean"]), "inv_std": _ptr(aux["inv_std"])}
+        if op == "forward":  # updated in place
+            for role, name in (("running_mean", "running_mean"), ("next_running_mean", "running_mean"),
+                               ("running_var", "running_var"), ("next_running_var", "running_var")):
+                pointers[role] = _ptr(state[name])
+        built.execute(pointers, workspace)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        x, gx = saved.xs[0], gxs[0]
+        if not self.is_float32(x) or not ctx.training or gx is None:
+            return self.fallback.backward(ctx, gy, saved, params, aux, gxs, gparams)
+        capacity, workspace = _workspace(ctx)
+        built = self.graph_within("backward", capacity)
+        if built is None:
+            return self.fallback.backward(ctx, gy, saved, params, aux, gxs, gparams)
+        built.execute({"dy": _ptr(gy), "x": _ptr(x), "scale": _ptr(params["weight"]), "mean": _ptr(aux["mean"]),
+                       "inv_std": _ptr(aux["inv_std"]), "dx": _ptr(gx), "dscale": _ptr(gparams["weight"]),
+                       "dbias": _ptr(gparams["bias"])}, workspace)
+

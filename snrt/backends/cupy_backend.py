@@ -1,0 +1,390 @@
+"""The CUDA backend: CuPy arena, pinned host store, three CUDA streams, cuDNN kernels.
+
+It has the surface of `NumpyBackend` (name, xp, arena, offload, prefetch, to_host,
+synchronize, close) and runs the same plans. The layers' kernels are shared with the CPU
+backend (written against `xp`); `kernel_for` hands the executor a faster or allocation-free
+kernel where snrt/backends/cuda_kernels.py registers one (cuDNN convolution and BatchNorm,
+cuBLAS Linear, CUDA kernels for the layers whose xp code allocates).
+
+The CUDA-only surface, all of it in this file, cuda_kernels.py and cudnn_graphs.py:
+
+- arena: one device allocation of `plan.arena_bytes` (`Arena(cupy, ...)`, from a memory
+  pool of its own), carved into views at the planned offsets; every tensor and every
+  workspace is such a view;
+- pinned host memory: `cupyx.empty_pinned`, only when the plan offloads (`host_bytes` > 0);
+- streams: compute (one per process, made current on the creating thread, so every CuPy
+  kernel, cuBLAS and cuDNN call, the executor's own xp calls included, runs on it in
+  program order), device-to-host and host-to-device (per backend), all
+  `cupy.cuda.Stream(non_blocking=True)`;
+- events: a copy is issued after an event recorded on the compute stream (what was queued
+  before the offload or prefetch step is done), timed by start/end events on its copy
+  stream; `wait` makes the compute stream wait on the end event (the host does not block);
+- copies: `cudaMemcpyAsync` between arena offsets and host slots;
+- the allocator: `cupy.cuda.set_allocator` (see below);
+- kernels: NVRTC-compiled `RawModule` (cuda_kernels.KERNEL_SOURCE), cuBLAS SGEMM through
+  `cupy_backends.cuda.libs.cublas`, cuDNN frontend graphs (cudnn_graphs), and CuPy's own
+  elementwise and reduction kernels for the shared xp code;
+- `cudaMemGetInfo` (`memory_report`) to cross-check the arena's measured bytes.
+
+Allocation policy: why a guard and not a carved scratch region. Every byte a kernel may use
+is planned: its buffers and its workspace (`ctx.scratch`) are arena views, and the CUDA
+kernels here use nothing else. So instead of carving an extra scratch region for CuPy's
+pool (bytes the plan would have to guess), the backend points CuPy's allocator at an
+`AllocationGuard`: while a kernel step runs (the guard is armed by the kernel wrappers that
+`kernel_for` returns), any allocation raises `ArenaAllocationError` naming the layer, so an
+unplanned temporary is a loud bug, not a silent leak past the accounting. Outside kernel
+steps (the executor copying a batch in, parameters loaded, results read back) allocations
+are served by a separate pool and counted (`memory_report()["outside_arena_peak_bytes"]`).
+CuPy's CUB accelerator is switched off while the backend lives, because CUB reductions take
+temporary storage from the pool; CuPy's plain reduction kernels with `out=` take none.
+cuBLAS and cuDNN keep their handles and cuBLAS its small internal workspace outside CuPy's
+allocator: `memory_report()` reports the device bytes cudaMemGetInfo sees beyond the arena
+and the counted pool, so they are visible too.
+
+Check mode (`check=True`) mirrors the CPU backend: the arena poisons freed and unwritten
+memory, and copies are issued only when the plan waits for them, so a step that reads a
+prefetched buffer before its wait sees the poison.
+"""
+
+import contextlib
+
+import cupy
+import cupyx
+import numpy as np
+from cupy.cuda import runtime
+
+from snrt.backends.cuda_kernels import CudaKernels
+from snrt.errors import SnrtError
+from snrt.memory.arena import Arena
+
+
+class ArenaAllocationError(SnrtError):
+    """A kernel asked CuPy for device memory outside the arena: it needs planned workspace."""
+
+
+class AllocationGuard:
+    """CuPy's allocator while a CupyBackend lives.
+
+    Disarmed, allocations come from a pool of its own and are counted (`peak_bytes` is the
+    most that was live at once). Armed (`with guard.armed(what)`), any allocation raises.
+    """
+
+    def __init__(self):
+        self.pool = cupy.cuda.MemoryPool()
+        self.armed_by = None
+        self.peak_bytes = 0
+        self.allocations = 0
+        self._previous = None
+
+    def malloc(self, nbytes):
+        if self.armed_by is not None:
+            raise ArenaAllocationError(
+                f"{self.armed_by} asked CuPy for {nbytes} bytes of device memory outside the arena; every "
+                "temporary a kernel uses must be planned workspace (ctx.scratch), see snrt/backends/cuda_kernels.py")
+        pointer = self.pool.malloc(nbytes)
+        self.allocations += 1
+        self.peak_bytes = max(self.peak_bytes, self.pool.used_bytes())
+        return pointer
+
+    @contextlib.contextmanager
+    def armed(self, what):
+        """Refuse every allocation while the block runs (`what` names the kernel)."""
+        previous, self.armed_by = self.armed_by, what
+        try:
+            yield
+        finally:
+            self.armed_by = previous
+
+    def install(self):
+        self._previous = cupy.cuda.get_allocator()
+        cupy.cuda.set_allocator(self.malloc)
+
+    def uninstall(self):
+        if self._previous is not None:
+            cupy.cuda.set_allocator(self._previous)
+            self._previous = None
+
+
+class CudaCopyEvent:
+    """One copy on a copy stream, with CopyEvent's surface: `wait()` and `seconds`.
+
+    `wait` makes the compute stream wait for the copy (asynchronous for the host). `seconds`
+    is the copy's duration from its CUDA events, measured when first read (that blocks the
+    host until the copy is done). `stalled_s` is how long the compute stream waited for it,
+    from events recorded on the compute stream around the wait.
+    """
+
+    def __init__(self, compute_stream, what):
+        self.compute_stream, self.what = compute_stream, what
+        self.start, self.end = cupy.cuda.Event(), cupy.cuda.Event()
+        self._issue = None  # set for lazy copies (check mode): issued at wait time
+        self._before = self._after = None
+        self._seconds = None
+        self.error = None
+
+    def wait(self):
+        if self._issue is not None:
+            issue, self._issue = self._issue, None
+            issue()
+        self._before = cupy.cuda.Event()
+        self._before.record(self.compute_stream)
+        self.compute_stream.wait_event(self.end)
+        self._after = cupy.cuda.Event()
+        self._after.record(self.compute_stream)
+
+    @property
+    def seconds(self):
+        if self._seconds is None:
+            self.end.synchronize()
+            self._seconds = cupy.cuda.get_elapsed_time(self.start, self.end) / 1e3
+        return self._seconds
+
+    @property
+    def stalled_s(self):
+        """Seconds the compute stream waited for this copy (0 before `wait`)."""
+        if self._after is None:
+            return 0.0
+        self._after.synchronize()
+        return cupy.cuda.get_elapsed_time(self._before, self._after) / 1e3
+
+
+class GuardedKernel:
+    """A kernel from CudaKernels run with the allocation guard armed (and, when profiling,
+    timed with events on the compute stream)."""
+
+    def __init__(self, kernel, backend):
+        self.kernel, self.backend = kernel, backend
+        self.layer = kernel.layer
+        self.name = kernel.name
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=4):
+        return self.kernel.workspace_bytes(in_shapes, phase, itemsize)
+
+    @contextlib.contextmanager
+    def _running(self, phase):
+        what = f"{self.layer.type_name} {phase} ({self.kernel.name} kernel)"
+        with self.backend.guard.armed(what), self.backend.timed("compute", what):
+            yield
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        with self._running("forward"):
+            self.kernel.forward(ctx, xs, params, state, y, aux, recompute=recompute)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        with self._running("backward"):
+            self.kernel.backward(ctx, gy, saved, params, aux, gxs, gparams)
+
+
+class CupyBackend:
+    """The arena, host store and streams of one plan on the current CUDA device.
+
+    `kernels` (a CudaKernels) is the kernel choice the plan was made with (the process's
+    `default_kernels()` when None); `profile` records CUDA events around every kernel and
+    copy (`timeline`).
+    """
+
+    name = "cuda"
+    xp = cupy
+
+    def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None, profile=False):
+        self.kernels = kernels if kernels is not None else default_kernels()
+        self.profile = profile
+        self.lazy = check
+        self._events = []  # (kind, what, start event, end event) when profiling
+        self._closed = False
+        self._device = _DeviceState.acquire()
+        self.compute_stream, self.guard = self._device.compute_stream, self._device.guard
+        self.to_host_stream = cupy.cuda.Stream(non_blocking=True)
+        self.to_device_stream = cupy.cuda.Stream(non_blocking=True)
+        self._baseline_free_bytes = runtime.memGetInfo()[0]
+        self._outside_baseline_bytes = self.guard.pool.total_bytes()
+        self._arena_pool = cupy.cuda.MemoryPool()
+        with cupy.cuda.using_allocator(self._arena_pool.malloc):
+            self.arena = Arena(cupy, arena_bytes, check=check)
+        self.host = cupyx.empty_pinned((host_bytes,), dtype=np.uint8) if host_bytes > 0 else None
+        self.kernels.set_stream(self.compute_stream)
+        self._origin = cupy.cuda.Event()
+        self._origin.record(self.compute_stream)
+
+    # ---- kernels -------------------------------------------------------------------------
+    def kernel_for(self, layer, in_shapes):
+        """The kernel the executor runs for `layer` at `in_shapes` (the guard armed around it)."""
+        return GuardedKernel(self.kernels.kernel_for(layer, in_shapes), self)
+
+    @contextlib.contextmanager
+    def timed(self, kind, what):
+        """Record start/end events on the compute stream around the block when profiling."""
+        if not self.profile:
+            yield
+            return
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(self.compute_stream)
+        yield
+        end.record(self.compute_stream)
+        self._events.append((kind, what, start, end))
+
+    # ---- copies --------------------------------------------------------------------------
+    def _host_address(self, buffer):
+        if self.host is None:
+            raise SnrtError(f"buffer {buffer.name} has a host slot but the plan reserved no host memory")
+        return self.host.ctypes.data + buffer.host_slot
+
+    def _copy(self, stream, target, source, nbytes, kind, what):
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(self.compute_stream)  # the kernels queued before this step are done
+        event = CudaCopyEvent(self.compute_stream, what)
+
+        def issue():
+            stream.wait_event(ready)
+            event.start.record(stream)
+            runtime.memcpyAsync(target, source, nbytes, kind, stream.ptr)
+            event.end.record(stream)
+
+        if self.lazy:
+            event._issue = issue
+        else:
+            issue()
+        if self.profile:
+            self._events.append(("copy", what, event.start, event.end))
+        return event
+
+    def offload(self, buffer):
+        """Queue the copy of `buffer`'s device bytes to its host slot; returns an event."""
+        source = self.arena.data.data.ptr + buffer.offset
+        return self._copy(self.to_host_stream, self._host_address(buffer), source, buffer.nbytes,
+                          runtime.memcpyDeviceToHost, f"offload {buffer.name}")
+
+    def prefetch(self, buffer, source):
+        """Queue the copy of `source`'s host slot into `buffer` on the device; returns an event."""
+        target = self.arena.data.data.ptr + buffer.offset
+        return self._copy(self.to_device_stream, target, self._host_address(source), source.nbytes,
+                          runtime.memcpyHostToDevice, f"prefetch {buffer.name}")
+
+    # ---- host side -----------------------------------------------------------------------
+    def to_host(self, array):
+        """A host (NumPy) copy of a device array (waits for the compute stream)."""
+        return cupy.asnumpy(array, stream=self.compute_stream)
+
+    def upload(self, view, array):
+        """Copy host `array` into the device `view` without a staging allocation."""
+        view.set(np.ascontiguousarray(array, dtype=view.dtype).reshape(view.shape), stream=self.compute_stream)
+
+    def synchronize(self):
+        """Wait for the compute and both copy streams."""
+        for stream in (self.compute_stream, self.to_host_stream, self.to_device_stream):
+            stream.synchronize()
+
+    def timeline(self):
+        """[(kind, what, start_s, end_s)] of the recorded kernels ("compute") and copies
+        ("copy"), seconds from the backend's creation, from CUDA events (synchronizes)."""
+        self.synchronize()
+        out = []
+        for kind, what, start, end in self._events:
+            out.append((kind, what, cupy.cuda.get_elapsed_time(self._origin, start) / 1e3,
+                        cupy.cuda.get_elapsed_time(self._origin, end) / 1e3))
+        return out
+
+    def clear_timeline(self):
+        self._events.clear()
+
+    def memory_report(self):
+        """Device bytes: the arena (capacity, measured peak of live planned bytes), CuPy
+        allocations outside kernel steps (counted by the guard), and what cudaMemGetInfo
+        sees in use beyond both since the backend was created (library handles and
+        workspaces, loaded kernels)."""
+        free_bytes, total_bytes = runtime.memGetInfo()
+        used = self._baseline_free_bytes - free_bytes
+        return {
+            "arena_bytes": self.arena.capacity_bytes,
+            "arena_peak_bytes": self.arena.peak_bytes,
+            "arena_allocated_bytes": self._arena_pool.total_bytes(),
+            "outside_arena_peak_bytes": self.guard.peak_bytes,  # shared by the process's backends
+            "outside_arena_held_bytes": self.guard.pool.total_bytes(),
+            "device_used_bytes": used,
+            "untracked_bytes": (used - self._arena_pool.total_bytes()
+                                - (self.guard.pool.total_bytes() - self._outside_baseline_bytes)),
+            "device_total_bytes": total_bytes,
+        }
+
+    def close(self):
+        """Finish queued work; the last backend to close gives CuPy its allocator,
+        accelerators and current stream back."""
+        if self._closed:
+            return
+        self._closed = True
+        self.synchronize()
+        self._device.release()
+
+
+class _DeviceState:
+    """What every CupyBackend of the process shares: one compute stream (made current, so
+    that CuPy kernels, cuBLAS and cuDNN of every backend and of the executor's own xp calls
+    queue on it in program order), the allocation guard installed as CuPy's allocator, and
+    CUB switched off. Set up by the first backend, undone when the last one closes."""
+
+    current = None
+
+    def __init__(self):
+        self.users = 0
+        self.previous_stream = cupy.cuda.get_current_stream()
+        self.compute_stream = cupy.cuda.Stream(non_blocking=True)
+        self.guard = AllocationGuard()
+        self.accelerators = _disable_cub()
+        self.compute_stream.use()
+        self.guard.install()
+
+    @classmethod
+    def acquire(cls):
+        if cls.current is None:
+            cls.current = cls()
+        cls.current.users += 1
+        cls.current.compute_stream.use()
+        return cls.current
+
+    def release(self):
+        self.users -= 1
+        if self.users > 0 or _DeviceState.current is not self:
+            return
+        _DeviceState.current = None
+        self.compute_stream.synchronize()
+        self.guard.uninstall()
+        self.guard.pool.free_all_blocks()
+        _restore_cub(self.accelerators)
+        self.previous_stream.use()
+
+
+_DEFAULT_KERNELS = []
+
+
+def default_kernels():
+    """The process's CudaKernels (one cuDNN handle, one graph cache) unless a caller brings one."""
+    if not _DEFAULT_KERNELS:
+        _DEFAULT_KERNELS.append(CudaKernels())
+    return _DEFAULT_KERNELS[0]
+
+
+def _disable_cub():
+    """Switch CuPy's CUB accelerator off (its reductions allocate); returns what to restore."""
+    from cupy._core import _accelerator
+
+    saved = (_accelerator.get_reduction_accelerators(), _accelerator.get_routine_accelerators())
+    _accelerator.set_reduction_accelerators([])
+    _accelerator.set_routine_accelerators([])
+    return saved
+
+
+def _restore_cub(saved):
+    from cupy._core import _accelerator
+
+    _accelerator.set_reduction_accelerators(saved[0])
+    _accelerator.set_routine_accelerators(saved[1])
+
+
+def device_summary():
+    """One line about the current CUDA device (name, compute capability, memory)."""
+    device = cupy.cuda.Device()
+    props = runtime.getDeviceProperties(device.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    free_bytes, total_bytes = runtime.memGetInfo()
+    return (f"{name} (sm_{device.compute_capability}), {total_bytes / 2**30:.1f} GiB, "
+            f"{free_bytes / 2**30:.1f} GiB free; CuPy {cupy.__version__}, CUDA runtime {runtime.runtimeGetVersion()}")

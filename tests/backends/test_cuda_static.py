@@ -1,0 +1,353 @@
+"""What can be checked about the CUDA backend without a GPU.
+
+Without CuPy (the default install): `import snrt` stays free of CuPy, asking for the cuda
+backend is a clear error, the kernel registry covers every layer whose xp code allocates,
+the GEMM convolution's bands fit the workspace existing plans give, and its pointer and
+leading-dimension arithmetic (and cuBLAS Linear's) is right, run against NumPy stand-ins for
+cuBLAS and the im2col/col2im/bias kernels on host memory.
+
+With the gpu extra (CuPy, NVRTC, cuDNN frontend; no device needed): every CUDA kernel
+source compiles with NVRTC for the architectures we target, the backend modules import,
+and a cuDNN frontend graph is described for every convolution (forward, data gradient,
+weight gradient) and BatchNorm (forward, recomputed forward, backward) in configs/ at batch
+1 and 16, with the frontend's own shape inference agreeing with snrt's.
+"""
+
+import ctypes
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import snrt
+from snrt.backends import cuda_available, cuda_unavailable_reason, default_backend, make_backend
+from snrt.backends import cuda_kernels
+from snrt.backends.cuda_kernels import NUMPY_ONLY, REGISTRY, ConvGeometry, CublasLinear, GemmConv2d
+from snrt.errors import SnrtError
+from snrt.layers import LAYERS
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
+from snrt.layers.conv import Conv2d
+from snrt.layers.linear import Linear
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+BATCHES = (1, 16)
+
+
+def config_shapes(type_name):
+    """{(layer, in_shapes)} of every `type_name` node in configs/ at batch 1 and 16."""
+    found = {}
+    for path in CONFIGS:
+        graph = snrt.load_config(path).graph
+        for name, node in graph.nodes.items():
+            if node.layer.type_name == type_name:
+                for batch in BATCHES:
+                    key = (node.layer, tuple(tuple(s) for s in graph.in_shapes(name, batch)))
+                    found.setdefault(key, f"{os.path.basename(path)}:{name}@{batch}")
+    return found
+
+
+# ---- without CuPy ------------------------------------------------------------------------
+
+def test_import_snrt_does_not_import_cupy():
+    code = ("import sys, snrt, snrt.backends, snrt.backends.cuda_kernels; "
+            "snrt.plan(snrt.load_config('configs/lenet.yaml').graph, batch=2); "
+            "bad = [m for m in ('cupy', 'cudnn', 'cupy_backends') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_cuda_request_without_cuda_is_a_clear_error():
+    if cuda_available():
+        pytest.skip("this machine has a CUDA device")
+    plan = snrt.plan(snrt.load_config(os.path.join(ROOT, "configs", "lenet.yaml")).graph, batch=2)
+    with pytest.raises(SnrtError, match="cuda backend is not available") as error:
+        make_backend("cuda", plan)
+    assert cuda_unavailable_reason() in str(error.value)
+    assert default_backend() == "cpu"
+    assert make_backend("cpu", plan).name == "cpu"  # cpu always works
+
+
+def test_unknown_backend_is_an_error():
+    plan = snrt.plan(snrt.load_config(os.path.join(ROOT, "configs", "lenet.yaml")).graph, batch=2)
+    with pytest.raises(SnrtError, match="unknown backend"):
+        make_backend("tpu", plan)
+
+
+def test_registry_covers_every_layer_whose_xp_code_allocates():
+    assert set(NUMPY_ONLY) <= set(REGISTRY)
+    assert set(REGISTRY) <= set(LAYERS)
+
+
+def test_gemm_convolution_fits_the_workspace_existing_plans_give():
+    """The fallback convolution runs in the workspace the NumPy layer plans, for every
+    convolution in configs/, its bands cover every output row once, and the input rows a
+    band reads are the rows its col2im touches."""
+    for (layer, in_shapes), where in config_shapes("Conv2d").items():
+        g = ConvGeometry.of(layer, in_shapes)
+        for phase in (FORWARD, BACKWARD):
+            planned = layer.workspace_bytes(in_shapes, phase)
+            bands = g.bands(planned)
+            assert [r0 for r0, _ in bands] == list(np.cumsum([0] + [rows for _, rows in bands[:-1]])), where
+            assert sum(rows for _, rows in bands) == g.ho, where
+            if not g.pointwise:
+                assert max(rows for _, rows in bands) * g.col_rows * g.wo * 4 <= planned, where
+        r0, rows = bands[len(bands) // 2]
+        in0, count = g.input_rows(r0, rows)
+        read = {oh * g.sh - g.ph + a * g.dh for oh in range(r0, r0 + rows) for a in range(g.kh)}
+        read = {r for r in read if 0 <= r < g.h}
+        assert read <= set(range(in0, in0 + count)), where
+
+
+# ---- the GEMM kernels' host-side arithmetic against NumPy stand-ins -----------------------
+
+def _host_view(address, shape, strides):
+    """A float32 view of host memory at `address` (element strides)."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    base = np.frombuffer((ctypes.c_float * extent).from_address(int(address)), dtype=np.float32)
+    return np.lib.stride_tricks.as_strided(base, shape, [4 * s for s in strides])
+
+
+def _address(arg):
+    return int(arg) if isinstance(arg, (int, np.integer)) else arg.ctypes.data
+
+
+class HostModule:
+    """KernelModule's interface on host memory: cuBLAS's row-major GEMM and the kernels the
+    convolution and Linear launch, written independently in NumPy."""
+
+    def gemm(self, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, accumulate=False, batch=1,
+             stride_a=0, stride_b=0, stride_c=0):
+        assert batch == 1
+        a_rows, a_cols = (k, m) if trans_a else (m, k)
+        b_rows, b_cols = (n, k) if trans_b else (k, n)
+        assert lda >= a_cols and ldb >= b_cols and ldc >= n
+        left = _host_view(a, (a_rows, a_cols), (lda, 1)).astype(np.float64)
+        right = _host_view(b, (b_rows, b_cols), (ldb, 1)).astype(np.float64)
+        out = _host_view(c, (m, n), (ldc, 1))
+        result = (left.T if trans_a else left) @ (right.T if trans_b else right)
+        out[...] = result + (out if accumulate else 0)
+
+    def launch(self, name, blocks, args, threads=256):
+        getattr(self, name)(*args)
+
+    @staticmethod
+    def snrt_bias_add(y, b, total, c, hw):
+        y.reshape(-1, int(c), int(hw))[...] += b[:, None]
+
+    @staticmethod
+    def snrt_channel_sum(x, out, n, c, hw):
+        out[...] = x.reshape(int(n), int(c), int(hw)).astype(np.float64).sum(axis=(0, 2))
+
+    @staticmethod
+    def snrt_im2col(x, col, c, h, w, wo, kh, kw, sh, sw, ph, pw, dh, dw, r0, rows):
+        c, h, w, wo, kh, kw, sh, sw, ph, pw, dh, dw, r0, rows = map(int, (c, h, w, wo, kh, kw, sh, sw, ph, pw, dh, dw, r0, rows))
+        image = np.pad(_host_view(_address(x), (c, h, w), (h * w, w, 1)), ((0, 0), (ph, ph), (pw, pw)))
+        out = col[: c * kh * kw * rows * wo].reshape(c, kh, kw, rows, wo)
+        for a in range(kh):
+            for b in range(kw):
+                out[:, a, b] = image[:, r0 * sh + a * dh::sh, b * dw::sw][:, :rows, :wo]
+
+    @staticmethod
+    def snrt_col2im_add(col, gx, c, h, w, wo, kh, kw, sh, sw, ph, pw, dh, dw, r0, rows, in0, in_rows):
+        c, h, w, wo, kh, kw, sh, sw, ph, pw, dh, dw, r0, rows, in0, in_rows = map(
+            int, (c, h, w, wo, kh, kw, sh, sw, ph, pw, dh, dw, r0, rows, in0, in_rows))
+        padded = np.zeros((c, h + 2 * ph + sh * rows + kh * dh, w + 2 * pw + sw * wo + kw * dw))
+        grad = col[: c * kh * kw * rows * wo].reshape(c, kh, kw, rows, wo)
+        for a in range(kh):
+            for b in range(kw):
+                top = r0 * sh + a * dh
+                padded[:, top:top + sh * rows:sh, b * dw:b * dw + sw * wo:sw] += grad[:, a, b]
+        inside = padded[:, ph:ph + h, pw:pw + w]
+        target = _host_view(_address(gx), (c, h, w), (h * w, w, 1))
+        assert not inside[:, :in0].any() and not inside[:, in0 + in_rows:].any(), "band touches rows outside its range"
+        target[:, in0:in0 + in_rows] += inside[:, in0:in0 + in_rows]
+
+
+@pytest.fixture
+def host_pointers(monkeypatch):
+    monkeypatch.setattr(cuda_kernels, "_ptr", lambda array: array.ctypes.data)
+
+
+CONVS = [
+    dict(out_channels=6, kernel=3, padding=1),
+    dict(out_channels=4, kernel=3, stride=2, padding=1, bias=False),
+    dict(out_channels=6, kernel=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)),
+    dict(out_channels=6, kernel=3, padding=2, dilation=2, groups=3),
+    dict(out_channels=8, kernel=1),
+    dict(out_channels=6, kernel=1, groups=3, bias=False),
+    dict(out_channels=5, kernel=1, stride=2),
+]
+
+
+@pytest.mark.parametrize("options", CONVS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("workspace_rows", [1, 3, None])
+def test_gemm_convolution_matches_the_numpy_kernel(options, workspace_rows, host_pointers):
+    rng = np.random.default_rng(0)
+    layer = Conv2d(**options)
+    x = rng.standard_normal((2, 6, 9, 8)).astype(np.float32)
+    in_shapes = [x.shape]
+    params = {k: rng.standard_normal(s.shape).astype(np.float32) for k, s in layer.param_specs(in_shapes).items()}
+    y_ref = np.zeros(layer.infer_shape(in_shapes), np.float32)
+    layer.forward(KernelContext(np, workspace=np.zeros(layer.workspace_bytes(in_shapes, FORWARD), np.uint8)),
+                  [x], params, {}, y_ref, {})
+    gy = rng.standard_normal(y_ref.shape).astype(np.float32)
+    grads_ref = {k: np.zeros_like(v) for k, v in params.items()}
+    gx_ref = np.zeros_like(x)
+    layer.backward(KernelContext(np, workspace=np.zeros(layer.workspace_bytes(in_shapes, BACKWARD), np.uint8)),
+                   gy, Saved((x,)), params, {}, [gx_ref], grads_ref)
+
+    kernel = GemmConv2d(layer, in_shapes, HostModule())
+    g = ConvGeometry.of(layer, in_shapes)
+    rows = g.ho if workspace_rows is None else workspace_rows
+    nbytes = 0 if g.pointwise else rows * g.col_rows * g.wo * 4 + 60  # bands of `rows` output rows
+    y = np.full_like(y_ref, np.nan)
+    kernel.forward(KernelContext(np, workspace=np.zeros(nbytes, np.uint8) if nbytes else None), [x], params, {}, y, {})
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
+    grads = {k: np.full_like(v, np.nan) for k, v in params.items()}
+    gx = np.full_like(x, np.nan)
+    kernel.backward(KernelContext(np, workspace=np.zeros(nbytes, np.uint8) if nbytes else None),
+                    gy, Saved((x,)), params, {}, [gx], grads)
+    np.testing.assert_allclose(gx, gx_ref, rtol=1e-4, atol=1e-4)
+    for k in params:
+        np.testing.assert_allclose(grads[k], grads_ref[k], rtol=1e-4, atol=1e-3)
+
+
+def test_gemm_convolution_refuses_a_workspace_smaller_than_one_row(host_pointers):
+    layer = Conv2d(out_channels=4, kernel=3, padding=1)
+    kernel = GemmConv2d(layer, [(1, 3, 8, 8)], HostModule())
+    x = np.zeros((1, 3, 8, 8), np.float32)
+    y = np.zeros((1, 4, 8, 8), np.float32)
+    with pytest.raises(RuntimeError, match="needs at least 864 workspace bytes"):
+        kernel.forward(KernelContext(np, workspace=np.zeros(100, np.uint8)), [x], {"weight": np.zeros((4, 3, 3, 3), np.float32),
+                       "bias": np.zeros(4, np.float32)}, {}, y, {})
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_cublas_linear_matches_the_numpy_kernel(bias, host_pointers):
+    rng = np.random.default_rng(1)
+    layer = Linear(out_features=5, bias=bias)
+    x = rng.standard_normal((3, 2, 2, 2)).astype(np.float32)  # trailing dims are flattened
+    params = {k: rng.standard_normal(s.shape).astype(np.float32) for k, s in layer.param_specs([x.shape]).items()}
+    y_ref, y = np.zeros((3, 5), np.float32), np.zeros((3, 5), np.float32)
+    layer.forward(KernelContext(np), [x], params, {}, y_ref, {})
+    kernel = CublasLinear(layer, [x.shape], HostModule())
+    kernel.forward(KernelContext(np), [x], params, {}, y, {})
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    gy = rng.standard_normal((3, 5)).astype(np.float32)
+    ref = {k: np.zeros_like(v) for k, v in params.items()}
+    got = {k: np.zeros_like(v) for k, v in params.items()}
+    gx_ref, gx = np.zeros_like(x), np.zeros_like(x)
+    layer.backward(KernelContext(np), gy, Saved((x,)), params, {}, [gx_ref], ref)
+    kernel.backward(KernelContext(np), gy, Saved((x,)), params, {}, [gx], got)
+    np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-5)
+
+
+# ---- with the gpu extra (no device needed) ------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["compute_70", "compute_80", "compute_90"])
+def test_every_cuda_kernel_compiles_with_nvrtc(arch):
+    pytest.importorskip("cupy")
+    ptx = cuda_kernels.compile_ptx(arch=arch).decode()
+    for name in cuda_kernels.KERNEL_NAMES:
+        assert f".entry {name}(" in ptx, name
+
+
+def test_nvrtc_check_reports_errors():
+    pytest.importorskip("cupy")
+    with pytest.raises(cuda_kernels.CompileError, match='identifier "undefined_name" is undefined'):
+        cuda_kernels.compile_ptx('extern "C" __global__ void k(float* x) { x[0] = undefined_name; }')
+
+
+def test_backend_modules_import_cleanly():
+    pytest.importorskip("cupy")
+    from snrt.backends import cudnn_graphs, cupy_backend
+
+    assert cupy_backend.CupyBackend.name == "cuda" and cudnn_graphs.CudnnConv2d.name == "cudnn"
+    reason = cuda_unavailable_reason()
+    assert (reason is None) == cuda_available()
+    if reason is not None:
+        assert "cannot reach a CUDA device" in reason or "finds no CUDA device" in reason
+
+
+def _validate_or_need_a_driver(graph):
+    """validate() lowers the graph to cuDNN: on a GPU it must pass; without one it can only
+    fail for want of the CUDA driver (the frontend's Python IR checks ran before that)."""
+    try:
+        graph.validate()
+    except Exception as e:
+        if cuda_available():
+            raise
+        assert "driver" in str(e).lower() or "cudaGetDeviceCount" in str(e), e
+
+
+def test_cudnn_graphs_are_described_for_every_convolution_in_configs():
+    cudnn = pytest.importorskip("cudnn")
+    from snrt.backends.cudnn_graphs import CONV_OPS, conv_spec, describe_conv, row_major_strides
+
+    shapes = config_shapes("Conv2d")
+    assert len(shapes) > 100
+    for (layer, in_shapes), where in shapes.items():
+        spec = conv_spec(layer, in_shapes)
+        assert spec.y == layer.infer_shape(in_shapes)
+        assert spec.x[1] == spec.w[1] * spec.groups
+        for op in CONV_OPS:
+            graph, tensors = describe_conv(cudnn, spec, op)
+            out = {"fprop": "y", "dgrad": "dx", "wgrad": "dw"}[op]
+            expected = {"y": spec.y, "dx": spec.x, "dw": spec.w}[out]
+            assert tuple(tensors[out].dim) == expected, (where, op)
+            assert tuple(tensors[out].stride) == row_major_strides(expected), (where, op)
+            for role, tensor in tensors.items():
+                assert tuple(tensor.stride) == row_major_strides(tensor.dim), (where, op, role)
+            (node,) = graph.inspect()["nodes"]
+            params = node["params"]
+            assert list(params["padding"]) == list(layer.padding), (where, op)
+            assert list(params["stride"]) == list(layer.stride), (where, op)
+            assert list(params["dilation"]) == list(layer.dilation), (where, op)
+    _validate_or_need_a_driver(graph)  # lowering needs the driver: the last graph is a sample
+
+
+def test_cudnn_fprop_shape_inference_agrees_with_snrt():
+    """The frontend infers conv_fprop's output itself: it must be snrt's output shape."""
+    cudnn = pytest.importorskip("cudnn")
+    from snrt.backends.cudnn_graphs import conv_spec, describe_conv
+
+    for (layer, in_shapes), where in config_shapes("Conv2d").items():
+        spec = conv_spec(layer, in_shapes)
+        f32 = cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32)
+        x = graph.tensor(name="x", dim=list(spec.x), data_type=f32)
+        w = graph.tensor(name="w", dim=list(spec.w), data_type=f32)
+        y = graph.conv_fprop(image=x, weight=w, padding=list(spec.padding), stride=list(spec.stride),
+                             dilation=list(spec.dilation))
+        assert tuple(y.dim) == layer.infer_shape(in_shapes), where
+        assert describe_conv(cudnn, spec, "fprop")[1]["y"].dim == y.dim
+
+
+def test_cudnn_graphs_are_described_for_every_batchnorm_in_configs():
+    cudnn = pytest.importorskip("cudnn")
+    from snrt.backends.cudnn_graphs import BATCHNORM_OPS, batchnorm_spec, describe_batchnorm
+
+    shapes = config_shapes("BatchNorm")
+    assert len(shapes) > 100
+    for (layer, in_shapes), where in shapes.items():
+        spec = batchnorm_spec(layer, in_shapes)
+        channels = in_shapes[0][1]
+        assert spec.stats == (1, channels, 1, 1) and spec.x[:2] == tuple(in_shapes[0][:2])
+        assert int(np.prod(spec.x)) == int(np.prod(in_shapes[0]))  # the same bytes as snrt's buffer
+        for op in BATCHNORM_OPS:
+            graph, tensors = describe_batchnorm(cudnn, spec, op)
+            big = ("y",) if op != "backward" else ("dx",)
+            small = ("mean", "inv_std") if op != "backward" else ("dscale", "dbias")
+            for role in big:
+                assert tuple(tensors[role].dim) == spec.x, (where, op, role)
+            for role in small:
+                assert tuple(tensors[role].dim) == spec.stats, (where, op, role)
+            assert ("next_running_mean" in tensors) == (op == "forward"), (where, op)
+            assert tensors.get("epsilon") is None or tensors["epsilon"].is_pass_by_value
+    _validate_or_need_a_driver(graph)

@@ -94,6 +94,7 @@ def plan_recomputation(graph, steps, buffers, speed_segments=()):
     for n in dropped:
         segments.setdefault(root[n], []).append(n)
     choice = {n: SPEED if root[n] in speed_segments else MEMORY for n in dropped}
+    position = {n: i for i, n in enumerate(forwards)}
 
     made = {(forwards[n].output, n) for n in dropped} | {(b, n) for n in dropped for _, b in forwards[n].aux}
     made_by = dict(made)
@@ -109,7 +110,7 @@ def plan_recomputation(graph, steps, buffers, speed_segments=()):
                     replay += segments[root[n]]
             else:
                 replay += chain(n)
-        for n in sorted(set(replay), key=list(forwards).index):
+        for n in sorted(set(replay), key=position.get):
             out.append(replace(forwards[n], recompute=True))
         out.append(step)
     return out, segments
@@ -123,7 +124,7 @@ def speed_segments_that_fit(plan, segments):
     bytes over that span plus the segment's bytes stay under the plan's peak. Accepted
     segments are counted in for the next ones.
     """
-    device = list(plan.device_bytes)
+    device, peak = list(plan.device_bytes), plan.peak_bytes
     first_replay, own_backward, writes = {}, {}, {}
     for i, step in enumerate(plan.steps):
         if step.kind == "forward":
@@ -139,7 +140,7 @@ def speed_segments_that_fit(plan, segments):
             continue
         start, end = min(replays), max(own_backward.get(n, min(replays)) for n in members)
         nbytes = sum(plan.buffers[b].nbytes for n in members for b in writes[n])
-        if max(device[start:end + 1]) + nbytes <= plan.peak_bytes:
+        if max(device[start:end + 1]) + nbytes <= peak:
             chosen.append(root)
             for i in range(start, end + 1):
                 device[i] += nbytes
@@ -166,7 +167,8 @@ def version_buffers(steps, table):
     written, versions, count = set(), _Versions(), {}
     out = []
     for step in steps:
-        step = remap(step, versions) if versions else step
+        if versions and any(b in versions for b in (*step.reads(), *step.writes())):
+            step = remap(step, versions)
         if step.kind in ("recompute", "prefetch"):
             fresh = {}
             for b in step.writes():

@@ -43,17 +43,23 @@ SHAPES = [
 ]
 
 
+HAVE_PROC = os.path.exists("/proc/stat")
+
+
+def _cpu_seconds():
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat (Linux)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (sum(fields) - fields[3] - fields[4]) / ticks, sum(fields) / ticks
+
+
 def _busy_fraction(interval=0.2):
-    """Fraction of CPU time spent busy (by anyone) over `interval` seconds, from /proc/stat."""
-    def sample():
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        idle = fields[3] + fields[4]
-        return sum(fields) - idle, sum(fields)
-    busy0, total0 = sample()
+    """Fraction of CPU time spent busy (by anyone) over `interval` seconds."""
+    busy0, total0 = _cpu_seconds()
     time.sleep(interval)
-    busy1, total1 = sample()
-    return (busy1 - busy0) / max(1, total1 - total0)
+    busy1, total1 = _cpu_seconds()
+    return (busy1 - busy0) / max(1e-9, total1 - total0)
 
 
 def settle(max_wait=30.0, threshold=0.1):
@@ -66,19 +72,27 @@ def settle(max_wait=30.0, threshold=0.1):
 def time_rounds(kernels, repeats, wait):
     """Run every kernel once (warm-up), then `repeats` rounds of each in turn.
 
-    Returns {name: (best, median)} wall seconds.
+    Returns ({name: (best, median)} wall seconds, the share of the machine's CPU time other
+    processes took during the timed rounds, or None without /proc/stat).
     """
     for fn in kernels.values():
         fn()
     times = {name: [] for name in kernels}
+    others = total = 0.0
     for _ in range(repeats):
         if wait:
             settle()
+        own0, (busy0, total0) = sum(os.times()[:2]), _cpu_seconds() if HAVE_PROC else (0.0, 0.0)
         for name, fn in kernels.items():
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
+        if HAVE_PROC:
+            busy1, total1 = _cpu_seconds()
+            others += max(0.0, (busy1 - busy0) - (sum(os.times()[:2]) - own0))
+            total += total1 - total0
+    share = others / total if HAVE_PROC and total > 0 else None
+    return {name: (min(t), statistics.median(t)) for name, t in times.items()}, share
 
 
 def snrt_kernels(layer, x, params):
@@ -132,7 +146,7 @@ def main(argv=None):
     parser.add_argument("--out", default="results/bench_conv.json", help="where to write the numbers")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--settle", action=argparse.BooleanOptionalAction,
-                        default=os.path.exists("/proc/stat"),
+                        default=HAVE_PROC,
                         help="wait for idle CPUs before each timing round (Linux)")
     args = parser.parse_args(argv)
     torch.set_num_threads(CORES)
@@ -141,7 +155,7 @@ def main(argv=None):
     table = Table(title=f"Conv2d, batch {args.batch}, {args.dtype}, {CORES} threads "
                         f"(best of {args.repeats}: ms and GFLOP/s)")
     for column in ("layer", "snrt fwd ms", "GFLOP/s", "torch fwd ms", "GFLOP/s",
-                   "snrt bwd ms", "GFLOP/s", "torch bwd ms", "GFLOP/s", "snrt workspace MiB"):
+                   "snrt bwd ms", "GFLOP/s", "torch bwd ms", "GFLOP/s", "snrt workspace MiB", "others %"):
         table.add_column(column, justify="left" if column == "layer" else "right")
     rows = []
     for name, (c, h, w), options in SHAPES:
@@ -152,13 +166,13 @@ def main(argv=None):
                   for k, s in layer.param_specs([shape]).items()}
         snrt_f, snrt_b, workspace = snrt_kernels(layer, x, params)
         torch_f, torch_b = torch_kernels(layer, x, params)
-        timed = time_rounds({"snrt_forward": snrt_f, "torch_forward": torch_f,
+        timed, others = time_rounds({"snrt_forward": snrt_f, "torch_forward": torch_f,
                              "snrt_backward": snrt_b, "torch_backward": torch_b},
                             args.repeats, args.settle)
         flops = {"forward": layer.cost([shape], FORWARD).flops, "backward": layer.cost([shape], BACKWARD).flops}
         row = {"layer": name, "input": list(shape), "options": layer.options(),
                "flops_forward": flops["forward"], "flops_backward": flops["backward"],
-               "workspace_bytes": workspace}
+               "workspace_bytes": workspace, "other_processes_cpu_share": others}
         cells = [name]
         for phase in ("forward", "backward"):
             for who in ("snrt", "torch"):
@@ -168,9 +182,12 @@ def main(argv=None):
                 row[f"{who}_{phase}_gflops"] = flops[phase] / best / 1e9
                 cells += [f"{best * 1e3:.1f}", f"{flops[phase] / best / 1e9:.0f}"]
         cells.append(f"{max(workspace.values()) / 2**20:.1f}")
+        cells.append("?" if others is None else f"{100 * others:.0f}")
         rows.append(row)
         table.add_row(*cells)
-    Console(width=150).print(table)
+    table.caption = ("others %: CPU share other processes took while the row was timed "
+                     "(the machine is shared; a large share skews that row)")
+    Console(width=170).print(table)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"batch": args.batch, "repeats": args.repeats, "dtype": args.dtype, "threads": CORES,

@@ -24,8 +24,8 @@ the table shows the mean (total images / total seconds), the slowest, the median
 fastest timed iteration, the median over the iterations whose process kept at least 90 % of
 the cores busy (CPU seconds per wall second: other processes on a shared machine drop it,
 and two spinning BLAS/OpenMP threads then slow down far more than by half), and snrt's
-median as a multiple of torch's ("vs torch", from those full-core medians when both sides
-have some). The Trainer's own timing of `executor.run` alone is kept in the JSON as
+full-core median as a multiple of torch's ("vs torch"; n/a when a side has no such
+iteration). The Trainer's own timing of `executor.run` alone is kept in the JSON as
 `executor_seconds`.
 
 Memory, and why every (model, framework) pair runs in its own subprocess:
@@ -344,10 +344,8 @@ def print_table(rows, meta):
             continue
         ratio, other = "", torch_rows.get(r["model"])
         if r["framework"] != "torch" and other:
-            key = "images_per_s_median_full_cores"  # compare undisturbed iterations where both have some
-            if r[key] is None or other[key] is None:
-                key = "images_per_s_median"
-            ratio = f"{r[key] / other[key]:.2f}x"
+            key = "images_per_s_median_full_cores"  # compare undisturbed iterations only
+            ratio = f"{r[key] / other[key]:.2f}x" if r[key] is not None and other[key] is not None else "n/a"
         full = r["images_per_s_median_full_cores"]
         full = f"{full:.2f} ({r['iterations_full_cores']}/{len(r['seconds'])})" if full is not None else "-"
         table.add_row(r["model"], str(r["batch"]), r["framework"], f"{r['images_per_s_mean']:.2f}",
@@ -365,7 +363,7 @@ def print_table(rows, meta):
           "process CPU seconds per wall second over the timed iterations; well below the core count means "
           f"other processes competed for the cores and the img/s are pessimistic. all cores: median over the "
           f"iterations that kept >= {FULL_CORES:.0%} of the cores busy (how many of them); vs torch compares "
-          "those medians (plain medians where a side has none).")
+          "those medians (n/a where a side has none: run again, or with more --rounds, on a quieter machine).")
 
 
 def main(argv=None):

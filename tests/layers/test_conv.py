@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from snrt.errors import ShapeError
-from snrt.layers.base import BACKWARD, FORWARD, KernelContext, scratch_bytes
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved, scratch_bytes
 from snrt.layers.conv import Conv2d
 from tests.layers.harness import check_layer
 
@@ -84,7 +84,6 @@ def test_conv2d_skips_data_gradient():
     gy = rng.standard_normal(layer.infer_shape([x.shape]))
     ws = np.zeros(layer.workspace_bytes([x.shape], BACKWARD, 8), np.uint8)
     gparams = {k: np.full_like(v, np.nan) for k, v in params.items()}
-    from snrt.layers.base import Saved
     layer.backward(KernelContext(np, workspace=ws), gy, Saved(xs=(x,)), params, {}, [None], gparams)
     xt = torch.tensor(x)
     wt = torch.tensor(params["weight"], requires_grad=True)
@@ -215,7 +214,6 @@ def test_conv2d_ignores_stale_workspace(monkeypatch, options, gemm_columns):
     x = rng.standard_normal((2, 4, 6, 5))
     params = {k: rng.standard_normal(s.shape) for k, s in layer.param_specs([x.shape]).items()}
     gy = rng.standard_normal(layer.infer_shape([x.shape]))
-    from snrt.layers.base import Saved
     results = []
     for fill in (0, 0xFF):
         def ctx(phase):

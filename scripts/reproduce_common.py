@@ -1,0 +1,192 @@
+"""Shared helpers of the scripts/reproduce_*.py scripts: paths, machine info, the integer search
+used for "deepest network" and "largest batch", result files and grouped bar plots."""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for _p in (ROOT, ROOT / "scripts"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))  # this checkout's snrt, and bench_memory's floor_bytes
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402,F401
+import numpy as np  # noqa: E402
+
+from bench_memory import floor_bytes  # noqa: E402,F401  (one definition of the floor)
+from snrt.config import POLICIES  # noqa: E402,F401
+
+GIB = 2**30
+MIB = 2**20
+BUDGET = 12 * GIB  # the K40c / Titan X of the SuperNeurons and vDNN papers
+RESULTS = ROOT / "results"
+
+
+def parse_args(doc):
+    """--quick and --out, the options every reproduce script takes."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run (smaller sizes, fewer cases)")
+    parser.add_argument("--out", default=str(RESULTS), help="folder for the tables and plots")
+    return parser
+
+
+def machine():
+    """Where and with what the numbers were produced."""
+    info = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "platform": platform.platform(), "machine": platform.machine(),
+            "processor": platform.processor() or "cpu", "cores": os.cpu_count(),
+            "python": platform.python_version(), "numpy": np.__version__}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+    except ImportError:
+        info["torch"] = None
+    return info
+
+
+def max_rss_bytes():
+    """The process's peak resident set size so far (ru_maxrss is KiB on Linux)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def current_rss_bytes():
+    """The process's resident set size now (Linux: /proc/self/statm; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return max_rss_bytes()
+
+
+def gib(nbytes):
+    return f"{nbytes / GIB:.2f}"
+
+
+def arena_in_budget(graph, batch, policy, budget=BUDGET):
+    """The arena `make_plan(graph, batch, policy, budget=budget)` ends with, without its error.
+
+    As make_plan does: a copying policy whose plan (prefetches hidden behind compute) exceeds
+    the budget is rebuilt with just-in-time prefetches (smaller, slower); the smaller arena of
+    the two is returned, so a value > budget means make_plan would raise BudgetError.
+    """
+    from snrt.scheduler.planner import COPYING, PlanOptions, _build, make_plan
+
+    arena = make_plan(graph, batch, policy).arena_bytes
+    if arena > budget and policy in COPYING:
+        arena = min(arena, _build(graph, batch, policy, PlanOptions(), hide_copies=False).arena_bytes)
+    return arena
+
+
+def largest_fitting(size_of, budget, start=(1, 2), limit=1 << 16, log=None):
+    """The largest integer n >= 1 with size_of(n) <= budget (0 if none), for a size that grows
+    with n and is close to affine (an arena against the batch or the block count).
+
+    Frugal: a secant step (where the line through the bracket's ends crosses the budget) and
+    a probe of its neighbour (an affine size is pinned down by these), then a bisection step
+    whenever that did not halve the bracket. Returns (n, {n: size} of every probe).
+    """
+    seen = {}
+
+    def probe(n):
+        if n not in seen:
+            seen[n] = size_of(n)
+            if log:
+                log(f"  n={n}: {seen[n] / GIB:.2f} GiB {'fits' if seen[n] <= budget else 'too big'}")
+        return seen[n] <= budget
+
+    lo, hi = 0, limit + 1  # size_of(lo) fits (0: nothing known), size_of(hi) does not
+    for n in start:
+        if probe(n):
+            lo = max(lo, n)
+        else:
+            hi = min(hi, n)
+    while hi - lo > 1:
+        width = hi - lo
+        known = sorted(seen)
+        if hi in seen and lo in seen:
+            a, b = lo, hi  # interpolate inside the bracket
+        else:  # extrapolate along the widest baseline on the known side (neighbours' noise is large)
+            side = [n for n in known if (n <= lo if hi not in seen else n >= hi)]
+            a, b = (side[0], side[-1]) if len(side) > 1 else (known[0], known[-1])
+        if a == b or seen[b] <= seen[a]:
+            n = (lo + hi) // 2 if hi <= limit else min(2 * lo, limit)
+        else:
+            n = int(a + (budget - seen[a]) * (b - a) / (seen[b] - seen[a]))
+        n = min(max(n, lo + 1), hi - 1)
+        if probe(n):
+            lo = n
+            if lo + 1 < hi and probe(lo + 1):
+                lo += 1
+            else:
+                hi = min(hi, lo + 1)
+        else:
+            hi = n
+            if hi - 1 > lo and not probe(hi - 1):
+                hi -= 1
+            else:
+                lo = max(lo, hi - 1)
+        if hi - lo > 1 and hi - lo > width // 2:  # the secant did not halve it: bisect once
+            n = (lo + hi) // 2
+            if probe(n):
+                lo = n
+            else:
+                hi = n
+    return lo, seen
+
+
+def save_json(out, name, data):
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def save_markdown(out, name, lines):
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def table(header, rows):
+    """Markdown table lines."""
+    return ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)] + \
+           ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def meta_line(meta, quick):
+    return (f"Generated {meta['date']} on {meta['platform']} ({meta['cores']} cores), Python {meta['python']}, "
+            f"NumPy {meta['numpy']}, PyTorch {meta['torch']}; mode: {'quick' if quick else 'full'}.")
+
+
+def grouped_bars(path, groups, series, values, ylabel, title, hline=None, log=False, extra=None):
+    """A grouped bar plot: values[series][group] (None: no bar); `extra` {label: [per group]} as markers."""
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(groups) * (len(series) + 1) / 3), 4.8))
+    width = 0.8 / len(series)
+    x = np.arange(len(groups))
+    for i, s in enumerate(series):
+        ys = [values[s][g] if values[s].get(g) is not None else 0 for g in groups]
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, ys, width, label=s)
+    for label, ys in (extra or {}).items():  # a black line across each group
+        ax.hlines(ys, x - 0.42, x + 0.42, color="black", linewidth=1.6, zorder=3, label=label)
+    if hline is not None:
+        ax.axhline(hline[0], color="red", linewidth=1, linestyle="--", label=hline[1])
+    ax.set_xticks(x, groups, rotation=15)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if log:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

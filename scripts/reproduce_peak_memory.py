@@ -1,0 +1,108 @@
+"""Peak device memory by technique (SuperNeurons' main figure), from plans and confirmed by runs.
+
+Part 1, plans (exact for any device size): AlexNet (227), VGG-16 (224), ResNet-50/101/152 (224),
+Inception-v4 (299) and DenseNet-121 (224) at the batch sizes below; the peak device bytes
+under none / liveness / recompute / offload / superneurons next to the floor (resident bytes
+plus the largest single step's working set, `floor_bytes` of scripts/bench_memory.py).
+
+Part 2, measured on this CPU: at small sizes a short Trainer run per policy, whose measured
+arena peak (trainer.backend.arena.peak_bytes) must equal the plan's peak_bytes.
+
+Writes results/peak_memory.{md,json,png}.
+
+    python scripts/reproduce_peak_memory.py [--quick]
+"""
+
+import time
+
+from reproduce_common import (GIB, POLICIES, floor_bytes, gib, grouped_bars, machine, meta_line,
+                              parse_args, save_json, save_markdown, table)
+
+import snrt
+from snrt.models import MODELS
+from snrt.scheduler.planner import make_plan
+from snrt.train import Trainer
+
+# (network, image size, batch): SuperNeurons' Fig. of peak memory uses batch 32 for the deep
+# networks; the two shallow ones (AlexNet, VGG-16) at 64, as vDNN and SuperNeurons report them.
+NETWORKS = [("alexnet", 227, 64), ("vgg16", 224, 64), ("resnet50", 224, 32), ("resnet101", 224, 32),
+            ("resnet152", 224, 32), ("inceptionv4", 299, 32), ("densenet121", 224, 32)]
+QUICK_NETWORKS = [("alexnet", 227, 8), ("vgg16", 224, 8), ("resnet50", 224, 8), ("densenet121", 224, 8)]
+# (config, image size, batch, iterations) of the measured runs
+MEASURED = [("cifar_resnet20", 32, 8, 2), ("resnet50", 64, 2, 2), ("cifar_resnet110", 32, 4, 2)]
+QUICK_MEASURED = [("cifar_resnet20", 32, 8, 2), ("resnet50", 64, 2, 2)]
+
+
+def planned(networks):
+    rows = []
+    for name, size, batch in networks:
+        graph = MODELS[name](image_size=size)
+        row = {"network": name, "image": size, "batch": batch, "layers": len(graph),
+               "floor_bytes": floor_bytes(graph, batch), "policies": {}}
+        for policy in POLICIES:
+            start = time.perf_counter()
+            plan = make_plan(graph, batch, policy)
+            row["policies"][policy] = {"peak_bytes": plan.peak_bytes, "arena_bytes": plan.arena_bytes,
+                                       "offloaded_bytes": plan.host_bytes, "predicted_s": plan.predicted_s,
+                                       "plan_s": time.perf_counter() - start}
+        print(f"planned {name} at {size}, batch {batch}: " + ", ".join(
+            f"{p} {gib(v['peak_bytes'])}" for p, v in row["policies"].items()) + f" GiB; floor {gib(row['floor_bytes'])}",
+            flush=True)
+        rows.append(row)
+    return rows
+
+
+def measured(cases):
+    rows = []
+    for name, size, batch, iterations in cases:
+        overrides = {"input.shape": [3, size, size], "train.batch": batch,
+                     "train.data": {"type": "synthetic", "samples": 4 * batch}}
+        for policy in POLICIES:
+            trainer = Trainer(snrt.load_config(f"configs/{name}.yaml", overrides), policy=policy)
+            history = trainer.fit(iterations=iterations)
+            row = {"network": name, "image": size, "batch": batch, "policy": policy, "iterations": len(history),
+                   "planned_peak_bytes": trainer.plan.peak_bytes,
+                   "measured_peak_bytes": trainer.backend.arena.peak_bytes,
+                   "arena_bytes": trainer.plan.arena_bytes, "loss": history[-1].loss}
+            row["equal"] = row["planned_peak_bytes"] == row["measured_peak_bytes"]
+            trainer.backend.close()
+            print(f"measured {name} {size} batch {batch} {policy}: planned {row['planned_peak_bytes']} B, "
+                  f"measured {row['measured_peak_bytes']} B -> {'equal' if row['equal'] else 'DIFFERENT'}", flush=True)
+            rows.append(row)
+    return rows
+
+
+def main():
+    args = parse_args(__doc__).parse_args()
+    meta = machine()
+    plans = planned(QUICK_NETWORKS if args.quick else NETWORKS)
+    runs = measured(QUICK_MEASURED if args.quick else MEASURED)
+    save_json(args.out, "peak_memory", {"meta": meta, "quick": args.quick, "plans": plans, "measured": runs})
+
+    labels = [f"{r['network']}\nb{r['batch']}" for r in plans]
+    values = {p: {lab: r["policies"][p]["peak_bytes"] / GIB for lab, r in zip(labels, plans)} for p in POLICIES}
+    grouped_bars(f"{args.out}/peak_memory.png", labels, list(POLICIES), values, "peak device memory (GiB, log)",
+                 "Peak device memory by technique (from plans)", log=True,
+                 extra={"floor": [r["floor_bytes"] / GIB for r in plans]})
+
+    lines = ["# Peak device memory by technique", "", meta_line(meta, args.quick), "",
+             "From plans (`make_plan`, exact for any device). GiB; floor = resident bytes (parameters, "
+             "gradients, momentum, state) + the largest single step's working set; `sn / floor` is "
+             "superneurons' peak over the floor; `none / sn` the saving over the naive run.", ""]
+    lines += table(["network", "image", "batch", "layers", *POLICIES, "floor", "sn / floor", "none / sn"], [
+        [r["network"], r["image"], r["batch"], r["layers"], *(gib(r["policies"][p]["peak_bytes"]) for p in POLICIES),
+         gib(r["floor_bytes"]), f"{r['policies']['superneurons']['peak_bytes'] / r['floor_bytes']:.2f}",
+         f"{r['policies']['none']['peak_bytes'] / r['policies']['superneurons']['peak_bytes']:.1f}x"] for r in plans])
+    lines += ["", "![peak memory](peak_memory.png)", "",
+              "## Confirmed by measurement", "",
+              "A short `Trainer` run per policy on this CPU (synthetic data): the arena's measured peak "
+              "(`trainer.backend.arena.peak_bytes`) against the plan's `peak_bytes`, in bytes.", ""]
+    lines += table(["network", "image", "batch", "policy", "iterations", "planned peak (B)", "measured peak (B)", "equal"], [
+        [r["network"], r["image"], r["batch"], r["policy"], r["iterations"], r["planned_peak_bytes"],
+         r["measured_peak_bytes"], "yes" if r["equal"] else "**NO**"] for r in runs])
+    save_markdown(args.out, "peak_memory", lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Speed and memory on this CPU: snrt under every policy against PyTorch on the same networks.
+
+For each network (CIFAR ResNet-110 at 32x32, ResNet-50 at 112x112; full mode adds CIFAR
+ResNet-164) and batch, in one run, one fresh subprocess per (framework, variant), one after
+the other:
+
+- snrt: `Trainer(config, policy=P).step(x, y, total)` under none / liveness / recompute /
+  offload / superneurons; peak memory is the arena's measured peak
+  (`trainer.backend.arena.peak_bytes`, equal to the plan's peak_bytes);
+- PyTorch "plain": `snrt.torch_reference.TorchNet` built from the same graph and the Trainer's
+  initial parameters, trained with torch.optim.SGD (same lr, momentum, weight decay on every
+  parameter but BatchNorm's and biases, as snrt; the Trainer's learning-rate schedule);
+- PyTorch "checkpoint": the same TorchNet, its forward cut into a chain of single-tensor pieces
+  (`chain_pieces`: cut wherever exactly one tensor crosses, i.e. between residual blocks) run
+  by `torch.utils.checkpoint.checkpoint_sequential` with round(sqrt(pieces)) segments
+  (use_reentrant=False; the recomputed forward of a BatchNorm updates its running statistics
+  a second time, which does not change the speed).
+
+All see the same synthetic batches (the Trainer's stream, `Batches.get(i)`), after `warmup`
+untimed iterations. images/s = batch / median wall seconds of one whole iteration.
+
+PyTorch has no arena to read, so its memory is the growth of the process's resident set:
+its high-water mark (`ru_maxrss`) after the last iteration minus the resident bytes
+(/proc/self/statm) just before the first, with the model, optimizer and data already built: what its allocator had to take from the OS for activations, gradients,
+momentum and workspaces (this is why every run has its own process: ru_maxrss never goes
+down). It also counts allocator slack and temporaries, so it is an upper bound of the
+tensors' bytes, not the same quantity as snrt's arena peak; snrt's RSS growth is shown too.
+
+Writes results/speed.{md,json,png}.
+
+    python scripts/reproduce_speed.py [--quick]
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+os.environ.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 1))
+
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from reproduce_common import (MIB, POLICIES, ROOT, current_rss_bytes, grouped_bars, machine,  # noqa: E402
+                              max_rss_bytes, meta_line,
+                              parse_args, save_json, save_markdown, table)
+
+CASES = [("cifar_resnet110", 32, 32), ("cifar_resnet164", 32, 16), ("resnet50", 112, 8)]  # (config, image, batch)
+QUICK_CASES = [("cifar_resnet110", 32, 8), ("resnet50", 112, 4)]
+VARIANTS = [("snrt", p) for p in POLICIES] + [("torch", "plain"), ("torch", "checkpoint")]
+TAG = "REPRODUCE_SPEED_RESULT "
+
+
+def load(name, size, batch):
+    import snrt
+    return snrt.load_config(ROOT / "configs" / f"{name}.yaml", {
+        "input.shape": [3, size, size], "train.batch": batch,
+        "train.data": {"type": "synthetic", "samples": 4 * batch}})
+
+
+def batches(config, count):
+    """The first `count` batches of the Trainer's stream (computed before timing)."""
+    from snrt.data import Batches, load_datasets, normalization
+    train = config.train
+    train_set, _ = load_datasets(train.data, tuple(config.input.shape), config.input.classes, train.seed)
+    mean, std = normalization(train.data, train_set)
+    stream = Batches(train_set, train.batch, train.seed, mean, std, crop_padding=train.data.crop_padding,
+                     flip=train.data.flip, prefetch=False)
+    return [stream.get(i) for i in range(count)]
+
+
+def chain_pieces(net, graph):
+    """TorchNet's forward up to the logits as a list of single-tensor functions, cut wherever
+    exactly one tensor is live; the name of the logits node is returned with them."""
+    from snrt.torch_reference import OPS
+
+    nodes = [n for n in graph.nodes.values() if n.layer.type_name not in ("Input", "SoftmaxCrossEntropy")]
+    position = {n.name: i for i, n in enumerate(nodes)}
+    last_use = {}
+    for i, n in enumerate(nodes):
+        for name in n.inputs:
+            last_use[name] = i
+    produced = ["data"]
+    cuts = []
+    for i, n in enumerate(nodes):
+        produced.append(n.name)
+        live = {p for p in produced if last_use.get(p, -1) > i}
+        if live == {n.name} or i == len(nodes) - 1:
+            cuts.append(i)
+
+    def evaluate(node, values):
+        layer = node.layer
+        p = {k: net.param(node.name, k) for k in layer.param_specs(graph.in_shapes(node.name, 1))}
+        s = {k: v for (owner, k), v in net.state.items() if owner == node.name}
+        return OPS[layer.type_name](layer, [values[i] for i in node.inputs], p, s, net.training)
+
+    def piece(members, source):
+        def run(x):
+            values = {source: x}
+            for node in members:
+                values[node.name] = evaluate(node, values)
+            return values[members[-1].name]
+        return run
+
+    pieces, start, source = [], 0, "data"
+    for end in cuts:
+        members = nodes[start:end + 1]
+        assert all(i == source or position.get(i, -1) >= start for m in members for i in m.inputs)
+        pieces.append(piece(members, source))
+        start, source = end + 1, nodes[end].name
+    return pieces, nodes[-1].name
+
+
+def run_snrt(name, size, batch, policy, warmup, iterations):
+    from snrt.train import Trainer
+    config = load(name, size, batch)
+    data = batches(config, warmup + iterations)
+    rss_start = current_rss_bytes()
+    trainer = Trainer(config, policy=policy)
+    gc.collect()
+    rss_before, high_before = current_rss_bytes(), max_rss_bytes()
+    seconds = []
+    for i, (x, y) in enumerate(data):
+        start = time.perf_counter()
+        metrics = trainer.step(x, y, warmup + iterations)
+        if i >= warmup:
+            seconds.append(time.perf_counter() - start)
+    return {"seconds": seconds, "loss": metrics.loss, "peak_bytes": trainer.backend.arena.peak_bytes,
+            "planned_peak_bytes": trainer.plan.peak_bytes, "predicted_s": trainer.plan.predicted_s,
+            **rss_growth(rss_before, high_before), "rss_growth_with_build_bytes": max_rss_bytes() - rss_start}
+
+
+def rss_growth(rss_before, high_before):
+    """The resident high-water mark after the iterations minus the resident bytes before them;
+    `new_high_water` False: the iterations never passed the earlier high-water mark, so this
+    is only an upper bound of what they needed."""
+    high = max_rss_bytes()
+    return {"rss_growth_bytes": high - rss_before, "new_high_water": high > high_before}
+
+
+def run_torch(name, size, batch, variant, warmup, iterations):
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    from snrt.init import initial_parameters, initial_state
+    from snrt.optim import learning_rate
+    from snrt.torch_reference import TorchNet
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    config = load(name, size, batch)
+    graph, train = config.graph, config.train
+    data = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches(config, warmup + iterations)]
+    net = TorchNet(graph, initial_parameters(graph, train.seed, train.init), initial_state(graph))
+    net.train()
+    opt = train.optimizer
+    specs = graph.param_specs()  # snrt does not decay BatchNorm and bias parameters: neither does this
+    no_decay = [net.param(n, k) for n in specs for k in specs[n] if not specs[n][k].decay]
+    decay = [p for p in net.parameters() if all(p is not q for q in no_decay)]
+    sgd = torch.optim.SGD([{"params": decay, "weight_decay": opt.weight_decay},
+                           {"params": no_decay, "weight_decay": 0.0}],
+                          lr=opt.lr, momentum=opt.momentum, nesterov=opt.nesterov)
+    pieces, _ = chain_pieces(net, graph)
+    segments = max(1, min(len(pieces), round(math.sqrt(len(pieces)))))
+    gc.collect()
+    rss_before, high_before = current_rss_bytes(), max_rss_bytes()
+    seconds = []
+    for i, (x, y) in enumerate(data):
+        start = time.perf_counter()
+        for group in sgd.param_groups:  # the Trainer's schedule
+            group["lr"] = learning_rate(train.schedule, opt.lr, i, warmup + iterations)
+        sgd.zero_grad(set_to_none=True)
+        if variant == "plain":
+            loss = net({"data": x, "label": y}).mean()
+        else:
+            logits = checkpoint_sequential(pieces, segments, x, use_reentrant=False)
+            loss = F.cross_entropy(logits, y)
+        loss.backward()
+        sgd.step()
+        value = loss.item()
+        if i >= warmup:
+            seconds.append(time.perf_counter() - start)
+    growth = rss_growth(rss_before, high_before)
+    return {"seconds": seconds, "loss": value, "peak_bytes": growth["rss_growth_bytes"], **growth,
+            "pieces": len(pieces), "segments": segments if variant == "checkpoint" else None,
+            "threads": torch.get_num_threads()}
+
+
+def worker(argv):
+    framework, variant, name, size, batch, warmup, iterations = argv
+    run = run_snrt if framework == "snrt" else run_torch
+    result = run(name, int(size), int(batch), variant, int(warmup), int(iterations))
+    print(TAG + json.dumps(result), flush=True)
+
+
+def spawn(framework, variant, name, size, batch, warmup, iterations):
+    cmd = [sys.executable, __file__, "--worker", framework, variant, name, str(size), str(batch),
+           str(warmup), str(iterations)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    for line in proc.stdout.splitlines():
+        if line.startswith(TAG):
+            return json.loads(line[len(TAG):])
+    return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker(sys.argv[2:])
+    parser = parse_args(__doc__)
+    parser.add_argument("--iterations", type=int, default=None, help="timed iterations (quick 1, full 5)")
+    args = parser.parse_args()
+    iterations = args.iterations or (1 if args.quick else 5)
+    warmup = 1
+    meta = machine()
+    rows = []
+    for name, size, batch in (QUICK_CASES if args.quick else CASES):
+        for framework, variant in VARIANTS:
+            start = time.perf_counter()
+            r = spawn(framework, variant, name, size, batch, warmup, iterations)
+            r.update({"network": name, "image": size, "batch": batch, "framework": framework, "variant": variant,
+                      "wall_s": time.perf_counter() - start})
+            if "seconds" in r:
+                r["seconds_median"] = statistics.median(r["seconds"])
+                r["images_per_s"] = batch / r["seconds_median"]
+                print(f"{name} b{batch} {framework} {variant}: {r['images_per_s']:.1f} img/s, "
+                      f"peak {r['peak_bytes'] / MIB:.0f} MiB, loss {r['loss']:.4f}", flush=True)
+            else:
+                print(f"{name} b{batch} {framework} {variant}: FAILED {r['error']}", flush=True)
+            rows.append(r)
+    save_json(args.out, "speed", {"meta": meta, "quick": args.quick, "warmup": warmup, "iterations": iterations,
+                                  "rows": rows})
+
+    def label(r):
+        return f"{r['framework']} {r['variant']}"
+
+    series = [f"{f} {v}" for f, v in VARIANTS]
+    groups = list(dict.fromkeys(f"{r['network']} {r['image']} b{r['batch']}" for r in rows))
+    values = {s: {} for s in series}
+    for r in rows:
+        values[label(r)][f"{r['network']} {r['image']} b{r['batch']}"] = r.get("images_per_s")
+    grouped_bars(f"{args.out}/speed.png", groups, series, values, "images / s (this CPU)",
+                 "Training throughput on this CPU: snrt policies and PyTorch")
+    lines = ["# Speed and memory on this CPU: snrt against PyTorch", "", meta_line(meta, args.quick), "",
+             f"Median wall seconds of one whole training iteration over {iterations} timed iterations "
+             f"after {warmup} warm-up, each configuration in its own process, one after the other. Peak "
+             "memory: snrt = the arena's measured peak (equal to the plan's prediction: column `= plan`); "
+             "PyTorch = ru_maxrss (process resident high-water mark) after the iterations minus the resident "
+             "bytes before them: what "
+             "its allocator took from the OS for activations, gradients, momentum and workspaces, "
+             "including allocator slack (an upper bound of its tensors, not the same measure). snrt's "
+             "RSS growth is listed for comparison on the same footing ((bound): the iterations never passed the "
+             "process's earlier high-water mark, so the number is an upper bound). `checkpoint` = "
+             "torch.utils.checkpoint.checkpoint_sequential over the chain of single-tensor pieces "
+             "(residual blocks) with about sqrt(pieces) segments.", ""]
+    lines += table(["network", "image", "batch", "framework", "variant", "images/s", "s/iteration", "peak memory (MiB)",
+                    "= plan", "RSS growth (MiB)", "vs torch plain", "last loss"], [
+        [r["network"], r["image"], r["batch"], r["framework"],
+         r["variant"] + (f" ({r['segments']} of {r['pieces']} pieces)" if r.get("segments") else ""),
+         f"{r['images_per_s']:.2f}" if "images_per_s" in r else "failed",
+         f"{r['seconds_median']:.2f}" if "seconds_median" in r else "-",
+         f"{r['peak_bytes'] / MIB:.0f}" if "peak_bytes" in r else "-",
+         ("yes" if r["peak_bytes"] == r["planned_peak_bytes"] else "NO") if "planned_peak_bytes" in r else "-",
+         (f"{r['rss_growth_bytes'] / MIB:.0f}" + ("" if r["new_high_water"] else " (bound)")) if "seconds" in r else "-",
+         speedup(r, rows), f"{r['loss']:.4f}" if "loss" in r else "-"] for r in rows])
+    lines += ["", "![speed](speed.png)"]
+    save_markdown(args.out, "speed", lines)
+    print("\n".join(lines))
+
+
+def speedup(r, rows):
+    ref = next((q for q in rows if q["network"] == r["network"] and q["batch"] == r["batch"]
+                and q["framework"] == "torch" and q["variant"] == "plain" and "images_per_s" in q), None)
+    return f"{r['images_per_s'] / ref['images_per_s']:.2f}x" if ref and "images_per_s" in r else "-"
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,9 @@ itself (k = 788) is always planned and reported with its arena.
 Writes results/deepest_resnet.{md,json,png}.
 
     python scripts/reproduce_deepest_resnet.py [--quick]   # quick: liveness and superneurons, batch 16
+
+Quick mode takes about 2 minutes. Full mode is slow: a plan of a copying policy near k = 1,400
+takes a minute or more (several when its just-in-time fallback is built too); allow 30+ minutes.
 """
 
 import time

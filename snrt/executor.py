@@ -23,8 +23,11 @@ class Executor:
         self.xp = backend.xp
         arena = backend.arena
         self.views = [arena.view(b) if b.offset >= 0 else None for b in plan.buffers]
+        self.persistent = {}  # (node, "weight" / "weight:momentum" / ...) -> buffer id
         for b in plan.buffers:
             if b.role in PERSISTENT_ROLES:
+                node, _, rest = b.name.partition(":")
+                self.persistent[(node, rest)] = b.id
                 arena.reserve(b)
                 self.views[b.id].fill(0)  # optimizer state starts at zero; the rest is loaded
         self.node_index = {name: i for i, name in enumerate(graph.nodes)}
@@ -47,16 +50,7 @@ class Executor:
 
     def view_of(self, node, name):
         """The array of a persistent buffer, e.g. view_of("conv1", "weight")."""
-        return self.views[self._persistent_ids()[(node, name)]]
-
-    def _persistent_ids(self):
-        if not hasattr(self, "_persistent"):
-            self._persistent = {}
-            for b in self.plan.buffers:
-                if b.role in PERSISTENT_ROLES:
-                    node, _, rest = b.name.partition(":")
-                    self._persistent[(node, rest)] = b.id
-        return self._persistent
+        return self.views[self.persistent[(node, name)]]
 
     def run(self, feed, iteration, seed, optimizer=None, lr=0.0):
         """One pass over the plan. `feed` maps input node names to host arrays (batch first).

@@ -162,10 +162,6 @@ class Graph:
                 out[i].append(node.name)
         return out
 
-    def input_nodes(self):
-        """Nodes fed from outside (Input layers), in order."""
-        return [n for n in self.nodes.values() if isinstance(n.layer, Input)]
-
     def in_shapes(self, name, batch):
         """Full input shapes of node `name` at `batch`."""
         return [self.nodes[i].full_shape(batch) for i in self.nodes[name].inputs]

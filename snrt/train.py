@@ -5,6 +5,7 @@ seed and the iteration, so the same seed gives the same losses bit for bit, and 
 stopped and resumed from a checkpoint continues exactly as if it never stopped.
 """
 
+import contextlib
 import signal
 import threading
 import time
@@ -110,23 +111,17 @@ class Trainer:
         self.iteration += 1
         return metrics
 
+    @contextlib.contextmanager
     def _interrupt_guard(self):
-        trainer = self
-
-        class Guard:
-            def __enter__(self):
-                self.previous = None
-                if threading.current_thread() is threading.main_thread():
-                    self.previous = signal.signal(signal.SIGINT, self.handle)
-
-            def handle(self, signum, frame):
-                trainer.stop_requested = True
-
-            def __exit__(self, *exc):
-                if self.previous is not None:
-                    signal.signal(signal.SIGINT, self.previous)
-
-        return Guard()
+        """Ctrl-C (in the main thread) asks the loop to stop after the current iteration."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: setattr(self, "stop_requested", True))
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     # ---- evaluation ------------------------------------------------------------------------
     def evaluate(self, dataset=None):

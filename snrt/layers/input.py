@@ -31,10 +31,6 @@ class Input(Layer):
         if self.dtype not in DTYPES:
             raise ValueError(f"option 'dtype' must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
-    def output_shape(self, batch):
-        """(batch, *shape)."""
-        return (batch, *self.shape)
-
     def output_dtype(self, in_dtypes):
         return self.dtype
 

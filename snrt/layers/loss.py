@@ -31,9 +31,6 @@ class SoftmaxCrossEntropy(Layer):
             raise ShapeError(f"labels must be one integer per sample, got {list(labels[1:])} per sample")
         return logits[:1]
 
-    def output_dtype(self, in_dtypes):
-        return in_dtypes[0]
-
     def aux_specs(self, in_shapes):
         return {"probs": AuxSpec(tuple(in_shapes[0]))}
 

@@ -15,7 +15,6 @@ from snrt.layers.base import (
     AuxSpec,
     Cost,
     Layer,
-    Saves,
     numel,
     pair,
     scratch_bytes,

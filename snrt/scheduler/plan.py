@@ -222,9 +222,6 @@ class Plan:
     def _names(self, ids):
         return ", ".join(self.buffers[b].name for b in ids)
 
-    def buffer(self, buffer_id):
-        return self.buffers[buffer_id]
-
     def to_json(self):
         """Deterministic JSON text of the whole plan."""
         doc = asdict(self)

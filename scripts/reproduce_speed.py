@@ -1,7 +1,7 @@
 """Speed and memory on this CPU: snrt under every policy against PyTorch on the same networks.
 
-For each network (CIFAR ResNet-110 at 32x32, ResNet-50 at 112x112; full mode adds CIFAR
-ResNet-164) and batch, in one run, one fresh subprocess per (framework, variant), one after
+For each network (full mode: CIFAR ResNet-110 and ResNet-164 at 32x32, ResNet-50 at
+224x224; quick mode: CIFAR ResNet-110 and ResNet-50 at 112x112, smaller batches) and batch, in one run, one fresh subprocess per (framework, variant), one after
 the other:
 
 - snrt: `Trainer(config, policy=P).step(x, y, total)` under none / liveness / recompute /
@@ -48,7 +48,7 @@ from reproduce_common import (MIB, POLICIES, ROOT, current_rss_bytes, grouped_ba
                               max_rss_bytes, meta_line,
                               parse_args, save_json, save_markdown, table)
 
-CASES = [("cifar_resnet110", 32, 32), ("cifar_resnet164", 32, 16), ("resnet50", 112, 8)]  # (config, image, batch)
+CASES = [("cifar_resnet110", 32, 32), ("cifar_resnet164", 32, 16), ("resnet50", 224, 8)]  # (config, image, batch)
 QUICK_CASES = [("cifar_resnet110", 32, 8), ("resnet50", 112, 4)]
 VARIANTS = [("snrt", p) for p in POLICIES] + [("torch", "plain"), ("torch", "checkpoint")]
 TAG = "REPRODUCE_SPEED_RESULT "

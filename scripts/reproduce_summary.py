@@ -11,7 +11,7 @@ from the result files.
 import json
 from pathlib import Path
 
-from reproduce_common import BUDGET, GIB, machine, parse_args
+from reproduce_common import BUDGET, GIB, parse_args
 
 GB = 1e9
 # Published numbers (citations, not measurements):
@@ -29,6 +29,15 @@ def verdict(ours, theirs, higher_is_better=True, tolerance=0.05):
     if abs(ours - theirs) <= tolerance * abs(theirs):
         return "level"
     return "ahead" if (ours > theirs) == higher_is_better else "behind"
+
+
+def where(d):
+    """The machine a result file was produced on, as its `meta` recorded it."""
+    return f"{d['meta']['platform']}, {d['meta']['cores']} cores" if d else "-"
+
+
+def versions(d):
+    return f"Python {d['meta']['python']}, NumPy {d['meta']['numpy']}, PyTorch {d['meta']['torch']}" if d else "-"
 
 
 def load(out, name):
@@ -160,7 +169,6 @@ def main():
     args = parse_args(__doc__).parse_args()
     out = args.out
     data = {n: load(out, n) for n in ("peak_memory", "deepest_resnet", "largest_batch", "speed", "timeline")}
-    meta = machine()
     modes = {n: ("quick" if d["quick"] else "full") if d else "missing" for n, d in data.items()}
     dates = {n: d["meta"]["date"] if d else "-" for n, d in data.items()}
     lines = ["# Reproducing SuperNeurons, vDNN and Chen et al. with snrt", "",
@@ -169,10 +177,8 @@ def main():
              "the papers' numbers are citations. Memory numbers come from plans (exact for any device, here "
              f"against a {BUDGET / GIB:.0f} GiB budget, the papers' K40c / Titan X) and are confirmed by measured "
              "runs on the CPU at small sizes; no GPU was used.", "",
-             f"Machine: {meta['platform']}, {meta['processor']}, {meta['cores']} cores; Python {meta['python']}, "
-             f"NumPy {meta['numpy']}, PyTorch {meta['torch']}.", "",
-             "| result | mode | generated |", "| --- | --- | --- |"]
-    lines += [f"| {n} | {modes[n]} | {dates[n]} |" for n in data]
+             "| result | mode | generated | machine | versions |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {n} | {modes[n]} | {dates[n]} | {where(d)} | {versions(d)} |" for n, d in data.items()]
     lines += [""]
     for section in (section_peak(data["peak_memory"]), section_deepest(data["deepest_resnet"]),
                     section_batch(data["largest_batch"]), section_speed(data["speed"]),

@@ -1,6 +1,6 @@
 """Predicted against measured: ResNet-50's memory timeline under superneurons, and step times.
 
-Trains ResNet-50 (112x112, batch 4; synthetic data) on this CPU for a few iterations under
+Trains ResNet-50 (224x224, batch 8; quick mode 112x112, batch 4; synthetic data) on this CPU for a few iterations under
 every policy. For superneurons it draws the plan's device bytes per step (stacked by role)
 with the bytes the executor measured at every step on top (`trainer.executor.measured_bytes`,
 via `snrt.timeline.draw_timeline`), and checks them step by step. For every policy it tabulates
@@ -20,15 +20,17 @@ import snrt
 from snrt.timeline import draw_timeline
 from snrt.train import Trainer
 
-NETWORK, IMAGE, BATCH = "resnet50", 112, 4
+NETWORK = "resnet50"
+FULL, QUICK = (224, 8), (112, 4)  # (image size, batch)
 
 
 def main():
     args = parse_args(__doc__).parse_args()
     meta = machine()
     timed = 1 if args.quick else 4
-    overrides = {"input.shape": [3, IMAGE, IMAGE], "train.batch": BATCH,
-                 "train.data": {"type": "synthetic", "samples": 4 * BATCH}}
+    image, batch = QUICK if args.quick else FULL
+    overrides = {"input.shape": [3, image, image], "train.batch": batch,
+                 "train.data": {"type": "synthetic", "samples": 4 * batch}}
     rows, timeline = [], None
     for policy in POLICIES:
         trainer = Trainer(snrt.load_config(f"configs/{NETWORK}.yaml", overrides), policy=policy)
@@ -43,17 +45,17 @@ def main():
         if policy == "superneurons":
             path = f"{args.out}/timeline_{NETWORK}_superneurons.png"
             draw_timeline(plan, path, measured=measured,
-                          title=f"ResNet-50 {IMAGE}x{IMAGE}, batch {BATCH}, superneurons: predicted (stacked) "
+                          title=f"ResNet-50 {image}x{image}, batch {batch}, superneurons: predicted (stacked) "
                                 f"and measured (dashed)")
             timeline = {"predicted_bytes": predicted, "measured_bytes": measured, "png": path}
         trainer.backend.close()
         print(f"{policy}: predicted {row['predicted_s']:.2f} s, measured {row['measured_s']:.2f} s, "
               f"{row['steps_equal']}/{row['steps']} steps with measured bytes = predicted", flush=True)
         rows.append(row)
-    save_json(args.out, "timeline", {"meta": meta, "quick": args.quick, "network": NETWORK, "image": IMAGE,
-                                     "batch": BATCH, "rows": rows, "superneurons_timeline": timeline})
+    save_json(args.out, "timeline", {"meta": meta, "quick": args.quick, "network": NETWORK, "image": image,
+                                     "batch": batch, "rows": rows, "superneurons_timeline": timeline})
     lines = ["# Predicted against measured", "", meta_line(meta, args.quick), "",
-             f"ResNet-50 at {IMAGE}x{IMAGE}, batch {BATCH}, trained on this CPU. Memory: the plan's device "
+             f"ResNet-50 at {image}x{image}, batch {batch}, trained on this CPU. Memory: the plan's device "
              "bytes at every step against the live arena bytes the executor measured there. Time: "
              f"`plan.predicted_s` (CPU cost model) against the median executor seconds of {timed} "
              "iteration(s) after one warm-up.", "",

@@ -4,7 +4,9 @@
 - liveness: every tensor freed after its last use;
 - recompute: liveness + cost-aware recomputation of cheap layers;
 - offload: liveness + every tensor the backward reads offloaded and prefetched;
-- superneurons: liveness + recomputation + offload of the remaining checkpoints;
+- superneurons: liveness + recomputation + offload of the remaining checkpoints, never more
+  memory than offload alone: a segment whose replay stands at a step over the offload plan's
+  peak is kept and offloaded instead of recomputed;
 - auto: the fastest of those (by the cost model) whose arena fits the budget.
 
 A budget (bytes) is checked against the arena the plan needs; an infeasible one is an error
@@ -77,21 +79,69 @@ def make_plan(graph, batch, policy="none", budget=None, training=True, momentum=
 def _build(graph, batch, policy, opts, hide_copies=True):
     """The plan of `policy`; `hide_copies` False prefetches just in time (see plan_offload).
 
-    With recomputation, the all-memory-centric plan is built first; segments that fit under
-    its peak are then replayed speed-centric, and that plan is kept unless its peak is higher.
+    With recomputation, the all-memory-centric plan is built first (under superneurons, with
+    the segments that cost more memory than offloading kept, see `_recompute_within_offload`);
+    segments that fit under its peak are then replayed speed-centric, and that plan is kept
+    unless its arena is larger.
     """
-    plan, segments = _assemble(graph, batch, policy, opts, hide_copies, ())
+    plan, segments = _assemble(graph, batch, policy, opts, hide_copies)
+    kept = ()
+    if policy == "superneurons" and segments:
+        plan, segments, kept = _recompute_within_offload(graph, batch, opts, hide_copies, plan, segments)
     if segments:
         speed = speed_segments_that_fit(plan, segments)
         if speed:
-            faster, _ = _assemble(graph, batch, policy, opts, hide_copies, speed)
+            faster, _ = _assemble(graph, batch, policy, opts, hide_copies, speed, kept)
             if faster.arena_bytes <= plan.arena_bytes:
                 plan = faster
     return plan
 
 
-def _assemble(graph, batch, policy, opts, hide_copies, speed_segments):
-    """(plan, recompute segments) with the given speed-centric segments."""
+REPLAY_ROUNDS = 4  # rebuilds of the superneurons plan while segments are moved to offloading
+
+
+def _recompute_within_offload(graph, batch, opts, hide_copies, plan, segments):
+    """(plan, replayed segments, kept segment roots) whose arena is at most the offload plan's.
+
+    Replaying a segment holds its checkpoint and the replayed chain on the device at once,
+    where offloading holds only the one prefetched tensor the backward step reads. So while
+    the superneurons plan's arena exceeds the offload plan's, the segments replayed around a
+    step over the offload peak are kept (offloaded, not dropped) and the plan is rebuilt; if
+    that does not get there within REPLAY_ROUNDS, every segment is kept (offload alone).
+    """
+    offload, _ = _assemble(graph, batch, "offload", opts, hide_copies)
+    kept = set()
+    for _ in range(REPLAY_ROUNDS):
+        if plan.arena_bytes <= offload.arena_bytes:
+            return plan, segments, tuple(sorted(kept))
+        over = _segments_replayed_over(plan, segments, offload.peak_bytes)
+        if not over:
+            break
+        kept |= over
+        plan, segments = _assemble(graph, batch, "superneurons", opts, hide_copies, (), tuple(sorted(kept)))
+    if plan.arena_bytes <= offload.arena_bytes:
+        return plan, segments, tuple(sorted(kept))
+    return replace(offload, policy="superneurons"), {}, ()
+
+
+def _segments_replayed_over(plan, segments, limit):
+    """Roots of the segments replayed next to a step whose device bytes exceed `limit`: the
+    recompute steps from the compute step before it to the next compute step after it."""
+    root_of = {node: root for root, nodes in segments.items() for node in nodes}
+    steps, over = plan.steps, set()
+    compute = [i for i, s in enumerate(steps) if s.kind in ("forward", "backward", "update")]
+    for i, nbytes in enumerate(plan.device_bytes):
+        if nbytes <= limit:
+            continue
+        before = max((c for c in compute if c < i), default=-1)
+        after = min((c for c in compute if c >= i), default=len(steps))
+        over.update(root_of[s.node] for s in steps[before + 1:after + 1]
+                    if s.kind == "recompute" and s.node in root_of)
+    return over
+
+
+def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_segments=()):
+    """(plan, replayed segments) with the given speed-centric and kept (not dropped) segments."""
     training, cost_model = opts.training, opts.cost_model
     it = build_iteration(graph, batch, training, opts.momentum, opts.dtype, opts.kernels)
     table = BufferTable()
@@ -100,7 +150,7 @@ def _assemble(graph, batch, policy, opts, hide_copies, speed_segments):
     keep = set(it.loss[:1] + it.loss[2:]) if it.loss else set()
     slots, host_bytes, segments = {}, 0, {}
     if policy in ("recompute", "superneurons") and training:
-        steps, segments = plan_recomputation(graph, steps, table.buffers, speed_segments)
+        steps, segments = plan_recomputation(graph, steps, table.buffers, speed_segments, kept_segments)
         steps = version_buffers(steps, table)
     if policy in ("offload", "superneurons") and training:
         seconds = [cost_models.step_seconds(s, graph, batch, cost_model) for s in steps]

@@ -68,11 +68,13 @@ def largest_step_bytes(steps, buffers):
     return max((own(s) for s in steps), default=0)
 
 
-def plan_recomputation(graph, steps, buffers, speed_segments=()):
+def plan_recomputation(graph, steps, buffers, speed_segments=(), kept_segments=()):
     """`steps` with recompute steps inserted.
 
     Segments whose checkpoint (root buffer id) is in `speed_segments` are replayed
-    speed-centric, the others memory-centric. Returns (steps, {root: [segment nodes]}).
+    speed-centric, those in `kept_segments` are not dropped at all (their tensors stay for
+    the backward pass, to be offloaded), the others are replayed memory-centric. Returns
+    (steps, {root: [nodes]} of the replayed segments).
     """
     start = backward_start(steps)
     forwards = {s.node: s for s in steps[:start] if s.kind == "forward"}
@@ -90,6 +92,8 @@ def plan_recomputation(graph, steps, buffers, speed_segments=()):
         return out[::-1]
 
     root = {n: forwards[chain(n)[0]].inputs[0] for n in dropped}
+    dropped = [n for n in dropped if root[n] not in kept_segments]
+    dropped_set = set(dropped)
     segments = {}
     for n in dropped:
         segments.setdefault(root[n], []).append(n)

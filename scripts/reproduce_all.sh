@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run every scripts/reproduce_*.py, then write results/README.md from their result files.
-#   bash scripts/reproduce_all.sh [--quick]     (--quick passes through to every script)
+# Run every scripts/reproduce_*.py, then write README.md beside their result files.
+#   bash scripts/reproduce_all.sh [--quick] [--out DIR]
+# Options pass through to every script; results go to results/ (full) or results/quick/ (--quick).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -11,5 +12,5 @@ for script in peak_memory deepest_resnet largest_batch speed timeline; do
     "$PYTHON" "scripts/reproduce_${script}.py" "$@"
     echo "== reproduce_${script}.py took $(( $(date +%s) - t0 )) s"
 done
-"$PYTHON" scripts/reproduce_summary.py
+"$PYTHON" scripts/reproduce_summary.py "$@"
 echo "== reproduce_all.sh $* took $(( $(date +%s) - start )) s"

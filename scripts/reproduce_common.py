@@ -31,11 +31,24 @@ BUDGET = 12 * GIB  # the K40c / Titan X of the SuperNeurons and vDNN papers
 RESULTS = ROOT / "results"
 
 
+class _Parser(argparse.ArgumentParser):
+    """Fills in --out: results/ for a full run, results/quick/ for a quick one (so a quick run
+    never overwrites the committed full-mode results)."""
+
+    def parse_args(self, *args, **kwargs):
+        parsed = super().parse_args(*args, **kwargs)
+        if parsed.out is None:
+            parsed.out = str(RESULTS / "quick" if parsed.quick else RESULTS)
+        Path(parsed.out).mkdir(parents=True, exist_ok=True)
+        return parsed
+
+
 def parse_args(doc):
     """--quick and --out, the options every reproduce script takes."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser = _Parser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short run (smaller sizes, fewer cases)")
-    parser.add_argument("--out", default=str(RESULTS), help="folder for the tables and plots")
+    parser.add_argument("--out", default=None, help="folder for the tables and plots "
+                        "(default results/, or results/quick/ with --quick)")
     return parser
 
 
@@ -44,7 +57,8 @@ def machine():
     info = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "platform": platform.platform(), "machine": platform.machine(),
             "processor": platform.processor() or "cpu", "cores": os.cpu_count(),
-            "python": platform.python_version(), "numpy": np.__version__}
+            "python": platform.python_version(), "numpy": np.__version__,
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     try:
         import torch
         info["torch"] = torch.__version__
@@ -164,7 +178,8 @@ def table(header, rows):
 
 def meta_line(meta, quick):
     return (f"Generated {meta['date']} on {meta['platform']} ({meta['cores']} cores), Python {meta['python']}, "
-            f"NumPy {meta['numpy']}, PyTorch {meta['torch']}; mode: {'quick' if quick else 'full'}.")
+            f"NumPy {meta['numpy']}, PyTorch {meta['torch']}; mode: {'quick' if quick else 'full'}"
+            + (f"; load average {meta['load_average'][0]:.2f} when it started." if meta.get("load_average") else "."))
 
 
 def grouped_bars(path, groups, series, values, ylabel, title, hline=None, log=False, extra=None):

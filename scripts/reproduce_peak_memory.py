@@ -15,7 +15,7 @@ Writes results/peak_memory.{md,json,png}.
 
 import time
 
-from reproduce_common import (GIB, POLICIES, floor_bytes, gib, grouped_bars, machine, meta_line,
+from reproduce_common import (GIB, POLICIES, ROOT, floor_bytes, gib, grouped_bars, machine, meta_line,
                               parse_args, save_json, save_markdown, table)
 
 import snrt
@@ -60,7 +60,7 @@ def measured(cases):
         overrides = {"input.shape": [3, size, size], "train.batch": batch,
                      "train.data": {"type": "synthetic", "samples": 4 * batch}}
         for policy in POLICIES:
-            trainer = Trainer(snrt.load_config(f"configs/{name}.yaml", overrides), policy=policy)
+            trainer = Trainer(snrt.load_config(ROOT / "configs" / f"{name}.yaml", overrides), policy=policy)
             history = trainer.fit(iterations=iterations)
             row = {"network": name, "image": size, "batch": batch, "policy": policy, "iterations": len(history),
                    "planned_peak_bytes": trainer.plan.peak_bytes,

@@ -14,7 +14,7 @@ Writes results/timeline.{md,json} and results/timeline_resnet50_superneurons.png
 
 import statistics
 
-from reproduce_common import POLICIES, machine, meta_line, parse_args, save_json, save_markdown, table
+from reproduce_common import POLICIES, ROOT, machine, meta_line, parse_args, save_json, save_markdown, table
 
 import snrt
 from snrt.timeline import draw_timeline
@@ -33,7 +33,7 @@ def main():
                  "train.data": {"type": "synthetic", "samples": 4 * batch}}
     rows, timeline = [], None
     for policy in POLICIES:
-        trainer = Trainer(snrt.load_config(f"configs/{NETWORK}.yaml", overrides), policy=policy)
+        trainer = Trainer(snrt.load_config(ROOT / "configs" / f"{NETWORK}.yaml", overrides), policy=policy)
         history = trainer.fit(iterations=1 + timed)[1:]  # the first iteration warms up
         plan, measured = trainer.plan, list(trainer.executor.measured_bytes)
         predicted = list(plan.device_bytes)

@@ -1,24 +1,26 @@
 """The cost model: how long a step takes and how long a copy takes, as plain numbers.
 
 Times come from each layer's `cost` (FLOPs and bytes moved) and three machine rates. The
-defaults describe the CPU backend on a small machine and a PCIe-attached GPU; `simulate`
+defaults describe the CPU backend on a 2-core machine (fitted to measured kernel times by
+scripts/calibrate_cpu_cost.py, results/cost_calibration.md; the per-step overhead is mostly
+Python's) and a PCIe-attached GPU (not measured); `simulate`
 replays a plan's steps on the three streams (compute, device-to-host, host-to-device) and
 returns the predicted iteration time and the copy time left exposed.
 """
 
 from dataclasses import dataclass
 
-from snrt.layers.base import BACKWARD, FORWARD
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, Cost, numel
 
 
 @dataclass(frozen=True)
 class CostModel:
     """Machine rates: FLOP/s of the kernels, bytes/s of memory traffic and of host copies."""
 
-    flops_per_s: float = 100e9
-    memory_bytes_per_s: float = 10e9
+    flops_per_s: float = 90e9
+    memory_bytes_per_s: float = 5e9
     copy_bytes_per_s: float = 5e9
-    step_overhead_s: float = 20e-6
+    step_overhead_s: float = 500e-6
 
     def kernel_s(self, cost):
         """Seconds for one kernel call of Cost `cost`."""
@@ -33,15 +35,29 @@ CPU = CostModel()
 CUDA = CostModel(flops_per_s=8e12, memory_bytes_per_s=500e9, copy_bytes_per_s=12e9, step_overhead_s=10e-6)
 
 
-def step_seconds(step, graph, batch, model):
-    """Predicted compute-stream seconds of `step` (copies and bookkeeping take none)."""
+def step_cost(step, graph, batch):
+    """The Cost of a compute step: its layer's, or an update's memory traffic; None for the
+    others (copies and bookkeeping take no compute time)."""
     if step.kind in ("forward", "recompute", "backward"):
         phase = BACKWARD if step.kind == "backward" else FORWARD
         node = graph[step.node]
-        return model.kernel_s(node.layer.cost(graph.in_shapes(node.name, batch), phase))
+        return node.layer.cost(graph.in_shapes(node.name, batch), phase)
     if step.kind == "update":
-        return model.step_overhead_s
-    return 0.0
+        return Cost(flops=0, bytes=update_bytes(graph, step.node))
+    return None
+
+
+def update_bytes(graph, node):
+    """Bytes an SGD update of `node`'s parameters moves: parameter, gradient and momentum read,
+    parameter and momentum written."""
+    specs = graph[node].layer.param_specs(graph.in_shapes(node, 1))
+    return 5 * FLOAT32_BYTES * sum(numel(spec.shape) for spec in specs.values())
+
+
+def step_seconds(step, graph, batch, model):
+    """Predicted compute-stream seconds of `step` (copies and bookkeeping take none)."""
+    cost = step_cost(step, graph, batch)
+    return 0.0 if cost is None else model.kernel_s(cost)
 
 
 def simulate(steps, buffers, seconds, model):

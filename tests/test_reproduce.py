@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,9 +14,11 @@ from hypothesis import strategies as st
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from calibrate_cpu_cost import fit  # noqa: E402
 from reproduce_common import arena_in_budget, largest_fitting  # noqa: E402
 from reproduce_summary import verdict  # noqa: E402
 
+from snrt.scheduler.cost import CPU, step_cost, update_bytes  # noqa: E402
 from snrt.scheduler.planner import POLICIES, BudgetError, make_plan  # noqa: E402
 from tests.scheduler.graphs import build  # noqa: E402
 
@@ -86,3 +89,29 @@ def test_the_summary_reads_the_result_files_and_names_the_missing_ones(tmp_path)
     assert f"superneurons {resnet50['policies']['superneurons']['peak_bytes'] / 2**30:.2f} GiB" in text
     for missing in ("deepest_resnet", "largest_batch", "speed", "timeline"):
         assert f"results/{missing}.json missing" in text
+
+
+def test_the_cost_fit_recovers_the_rates_that_produced_the_times():
+    rng = np.random.default_rng(0)
+    rows = np.column_stack([rng.uniform(0, 1e10, 200), rng.uniform(0, 1e9, 200), np.ones(200)])
+    seconds = rows[:, 0] / 80e9 + rows[:, 1] / 4e9 + 300e-6
+    model = fit(rows, seconds)
+    assert model.flops_per_s == pytest.approx(80e9, rel=1e-6)
+    assert model.memory_bytes_per_s == pytest.approx(4e9, rel=1e-6)
+    assert model.step_overhead_s == pytest.approx(300e-6, rel=1e-6)
+
+
+def test_the_cost_fit_keeps_every_rate_non_negative():
+    rows = np.array([[1e9, 0.0, 1.0], [2e9, 0.0, 1.0], [3e9, 0.0, 1.0]])
+    model = fit(rows, np.array([0.03, 0.02, 0.01]))  # time falling with work: no positive rate fits
+    assert model.flops_per_s > 0 and model.memory_bytes_per_s > 0 and model.step_overhead_s >= 0
+
+
+def test_an_update_costs_the_traffic_of_sgd_with_momentum():
+    graph = build([("conv", 0, 0), ("bn", 1, 1)])
+    plan = make_plan(graph, 2, "liveness")
+    update = next(s for s in plan.steps if s.kind == "update" and graph[s.node].layer.type_name == "Conv2d")
+    params = [plan.buffers[p].nbytes for p, *_ in update.slots]
+    assert update_bytes(graph, update.node) == 5 * sum(params)
+    assert step_cost(update, graph, 2).bytes == 5 * sum(params)
+    assert CPU.kernel_s(step_cost(update, graph, 2)) > CPU.step_overhead_s

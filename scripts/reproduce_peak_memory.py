@@ -30,7 +30,7 @@ NETWORKS = [("alexnet", 227, 64), ("vgg16", 224, 64), ("resnet50", 224, 32), ("r
 QUICK_NETWORKS = [("alexnet", 227, 8), ("vgg16", 224, 8), ("resnet50", 224, 8), ("densenet121", 224, 8)]
 # (config, image size, batch, iterations) of the measured runs
 MEASURED = [("alexnet", 67, 4, 2), ("vgg16", 32, 4, 2), ("resnet50", 64, 2, 2), ("resnet101", 64, 1, 2),
-            ("resnet152", 64, 1, 2), ("inceptionv4", 75, 1, 2), ("densenet121", 64, 2, 2),
+            ("resnet152", 64, 1, 2), ("inceptionv4", 75, 2, 2), ("densenet121", 64, 2, 2),
             ("cifar_resnet20", 32, 8, 2), ("cifar_resnet110", 32, 4, 2)]
 QUICK_MEASURED = [("cifar_resnet20", 32, 8, 2), ("resnet50", 64, 2, 2)]
 

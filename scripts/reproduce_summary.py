@@ -64,11 +64,12 @@ def section_peak(d):
         return lines
     for r in d["plans"]:
         p = r["policies"]
-        lines.append(f"- {r['network']} ({r['image']}, batch {r['batch']}): none {p['none']['peak_bytes'] / GIB:.2f} GiB, "
-                     f"liveness {p['liveness']['peak_bytes'] / GIB:.2f}, superneurons "
-                     f"{p['superneurons']['peak_bytes'] / GIB:.2f} GiB = {p['superneurons']['peak_bytes'] / r['floor_bytes']:.2f}x "
-                     f"the floor ({r['floor_bytes'] / GIB:.2f} GiB), {p['none']['peak_bytes'] / p['superneurons']['peak_bytes']:.1f}x "
-                     "below none.")
+        over_floor = p["superneurons"]["peak_bytes"] / r["floor_bytes"]
+        lines.append(f"- {r['network']} ({r['image']}, batch {r['batch']}): "
+                     + ", ".join(f"{k} {v['peak_bytes'] / GIB:.2f}" for k, v in p.items())
+                     + f" GiB; superneurons = {over_floor:.2f}x the floor ({r['floor_bytes'] / GIB:.2f} GiB), "
+                     f"{p['none']['peak_bytes'] / p['superneurons']['peak_bytes']:.1f}x below none: "
+                     f"**{verdict(over_floor, 1.0, higher_is_better=False)}**")
     equal = sum(r["equal"] for r in d["measured"])
     lines += ["", f"Measured runs: {equal} of {len(d['measured'])} (network, policy) runs measured exactly the planned "
               "peak bytes. SuperNeurons' claim is a peak at the largest layer's working set (the floor); snrt's "

@@ -17,6 +17,7 @@ from snrt.backends import make_backend, plan_kernels
 from snrt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from snrt.data import Batches, eval_batches, load_datasets, normalization
 from snrt.executor import Executor
+from snrt.errors import SnrtError
 from snrt.init import initial_parameters, initial_state
 from snrt.optim import SGD, learning_rate
 from snrt.scheduler import cost
@@ -36,6 +37,16 @@ class Metrics:
     peak_device_bytes: int
 
 
+def check_trainable(graph, batch):
+    """Raise SnrtError naming the first node whose training step cannot run at `batch`."""
+    for name, node in graph.nodes.items():
+        if node.inputs:
+            try:
+                node.layer.check_training(graph.in_shapes(name, batch))
+            except ValueError as error:
+                raise SnrtError(f"node {name!r} ({node.layer.type_name}) cannot train at batch {batch}: {error}") from None
+
+
 class Trainer:
     """Trains `config` (a snrt.Config) on `backend` ("cpu" or "cuda"): `fit`, `evaluate`, `save`, `restore`.
 
@@ -52,6 +63,7 @@ class Trainer:
         train = config.train
         self.optimizer = SGD(train.optimizer.momentum, train.optimizer.nesterov, train.optimizer.weight_decay)
         self.budget = budget if budget is not None else config.memory.budget
+        check_trainable(self.graph, self.batch)
         self.kernels = plan_kernels(backend)  # the backend's kernels size the plan's workspaces
         self.cost_model = cost.CUDA if backend == "cuda" else cost.CPU
         self.plan = make_plan(self.graph, self.batch, self.policy, budget=self.budget, training=True,

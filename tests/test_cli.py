@@ -77,6 +77,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     (["train", LENET, "--data", "cifar10:/no/such/folder"], "/no/such/folder"),
     (["eval", LENET, *SYNTHETIC, "--checkpoint", "/no/such.npz"], "checkpoint not found"),
     (["train", LENET, "--data", "npz:/no/such.npz"], "/no/such.npz"),
+    (["train", "configs/inceptionv4.yaml", "--image-size", "75", "--batch", "1"], "'reduction_b0.b0.batchnorm0'"),
 ])
 def test_user_errors_are_one_line_without_a_traceback(argv, words, capsys, tmp_path):
     assert main([*argv, "--no-progress"] + (["--out", str(tmp_path)] if argv[0] == "train" else [])) == 2

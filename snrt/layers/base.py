@@ -185,6 +185,9 @@ class Layer:
         """Scratch bytes a kernel call of `phase` carves from the workspace."""
         return 0
 
+    def check_training(self, in_shapes):
+        """Raise ValueError if a training step cannot run on inputs of these shapes (batch first)."""
+
     def cost(self, in_shapes, phase):
         """Elementwise default: one FLOP per output element, every input and output moved."""
         out = numel(self.infer_shape(in_shapes))

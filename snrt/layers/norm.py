@@ -1,5 +1,6 @@
 """Normalisation layers: batch normalisation and cross-channel local response normalisation."""
 
+import math
 from dataclasses import dataclass
 
 from snrt.errors import ShapeError
@@ -63,6 +64,13 @@ class BatchNorm(Layer):
             raise ShapeError(f"input must be NCHW or (N, C), got {list(shape[1:])} per sample")
         return shape[1]
 
+    def check_training(self, in_shapes):
+        n, _, *spatial = in_shapes[0]
+        count = n * math.prod(spatial)
+        if count < 2:
+            raise ValueError(f"BatchNorm needs more than 1 value per channel when training; input {tuple(in_shapes[0])} "
+                             f"gives {count} (use a larger batch or image size)")
+
     def infer_shape(self, in_shapes):
         self._channels(in_shapes)
         return tuple(in_shapes[0])
@@ -97,9 +105,8 @@ class BatchNorm(Layer):
         x3, y3 = self._by_channel(xs[0]), self._by_channel(y)
         mean, inv_std = aux["mean"], aux["inv_std"]
         if ctx.training:
+            self.check_training([xs[0].shape])
             count = x3.shape[0] * x3.shape[2]
-            if count < 2:
-                raise ValueError(f"BatchNorm needs more than 1 value per channel when training, got {count}")
             xp.sum(x3, axis=(0, 2), out=mean)
             mean *= 1.0 / count
             xp.subtract(x3, mean[:, None], out=y3)

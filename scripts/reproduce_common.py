@@ -105,9 +105,12 @@ def largest_fitting(size_of, budget, start=(1, 2), limit=1 << 16, log=None):
     """The largest integer n >= 1 with size_of(n) <= budget (0 if none), for a size that grows
     with n and is close to affine (an arena against the batch or the block count).
 
-    Frugal: a secant step (where the line through the bracket's ends crosses the budget) and
-    a probe of its neighbour (an affine size is pinned down by these), then a bisection step
-    whenever that did not halve the bracket. Returns (n, {n: size} of every probe).
+    Frugal, and never far past the answer (a probe far above it is a huge plan): while no
+    probe is too big, aim just past where the line through the widest pair of fitting probes
+    crosses the budget, overshooting by 1, 2, 4, ... on each miss; then, inside the bracket,
+    a secant step and a probe of its neighbour (an affine size is pinned down by these), and
+    a bisection step whenever that did not halve the bracket. Returns (n, {n: size} of every
+    probe).
     """
     seen = {}
 
@@ -118,24 +121,35 @@ def largest_fitting(size_of, budget, start=(1, 2), limit=1 << 16, log=None):
                 log(f"  n={n}: {seen[n] / GIB:.2f} GiB {'fits' if seen[n] <= budget else 'too big'}")
         return seen[n] <= budget
 
+    def crossing(a, b):
+        """Where the line through the probes at a < b reaches the budget (None if it does not rise)."""
+        if seen[b] <= seen[a]:
+            return None
+        return int(a + (budget - seen[a]) * (b - a) / (seen[b] - seen[a]))
+
     lo, hi = 0, limit + 1  # size_of(lo) fits (0: nothing known), size_of(hi) does not
-    for n in start:
+    for n in sorted(set(start)):
         if probe(n):
             lo = max(lo, n)
         else:
             hi = min(hi, n)
+            break
+    overshoot = 1
+    while hi > limit and lo < limit:  # nothing too big yet: step up just past the predicted answer
+        fitting = sorted(seen)
+        guess = crossing(fitting[0], fitting[-1]) if len(fitting) > 1 else None
+        n = min(limit, max(lo + overshoot, (guess or 2 * lo) + overshoot))
+        if probe(n):
+            lo, overshoot = n, 2 * overshoot
+        else:
+            hi = n
     while hi - lo > 1:
         width = hi - lo
-        known = sorted(seen)
-        if hi in seen and lo in seen:
-            a, b = lo, hi  # interpolate inside the bracket
-        else:  # extrapolate along the widest baseline on the known side (neighbours' noise is large)
-            side = [n for n in known if (n <= lo if hi not in seen else n >= hi)]
-            a, b = (side[0], side[-1]) if len(side) > 1 else (known[0], known[-1])
-        if a == b or seen[b] <= seen[a]:
-            n = (lo + hi) // 2 if hi <= limit else min(2 * lo, limit)
+        if lo in seen:
+            n = crossing(lo, hi)
+            n = (lo + hi) // 2 if n is None else n
         else:
-            n = int(a + (budget - seen[a]) * (b - a) / (seen[b] - seen[a]))
+            n = (lo + hi) // 2
         n = min(max(n, lo + 1), hi - 1)
         if probe(n):
             lo = n

@@ -53,6 +53,18 @@ def test_largest_fitting_pins_an_affine_size_in_a_few_probes(slope, base, budget
     assert len(probes) <= 8
 
 
+def test_largest_fitting_never_probes_far_past_the_answer():
+    """A probe far above the answer is a huge plan: the search steps up to it from below."""
+    def size_of(n):  # close to affine, with the steps an arena's packing adds
+        return 10**6 * n + 37_000 * (n // 5) + 500_000 * (n // 97)
+
+    budget = size_of(1372) + 10**5
+    n, probes = largest_fitting(size_of, budget, start=(100, 788), limit=1 << 16)
+    assert n == brute_force(size_of, budget, 2000) == 1372
+    assert max(probes) <= n + 16
+    assert len(probes) <= 10
+
+
 def test_largest_fitting_reports_zero_when_nothing_fits():
     n, probes = largest_fitting(lambda m: 100 + m, 50, start=(1, 2), limit=1000)
     assert n == 0 and 1 in probes

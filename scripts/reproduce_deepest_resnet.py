@@ -57,9 +57,10 @@ def main():
             print(f"batch {batch}, {policy}:", flush=True)
             k, probes = largest_fitting(lambda n: arena(n, batch, policy, timings), BUDGET,
                                         start=(SMALL_K, K2500), log=lambda s: print(s, flush=True))
+            resnet2500 = probes[K2500] if K2500 in probes else arena(K2500, batch, policy, timings)
             rows.append({"batch": batch, "policy": policy, "k": k, "stages": stages(k) if k else None,
                          "depth": depth(k) if k else None, "arena_bytes": probes.get(k),
-                         "resnet2500_arena_bytes": probes[K2500], "resnet2500_fits": probes[K2500] <= BUDGET,
+                         "resnet2500_arena_bytes": resnet2500, "resnet2500_fits": resnet2500 <= BUDGET,
                          "probes": {str(n): b for n, b in sorted(probes.items())},
                          "plans": len(timings), "plan_seconds": sum(timings)})
             print(f"  -> k={k}, depth {rows[-1]['depth']}, {len(timings)} plans in {sum(timings):.0f} s", flush=True)

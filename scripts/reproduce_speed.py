@@ -50,7 +50,8 @@ from reproduce_common import (MIB, POLICIES, ROOT, current_rss_bytes, grouped_ba
 
 CASES = [("cifar_resnet110", 32, 32), ("cifar_resnet164", 32, 16), ("resnet50", 224, 8)]  # (config, image, batch)
 QUICK_CASES = [("cifar_resnet110", 32, 8), ("resnet50", 112, 4)]
-VARIANTS = [("snrt", p) for p in POLICIES] + [("torch", "plain"), ("torch", "checkpoint")]
+VARIANTS = [("snrt", p) for p in POLICIES] + [("torch", "plain"), ("torch", "checkpoint"), ("torch", "perturbed")]
+PERTURBATION = 1e-6  # "perturbed": plain PyTorch from initial parameters scaled by (1 + 1e-6 * N(0, 1))
 TAG = "REPRODUCE_SPEED_RESULT "
 
 
@@ -122,13 +123,13 @@ def run_snrt(name, size, batch, policy, warmup, iterations):
     trainer = Trainer(config, policy=policy)
     gc.collect()
     rss_before, high_before = current_rss_bytes(), max_rss_bytes()
-    seconds = []
+    seconds, losses = [], []
     for i, (x, y) in enumerate(data):
         start = time.perf_counter()
-        metrics = trainer.step(x, y, warmup + iterations)
+        losses.append(trainer.step(x, y, warmup + iterations).loss)
         if i >= warmup:
             seconds.append(time.perf_counter() - start)
-    return {"seconds": seconds, "loss": metrics.loss, "peak_bytes": trainer.backend.arena.peak_bytes,
+    return {"seconds": seconds, "losses": losses, "loss": losses[-1], "peak_bytes": trainer.backend.arena.peak_bytes,
             "planned_peak_bytes": trainer.plan.peak_bytes, "predicted_s": trainer.plan.predicted_s,
             **rss_growth(rss_before, high_before), "rss_growth_with_build_bytes": max_rss_bytes() - rss_start}
 
@@ -142,6 +143,7 @@ def rss_growth(rss_before, high_before):
 
 
 def run_torch(name, size, batch, variant, warmup, iterations):
+    import numpy as np
     import torch
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint_sequential
@@ -154,7 +156,11 @@ def run_torch(name, size, batch, variant, warmup, iterations):
     config = load(name, size, batch)
     graph, train = config.graph, config.train
     data = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches(config, warmup + iterations)]
-    net = TorchNet(graph, initial_parameters(graph, train.seed, train.init), initial_state(graph))
+    params = initial_parameters(graph, train.seed, train.init)
+    if variant == "perturbed":  # how far PyTorch's own losses move from a tiny change of the start
+        rng = np.random.default_rng(0)
+        params = {k: (v * (1 + PERTURBATION * rng.standard_normal(v.shape))).astype(v.dtype) for k, v in params.items()}
+    net = TorchNet(graph, params, initial_state(graph))
     net.train()
     opt = train.optimizer
     specs = graph.param_specs()  # snrt does not decay BatchNorm and bias parameters: neither does this
@@ -167,24 +173,24 @@ def run_torch(name, size, batch, variant, warmup, iterations):
     segments = max(1, min(len(pieces), round(math.sqrt(len(pieces)))))
     gc.collect()
     rss_before, high_before = current_rss_bytes(), max_rss_bytes()
-    seconds = []
+    seconds, losses = [], []
     for i, (x, y) in enumerate(data):
         start = time.perf_counter()
         for group in sgd.param_groups:  # the Trainer's schedule
             group["lr"] = learning_rate(train.schedule, opt.lr, i, warmup + iterations)
         sgd.zero_grad(set_to_none=True)
-        if variant == "plain":
+        if variant != "checkpoint":
             loss = net({"data": x, "label": y}).mean()
         else:
             logits = checkpoint_sequential(pieces, segments, x, use_reentrant=False)
             loss = F.cross_entropy(logits, y)
         loss.backward()
         sgd.step()
-        value = loss.item()
+        losses.append(loss.item())
         if i >= warmup:
             seconds.append(time.perf_counter() - start)
     growth = rss_growth(rss_before, high_before)
-    return {"seconds": seconds, "loss": value, "peak_bytes": growth["rss_growth_bytes"], **growth,
+    return {"seconds": seconds, "losses": losses, "loss": losses[-1], "peak_bytes": growth["rss_growth_bytes"], **growth,
             "pieces": len(pieces), "segments": segments if variant == "checkpoint" else None,
             "threads": torch.get_num_threads()}
 
@@ -236,11 +242,12 @@ def main():
     def label(r):
         return f"{r['framework']} {r['variant']}"
 
-    series = [f"{f} {v}" for f, v in VARIANTS]
+    series = [f"{f} {v}" for f, v in VARIANTS if v != "perturbed"]
     groups = list(dict.fromkeys(f"{r['network']} {r['image']} b{r['batch']}" for r in rows))
     values = {s: {} for s in series}
     for r in rows:
-        values[label(r)][f"{r['network']} {r['image']} b{r['batch']}"] = r.get("images_per_s")
+        if label(r) in values:
+            values[label(r)][f"{r['network']} {r['image']} b{r['batch']}"] = r.get("images_per_s")
     grouped_bars(f"{args.out}/speed.png", groups, series, values, "images / s (this CPU)",
                  "Training throughput on this CPU: snrt policies and PyTorch")
     lines = ["# Speed and memory on this CPU: snrt against PyTorch", "", meta_line(meta, args.quick), "",
@@ -254,9 +261,11 @@ def main():
              "RSS growth is listed for comparison on the same footing ((bound): the iterations never passed the "
              "process's earlier high-water mark, so the number is an upper bound). `checkpoint` = "
              "torch.utils.checkpoint.checkpoint_sequential over the chain of single-tensor pieces "
-             "(residual blocks) with about sqrt(pieces) segments.", ""]
+             "(residual blocks) with about sqrt(pieces) segments. `perturbed` = plain PyTorch from initial "
+             f"parameters scaled by (1 + {PERTURBATION:g} N(0, 1)): how far these short runs' losses move by "
+             "themselves (see the last table).", ""]
     lines += table(["network", "image", "batch", "framework", "variant", "images/s", "s/iteration", "peak memory (MiB)",
-                    "= plan", "RSS growth (MiB)", "vs torch plain", "last loss"], [
+                    "= plan", "RSS growth (MiB)", "vs torch plain", "first loss", "last loss"], [
         [r["network"], r["image"], r["batch"], r["framework"],
          r["variant"] + (f" ({r['segments']} of {r['pieces']} pieces)" if r.get("segments") else ""),
          f"{r['images_per_s']:.2f}" if "images_per_s" in r else "failed",
@@ -264,10 +273,32 @@ def main():
          f"{r['peak_bytes'] / MIB:.0f}" if "peak_bytes" in r else "-",
          ("yes" if r["peak_bytes"] == r["planned_peak_bytes"] else "NO") if "planned_peak_bytes" in r else "-",
          (f"{r['rss_growth_bytes'] / MIB:.0f}" + ("" if r["new_high_water"] else " (bound)")) if "seconds" in r else "-",
-         speedup(r, rows), f"{r['loss']:.4f}" if "loss" in r else "-"] for r in rows])
-    lines += ["", "![speed](speed.png)"]
+         speedup(r, rows), f"{r['losses'][0]:.5f}" if "losses" in r else "-",
+         f"{r['loss']:.4f}" if "loss" in r else "-"] for r in rows])
+    lines += ["", "![speed](speed.png)", "", "## Same training?", "",
+              "Every variant trains the same network from the same initial parameters on the same batches. "
+              "Relative difference of the losses, per iteration, of snrt (none) against plain PyTorch, and of "
+              "plain PyTorch against itself started from the perturbed parameters: where the two columns are "
+              "of a size, the runs differ by no more than rounding does.", ""]
+    lines += table(["network", "iteration", "snrt none vs torch plain", "torch perturbed vs torch plain"],
+                   divergence(rows))
     save_markdown(args.out, "speed", lines)
     print("\n".join(lines))
+
+
+def divergence(rows):
+    """Per network and iteration: |loss - reference| / |reference| of snrt none and of perturbed
+    PyTorch against plain PyTorch."""
+    out = []
+    for key in dict.fromkeys((r["network"], r["image"], r["batch"]) for r in rows):
+        runs = {(r["framework"], r["variant"]): r.get("losses") for r in rows
+                if (r["network"], r["image"], r["batch"]) == key}
+        ref, ours, perturbed = runs.get(("torch", "plain")), runs.get(("snrt", "none")), runs.get(("torch", "perturbed"))
+        if not (ref and ours and perturbed):
+            continue
+        for i, (a, b, c) in enumerate(zip(ref, ours, perturbed)):
+            out.append([key[0], i, f"{abs(b - a) / abs(a):.1e}", f"{abs(c - a) / abs(a):.1e}"])
+    return out
 
 
 def speedup(r, rows):

@@ -86,9 +86,13 @@ def section_deepest(d):
     lines += [f"Paper: ResNet2500 ({SUPERNEURONS_DEPTH} layers) trained at batch {SUPERNEURONS_BATCH} on a "
              f"{SUPERNEURONS_GPU_GB} GB GPU ({SUPERNEURONS}).", ""]
     for r in d["rows"]:
-        lines.append(f"- batch {r['batch']}, {r['policy']}: deepest {r['depth'] or 'none'} layers "
-                     f"(stages {r['stages']}); ResNet2500's arena {r['resnet2500_arena_bytes'] / GIB:.2f} GiB "
-                     f"({'fits' if r['resnet2500_fits'] else 'does not fit'} 12 GiB).")
+        if r["depth"]:
+            deepest = f"deepest {r['depth']} layers (stages {tuple(r['stages'])})"
+        else:
+            smallest = r["probes"].get("1")
+            deepest = "no depth fits" + (f" (even k = 1 needs {smallest / GIB:.2f} GiB)" if smallest else "")
+        lines.append(f"- batch {r['batch']}, {r['policy']}: {deepest}; ResNet2500's arena "
+                     f"{r['resnet2500_arena_bytes'] / GIB:.2f} GiB ({'fits' if r['resnet2500_fits'] else 'does not fit'} 12 GiB).")
     sn = next((r for r in d["rows"] if r["policy"] == "superneurons" and r["batch"] == SUPERNEURONS_BATCH), None)
     if sn:
         lines += ["", f"**Verdict: {verdict(sn['depth'] or 0, SUPERNEURONS_DEPTH)}** of the paper: at batch "
@@ -140,15 +144,21 @@ def section_speed(d):
         return lines
     for key in dict.fromkeys((r["network"], r["image"], r["batch"]) for r in d["rows"]):
         rows = {f"{r['framework']} {r['variant']}": r for r in d["rows"] if (r["network"], r["image"], r["batch"]) == key}
-        torch = rows.get("torch plain", {}).get("images_per_s")
         parts = [f"{k} {r['images_per_s']:.2f} img/s, {r['peak_bytes'] / 2**20:.0f} MiB" for k, r in rows.items()
-                 if "images_per_s" in r]
+                 if "images_per_s" in r and k != "torch perturbed"]
         lines.append(f"- {key[0]} {key[1]}x{key[1]} batch {key[2]}: " + "; ".join(parts))
         for ours, theirs in (("snrt none", "torch plain"), ("snrt superneurons", "torch checkpoint")):
             a, b = rows.get(ours, {}), rows.get(theirs, {})
             if "images_per_s" in a and "images_per_s" in b:
                 ratio = a["images_per_s"] / b["images_per_s"]
                 lines.append(f"  - {ours} vs {theirs}: {ratio:.2f}x the throughput: **{verdict(ratio, 1.0)}**")
+        ref, ours, moved = (rows.get(k, {}).get("losses") for k in ("torch plain", "snrt none", "torch perturbed"))
+        if ref and ours and moved:
+            def gap(run, i):
+                return abs(run[i] - ref[i]) / abs(ref[i])
+            lines.append(f"  - same training: the first loss of snrt and PyTorch differs by {gap(ours, 0):.0e} "
+                         f"(relative); the last by {gap(ours, -1):.0e}, where PyTorch against itself from "
+                         f"parameters perturbed by a relative 1e-6 differs by {gap(moved, -1):.0e}")
         ck, sn = rows.get("torch checkpoint", {}), rows.get("snrt superneurons", {})
         if "peak_bytes" in ck and "peak_bytes" in sn:
             lines.append(f"  - memory: snrt superneurons arena peak {sn['peak_bytes'] / 2**20:.0f} MiB (RSS growth "

@@ -49,8 +49,16 @@ GIB = 2**30
 def floor_bytes(graph, batch):
     """Resident bytes plus the largest single step's own (non-persistent) working set."""
     it = build_iteration(graph, batch)
-    resident = sum(b.nbytes for b in it.buffers if b.role in PERSISTENT_ROLES)
-    return resident + largest_step_bytes(it.steps, it.buffers)
+    return _resident(it.buffers) + largest_step_bytes(it.steps, it.buffers)
+
+
+def resident_bytes(graph):
+    """Bytes resident for the whole run: parameters, optimizer state, BatchNorm state."""
+    return _resident(build_iteration(graph, 1).buffers)
+
+
+def _resident(buffers):
+    return sum(b.nbytes for b in buffers if b.role in PERSISTENT_ROLES)
 
 
 def plan_rows(networks, console):

@@ -1,23 +1,24 @@
 """The deepest trainable ImageNet ResNet in a 12 GiB budget, per policy (SuperNeurons' ResNet2500).
 
 Bottleneck ResNets at 227x227 scaled like the SuperNeurons paper's ResNet2500: stages
-(6, 32, k, 6) with k, the stage-3 block count, searched (secant-guided bisection,
-`largest_fitting` in reproduce_common.py) for the largest k whose plan's arena
-(`make_plan(..., budget=12 GiB)`, see `arena_in_budget`) fits 12 GiB; depth = 3 * (6 + 32 + k + 6) + 2. ResNet2500
-itself (k = 788) is always planned and reported with its arena.
+(6, 32, k, 6) with k, the stage-3 block count, searched (`largest_fitting` in
+reproduce_common.py) for the largest k whose plan's arena (`make_plan(..., budget=12 GiB)`,
+see `arena_in_budget`) fits 12 GiB; depth = 3 * (6 + 32 + k + 6) + 2. ResNet2500 itself
+(k = 788) is always planned and reported with its arena, and the deepest network's resident
+bytes (parameters, momentum, BatchNorm state) beside its arena.
 
 Writes results/deepest_resnet.{md,json,png}.
 
     python scripts/reproduce_deepest_resnet.py [--quick]   # quick: liveness and superneurons, batch 16
 
-Quick mode takes about 2 minutes. Full mode is slow: a plan of a copying policy near k = 1,400
-takes a minute or more (several when its just-in-time fallback is built too); allow 30+ minutes.
+Quick mode takes about 3 minutes, full mode about 10 (a superneurons plan near k = 1,400 takes
+half a minute or more, and its just-in-time fallback as long again).
 """
 
 import time
 
 from reproduce_common import (BUDGET, POLICIES, arena_in_budget, gib, grouped_bars, largest_fitting, machine,
-                              meta_line, parse_args, save_json, save_markdown, table)
+                              meta_line, parse_args, resident_bytes, save_json, save_markdown, table)
 
 from snrt.models import resnet
 from snrt.scheduler.planner import make_plan
@@ -60,6 +61,7 @@ def main():
             resnet2500 = probes[K2500] if K2500 in probes else arena(K2500, batch, policy, timings)
             rows.append({"batch": batch, "policy": policy, "k": k, "stages": stages(k) if k else None,
                          "depth": depth(k) if k else None, "arena_bytes": probes.get(k),
+                         "resident_bytes": resident_bytes(resnet(stages=stages(k), image_size=IMAGE)) if k else None,
                          "resnet2500_arena_bytes": resnet2500, "resnet2500_fits": resnet2500 <= BUDGET,
                          "probes": {str(n): b for n, b in sorted(probes.items())},
                          "plans": len(timings), "plan_seconds": sum(timings)})
@@ -84,12 +86,14 @@ def main():
                  "Deepest bottleneck ResNet (6, 32, k, 6) at 227x227 in 12 GiB", hline=(depth(K2500), "ResNet2500"))
     lines = ["# Deepest trainable ResNet in 12 GiB", "", meta_line(meta, args.quick), "",
              f"Bottleneck ResNet at {IMAGE}x{IMAGE}, stages (6, 32, k, 6); the largest k whose planned arena "
-             f"fits 12 GiB ({BUDGET} B; for offload and superneurons with just-in-time prefetches where the hidden ones do not fit, as `make_plan(..., budget=)` does), found by a secant-guided bisection over k (every probe is a full "
-             "`make_plan`); depth = 3 x blocks + 2. ResNet2500 is k = 788 (2,498 layers).", ""]
-    lines += table(["batch", "policy", "largest k", "stages", "depth", "arena at k (GiB)", "ResNet2500 arena (GiB)",
-                    "ResNet2500 fits", "plans", "planning s"], [
+             f"fits 12 GiB ({BUDGET} B; for offload and superneurons with just-in-time prefetches where the hidden ones do not fit, as `make_plan(..., budget=)` does), found by `largest_fitting` (reproduce_common.py; every probe is a full "
+             "`make_plan`); depth = 3 x blocks + 2; resident = parameters, momentum and BatchNorm state, on the "
+             "device for the whole run. ResNet2500 is k = 788 (2,498 layers).", ""]
+    lines += table(["batch", "policy", "largest k", "stages", "depth", "arena at k (GiB)", "of which resident (GiB)",
+                    "ResNet2500 arena (GiB)", "ResNet2500 fits", "plans", "planning s"], [
         [r["batch"], r["policy"], r["k"] or "none fits", r["stages"] or "-", r["depth"] or "-",
-         gib(r["arena_bytes"]) if r["arena_bytes"] else "-", gib(r["resnet2500_arena_bytes"]),
+         gib(r["arena_bytes"]) if r["arena_bytes"] else "-", gib(r["resident_bytes"]) if r["resident_bytes"] else "-",
+         gib(r["resnet2500_arena_bytes"]),
          "yes" if r["resnet2500_fits"] else "no", r["plans"], f"{r['plan_seconds']:.0f}"] for r in rows])
     lines += ["", "![deepest ResNet](deepest_resnet.png)", "",
               f"## Chen et al.'s case: a {chen['depth']}-layer ResNet", "",

@@ -1,7 +1,7 @@
 """The largest batch per network and policy in a 12 GiB budget, and vDNN's VGG-16 at batch 256.
 
 Part 1: for each network at its paper image size and each policy, the largest batch whose
-plan's arena (`make_plan(...).arena_bytes`) fits 12 GiB, found by a secant-guided bisection
+plan's arena (`make_plan(...).arena_bytes`) fits 12 GiB, found by a search
 over the batch (`largest_fitting` in reproduce_common.py; every probe is a full plan).
 
 Part 2, vDNN's case: VGG-16 (224x224) at batch 256, which needs about 28 GB when every tensor
@@ -73,7 +73,7 @@ def main():
                  "Largest batch that fits 12 GiB (from plans)", log=True)
     lines = ["# Largest batch in 12 GiB", "", meta_line(meta, args.quick), "",
              "The largest batch whose planned arena fits 12 GiB, per network (at its paper image size) "
-             "and policy; secant-guided bisection over the batch, every probe a full `make_plan`.", ""]
+             "and policy, found by `largest_fitting` (reproduce_common.py), every probe a full `make_plan`.", ""]
     lines += table(["network", "image", *POLICIES, "superneurons / none"], [
         [r["network"], r["image"], *(r["policies"][p]["batch"] for p in POLICIES),
          f"{r['policies']['superneurons']['batch'] / r['policies']['none']['batch']:.1f}x"

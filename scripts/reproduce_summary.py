@@ -161,10 +161,12 @@ def section_speed(d):
                          f"parameters perturbed by a relative 1e-6 differs by {gap(moved, -1):.0e}")
         ck, sn = rows.get("torch checkpoint", {}), rows.get("snrt superneurons", {})
         if "peak_bytes" in ck and "peak_bytes" in sn:
-            lines.append(f"  - memory: snrt superneurons arena peak {sn['peak_bytes'] / 2**20:.0f} MiB (RSS growth "
-                         f"{sn['rss_growth_bytes'] / 2**20:.0f} MiB) vs torch checkpoint RSS growth "
-                         f"{ck['peak_bytes'] / 2**20:.0f} MiB: **{verdict(ck['peak_bytes'], sn['peak_bytes'])}** "
-                         "for snrt on memory")
+            lines.append(f"  - memory: snrt superneurons' device arena peaks at {sn['peak_bytes'] / 2**20:.0f} MiB against "
+                         f"at most {ck['peak_bytes'] / 2**20:.0f} MiB of tensors for torch checkpoint (its RSS growth): "
+                         f"**{verdict(ck['peak_bytes'], sn['peak_bytes'])}** for snrt on device memory; the whole "
+                         f"process grows by {sn['rss_growth_bytes'] / 2**20:.0f} MiB against "
+                         f"{ck['rss_growth_bytes'] / 2**20:.0f} MiB: **{verdict(ck['rss_growth_bytes'], sn['rss_growth_bytes'])}** "
+                         "for snrt on total memory (on the CPU the offloaded tensors stay in the same RAM)")
     lines += ["", "PyTorch's memory is its resident high-water mark (ru_maxrss) after the iterations minus its "
               "resident bytes before them, allocator slack included; snrt's is its arena's exact peak (its RSS "
               "growth, the same measure as PyTorch's, in brackets; on the CPU offloaded tensors stay in the same "

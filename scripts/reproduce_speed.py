@@ -1,8 +1,10 @@
 """Speed and memory on this CPU: snrt under every policy against PyTorch on the same networks.
 
 For each network (full mode: CIFAR ResNet-110 and ResNet-164 at 32x32, ResNet-50 at
-224x224; quick mode: CIFAR ResNet-110 and ResNet-50 at 112x112, smaller batches) and batch, in one run, one fresh subprocess per (framework, variant), one after
-the other:
+224x224; quick mode: CIFAR ResNet-110 and ResNet-50 at 112x112, smaller batches) and batch,
+in one run, one fresh subprocess per (framework, variant) and round; the rounds go over
+every variant in turn (full mode 3 rounds of 2 timed iterations, quick 1 of 1), so a drift
+of the machine's speed during the run slows every variant alike:
 
 - snrt: `Trainer(config, policy=P).step(x, y, total)` under none / liveness / recompute /
   offload / superneurons; peak memory is the arena's measured peak
@@ -17,7 +19,9 @@ the other:
   a second time, which does not change the speed).
 
 All see the same synthetic batches (the Trainer's stream, `Batches.get(i)`), after `warmup`
-untimed iterations. images/s = batch / median wall seconds of one whole iteration.
+untimed iterations per process. images/s = batch / median wall seconds of one whole
+iteration over every round. Losses and memory are the first round's (every round repeats
+the same computation).
 
 PyTorch has no arena to read, so its memory is the growth of the process's resident set:
 its high-water mark (`ru_maxrss`) after the last iteration minus the resident bytes
@@ -216,28 +220,39 @@ def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         return worker(sys.argv[2:])
     parser = parse_args(__doc__)
-    parser.add_argument("--iterations", type=int, default=None, help="timed iterations (quick 1, full 5)")
+    parser.add_argument("--iterations", type=int, default=None, help="timed iterations per round (quick 1, full 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds over every variant (quick 1, full 3)")
     args = parser.parse_args()
-    iterations = args.iterations or (1 if args.quick else 5)
+    iterations = args.iterations or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 3)
     warmup = 1
     meta = machine()
-    rows = []
-    for name, size, batch in (QUICK_CASES if args.quick else CASES):
-        for framework, variant in VARIANTS:
-            start = time.perf_counter()
-            r = spawn(framework, variant, name, size, batch, warmup, iterations)
-            r.update({"network": name, "image": size, "batch": batch, "framework": framework, "variant": variant,
-                      "wall_s": time.perf_counter() - start})
-            if "seconds" in r:
-                r["seconds_median"] = statistics.median(r["seconds"])
-                r["images_per_s"] = batch / r["seconds_median"]
-                print(f"{name} b{batch} {framework} {variant}: {r['images_per_s']:.1f} img/s, "
-                      f"peak {r['peak_bytes'] / MIB:.0f} MiB, loss {r['loss']:.4f}", flush=True)
-            else:
-                print(f"{name} b{batch} {framework} {variant}: FAILED {r['error']}", flush=True)
-            rows.append(r)
+    runs = {}  # (network, framework, variant) -> its first round's result, with every round's seconds
+    for round_ in range(rounds):  # round-robin, so a machine whose speed drifts slows every variant alike
+        for name, size, batch in (QUICK_CASES if args.quick else CASES):
+            for framework, variant in VARIANTS:
+                start = time.perf_counter()
+                r = spawn(framework, variant, name, size, batch, warmup, iterations)
+                r.update({"network": name, "image": size, "batch": batch, "framework": framework, "variant": variant,
+                          "wall_s": time.perf_counter() - start})
+                merged = runs.setdefault((name, framework, variant), r)
+                if merged is not r and "seconds" in merged:
+                    merged["seconds"] = merged["seconds"] + r["seconds"] if "seconds" in r else merged.pop("seconds")
+                    merged["wall_s"] += r["wall_s"]
+                if "seconds" in r:
+                    print(f"round {round_ + 1}/{rounds} {name} b{batch} {framework} {variant}: "
+                          f"{batch / statistics.median(r['seconds']):.1f} img/s, peak {r['peak_bytes'] / MIB:.0f} MiB, "
+                          f"loss {r['loss']:.4f}", flush=True)
+                else:
+                    print(f"round {round_ + 1}/{rounds} {name} b{batch} {framework} {variant}: FAILED {r['error']}",
+                          flush=True)
+    rows = list(runs.values())
+    for r in rows:
+        if "seconds" in r:
+            r["seconds_median"] = statistics.median(r["seconds"])
+            r["images_per_s"] = r["batch"] / r["seconds_median"]
     save_json(args.out, "speed", {"meta": meta, "quick": args.quick, "warmup": warmup, "iterations": iterations,
-                                  "rows": rows})
+                                  "rounds": rounds, "rows": rows})
 
     def label(r):
         return f"{r['framework']} {r['variant']}"
@@ -251,8 +266,9 @@ def main():
     grouped_bars(f"{args.out}/speed.png", groups, series, values, "images / s (this CPU)",
                  "Training throughput on this CPU: snrt policies and PyTorch")
     lines = ["# Speed and memory on this CPU: snrt against PyTorch", "", meta_line(meta, args.quick), "",
-             f"Median wall seconds of one whole training iteration over {iterations} timed iterations "
-             f"after {warmup} warm-up, each configuration in its own process, one after the other. Peak "
+             f"Median wall seconds of one whole training iteration over {rounds} round(s) of {iterations} timed "
+             f"iteration(s) after {warmup} warm-up, each configuration in its own process, the rounds going over "
+             "every configuration in turn. Peak "
              "memory: snrt = the arena's measured peak (equal to the plan's prediction: column `= plan`); "
              "PyTorch = ru_maxrss (process resident high-water mark) after the iterations minus the resident "
              "bytes before them: what "

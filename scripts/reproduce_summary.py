@@ -170,7 +170,7 @@ def section_speed(d):
     lines += ["", "PyTorch's memory is its resident high-water mark (ru_maxrss) after the iterations minus its "
               "resident bytes before them, allocator slack included; snrt's is its arena's exact peak (its RSS "
               "growth, the same measure as PyTorch's, in brackets; on the CPU offloaded tensors stay in the same "
-              f"RAM). Speed: median of {d['iterations']} timed iteration(s) per configuration on this 2-core CPU "
+              f"RAM). Speed: median of {d.get('rounds', 1)} round(s) of {d['iterations']} timed iteration(s) per configuration, the rounds going over every configuration in turn, on this 2-core CPU "
               f"({load_note(d)}); the papers' speed claims are for GPUs and are not reproduced here."]
     return lines
 

@@ -87,7 +87,10 @@ def section_deepest(d):
              f"{SUPERNEURONS_GPU_GB} GB GPU ({SUPERNEURONS}).", ""]
     for r in d["rows"]:
         if r["depth"]:
-            deepest = f"deepest {r['depth']} layers (stages {tuple(r['stages'])})"
+            resident = r.get("resident_bytes")
+            deepest = f"deepest {r['depth']} layers (stages {tuple(r['stages'])}" + (
+                f"; {resident / GIB:.2f} GiB of its arena are parameters, momentum and BatchNorm state)"
+                if resident else ")")
         else:
             smallest = r["probes"].get("1")
             deepest = "no depth fits" + (f" (even k = 1 needs {smallest / GIB:.2f} GiB)" if smallest else "")
@@ -168,8 +171,8 @@ def section_speed(d):
                          f"{ck['rss_growth_bytes'] / 2**20:.0f} MiB: **{verdict(ck['rss_growth_bytes'], sn['rss_growth_bytes'])}** "
                          "for snrt on total memory (on the CPU the offloaded tensors stay in the same RAM)")
     lines += ["", "PyTorch's memory is its resident high-water mark (ru_maxrss) after the iterations minus its "
-              "resident bytes before them, allocator slack included; snrt's is its arena's exact peak (its RSS "
-              "growth, the same measure as PyTorch's, in brackets; on the CPU offloaded tensors stay in the same "
+              "resident bytes before them, allocator slack included; snrt's device memory is its arena's exact "
+              "peak, and its RSS growth is measured as PyTorch's is (on the CPU offloaded tensors stay in the same "
               f"RAM). Speed: median of {d.get('rounds', 1)} round(s) of {d['iterations']} timed iteration(s) per configuration, the rounds going over every configuration in turn, on this 2-core CPU "
               f"({load_note(d)}); the papers' speed claims are for GPUs and are not reproduced here."]
     return lines

@@ -13,6 +13,7 @@ A budget (bytes) is checked against the arena the plan needs; an infeasible one 
 that states the smallest budget that works and the largest batch that fits.
 """
 
+import bisect
 from dataclasses import dataclass, replace
 
 from snrt.config import MEMORY_POLICIES, POLICIES
@@ -133,8 +134,9 @@ def _segments_replayed_over(plan, segments, limit):
     for i, nbytes in enumerate(plan.device_bytes):
         if nbytes <= limit:
             continue
-        before = max((c for c in compute if c < i), default=-1)
-        after = min((c for c in compute if c >= i), default=len(steps))
+        at = bisect.bisect_left(compute, i)  # compute[at] is the first compute step at or after i
+        before = compute[at - 1] if at else -1
+        after = compute[at] if at < len(compute) else len(steps)
         over.update(root_of[s.node] for s in steps[before + 1:after + 1]
                     if s.kind == "recompute" and s.node in root_of)
     return over

@@ -237,8 +237,12 @@ def main():
                           "wall_s": time.perf_counter() - start})
                 merged = runs.setdefault((name, framework, variant), r)
                 if merged is not r and "seconds" in merged:
-                    merged["seconds"] = merged["seconds"] + r["seconds"] if "seconds" in r else merged.pop("seconds")
                     merged["wall_s"] += r["wall_s"]
+                    if "seconds" in r:
+                        merged["seconds"] = merged["seconds"] + r["seconds"]
+                    else:  # a failed round fails the whole row
+                        del merged["seconds"]
+                        merged["error"] = r["error"]
                 if "seconds" in r:
                     print(f"round {round_ + 1}/{rounds} {name} b{batch} {framework} {variant}: "
                           f"{batch / statistics.median(r['seconds']):.1f} img/s, peak {r['peak_bytes'] / MIB:.0f} MiB, "

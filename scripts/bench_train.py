@@ -179,7 +179,7 @@ def run_torch(model, batch, warmup, iterations):
 
     from snrt.data import load_datasets, normalization
     from snrt.init import initial_parameters, initial_state
-    from snrt.torch_reference import TorchNet
+    from snrt.torch_reference import TorchNet, torch_sgd
 
     torch.set_num_threads(CORES)
     config = load(model, batch)
@@ -198,15 +198,10 @@ def run_torch(model, batch, warmup, iterations):
     state = initial_state(graph)
     net = TorchNet(graph, params, state)
     net.train()
-    specs = graph.param_specs()
-    no_decay = [net.param(n, k) for (n, k) in params if not specs[n][k].decay]
-    decay = [p for p in net.parameters() if all(p is not q for q in no_decay)]
     opt = train.optimizer
     if opt.type != "sgd":
         raise SystemExit(f"{model}: optimizer {opt.type!r}; this benchmark compares SGD only")
-    sgd = torch.optim.SGD([{"params": decay, "weight_decay": opt.weight_decay},
-                           {"params": no_decay, "weight_decay": 0.0}],
-                          lr=opt.lr, momentum=opt.momentum, nesterov=opt.nesterov)
+    sgd = torch_sgd(net, graph, opt)
     del params, state
     gc.collect()
     build_s = time.perf_counter() - start

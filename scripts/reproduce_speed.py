@@ -79,7 +79,7 @@ def batches(config, count):
 
 def chain_pieces(net, graph):
     """TorchNet's forward up to the logits as a list of single-tensor functions, cut wherever
-    exactly one tensor is live; the name of the logits node is returned with them."""
+    exactly one tensor is live."""
     from snrt.torch_reference import OPS
 
     nodes = [n for n in graph.nodes.values() if n.layer.type_name not in ("Input", "SoftmaxCrossEntropy")]
@@ -116,7 +116,7 @@ def chain_pieces(net, graph):
         assert all(i == source or position.get(i, -1) >= start for m in members for i in m.inputs)
         pieces.append(piece(members, source))
         start, source = end + 1, nodes[end].name
-    return pieces, nodes[-1].name
+    return pieces
 
 
 def run_snrt(name, size, batch, policy, warmup, iterations):
@@ -154,7 +154,7 @@ def run_torch(name, size, batch, variant, warmup, iterations):
 
     from snrt.init import initial_parameters, initial_state
     from snrt.optim import learning_rate
-    from snrt.torch_reference import TorchNet
+    from snrt.torch_reference import TorchNet, torch_sgd
 
     torch.set_num_threads(os.cpu_count() or 1)
     config = load(name, size, batch)
@@ -167,13 +167,8 @@ def run_torch(name, size, batch, variant, warmup, iterations):
     net = TorchNet(graph, params, initial_state(graph))
     net.train()
     opt = train.optimizer
-    specs = graph.param_specs()  # snrt does not decay BatchNorm and bias parameters: neither does this
-    no_decay = [net.param(n, k) for n in specs for k in specs[n] if not specs[n][k].decay]
-    decay = [p for p in net.parameters() if all(p is not q for q in no_decay)]
-    sgd = torch.optim.SGD([{"params": decay, "weight_decay": opt.weight_decay},
-                           {"params": no_decay, "weight_decay": 0.0}],
-                          lr=opt.lr, momentum=opt.momentum, nesterov=opt.nesterov)
-    pieces, _ = chain_pieces(net, graph)
+    sgd = torch_sgd(net, graph, opt)
+    pieces = chain_pieces(net, graph)
     segments = max(1, min(len(pieces), round(math.sqrt(len(pieces)))))
     gc.collect()
     rss_before, high_before = current_rss_bytes(), max_rss_bytes()

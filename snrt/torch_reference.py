@@ -67,3 +67,14 @@ class TorchNet(torch.nn.Module):
 
     def param(self, node, name):
         return self.params[f"{node}:{name}".replace(".", "/")]
+
+
+def torch_sgd(net, graph, optimizer):
+    """torch.optim.SGD over `net`'s parameters with snrt's semantics of `optimizer` (a config's
+    train.optimizer): weight decay on every parameter except BatchNorm's and biases."""
+    specs = graph.param_specs()
+    no_decay = [net.param(n, k) for n in specs for k in specs[n] if not specs[n][k].decay]
+    decay = [p for p in net.parameters() if all(p is not q for q in no_decay)]
+    return torch.optim.SGD([{"params": decay, "weight_decay": optimizer.weight_decay},
+                            {"params": no_decay, "weight_decay": 0.0}],
+                           lr=optimizer.lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov)

@@ -7,7 +7,7 @@ import torch
 import snrt
 from snrt.checkpoint import CheckpointError
 from snrt.train import Trainer
-from snrt.torch_reference import TorchNet
+from snrt.torch_reference import TorchNet, torch_sgd
 
 SMALL_RESNET = {
     "name": "small_resnet",
@@ -61,11 +61,7 @@ def test_losses_and_parameters_match_pytorch():
     params = {k: v.copy() for k, v in trainer.host_arrays(("parameter",)).items()}
     state = {k: v.copy() for k, v in trainer.host_arrays(("state",)).items()}
     net = TorchNet(config.graph, params, state)
-    opt = config.train.optimizer
-    no_decay = [net.param(n, k) for (n, k) in params if not config.graph.param_specs()[n][k].decay]
-    decay = [p for p in net.parameters() if all(p is not q for q in no_decay)]
-    sgd = torch.optim.SGD([{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                          lr=opt.lr, momentum=opt.momentum, nesterov=opt.nesterov)
+    sgd = torch_sgd(net, config.graph, config.train.optimizer)
     for step in range(4):
         x, y = batch_of(config, step)
         ours = trainer.step(x, y, total=4).loss

@@ -11,7 +11,7 @@ Writes results/deepest_resnet.{md,json,png}.
 
     python scripts/reproduce_deepest_resnet.py [--quick]   # quick: liveness and superneurons, batch 16
 
-Quick mode takes about 3 minutes, full mode about 10 (a superneurons plan near k = 1,400 takes
+Quick mode takes about 3 minutes, full mode 10 to 12 (a superneurons plan near k = 1,400 takes
 half a minute or more, and its just-in-time fallback as long again).
 """
 
@@ -88,7 +88,7 @@ def main():
              f"Bottleneck ResNet at {IMAGE}x{IMAGE}, stages (6, 32, k, 6); the largest k whose planned arena "
              f"fits 12 GiB ({BUDGET} B; for offload and superneurons with just-in-time prefetches where the hidden ones do not fit, as `make_plan(..., budget=)` does), found by `largest_fitting` (reproduce_common.py; every probe is a full "
              "`make_plan`); depth = 3 x blocks + 2; resident = parameters, momentum and BatchNorm state, on the "
-             "device for the whole run. ResNet2500 is k = 788 (2,498 layers).", ""]
+             f"device for the whole run. ResNet2500 is k = {K2500} ({depth(K2500):,} layers).", ""]
     lines += table(["batch", "policy", "largest k", "stages", "depth", "arena at k (GiB)", "of which resident (GiB)",
                     "ResNet2500 arena (GiB)", "ResNet2500 fits", "plans", "planning s"], [
         [r["batch"], r["policy"], r["k"] or "none fits", r["stages"] or "-", r["depth"] or "-",

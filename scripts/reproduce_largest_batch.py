@@ -4,7 +4,7 @@ Part 1: for each network at its paper image size and each policy, the largest ba
 plan's arena (`make_plan(...).arena_bytes`) fits 12 GiB, found by a search
 over the batch (`largest_fitting` in reproduce_common.py; every probe is a full plan).
 
-Part 2, vDNN's case: VGG-16 (224x224) at batch 256, which needs about 28 GB when every tensor
+Part 2, vDNN's case: VGG-16 (224x224) at batch 256, which vDNN reports needs about 28 GB when every tensor
 is kept: its peak under `none` against the arena of every policy, and whether it fits 12 GiB.
 
 Writes results/largest_batch.{md,json,png}.

@@ -89,7 +89,7 @@ def main():
 
     lines = ["# Peak device memory by technique", "", meta_line(meta, args.quick), "",
              "From plans (`make_plan`, exact for any device). GiB; floor = resident bytes (parameters, "
-             "gradients, momentum, state) + the largest single step's working set; `sn / floor` is "
+             "momentum, BatchNorm state) + the largest single step's working set; `sn / floor` is "
              "superneurons' peak over the floor; `none / sn` the saving over the naive run.", ""]
     lines += table(["network", "image", "batch", "layers", *POLICIES, "floor", "sn / floor", "none / sn"], [
         [r["network"], r["image"], r["batch"], r["layers"], *(gib(r["policies"][p]["peak_bytes"]) for p in POLICIES),

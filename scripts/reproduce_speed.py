@@ -16,7 +16,9 @@ of the machine's speed during the run slows every variant alike:
   (`chain_pieces`: cut wherever exactly one tensor crosses, i.e. between residual blocks) run
   by `torch.utils.checkpoint.checkpoint_sequential` with round(sqrt(pieces)) segments
   (use_reentrant=False; the recomputed forward of a BatchNorm updates its running statistics
-  a second time, which does not change the speed).
+  a second time, which does not change the speed);
+- PyTorch "perturbed": "plain" from initial parameters scaled by (1 + PERTURBATION * N(0, 1)):
+  how far these short runs' losses drift by themselves (left out of the plot).
 
 All see the same synthetic batches (the Trainer's stream, `Batches.get(i)`), after `warmup`
 untimed iterations per process. images/s = batch / median wall seconds of one whole

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from reproduce_common import BUDGET, GIB, parse_args
+from reproduce_speed import PERTURBATION
 
 GB = 1e9
 # Published numbers (citations, not measurements):
@@ -161,7 +162,7 @@ def section_speed(d):
                 return abs(run[i] - ref[i]) / abs(ref[i])
             lines.append(f"  - same training: the first loss of snrt and PyTorch differs by {gap(ours, 0):.0e} "
                          f"(relative); the last by {gap(ours, -1):.0e}, where PyTorch against itself from "
-                         f"parameters perturbed by a relative 1e-6 differs by {gap(moved, -1):.0e}")
+                         f"parameters perturbed by a relative {PERTURBATION:g} differs by {gap(moved, -1):.0e}")
         ck, sn = rows.get("torch checkpoint", {}), rows.get("snrt superneurons", {})
         if "peak_bytes" in ck and "peak_bytes" in sn:
             lines.append(f"  - memory: snrt superneurons' device arena peaks at {sn['peak_bytes'] / 2**20:.0f} MiB against "
@@ -173,7 +174,7 @@ def section_speed(d):
     lines += ["", "PyTorch's memory is its resident high-water mark (ru_maxrss) after the iterations minus its "
               "resident bytes before them, allocator slack included; snrt's device memory is its arena's exact "
               "peak, and its RSS growth is measured as PyTorch's is (on the CPU offloaded tensors stay in the same "
-              f"RAM). Speed: median of {d.get('rounds', 1)} round(s) of {d['iterations']} timed iteration(s) per configuration, the rounds going over every configuration in turn, on this 2-core CPU "
+              f"RAM). Speed: median of {d.get('rounds', 1)} round(s) of {d['iterations']} timed iteration(s) per configuration, the rounds going over every configuration in turn, on this {d['meta']['cores']}-core CPU "
               f"({load_note(d)}); the papers' speed claims are for GPUs and are not reproduced here."]
     return lines
 

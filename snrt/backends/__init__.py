@@ -31,6 +31,12 @@ def cuda_available():
     return cuda_unavailable_reason() is None
 
 
+def _require_cuda():
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        raise SnrtError(f"the cuda backend is not available: {reason}; use --backend cpu")
+
+
 def default_backend():
     """"cuda" when CuPy finds a GPU, else "cpu"."""
     return "cuda" if cuda_available() else "cpu"
@@ -42,9 +48,7 @@ def plan_kernels(name):
     the process's CudaKernels for "cuda" (cuDNN graphs built once per shape)."""
     if name != "cuda":
         return None
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        raise SnrtError(f"the cuda backend is not available: {reason}; use --backend cpu")
+    _require_cuda()
     from snrt.backends.cupy_backend import default_kernels
 
     return default_kernels()
@@ -61,9 +65,7 @@ def make_backend(name, plan, check=False, kernels=None):
 
         return NumpyBackend(plan.arena_bytes, plan.host_bytes, check=check)
     if name == "cuda":
-        reason = cuda_unavailable_reason()
-        if reason is not None:
-            raise SnrtError(f"the cuda backend is not available: {reason}; use --backend cpu")
+        _require_cuda()
         from snrt.backends.cupy_backend import CupyBackend
 
         return CupyBackend(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)

@@ -468,9 +468,8 @@ class CudaBatchNorm(_Float32Kernel):
         n, c = x.shape[:2]
         hw = numel(x.shape[2:])
         if ctx.training:
+            self.layer.check_training([x.shape])
             count = n * hw
-            if count < 2:
-                raise ValueError(f"BatchNorm needs more than 1 value per channel when training, got {count}")
             momentum = self.layer.momentum
             self.module.launch("snrt_bn_forward_train", c, (
                 x, y, params["weight"], params["bias"], aux["mean"], aux["inv_std"],
@@ -529,7 +528,7 @@ class CudaDropout(_Float32Kernel):
 
     def _apply(self, ctx, source, target):
         p = self.layer.p
-        threshold = min(int(round(p * 2**32)), 2**32 - 1)
+        threshold = self.layer.threshold
         key = stream_key(ctx.seed, ctx.iteration, ctx.node_index)
         self.module.launch("snrt_dropout", grid_for(target.size), (
             source, target, np.int64(target.size), np.uint32(key), np.uint32(threshold), np.float32(1.0 / (1.0 - p))))
@@ -647,7 +646,8 @@ class ConvGeometry:
         return min(self.ho, workspace_bytes // (self.col_rows * self.wo * FLOAT32_BYTES))
 
     def preferred_workspace_bytes(self):
-        """One sample's column matrix, capped at GEMM_WORKSPACE_CAP_BYTES (whole rows)."""
+        """One sample's column matrix, capped at GEMM_WORKSPACE_CAP_BYTES in whole rows (at
+        least one row, even when a row is larger)."""
         if self.pointwise:
             return 0
         row = self.col_rows * self.wo * FLOAT32_BYTES
@@ -747,7 +747,7 @@ class GemmConv2d(_Float32Kernel):
             x_n, gy_n = _ptr(x) + n * g.c * g.h * g.w * f, _ptr(gy) + n * g.o * plane * f
             for r0, rows in bands:
                 columns = rows * g.wo
-                if col is not None:
+                if col is not None and weight_grad:  # gx alone overwrites col with the column gradient
                     self._im2col(g, x_n, col, r0, rows)
                 for k in range(g.groups):
                     gy_band = gy_n + (k * og * plane + r0 * g.wo) * f

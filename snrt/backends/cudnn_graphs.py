@@ -346,8 +346,7 @@ class CudnnBatchNorm(_CudnnKernel):
         x = xs[0]
         if not self.is_float32(x) or not ctx.training:
             return self.fallback.forward(ctx, xs, params, state, y, aux, recompute)
-        if x.shape[0] * numel(x.shape[2:]) < 2:
-            raise ValueError(f"BatchNorm needs more than 1 value per channel when training, got {x.shape[0]}")
+        self.layer.check_training([x.shape])
         capacity, workspace = _workspace(ctx)
         op = "forward_no_running" if recompute else "forward"
         built = self.graph_within(op, capacity)

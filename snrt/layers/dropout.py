@@ -23,14 +23,18 @@ class Dropout(Layer):
         if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not 0 <= self.p < 1:
             raise ValueError(f"option 'p' must be a number in [0, 1), got {self.p!r}")
 
+    @property
+    def threshold(self):
+        """An element is kept when its 32 random bits are >= this (probability 1 - p)."""
+        return min(int(round(self.p * 2**32)), 2**32 - 1)
+
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         return random_bits_scratch_bytes(numel(in_shapes[0]))
 
     def _write_scaled_mask(self, ctx, out):
         """out <- mask / (1 - p) with the mask of this (seed, iteration, node)."""
         bits = fill_random_bits(ctx, out.size)
-        threshold = min(int(round(self.p * 2**32)), 2**32 - 1)
-        ctx.xp.greater_equal(bits, ctx.xp.uint32(threshold), out=out.reshape(-1))
+        ctx.xp.greater_equal(bits, ctx.xp.uint32(self.threshold), out=out.reshape(-1))
         out *= 1.0 / (1.0 - self.p)
         ctx.release_scratch()
 

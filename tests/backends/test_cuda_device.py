@@ -195,8 +195,6 @@ def test_no_allocation_outside_the_arena_while_kernels_run(cupy):
     config = snrt.load_config(_configs()["small_resnet"])
     trainer = Trainer(config, backend="cuda", policy="superneurons")
     try:
-        if not hasattr(trainer.executor, "kernels"):
-            pytest.skip("the executor does not consult backend.kernel_for yet (see the cuda backend notes)")
         trainer.fit(iterations=2)
         report = trainer.backend.memory_report()
         print(report)

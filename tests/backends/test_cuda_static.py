@@ -214,6 +214,10 @@ def test_gemm_convolution_matches_the_numpy_kernel(options, workspace_rows, host
     np.testing.assert_allclose(gx, gx_ref, rtol=1e-4, atol=1e-4)
     for k in params:
         np.testing.assert_allclose(grads[k], grads_ref[k], rtol=1e-4, atol=1e-3)
+    gx_only = np.full_like(x, np.nan)  # cuDNN did the weight gradient: the input gradient alone
+    kernel.backward_parts(KernelContext(np, workspace=np.zeros(nbytes, np.uint8) if nbytes else None),
+                          gy, x, gx_only, params, grads, weight_grad=False, bias_grad=False)
+    np.testing.assert_allclose(gx_only, gx_ref, rtol=1e-4, atol=1e-4)
 
 
 def test_gemm_convolution_refuses_a_workspace_smaller_than_one_row(host_pointers):

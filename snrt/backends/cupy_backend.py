@@ -110,27 +110,20 @@ class CudaCopyEvent:
 
     `wait` makes the compute stream wait for the copy (asynchronous for the host). `seconds`
     is the copy's duration from its CUDA events, measured when first read (that blocks the
-    host until the copy is done). `stalled_s` is how long the compute stream waited for it,
-    from events recorded on the compute stream around the wait.
+    host until the copy is done).
     """
 
     def __init__(self, compute_stream, what):
         self.compute_stream, self.what = compute_stream, what
         self.start, self.end = cupy.cuda.Event(), cupy.cuda.Event()
         self._issue = None  # set for lazy copies (check mode): issued at wait time
-        self._before = self._after = None
         self._seconds = None
-        self.error = None
 
     def wait(self):
         if self._issue is not None:
             issue, self._issue = self._issue, None
             issue()
-        self._before = cupy.cuda.Event()
-        self._before.record(self.compute_stream)
         self.compute_stream.wait_event(self.end)
-        self._after = cupy.cuda.Event()
-        self._after.record(self.compute_stream)
 
     @property
     def seconds(self):
@@ -138,14 +131,6 @@ class CudaCopyEvent:
             self.end.synchronize()
             self._seconds = cupy.cuda.get_elapsed_time(self.start, self.end) / 1e3
         return self._seconds
-
-    @property
-    def stalled_s(self):
-        """Seconds the compute stream waited for this copy (0 before `wait`)."""
-        if self._after is None:
-            return 0.0
-        self._after.synchronize()
-        return cupy.cuda.get_elapsed_time(self._before, self._after) / 1e3
 
 
 class GuardedKernel:

@@ -3,9 +3,8 @@ on the CUDA backend (needs a GPU and the gpu extra).
 
 For each policy: the plan (made with the CUDA cost model), one warm-up iteration, then the
 median of `--iterations` timed iterations (the compute and copy streams synchronized around
-each), the measured peak of live arena bytes against the plan's, the copy time and the
-time the compute stream waited for copies (CUDA events), and what cudaMemGetInfo saw
-beyond the arena. Writes results/bench_gpu.json.
+each), the measured peak of live arena bytes against the plan's, the copy time (CUDA events),
+and what cudaMemGetInfo saw beyond the arena. Writes results/bench_gpu.json.
 
     python scripts/bench_gpu.py                      # ResNet-50, 224x224, batch 32
     python scripts/bench_gpu.py --config configs/resnet2500.yaml --batch 16 --image-size 227 --policies superneurons
@@ -44,8 +43,9 @@ def run_policy(config, batch, policy, iterations, budget):
     from snrt.backends.cupy_backend import CupyBackend, default_kernels
 
     graph = config.graph
-    plan = make_plan(graph, batch, policy, budget=budget, cost_model=cost.CUDA)
-    backend = CupyBackend(plan.arena_bytes, plan.host_bytes, kernels=default_kernels())
+    kernels = default_kernels()  # the plan's workspaces are sized for the kernels that will run
+    plan = make_plan(graph, batch, policy, budget=budget, cost_model=cost.CUDA, kernels=kernels)
+    backend = CupyBackend(plan.arena_bytes, plan.host_bytes, kernels=kernels)
     try:
         executor = Executor(graph, plan, backend)
         for key, value in {**initial_parameters(graph, 0), **initial_state(graph)}.items():
@@ -73,7 +73,7 @@ def run_policy(config, batch, policy, iterations, budget):
             "planned_peak_bytes": plan.peak_bytes, "measured_peak_bytes": backend.arena.peak_bytes,
             "arena_bytes": plan.arena_bytes, "host_bytes": plan.host_bytes,
             "copy_s": executor.copy_stats["copy_s"] / (iterations + 1),
-            "memory": report, "kernels": default_kernels().summary(),
+            "memory": report, "kernels": kernels.summary(),
         }
     finally:
         backend.close()

@@ -71,7 +71,6 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
-import resource  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -82,6 +81,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's snrt, whatever the installed copy points at
 
 import numpy as np  # noqa: E402
+from reproduce_common import max_rss_bytes  # noqa: E402
 
 # name: (config file, batch, quick batch)
 MODELS = {
@@ -92,12 +92,6 @@ FRAMEWORKS = ("snrt", "torch")
 RESULT_TAG = "BENCH_TRAIN_RESULT "  # the worker's JSON line on stdout
 MiB = 2**20
 FULL_CORES = 0.9  # an iteration "had the machine" when its process kept >= 90 % of the cores busy
-
-
-def max_rss_bytes():
-    """The process's peak resident set size so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def load(model, batch):

@@ -36,6 +36,8 @@ from snrt.scheduler.recompute import largest_step_bytes
 from snrt.summary import human_bytes
 from snrt.train import Trainer
 
+ROOT = Path(__file__).resolve().parent.parent
+
 NETWORKS = [  # (config, image size, batch)
     ("resnet50", 224, 32), ("resnet152", 224, 32), ("vgg16", 224, 64), ("inceptionv4", 299, 32),
     ("densenet121", 224, 32), ("resnet2500", 227, 16),
@@ -64,7 +66,7 @@ def _resident(buffers):
 def plan_rows(networks, console):
     rows = []
     for name, size, batch in networks:
-        config = snrt.load_config(f"configs/{name}.yaml", {"input.shape": [3, size, size]})
+        config = snrt.load_config(ROOT / "configs" / f"{name}.yaml", {"input.shape": [3, size, size]})
         floor = floor_bytes(config.graph, batch)
         row = {"network": name, "image": size, "batch": batch, "floor_bytes": floor, "policies": {}}
         for policy in POLICIES:
@@ -78,14 +80,19 @@ def plan_rows(networks, console):
     return rows
 
 
+def synthetic_config(name, size, batch):
+    """configs/<name>.yaml at size x size and `batch`, on 4 batches of synthetic data."""
+    return snrt.load_config(ROOT / "configs" / f"{name}.yaml", {
+        "input.shape": [3, size, size], "train.batch": batch,
+        "train.data": {"type": "synthetic", "samples": 4 * batch}})
+
+
 def timed_rows(networks, iterations, console):
     rows = []
     for name, size, batch in networks:
-        overrides = {"input.shape": [3, size, size], "train.batch": batch,
-                     "train.data": {"type": "synthetic", "samples": 4 * batch}}
         row = {"network": name, "image": size, "batch": batch, "policies": {}}
         for policy in ("none", "superneurons"):
-            trainer = Trainer(snrt.load_config(f"configs/{name}.yaml", overrides), policy=policy)
+            trainer = Trainer(synthetic_config(name, size, batch), policy=policy)
             history = trainer.fit(iterations=iterations + 1)[1:]  # the first iteration warms up
             stats = trainer.executor.copy_stats
             row["policies"][policy] = {
@@ -138,7 +145,7 @@ def main():
     args = parser.parse_args()
     console = Console()
     plans = plan_rows(QUICK_NETWORKS if args.quick else NETWORKS, console)
-    r2500 = snrt.load_config("configs/resnet2500.yaml")
+    r2500 = snrt.load_config(ROOT / "configs" / "resnet2500.yaml")
     plan = make_plan(r2500.graph, 16, "superneurons")
     budget_check = {"batch": 16, "arena_bytes": plan.arena_bytes, "fits": plan.arena_bytes <= 12 * GIB}
     timed = timed_rows(QUICK_TIMED if args.quick else TIMED, 1 if args.quick else args.iterations, console)

@@ -25,9 +25,8 @@ import time
 from dataclasses import replace
 
 import numpy as np
-from reproduce_common import RESULTS, ROOT, machine, meta_line, save_json, save_markdown, table
+from reproduce_common import RESULTS, machine, meta_line, save_json, save_markdown, synthetic_config, table
 
-import snrt
 from snrt.scheduler import cost as cost_models
 from snrt.train import Trainer
 
@@ -39,9 +38,7 @@ TIMED_KINDS = ("forward", "backward", "update")
 def timed_run(name, size, batch, iterations):
     """[(step, seconds)] of the last iteration's compute steps, the graph, the plan, and the
     median wall seconds of the iterations after the first."""
-    overrides = {"input.shape": [3, size, size], "train.batch": batch,
-                 "train.data": {"type": "synthetic", "samples": 4 * batch}}
-    trainer = Trainer(snrt.load_config(ROOT / "configs" / f"{name}.yaml", overrides), policy="none")
+    trainer = Trainer(synthetic_config(name, size, batch), policy="none")
     executor = trainer.executor
     record = []
 

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402,F401
 import numpy as np  # noqa: E402
 
-from bench_memory import floor_bytes, resident_bytes  # noqa: E402,F401  (one definition of the floor)
+from bench_memory import floor_bytes, resident_bytes, synthetic_config  # noqa: E402,F401  (one definition each)
 from snrt.config import POLICIES  # noqa: E402,F401
 
 GIB = 2**30

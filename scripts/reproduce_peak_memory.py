@@ -15,10 +15,9 @@ Writes results/peak_memory.{md,json,png}.
 
 import time
 
-from reproduce_common import (GIB, POLICIES, ROOT, floor_bytes, gib, grouped_bars, machine, meta_line,
-                              parse_args, save_json, save_markdown, table)
+from reproduce_common import (GIB, POLICIES, floor_bytes, gib, grouped_bars, machine, meta_line,
+                              parse_args, save_json, save_markdown, synthetic_config, table)
 
-import snrt
 from snrt.models import MODELS
 from snrt.scheduler.planner import make_plan
 from snrt.train import Trainer
@@ -57,10 +56,8 @@ def planned(networks):
 def measured(cases):
     rows = []
     for name, size, batch, iterations in cases:
-        overrides = {"input.shape": [3, size, size], "train.batch": batch,
-                     "train.data": {"type": "synthetic", "samples": 4 * batch}}
         for policy in POLICIES:
-            trainer = Trainer(snrt.load_config(ROOT / "configs" / f"{name}.yaml", overrides), policy=policy)
+            trainer = Trainer(synthetic_config(name, size, batch), policy=policy)
             history = trainer.fit(iterations=iterations)
             row = {"network": name, "image": size, "batch": batch, "policy": policy, "iterations": len(history),
                    "planned_peak_bytes": trainer.plan.peak_bytes,

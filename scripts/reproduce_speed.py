@@ -52,20 +52,13 @@ import time  # noqa: E402
 
 from reproduce_common import (MIB, POLICIES, ROOT, current_rss_bytes, grouped_bars, machine,  # noqa: E402
                               max_rss_bytes, meta_line,
-                              parse_args, save_json, save_markdown, table)
+                              parse_args, save_json, save_markdown, synthetic_config, table)
 
 CASES = [("cifar_resnet110", 32, 32), ("cifar_resnet164", 32, 16), ("resnet50", 224, 8)]  # (config, image, batch)
 QUICK_CASES = [("cifar_resnet110", 32, 8), ("resnet50", 112, 4)]
 VARIANTS = [("snrt", p) for p in POLICIES] + [("torch", "plain"), ("torch", "checkpoint"), ("torch", "perturbed")]
 PERTURBATION = 1e-6  # "perturbed": plain PyTorch from initial parameters scaled by (1 + 1e-6 * N(0, 1))
 TAG = "REPRODUCE_SPEED_RESULT "
-
-
-def load(name, size, batch):
-    import snrt
-    return snrt.load_config(ROOT / "configs" / f"{name}.yaml", {
-        "input.shape": [3, size, size], "train.batch": batch,
-        "train.data": {"type": "synthetic", "samples": 4 * batch}})
 
 
 def batches(config, count):
@@ -123,7 +116,7 @@ def chain_pieces(net, graph):
 
 def run_snrt(name, size, batch, policy, warmup, iterations):
     from snrt.train import Trainer
-    config = load(name, size, batch)
+    config = synthetic_config(name, size, batch)
     data = batches(config, warmup + iterations)
     rss_start = current_rss_bytes()
     trainer = Trainer(config, policy=policy)
@@ -159,7 +152,7 @@ def run_torch(name, size, batch, variant, warmup, iterations):
     from snrt.torch_reference import TorchNet, torch_sgd
 
     torch.set_num_threads(os.cpu_count() or 1)
-    config = load(name, size, batch)
+    config = synthetic_config(name, size, batch)
     graph, train = config.graph, config.train
     data = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches(config, warmup + iterations)]
     params = initial_parameters(graph, train.seed, train.init)

@@ -14,9 +14,8 @@ Writes results/timeline.{md,json} and results/timeline_resnet50_superneurons.png
 
 import statistics
 
-from reproduce_common import POLICIES, ROOT, machine, meta_line, parse_args, save_json, save_markdown, table
+from reproduce_common import POLICIES, machine, meta_line, parse_args, save_json, save_markdown, synthetic_config, table
 
-import snrt
 from snrt.timeline import draw_timeline
 from snrt.train import Trainer
 
@@ -29,11 +28,9 @@ def main():
     meta = machine()
     timed = 1 if args.quick else 4
     image, batch = QUICK if args.quick else FULL
-    overrides = {"input.shape": [3, image, image], "train.batch": batch,
-                 "train.data": {"type": "synthetic", "samples": 4 * batch}}
     rows, timeline = [], None
     for policy in POLICIES:
-        trainer = Trainer(snrt.load_config(ROOT / "configs" / f"{NETWORK}.yaml", overrides), policy=policy)
+        trainer = Trainer(synthetic_config(NETWORK, image, batch), policy=policy)
         history = trainer.fit(iterations=1 + timed)[1:]  # the first iteration warms up
         plan, measured = trainer.plan, list(trainer.executor.measured_bytes)
         predicted = list(plan.device_bytes)

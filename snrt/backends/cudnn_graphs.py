@@ -23,7 +23,7 @@ Three layers, from pure Python to the device:
 
 Kernels `CudnnConv2d` and `CudnnBatchNorm` have the layer contract. What cuDNN refuses (no
 engine for the shape, or none within the workspace) runs on the fallback kernel of
-snrt/backends/cuda_kernels.py (im2col + cuBLAS, or the one-block-per-channel BatchNorm), and
+snrt/backends/cuda_layers.py (im2col + cuBLAS, or the one-block-per-channel BatchNorm), and
 the reason is kept in `CudnnContext.refusals`. BatchNorm goes to cuDNN in training only
 (forward and backward with an input gradient); eval uses the fallback.
 
@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snrt.backends.cuda_kernels import XpKernel, _Float32Kernel, _i64, _ptr, grid_for
+from snrt.backends.cuda_layers import Float32Kernel, XpKernel
+from snrt.backends.cuda_source import device_pointer, grid_for, int64_args
 from snrt.layers.base import FORWARD, numel
 
 CONV_OPS = ("fprop", "dgrad", "wgrad")
@@ -240,10 +241,10 @@ def _workspace(ctx):
     """(capacity in bytes, address) of the step's workspace."""
     if ctx.workspace is None:
         return 0, 0
-    return ctx.workspace.nbytes, _ptr(ctx.workspace)
+    return ctx.workspace.nbytes, device_pointer(ctx.workspace)
 
 
-class _CudnnKernel(_Float32Kernel):
+class _CudnnKernel(Float32Kernel):
     """Graph caching shared by the cuDNN kernels: one graph per (operation, workspace limit)."""
 
     name = "cudnn"
@@ -301,10 +302,11 @@ class CudnnConv2d(_CudnnKernel):
         built = self.graph_within("fprop", capacity)
         if built is None:
             return self.fallback.forward(ctx, xs, params, state, y, aux, recompute)
-        built.execute({"x": _ptr(x), "w": _ptr(params["weight"]), "y": _ptr(y)}, workspace)
+        built.execute({"x": device_pointer(x), "w": device_pointer(params["weight"]), "y": device_pointer(y)},
+                      workspace)
         if self.layer.bias:
             o, plane = y.shape[1], numel(y.shape[2:])
-            self.module.launch("snrt_bias_add", grid_for(y.size), (y, params["bias"], *_i64(y.size, o, plane)))
+            self.module.launch("snrt_bias_add", grid_for(y.size), (y, params["bias"], *int64_args(y.size, o, plane)))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         x, gx = saved.xs[0], gxs[0]
@@ -315,14 +317,16 @@ class CudnnConv2d(_CudnnKernel):
         dgrad = self.graph_within("dgrad", capacity) if gx is not None else None
         if self.layer.bias:
             n, o = gy.shape[:2]
-            self.module.launch("snrt_channel_sum", o, (gy, gparams["bias"], *_i64(n, o, numel(gy.shape[2:]))))
+            self.module.launch("snrt_channel_sum", o, (gy, gparams["bias"], *int64_args(n, o, numel(gy.shape[2:]))))
         if wgrad is None or (gx is not None and dgrad is None):
             self.fallback.backward_parts(ctx, gy, x, gx if dgrad is None else None, params, gparams,
                                          weight_grad=wgrad is None, bias_grad=False)
         if wgrad is not None:
-            wgrad.execute({"x": _ptr(x), "dy": _ptr(gy), "dw": _ptr(gparams["weight"])}, workspace)
+            wgrad.execute({"x": device_pointer(x), "dy": device_pointer(gy), "dw": device_pointer(gparams["weight"])},
+                          workspace)
         if dgrad is not None:
-            dgrad.execute({"dy": _ptr(gy), "w": _ptr(params["weight"]), "dx": _ptr(gx)}, workspace)
+            dgrad.execute({"dy": device_pointer(gy), "w": device_pointer(params["weight"]), "dx": device_pointer(gx)},
+                          workspace)
 
 
 class CudnnBatchNorm(_CudnnKernel):
@@ -352,13 +356,14 @@ class CudnnBatchNorm(_CudnnKernel):
         built = self.graph_within(op, capacity)
         if built is None:
             return self.fallback.forward(ctx, xs, params, state, y, aux, recompute)
-        pointers = {"x": _ptr(x), "scale": _ptr(params["weight"]), "bias": _ptr(params["bias"]),
-                    "epsilon": self._eps.ctypes.data, "momentum": self._momentum.ctypes.data, "y": _ptr(y),
-                    "mean": _ptr(aux["mean"]), "inv_std": _ptr(aux["inv_std"])}
+        pointers = {"x": device_pointer(x), "scale": device_pointer(params["weight"]),
+                    "bias": device_pointer(params["bias"]), "epsilon": self._eps.ctypes.data,
+                    "momentum": self._momentum.ctypes.data, "y": device_pointer(y),
+                    "mean": device_pointer(aux["mean"]), "inv_std": device_pointer(aux["inv_std"])}
         if op == "forward":  # updated in place
             for role, name in (("running_mean", "running_mean"), ("next_running_mean", "running_mean"),
                                ("running_var", "running_var"), ("next_running_var", "running_var")):
-                pointers[role] = _ptr(state[name])
+                pointers[role] = device_pointer(state[name])
         built.execute(pointers, workspace)
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
@@ -369,7 +374,8 @@ class CudnnBatchNorm(_CudnnKernel):
         built = self.graph_within("backward", capacity)
         if built is None:
             return self.fallback.backward(ctx, gy, saved, params, aux, gxs, gparams)
-        built.execute({"dy": _ptr(gy), "x": _ptr(x), "scale": _ptr(params["weight"]), "mean": _ptr(aux["mean"]),
-                       "inv_std": _ptr(aux["inv_std"]), "dx": _ptr(gx), "dscale": _ptr(gparams["weight"]),
-                       "dbias": _ptr(gparams["bias"])}, workspace)
+        built.execute({"dy": device_pointer(gy), "x": device_pointer(x), "scale": device_pointer(params["weight"]),
+                       "mean": device_pointer(aux["mean"]), "inv_std": device_pointer(aux["inv_std"]),
+                       "dx": device_pointer(gx), "dscale": device_pointer(gparams["weight"]),
+                       "dbias": device_pointer(gparams["bias"])}, workspace)
 

@@ -24,8 +24,9 @@ import pytest
 
 import snrt
 from snrt.backends import cuda_available, cuda_unavailable_reason, default_backend, make_backend
-from snrt.backends import cuda_kernels
-from snrt.backends.cuda_kernels import NUMPY_ONLY, REGISTRY, ConvGeometry, CublasLinear, GemmConv2d
+from snrt.backends import cuda_layers, cuda_source
+from snrt.backends.cuda_kernels import REGISTRY
+from snrt.backends.cuda_layers import NUMPY_ONLY, ConvGeometry, CublasLinear, GemmConv2d
 from snrt.errors import SnrtError
 from snrt.layers import LAYERS
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
@@ -169,7 +170,7 @@ class HostModule:
 
 @pytest.fixture
 def host_pointers(monkeypatch):
-    monkeypatch.setattr(cuda_kernels, "_ptr", lambda array: array.ctypes.data)
+    monkeypatch.setattr(cuda_layers, "device_pointer", lambda array: array.ctypes.data)
 
 
 CONVS = [
@@ -257,15 +258,15 @@ def test_cublas_linear_matches_the_numpy_kernel(bias, host_pointers):
 @pytest.mark.parametrize("arch", ["compute_70", "compute_80", "compute_90"])
 def test_every_cuda_kernel_compiles_with_nvrtc(arch):
     pytest.importorskip("cupy")
-    ptx = cuda_kernels.compile_ptx(arch=arch).decode()
-    for name in cuda_kernels.KERNEL_NAMES:
+    ptx = cuda_source.compile_ptx(arch=arch).decode()
+    for name in cuda_source.KERNEL_NAMES:
         assert f".entry {name}(" in ptx, name
 
 
 def test_nvrtc_check_reports_errors():
     pytest.importorskip("cupy")
-    with pytest.raises(cuda_kernels.CompileError, match='identifier "undefined_name" is undefined'):
-        cuda_kernels.compile_ptx('extern "C" __global__ void k(float* x) { x[0] = undefined_name; }')
+    with pytest.raises(cuda_source.CompileError, match='identifier "undefined_name" is undefined'):
+        cuda_source.compile_ptx('extern "C" __global__ void k(float* x) { x[0] = undefined_name; }')
 
 
 def test_backend_modules_import_cleanly():

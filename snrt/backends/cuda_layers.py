@@ -1,0 +1,415 @@
+"""CUDA kernels for the layers whose generic `xp` code allocates on CuPy.
+
+Why these layers. The generic kernels in snrt/layers are written against `xp` and run on
+CuPy unchanged, but some of them create temporaries that CuPy takes from its own memory
+pool, outside the planned arena (see `NUMPY_ONLY` for the list and the reason per layer).
+On CUDA those layers get a kernel here that uses only its buffers and the planned
+workspace, so the backend's allocation guard (snrt/backends/cupy_backend.py) can refuse
+every other allocation while kernels run. The other layers (ReLU, LeakyReLU, Sigmoid, Tanh,
+Add, Concat, Flatten, MaxPool, GlobalAvgPool, LRN) and the optimizer run their shared `xp`
+code on CuPy: the CPU tests exercise the same logic.
+
+A kernel here is "layer-like": it has the layer's `forward`, `backward` and
+`workspace_bytes` signatures and delegates everything else to the layer. Each one fits in
+the workspace the NumPy layer plans (Dropout, SoftmaxCrossEntropy, AvgPool and the
+BatchNorm/Linear kernels need none; the GEMM convolution cuts its column matrix into bands
+of output rows that fit whatever the plan gave), so existing plans run as they are, and
+`workspace_bytes` says what each would like when the planner asks the backend
+(`CudaKernels.workspace_bytes`).
+
+Everything is float32; a float64 plan runs the layers' own `xp` code. Dropout's mask and
+AvgPool are bit-identical to the NumPy kernels (same integer hash, same summation order);
+BatchNorm, the softmax and the GEMMs sum in a different order, so they agree to rounding.
+
+The CUDA C they launch is in snrt/backends/cuda_source.py; cuDNN's convolution and
+BatchNorm, with these kernels as their fallbacks, are in snrt/backends/cudnn_graphs.py; the
+registry that picks a kernel per layer is snrt/backends/cuda_kernels.py.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from snrt.backends.cuda_source import device_pointer, grid_for, int64_args
+from snrt.layers.base import FLOAT32_BYTES, numel
+from snrt.layers.random import stream_key
+
+# Layers whose generic xp kernel allocates on CuPy, and what allocates (checked by reading
+# snrt/layers/*.py; none uses np.lib.stride_tricks, ufunc.at or np-only functions).
+NUMPY_ONLY = {
+    "BatchNorm": "einsum (no out=, allocates its result and operands), (C,)-sized temporaries "
+                 "(var, scale, sum_gy, c1) from arithmetic on arrays",
+    "Conv2d": "matmul with out= a non-contiguous view (CuPy computes into a temporary and copies)",
+    "Linear": "matmul with a transposed operand may stage a contiguous copy",
+    "SoftmaxCrossEntropy": "arange and fancy indexing (probs[rows, labels], gx[rows, labels] -= 1)",
+    "Dropout": "arange of the whole tensor for the hash counters",
+    "AvgPool": "the (Ho, Wo) divisor table from arange/minimum/maximum",
+}
+# CuPy's CUB reductions take temporary storage from the memory pool; the backend turns the
+# CUB accelerator off while it runs so the shared xp reductions (GlobalAvgPool) allocate
+# nothing. Elementwise ufuncs with out=, slicing, fill and copyto allocate nothing.
+
+
+class XpKernel:
+    """The layer's own xp code (shared with the CPU backend)."""
+
+    name = "xp"
+
+    def __init__(self, layer, in_shapes, module=None):
+        self.layer = layer
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return self.layer.workspace_bytes(in_shapes, phase, itemsize)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
+
+
+class Float32Kernel(XpKernel):
+    """Base of the CUDA kernels: float32 runs here, anything else on the layer's xp code."""
+
+    def __init__(self, layer, in_shapes, module):
+        super().__init__(layer, in_shapes)
+        self.module = module
+
+    def own_workspace_bytes(self, in_shapes, phase):
+        return 0
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        if itemsize != FLOAT32_BYTES:
+            return self.layer.workspace_bytes(in_shapes, phase, itemsize)
+        return self.own_workspace_bytes(in_shapes, phase)
+
+    @staticmethod
+    def is_float32(array):
+        return array.dtype == np.float32
+
+
+class CudaBatchNorm(Float32Kernel):
+    """BatchNorm by snrt_bn_* (one block per channel); cuDNN's is in cudnn_graphs."""
+
+    name = "cuda"
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        if not self.is_float32(x):
+            return super().forward(ctx, xs, params, state, y, aux, recompute)
+        n, c = x.shape[:2]
+        hw = numel(x.shape[2:])
+        if ctx.training:
+            self.layer.check_training([x.shape])
+            count = n * hw
+            momentum = self.layer.momentum
+            self.module.launch("snrt_bn_forward_train", c, (
+                x, y, params["weight"], params["bias"], aux["mean"], aux["inv_std"],
+                state["running_mean"], state["running_var"], *int64_args(n, c, hw), np.float32(self.layer.eps),
+                np.float32(momentum), np.float32(1 - momentum), np.float32(count / (count - 1)),
+                np.int32(0 if recompute else 1)))
+        else:
+            self.module.launch("snrt_bn_forward_eval", grid_for(x.size), (
+                x, y, params["weight"], params["bias"], state["running_mean"], state["running_var"],
+                aux["mean"], aux["inv_std"], *int64_args(x.size, c, hw), np.float32(self.layer.eps)))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        x = saved.xs[0]
+        if not self.is_float32(x):
+            return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
+        n, c = x.shape[:2]
+        gx = gxs[0]
+        self.module.launch("snrt_bn_backward", c, (
+            x, gy, params["weight"], aux["mean"], aux["inv_std"], np.uint64(0) if gx is None else gx,
+            gparams["weight"], gparams["bias"], *int64_args(n, c, numel(x.shape[2:])), np.int32(bool(ctx.training))))
+
+
+class CudaSoftmaxCrossEntropy(Float32Kernel):
+    """Loss and softmax by snrt_xent_* (one block per row); labels int32 or int64."""
+
+    name = "cuda"
+
+    @staticmethod
+    def _suffix(labels):
+        return {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}.get(np.dtype(labels.dtype))
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        logits, labels = xs
+        suffix = self._suffix(labels)
+        if not self.is_float32(logits) or suffix is None:
+            return super().forward(ctx, xs, params, state, y, aux, recompute)
+        n, k = logits.shape
+        self.module.launch(f"snrt_xent_forward_{suffix}", n, (logits, labels, aux["probs"], y, *int64_args(n, k)))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        labels, gx = saved.xs[1], gxs[0]
+        suffix = self._suffix(labels)
+        if gx is None:
+            return
+        if not self.is_float32(gx) or suffix is None:
+            return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
+        n, k = gx.shape
+        self.module.launch(f"snrt_xent_backward_{suffix}", grid_for(n * k),
+                           (aux["probs"], labels, gy, gx, *int64_args(n, k)))
+
+
+class CudaDropout(Float32Kernel):
+    """Dropout by snrt_dropout: the same mask as the NumPy kernel, without workspace."""
+
+    name = "cuda"
+
+    def _apply(self, ctx, source, target):
+        p = self.layer.p
+        threshold = self.layer.threshold
+        key = stream_key(ctx.seed, ctx.iteration, ctx.node_index)
+        self.module.launch("snrt_dropout", grid_for(target.size), (
+            source, target, np.int64(target.size), np.uint32(key), np.uint32(threshold), np.float32(1.0 / (1.0 - p))))
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        if not self.is_float32(y) or not ctx.training or self.layer.p == 0:
+            return super().forward(ctx, xs, params, state, y, aux, recompute)
+        self._apply(ctx, xs[0], y)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx = gxs[0]
+        if gx is None or not self.is_float32(gx) or not ctx.training or self.layer.p == 0:
+            return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
+        self._apply(ctx, gy, gx)
+
+
+class CudaAvgPool(Float32Kernel):
+    """AvgPool by snrt_avgpool_* (a gather per output / per input), no workspace."""
+
+    name = "cuda"
+
+    def _geometry(self, x_shape, y_shape):
+        layer = self.layer
+        n, c, h, w = x_shape
+        return (*int64_args(n * c, h, w, y_shape[2], y_shape[3], *layer.kernel, *layer.stride, *layer.padding),
+                np.int32(bool(layer.count_include_pad)))
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        if not self.is_float32(x):
+            return super().forward(ctx, xs, params, state, y, aux, recompute)
+        self.module.launch("snrt_avgpool_forward", grid_for(y.size), (x, y, *self._geometry(x.shape, y.shape)))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx = gxs[0]
+        if gx is None:
+            return
+        if not self.is_float32(gx):
+            return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
+        self.module.launch("snrt_avgpool_backward", grid_for(gx.size), (gy, gx, *self._geometry(gx.shape, gy.shape)))
+
+
+class CublasLinear(Float32Kernel):
+    """Linear by cuBLAS SGEMM on the given buffers: y = x W^T + b, gx = gy W, gW = gy^T x."""
+
+    name = "cublas"
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        if not self.is_float32(x):
+            return super().forward(ctx, xs, params, state, y, aux, recompute)
+        n, o = y.shape
+        i = x.size // n
+        self.module.gemm(False, True, n, o, i, device_pointer(x), i, device_pointer(params["weight"]), i,
+                         device_pointer(y), o)
+        if self.layer.bias:
+            self.module.launch("snrt_bias_add", grid_for(y.size), (y, params["bias"], *int64_args(y.size, o, 1)))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        x = saved.xs[0]
+        if not self.is_float32(x):
+            return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
+        n, o = gy.shape
+        i = x.size // n
+        if gxs[0] is not None:
+            self.module.gemm(False, False, n, i, o, device_pointer(gy), o, device_pointer(params["weight"]), i,
+                             device_pointer(gxs[0]), i)
+        self.module.gemm(True, False, o, i, n, device_pointer(gy), o, device_pointer(x), i,
+                         device_pointer(gparams["weight"]), i)
+        if self.layer.bias:
+            self.module.launch("snrt_channel_sum", o, (gy, gparams["bias"], *int64_args(n, o, 1)))
+
+
+GEMM_WORKSPACE_CAP_BYTES = 64 << 20  # the GEMM convolution's preferred column band, at most
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """Sizes of one convolution, from the layer and its input shape."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    o: int
+    ho: int
+    wo: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    dh: int
+    dw: int
+    groups: int
+
+    @staticmethod
+    def of(layer, in_shapes):
+        n, c, h, w = in_shapes[0]
+        _, o, ho, wo = layer.infer_shape(in_shapes)
+        return ConvGeometry(n, c, h, w, o, ho, wo, *layer.kernel, *layer.stride, *layer.padding,
+                            *layer.dilation, layer.groups)
+
+    @property
+    def pointwise(self):
+        return (self.kh, self.kw, self.sh, self.sw, self.ph, self.pw, self.dh, self.dw) == (1, 1, 1, 1, 0, 0, 1, 1)
+
+    @property
+    def col_rows(self):
+        return self.c * self.kh * self.kw
+
+    def band_rows(self, workspace_bytes):
+        """Output rows per band whose column matrix fits `workspace_bytes` (all of them on
+        the 1x1 path, which reads x in place)."""
+        if self.pointwise:
+            return self.ho
+        return min(self.ho, workspace_bytes // (self.col_rows * self.wo * FLOAT32_BYTES))
+
+    def preferred_workspace_bytes(self):
+        """One sample's column matrix, capped at GEMM_WORKSPACE_CAP_BYTES in whole rows (at
+        least one row, even when a row is larger)."""
+        if self.pointwise:
+            return 0
+        row = self.col_rows * self.wo * FLOAT32_BYTES
+        return min(self.ho, max(1, GEMM_WORKSPACE_CAP_BYTES // row)) * row
+
+    def bands(self, workspace_bytes):
+        rows = self.band_rows(workspace_bytes)
+        if rows < 1:
+            need = self.col_rows * self.wo * FLOAT32_BYTES
+            raise RuntimeError(f"the GEMM convolution needs at least {need} workspace bytes (one output row "
+                               f"of the column matrix), the plan gave {workspace_bytes}")
+        return [(r0, min(rows, self.ho - r0)) for r0 in range(0, self.ho, rows)]
+
+    def input_rows(self, r0, rows):
+        """[in0, in0 + count) of input rows a band of output rows [r0, r0 + rows) reads."""
+        lo = max(0, r0 * self.sh - self.ph)
+        hi = min(self.h, (r0 + rows - 1) * self.sh - self.ph + (self.kh - 1) * self.dh + 1)
+        return lo, max(0, hi - lo)
+
+
+class GemmConv2d(Float32Kernel):
+    """Convolution by im2col + cuBLAS SGEMM, sample by sample in bands of output rows that
+    fit the step's workspace (the fallback where cuDNN refuses a shape).
+
+    Forward, per sample n, band, group g:  y[n, g][:, band] = W[g] @ col[g]  (written in place,
+    ldc = Ho*Wo), then + b. Backward: gb = channel sums of gy; gW[g] += gy[n, g][:, band] @
+    col[g]^T (beta 1 after the first band); gcol[g] = W[g]^T @ gy[n, g][:, band] over col, then
+    col2im adds it into gx[n] (zeroed first). The 1x1 path reads x[n] / writes gx[n] directly.
+    """
+
+    name = "gemm"
+
+    def own_workspace_bytes(self, in_shapes, phase):
+        return ConvGeometry.of(self.layer, in_shapes).preferred_workspace_bytes()
+
+    def _workspace(self, ctx, g):
+        """(band list, column buffer or None) from the step's workspace."""
+        capacity = 0 if ctx.workspace is None else ctx.workspace.nbytes
+        bands = g.bands(capacity)
+        if g.pointwise:
+            return bands, None
+        rows = max(rows for _, rows in bands)
+        return bands, ctx.scratch((g.col_rows * rows * g.wo,), np.float32)
+
+    def _im2col(self, g, x_ptr, col, r0, rows):
+        self.module.launch("snrt_im2col", grid_for(g.col_rows * rows * g.wo), (
+            np.uint64(x_ptr), col,
+            *int64_args(g.c, g.h, g.w, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, r0, rows)))
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        if not self.is_float32(x):
+            return super().forward(ctx, xs, params, state, y, aux, recompute)
+        g = ConvGeometry.of(self.layer, [x.shape])
+        bands, col = self._workspace(ctx, g)
+        og, cg = g.o // g.groups, g.c // g.groups
+        kk, plane = g.kh * g.kw, g.ho * g.wo
+        w_ptr, f = device_pointer(params["weight"]), FLOAT32_BYTES
+        for n in range(g.n):
+            x_n, y_n = device_pointer(x) + n * g.c * g.h * g.w * f, device_pointer(y) + n * g.o * plane * f
+            for r0, rows in bands:
+                columns = rows * g.wo
+                if col is not None:
+                    self._im2col(g, x_n, col, r0, rows)
+                for k in range(g.groups):
+                    if col is None:  # 1x1: x[n, group] (Cg, H*W) is the column matrix
+                        b, ldb = x_n + (k * cg * plane + r0 * g.wo) * f, plane
+                    else:
+                        b, ldb = device_pointer(col) + k * cg * kk * columns * f, columns
+                    self.module.gemm(False, False, og, columns, cg * kk, w_ptr + k * og * cg * kk * f, cg * kk,
+                                     b, ldb, y_n + (k * og * plane + r0 * g.wo) * f, plane)
+        if self.layer.bias:
+            self.module.launch("snrt_bias_add", grid_for(y.size), (y, params["bias"], *int64_args(y.size, g.o, plane)))
+        ctx.release_scratch()
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        x = saved.xs[0]
+        if not self.is_float32(x):
+            return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
+        self.backward_parts(ctx, gy, x, gxs[0], params, gparams)
+
+    def backward_parts(self, ctx, gy, x, gx, params, gparams, weight_grad=True, bias_grad=True):
+        """The gradients asked for: gW when `weight_grad`, gb when `bias_grad` (and the layer
+        has a bias), gx when `gx` is not None (cuDNN serves the rest)."""
+        g = ConvGeometry.of(self.layer, [x.shape])
+        og, cg = g.o // g.groups, g.c // g.groups
+        kk, plane, f = g.kh * g.kw, g.ho * g.wo, FLOAT32_BYTES
+        if bias_grad and self.layer.bias:
+            self.module.launch("snrt_channel_sum", g.o, (gy, gparams["bias"], *int64_args(g.n, g.o, plane)))
+        if not weight_grad and gx is None:
+            return
+        bands, col = self._workspace(ctx, g)
+        if gx is not None and col is not None:
+            gx.fill(0)
+        w_ptr, gw_ptr = device_pointer(params["weight"]), device_pointer(gparams["weight"])
+        first = True
+        for n in range(g.n):
+            x_n, gy_n = device_pointer(x) + n * g.c * g.h * g.w * f, device_pointer(gy) + n * g.o * plane * f
+            for r0, rows in bands:
+                columns = rows * g.wo
+                if col is not None and weight_grad:  # gx alone overwrites col with the column gradient
+                    self._im2col(g, x_n, col, r0, rows)
+                for k in range(g.groups):
+                    gy_band = gy_n + (k * og * plane + r0 * g.wo) * f
+                    if col is None:
+                        b, ldb = x_n + (k * cg * plane + r0 * g.wo) * f, plane
+                    else:
+                        b, ldb = device_pointer(col) + k * cg * kk * columns * f, columns
+                    if weight_grad:
+                        self.module.gemm(False, True, og, cg * kk, columns, gy_band, plane, b, ldb,
+                                         gw_ptr + k * og * cg * kk * f, cg * kk, accumulate=not first)
+                    if gx is None:
+                        continue
+                    target, ldc = b, ldb  # gcol over col; the 1x1 path writes gx[n] where x[n] is
+                    if col is None:
+                        target = device_pointer(gx) + n * g.c * g.h * g.w * f + (k * cg * plane + r0 * g.wo) * f
+                    self.module.gemm(True, False, cg * kk, columns, og, w_ptr + k * og * cg * kk * f, cg * kk,
+                                     gy_band, plane, target, ldc)
+                first = False
+                if gx is not None and col is not None:
+                    in0, in_rows = g.input_rows(r0, rows)
+                    gx_n = device_pointer(gx) + n * g.c * g.h * g.w * f
+                    self.module.launch("snrt_col2im_add", grid_for(g.c * in_rows * g.w), (
+                        col, np.uint64(gx_n), *int64_args(g.c, g.h, g.w, g.wo, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw,
+                                                     g.dh, g.dw, r0, rows, in0, in_rows)))
+        ctx.release_scratch()
+
+
+__all__ = ["GEMM_WORKSPACE_CAP_BYTES", "NUMPY_ONLY", "ConvGeometry", "CublasLinear", "CudaAvgPool", "CudaBatchNorm",
+           "CudaDropout", "CudaSoftmaxCrossEntropy", "Float32Kernel", "GemmConv2d", "XpKernel"]

@@ -1,0 +1,384 @@
+"""The CUDA C source of snrt's kernels, its compilation and the launcher.
+
+`KERNEL_SOURCE` holds every CUDA kernel the backend launches (snrt/backends/cuda_layers.py
+says which layer runs which); `KernelModule` compiles it on the current device, launches its
+kernels and calls cuBLAS SGEMM on the current stream; `grid_for`, `device_pointer` and
+`int64_args` build a launch's grid and arguments.
+
+The CUDA C source is one `extern "C"` module without headers, so it compiles with NVRTC on
+a machine without a GPU (`compile_ptx`), which is what the static tests check. Importing
+this module does not import CuPy.
+"""
+
+import numpy as np
+
+BLOCK = 256  # threads per block of every kernel below
+MAX_GRID = 65535 * 32  # grid-stride loops cover the rest
+
+KERNEL_SOURCE = r"""
+// snrt CUDA kernels: float32, NCHW, sizes as long long. Every kernel writes only the buffers
+// it is given; per-channel and per-row reductions run one block per channel (row). No
+// headers: NVRTC compiles this without a CUDA toolkit or a device.
+
+#define SNRT_NEG_INF __int_as_float(0xff800000)
+// A grid-stride loop of i over [0, total).
+#define SNRT_GRID_LOOP(i, total) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (total); i += (long long)gridDim.x * blockDim.x)
+
+// snrt_block_sum / snrt_block_max: the block's total (maximum), returned to every thread
+// (blockDim.x a multiple of 32, at most 1024), by warp shuffles and one shared slot per warp.
+#define SNRT_BLOCK_REDUCE(NAME, COMBINE, IDENTITY)                                                      \
+__device__ __forceinline__ float NAME##_warp(float v) {                                                 \
+    for (int offset = 16; offset > 0; offset >>= 1) v = COMBINE(v, __shfl_down_sync(0xffffffffu, v, offset)); \
+    return v;                                                                                           \
+}                                                                                                       \
+__device__ float NAME(float v) {                                                                        \
+    __shared__ float partial[32];                                                                       \
+    __shared__ float total;                                                                             \
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;               \
+    v = NAME##_warp(v);                                                                                 \
+    if (lane == 0) partial[warp] = v;                                                                   \
+    __syncthreads();                                                                                    \
+    if (warp == 0) {                                                                                    \
+        float t = NAME##_warp(lane < warps ? partial[lane] : (IDENTITY));                              \
+        if (lane == 0) total = t;                                                                       \
+    }                                                                                                   \
+    __syncthreads();                                                                                    \
+    float result = total;                                                                               \
+    __syncthreads(); /* partial and total are reused by the next call */                               \
+    return result;                                                                                      \
+}
+
+__device__ __forceinline__ float snrt_add(float a, float b) { return a + b; }
+SNRT_BLOCK_REDUCE(snrt_block_sum, snrt_add, 0.0f)
+SNRT_BLOCK_REDUCE(snrt_block_max, fmaxf, SNRT_NEG_INF)
+
+// out[ch] = sum over n and hw of x[n, ch, hw]   (bias gradients; Linear: hw = 1)
+extern "C" __global__ void snrt_channel_sum(const float* x, float* out, long long n, long long c, long long hw) {
+    long long ch = blockIdx.x, count = n * hw;
+    float acc = 0.0f;
+    for (long long k = threadIdx.x; k < count; k += blockDim.x) acc += x[((k / hw) * c + ch) * hw + k % hw];
+    acc = snrt_block_sum(acc);
+    if (threadIdx.x == 0) out[ch] = acc;
+}
+
+// y[n, ch, hw] += b[ch]
+extern "C" __global__ void snrt_bias_add(float* y, const float* b, long long total, long long c, long long hw) {
+    SNRT_GRID_LOOP(i, total)
+        y[i] += b[(i / hw) % c];
+}
+
+// BatchNorm training forward, one block per channel: batch mean and biased variance (two
+// passes, like the NumPy kernel), aux mean and inv_std = 1/sqrt(var + eps), the running
+// statistics (unless recomputing), and y = (x - mean) * (weight * inv_std) + bias.
+// keep = 1 - momentum and unbias = M/(M-1) come from the host in float32, as NumPy rounds them.
+extern "C" __global__ void snrt_bn_forward_train(
+        const float* x, float* y, const float* weight, const float* bias, float* mean, float* inv_std,
+        float* running_mean, float* running_var, long long n, long long c, long long hw,
+        float eps, float momentum, float keep, float unbias, int update_running) {
+    long long ch = blockIdx.x, count = n * hw;
+    float acc = 0.0f;
+    for (long long k = threadIdx.x; k < count; k += blockDim.x) acc += x[((k / hw) * c + ch) * hw + k % hw];
+    float m = __fmul_rn(snrt_block_sum(acc), (float)(1.0 / (double)count));
+    acc = 0.0f;
+    for (long long k = threadIdx.x; k < count; k += blockDim.x) {
+        float d = __fsub_rn(x[((k / hw) * c + ch) * hw + k % hw], m);
+        acc = __fadd_rn(acc, __fmul_rn(d, d));
+    }
+    float var = snrt_block_sum(acc) / (float)count;
+    float inv = 1.0f / sqrtf(__fadd_rn(var, eps));
+    if (threadIdx.x == 0) {
+        mean[ch] = m;
+        inv_std[ch] = inv;
+        if (update_running) {
+            running_mean[ch] = __fadd_rn(__fmul_rn(running_mean[ch], keep), __fmul_rn(momentum, m));
+            running_var[ch] = __fadd_rn(__fmul_rn(running_var[ch], keep), __fmul_rn(momentum, __fmul_rn(var, unbias)));
+        }
+    }
+    float scale = __fmul_rn(weight[ch], inv), shift = bias[ch];
+    for (long long k = threadIdx.x; k < count; k += blockDim.x) {
+        long long i = ((k / hw) * c + ch) * hw + k % hw;
+        y[i] = __fadd_rn(__fmul_rn(__fsub_rn(x[i], m), scale), shift);
+    }
+}
+
+// BatchNorm eval forward: running statistics; aux mean and inv_std are written by ch < c.
+extern "C" __global__ void snrt_bn_forward_eval(
+        const float* x, float* y, const float* weight, const float* bias, const float* running_mean,
+        const float* running_var, float* mean, float* inv_std, long long total, long long c, long long hw, float eps) {
+    SNRT_GRID_LOOP(i, total) {
+        long long ch = (i / hw) % c;
+        float inv = 1.0f / sqrtf(__fadd_rn(running_var[ch], eps));
+        float scale = __fmul_rn(weight[ch], inv);
+        float shift = __fsub_rn(bias[ch], __fmul_rn(running_mean[ch], scale));
+        y[i] = __fadd_rn(__fmul_rn(x[i], scale), shift);
+        if (i < c) {
+            mean[i] = running_mean[i];
+            inv_std[i] = 1.0f / sqrtf(__fadd_rn(running_var[i], eps));
+        }
+    }
+}
+
+// BatchNorm backward, one block per channel (gx may be null):
+// gweight = sum(gy * xhat), gbias = sum(gy); training:
+// gx = weight*inv_std * (gy + x*c1 + c0), c1 = -inv_std*sum(gy*xhat)/M, c0 = -mean*c1 - sum(gy)/M;
+// eval: gx = weight*inv_std * gy.
+extern "C" __global__ void snrt_bn_backward(
+        const float* x, const float* gy, const float* weight, const float* mean, const float* inv_std,
+        float* gx, float* gweight, float* gbias, long long n, long long c, long long hw, int training) {
+    long long ch = blockIdx.x, count = n * hw;
+    float acc_gy = 0.0f, acc_dot = 0.0f;
+    for (long long k = threadIdx.x; k < count; k += blockDim.x) {
+        long long i = ((k / hw) * c + ch) * hw + k % hw;
+        acc_gy += gy[i];
+        acc_dot += gy[i] * x[i];
+    }
+    float sum_gy = snrt_block_sum(acc_gy);
+    float dot = snrt_block_sum(acc_dot);
+    float m = mean[ch], inv = inv_std[ch];
+    float sum_gy_xhat = __fmul_rn(__fsub_rn(dot, __fmul_rn(m, sum_gy)), inv);
+    if (threadIdx.x == 0) {
+        gweight[ch] = sum_gy_xhat;
+        gbias[ch] = sum_gy;
+    }
+    if (gx == 0) return;
+    float scale = __fmul_rn(weight[ch], inv);
+    float c1 = __fdiv_rn(__fmul_rn(-inv, sum_gy_xhat), (float)count);
+    float c0 = __fsub_rn(__fmul_rn(-m, c1), __fdiv_rn(sum_gy, (float)count));
+    for (long long k = threadIdx.x; k < count; k += blockDim.x) {
+        long long i = ((k / hw) * c + ch) * hw + k % hw;
+        gx[i] = training ? __fmul_rn(__fadd_rn(__fadd_rn(__fmul_rn(x[i], c1), c0), gy[i]), scale)
+                         : __fmul_rn(gy[i], scale);
+    }
+}
+
+// Softmax cross-entropy, one block per row: probs = softmax(x), loss = logsumexp(x) - x[label].
+#define SNRT_XENT(SUFFIX, LABEL)                                                                        \
+extern "C" __global__ void snrt_xent_forward_##SUFFIX(                                                  \
+        const float* logits, const LABEL* labels, float* probs, float* loss, long long n, long long k) { \
+    long long row = blockIdx.x;                                                                         \
+    const float* x = logits + row * k;                                                                  \
+    float* p = probs + row * k;                                                                         \
+    float top = SNRT_NEG_INF;                                                                              \
+    for (long long j = threadIdx.x; j < k; j += blockDim.x) top = fmaxf(top, x[j]);                     \
+    top = snrt_block_max(top);                                                                          \
+    float acc = 0.0f;                                                                                   \
+    for (long long j = threadIdx.x; j < k; j += blockDim.x) {                                           \
+        float e = expf(__fsub_rn(x[j], top));                                                           \
+        p[j] = e;                                                                                       \
+        acc += e;                                                                                       \
+    }                                                                                                   \
+    float total = snrt_block_sum(acc);                                                                  \
+    for (long long j = threadIdx.x; j < k; j += blockDim.x) p[j] = p[j] / total;                        \
+    if (threadIdx.x == 0) loss[row] = __fadd_rn(-__fsub_rn(x[labels[row]], top), logf(total));         \
+}                                                                                                       \
+extern "C" __global__ void snrt_xent_backward_##SUFFIX(                                                 \
+        const float* probs, const LABEL* labels, const float* gy, float* gx, long long n, long long k) { \
+    SNRT_GRID_LOOP(i, n * k) {                                                                          \
+        long long row = i / k, j = i % k;                                                               \
+        float g = probs[i];                                                                             \
+        if (j == (long long)labels[row]) g = __fsub_rn(g, 1.0f);                                        \
+        gx[i] = __fmul_rn(g, gy[row]);                                                                  \
+    }                                                                                                   \
+}
+SNRT_XENT(i32, int)
+SNRT_XENT(i64, long long)
+
+// Dropout: the counter-based hash of snrt/layers/random.py (murmur3 finaliser of
+// i * 0x9E3779B1 + key, uint32 arithmetic), y = ((h >= threshold) * scale) * x.
+extern "C" __global__ void snrt_dropout(const float* x, float* y, long long total, unsigned int key,
+                                         unsigned int threshold, float scale) {
+    SNRT_GRID_LOOP(i, total) {
+        unsigned int h = (unsigned int)i * 0x9E3779B1u + key;
+        h ^= h >> 16; h *= 0x85EBCA6Bu;
+        h ^= h >> 13; h *= 0xC2B2AE35u;
+        h ^= h >> 16;
+        float mask = h >= threshold ? 1.0f : 0.0f;
+        y[i] = __fmul_rn(__fmul_rn(mask, scale), x[i]);
+    }
+}
+
+// The number of window elements AvgPool divides by, along one axis.
+__device__ __forceinline__ long long snrt_window(long long o, long long size, long long k, long long s, long long p,
+                                                  int include_pad) {
+    long long start = o * s - p, end = min(start + k, size + p);
+    if (include_pad) return end - start;
+    return min(end, size) - max(start, 0LL);
+}
+
+// AvgPool forward, one thread per output: taps summed in (i, j) order, then * 1/divisor.
+extern "C" __global__ void snrt_avgpool_forward(
+        const float* x, float* y, long long nc, long long h, long long w, long long ho, long long wo,
+        long long kh, long long kw, long long sh, long long sw, long long ph, long long pw, int include_pad) {
+    long long total = nc * ho * wo;
+    SNRT_GRID_LOOP(i, total) {
+        long long ow = i % wo, oh = (i / wo) % ho, plane = i / (wo * ho);
+        const float* src = x + plane * h * w;
+        float acc = 0.0f;
+        for (long long a = 0; a < kh; ++a) {
+            long long r = oh * sh - ph + a;
+            if (r < 0 || r >= h) continue;
+            for (long long b = 0; b < kw; ++b) {
+                long long q = ow * sw - pw + b;
+                if (q >= 0 && q < w) acc += src[r * w + q];
+            }
+        }
+        double divisor = (double)(snrt_window(oh, h, kh, sh, ph, include_pad) * snrt_window(ow, w, kw, sw, pw, include_pad));
+        y[i] = __fmul_rn(acc, (float)(1.0 / divisor));
+    }
+}
+
+// AvgPool backward, one thread per input element: gy/divisor gathered in (i, j) order.
+extern "C" __global__ void snrt_avgpool_backward(
+        const float* gy, float* gx, long long nc, long long h, long long w, long long ho, long long wo,
+        long long kh, long long kw, long long sh, long long sw, long long ph, long long pw, int include_pad) {
+    long long total = nc * h * w;
+    SNRT_GRID_LOOP(i, total) {
+        long long q = i % w, r = (i / w) % h, plane = i / (w * h);
+        const float* src = gy + plane * ho * wo;
+        float acc = 0.0f;
+        for (long long a = 0; a < kh; ++a) {
+            long long top = r + ph - a;
+            if (top < 0 || top % sh) continue;
+            long long oh = top / sh;
+            if (oh >= ho) continue;
+            for (long long b = 0; b < kw; ++b) {
+                long long left = q + pw - b;
+                if (left < 0 || left % sw) continue;
+                long long ow = left / sw;
+                if (ow >= wo) continue;
+                double divisor = (double)(snrt_window(oh, h, kh, sh, ph, include_pad) * snrt_window(ow, w, kw, sw, pw, include_pad));
+                acc += __fmul_rn(src[oh * wo + ow], (float)(1.0 / divisor));
+            }
+        }
+        gx[i] = acc;
+    }
+}
+
+// im2col for one sample and output rows [r0, r0 + rows): col (C*kh*kw, rows*Wo), rows of
+// col ordered (c, i, j), columns (oh - r0, ow); zero where the window reads padding.
+extern "C" __global__ void snrt_im2col(
+        const float* x, float* col, long long c, long long h, long long w, long long wo,
+        long long kh, long long kw, long long sh, long long sw, long long ph, long long pw,
+        long long dh, long long dw, long long r0, long long rows) {
+    long long columns = rows * wo, total = c * kh * kw * columns;
+    SNRT_GRID_LOOP(i, total) {
+        long long column = i % columns, row = i / columns;
+        long long b = row % kw, a = (row / kw) % kh, ch = row / (kw * kh);
+        long long oh = r0 + column / wo, ow = column % wo;
+        long long r = oh * sh - ph + a * dh, q = ow * sw - pw + b * dw;
+        col[i] = (r >= 0 && r < h && q >= 0 && q < w) ? x[(ch * h + r) * w + q] : 0.0f;
+    }
+}
+
+// The adjoint of snrt_im2col for one band: gx[c, r, q] += sum of the band's column entries
+// read from (r, q), for input rows [in0, in0 + in_rows) (the rows the band can touch).
+extern "C" __global__ void snrt_col2im_add(
+        const float* col, float* gx, long long c, long long h, long long w, long long wo,
+        long long kh, long long kw, long long sh, long long sw, long long ph, long long pw,
+        long long dh, long long dw, long long r0, long long rows, long long in0, long long in_rows) {
+    long long columns = rows * wo, total = c * in_rows * w;
+    SNRT_GRID_LOOP(i, total) {
+        long long q = i % w, r = in0 + (i / w) % in_rows, ch = i / (w * in_rows);
+        float acc = 0.0f;
+        for (long long a = 0; a < kh; ++a) {
+            long long top = r + ph - a * dh;
+            if (top < 0 || top % sh) continue;
+            long long oh = top / sh;
+            if (oh < r0 || oh >= r0 + rows) continue;
+            for (long long b = 0; b < kw; ++b) {
+                long long left = q + pw - b * dw;
+                if (left < 0 || left % sw) continue;
+                long long ow = left / sw;
+                if (ow >= wo) continue;
+                acc += col[((ch * kh + a) * kw + b) * columns + (oh - r0) * wo + ow];
+            }
+        }
+        gx[(ch * h + r) * w + q] += acc;
+    }
+}
+"""
+
+KERNEL_NAMES = (
+    "snrt_channel_sum", "snrt_bias_add", "snrt_bn_forward_train", "snrt_bn_forward_eval", "snrt_bn_backward",
+    "snrt_xent_forward_i32", "snrt_xent_backward_i32", "snrt_xent_forward_i64", "snrt_xent_backward_i64",
+    "snrt_dropout", "snrt_avgpool_forward", "snrt_avgpool_backward", "snrt_im2col", "snrt_col2im_add",
+)
+NVRTC_OPTIONS = ("--std=c++14",)
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel source; the message holds its log."""
+
+
+def compile_ptx(source=KERNEL_SOURCE, arch="compute_80", options=NVRTC_OPTIONS):
+    """PTX of `source` from NVRTC for virtual architecture `arch`. Needs the NVRTC library
+    (the nvidia-cuda-nvrtc-cu12 wheel CuPy loads), not a GPU or a driver: CuPy's own
+    `compile_using_nvrtc` and `RawModule.compile` ask the device for its architecture first."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(source, "snrt_kernels.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, (f"-arch={arch}", *options))
+        except nvrtc.NVRTCError as e:
+            raise CompileError(f"{e}\n{nvrtc.getProgramLog(program)}") from None
+        return nvrtc.getPTX(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def grid_for(total):
+    """Blocks of BLOCK threads for a grid-stride loop over `total` elements."""
+    return max(1, min(MAX_GRID, -(-total // BLOCK)))
+
+
+class KernelModule:
+    """The compiled module on the current device (compiled on first use) and cuBLAS calls on
+    the current stream."""
+
+    def __init__(self):
+        import cupy
+        from cupy_backends.cuda.libs import cublas
+
+        self.cupy, self.cublas = cupy, cublas
+        self.module = cupy.RawModule(code=KERNEL_SOURCE, options=NVRTC_OPTIONS)
+        self.functions = {}
+        self._one = np.ones(1, np.float32)  # host scalars for cuBLAS (pointer mode host)
+        self._zero = np.zeros(1, np.float32)
+
+    def launch(self, name, blocks, args, threads=BLOCK):
+        """Run kernel `name` on the current stream."""
+        function = self.functions.get(name)
+        if function is None:
+            function = self.functions[name] = self.module.get_function(name)
+        function((blocks,), (threads,), args)
+
+    def gemm(self, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, accumulate=False,
+             batch=1, stride_a=0, stride_b=0, stride_c=0):
+        """Row-major C (m x n) = op(A) @ op(B) (+ C when `accumulate`), pointers as ints,
+        `batch` times with the given element strides. cuBLAS is column-major, so this
+        computes C^T = op(B)^T op(A)^T: operands swap, transposes stay."""
+        cublas, handle = self.cublas, self.cupy.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, self.cupy.cuda.get_current_stream().ptr)
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+        op = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
+        beta = self._one if accumulate else self._zero
+        # strides are in elements, as cuBLAS counts them
+        cublas.sgemmStridedBatched(handle, op[trans_b], op[trans_a], n, m, k, self._one.ctypes.data,
+                                   b, ldb, stride_b, a, lda, stride_a, beta.ctypes.data,
+                                   c, ldc, stride_c, batch)
+
+
+def device_pointer(array):
+    """Device address of a CuPy array (its first element)."""
+    return array.data.ptr
+
+
+def int64_args(*values):
+    """The values as np.int64, for kernel arguments declared long long."""
+    return tuple(np.int64(v) for v in values)
+
+
+__all__ = ["BLOCK", "KERNEL_NAMES", "KERNEL_SOURCE", "MAX_GRID", "NVRTC_OPTIONS", "CompileError", "KernelModule",
+           "compile_ptx", "device_pointer", "grid_for", "int64_args"]

@@ -21,12 +21,9 @@ import numpy as np
 
 import snrt
 from snrt.backends import cuda_unavailable_reason
-from snrt.config import POLICIES
-from snrt.executor import Executor
 from snrt.init import initial_parameters, initial_state
 from snrt.optim import SGD
-from snrt.scheduler import cost
-from snrt.scheduler.planner import make_plan
+from snrt.runtime import prepare
 from snrt.summary import human_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,18 +35,11 @@ def load(config_path, image_size):
 
 
 def run_policy(config, batch, policy, iterations, budget):
-    import cupy
-
-    from snrt.backends.cupy_backend import CupyBackend, default_kernels
-
     graph = config.graph
-    kernels = default_kernels()  # the plan's workspaces are sized for the kernels that will run
-    plan = make_plan(graph, batch, policy, budget=budget, cost_model=cost.CUDA, kernels=kernels)
-    backend = CupyBackend(plan.arena_bytes, plan.host_bytes, kernels=kernels)
+    runtime = prepare(graph, batch, policy, budget, backend="cuda",
+                      values={**initial_parameters(graph, 0), **initial_state(graph)})
+    plan, backend, executor = runtime.plan, runtime.backend, runtime.executor
     try:
-        executor = Executor(graph, plan, backend)
-        for key, value in {**initial_parameters(graph, 0), **initial_state(graph)}.items():
-            executor.view_of(*key)[...] = cupy.asarray(value)
         rng = np.random.default_rng(0)
         feed = {}
         for name, b in plan.inputs:
@@ -73,10 +63,10 @@ def run_policy(config, batch, policy, iterations, budget):
             "planned_peak_bytes": plan.peak_bytes, "measured_peak_bytes": backend.arena.peak_bytes,
             "arena_bytes": plan.arena_bytes, "host_bytes": plan.host_bytes,
             "copy_s": executor.copy_stats["copy_s"] / (iterations + 1),
-            "memory": report, "kernels": kernels.summary(),
+            "memory": report, "kernels": backend.kernels.summary(),
         }
     finally:
-        backend.close()
+        runtime.close()
 
 
 def main():
@@ -85,7 +75,7 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=0)
     parser.add_argument("--iterations", type=int, default=5)
-    parser.add_argument("--policies", nargs="*", default=list(POLICIES))
+    parser.add_argument("--policies", nargs="*", default=list(snrt.POLICIES))
     parser.add_argument("--budget", type=int, default=None, help="device budget in bytes")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_gpu.json"))
     args = parser.parse_args()

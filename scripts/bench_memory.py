@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 import snrt
-from snrt.config import POLICIES
+from snrt import POLICIES
 from snrt.scheduler.order import build_iteration
 from snrt.scheduler.plan import PERSISTENT_ROLES
 from snrt.scheduler.planner import make_plan
@@ -80,10 +80,11 @@ def plan_rows(networks, console):
     return rows
 
 
-def synthetic_config(name, size, batch):
-    """configs/<name>.yaml at size x size and `batch`, on 4 batches of synthetic data."""
+def synthetic_config(name, size, batch, policy="none"):
+    """configs/<name>.yaml at size x size and `batch` under memory `policy`, on 4 batches of
+    synthetic data."""
     return snrt.load_config(ROOT / "configs" / f"{name}.yaml", {
-        "input.shape": [3, size, size], "train.batch": batch,
+        "input.shape": [3, size, size], "train.batch": batch, "memory.policy": policy,
         "train.data": {"type": "synthetic", "samples": 4 * batch}})
 
 
@@ -92,7 +93,7 @@ def timed_rows(networks, iterations, console):
     for name, size, batch in networks:
         row = {"network": name, "image": size, "batch": batch, "policies": {}}
         for policy in ("none", "superneurons"):
-            trainer = Trainer(synthetic_config(name, size, batch), policy=policy)
+            trainer = Trainer(synthetic_config(name, size, batch, policy))
             history = trainer.fit(iterations=iterations + 1)[1:]  # the first iteration warms up
             stats = trainer.executor.copy_stats
             row["policies"][policy] = {

@@ -38,7 +38,7 @@ TIMED_KINDS = ("forward", "backward", "update")
 def timed_run(name, size, batch, iterations):
     """[(step, seconds)] of the last iteration's compute steps, the graph, the plan, and the
     median wall seconds of the iterations after the first."""
-    trainer = Trainer(synthetic_config(name, size, batch), policy="none")
+    trainer = Trainer(synthetic_config(name, size, batch))
     executor = trainer.executor
     record = []
 

@@ -23,7 +23,8 @@ import matplotlib.ticker  # noqa: E402,F401
 import numpy as np  # noqa: E402
 
 from bench_memory import floor_bytes, resident_bytes, synthetic_config  # noqa: E402,F401  (one definition each)
-from snrt.config import POLICIES  # noqa: E402,F401
+import snrt  # noqa: E402
+from snrt import POLICIES  # noqa: E402,F401
 
 GIB = 2**30
 MIB = 2**20
@@ -93,11 +94,9 @@ def arena_in_budget(graph, batch, policy, budget=BUDGET):
     the budget is rebuilt with just-in-time prefetches (smaller, slower); the smaller arena of
     the two is returned, so a value > budget means make_plan would raise BudgetError.
     """
-    from snrt.scheduler.planner import COPYING, PlanOptions, _build, make_plan
-
-    arena = make_plan(graph, batch, policy).arena_bytes
-    if arena > budget and policy in COPYING:
-        arena = min(arena, _build(graph, batch, policy, PlanOptions(), hide_copies=False).arena_bytes)
+    arena = snrt.plan(graph, batch, policy).arena_bytes
+    if arena > budget and POLICIES[policy].offloads:
+        arena = min(arena, snrt.plan(graph, batch, policy, hide_copies=False).arena_bytes)
     return arena
 
 

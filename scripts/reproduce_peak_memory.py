@@ -57,7 +57,7 @@ def measured(cases):
     rows = []
     for name, size, batch, iterations in cases:
         for policy in POLICIES:
-            trainer = Trainer(synthetic_config(name, size, batch), policy=policy)
+            trainer = Trainer(synthetic_config(name, size, batch, policy))
             history = trainer.fit(iterations=iterations)
             row = {"network": name, "image": size, "batch": batch, "policy": policy, "iterations": len(history),
                    "planned_peak_bytes": trainer.plan.peak_bytes,

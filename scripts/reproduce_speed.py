@@ -6,7 +6,7 @@ in one run, one fresh subprocess per (framework, variant) and round; the rounds 
 every variant in turn (full mode 3 rounds of 2 timed iterations, quick 1 of 1), so a drift
 of the machine's speed during the run slows every variant alike:
 
-- snrt: `Trainer(config, policy=P).step(x, y, total)` under none / liveness / recompute /
+- snrt: `Trainer(config).step(x, y, total)` with memory.policy P under none / liveness / recompute /
   offload / superneurons; peak memory is the arena's measured peak
   (`trainer.backend.arena.peak_bytes`, equal to the plan's peak_bytes);
 - PyTorch "plain": `snrt.torch_reference.TorchNet` built from the same graph and the Trainer's
@@ -116,10 +116,10 @@ def chain_pieces(net, graph):
 
 def run_snrt(name, size, batch, policy, warmup, iterations):
     from snrt.train import Trainer
-    config = synthetic_config(name, size, batch)
+    config = synthetic_config(name, size, batch, policy)
     data = batches(config, warmup + iterations)
     rss_start = current_rss_bytes()
-    trainer = Trainer(config, policy=policy)
+    trainer = Trainer(config)
     gc.collect()
     rss_before, high_before = current_rss_bytes(), max_rss_bytes()
     seconds, losses = [], []

@@ -30,7 +30,7 @@ def main():
     image, batch = QUICK if args.quick else FULL
     rows, timeline = [], None
     for policy in POLICIES:
-        trainer = Trainer(synthetic_config(NETWORK, image, batch), policy=policy)
+        trainer = Trainer(synthetic_config(NETWORK, image, batch, policy))
         history = trainer.fit(iterations=1 + timed)[1:]  # the first iteration warms up
         plan, measured = trainer.plan, list(trainer.executor.measured_bytes)
         predicted = list(plan.device_bytes)

@@ -9,9 +9,9 @@ from snrt.config import Config, load_config
 from snrt.errors import ConfigError, GraphError, ShapeError, SnrtError
 from snrt.graph import Graph
 from snrt.layers import LAYERS
-from snrt.scheduler import Plan, plan
+from snrt.scheduler import POLICIES, Plan, plan
 from snrt.train import Trainer
 
-__all__ = ["Config", "ConfigError", "Graph", "GraphError", "LAYERS", "Plan", "ShapeError", "SnrtError", "Trainer",
-           "load_config", "plan"]
+__all__ = ["Config", "ConfigError", "Graph", "GraphError", "LAYERS", "POLICIES", "Plan", "ShapeError", "SnrtError",
+           "Trainer", "load_config", "plan"]
 __version__ = "0.1.0"

@@ -11,8 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from snrt.backends import BACKENDS, default_backend
-from snrt.config import DATASETS, MEMORY_POLICIES, POLICIES, config_to_yaml, load_config
+from snrt.config import DATASETS, config_to_yaml, load_config
 from snrt.errors import SnrtError
+from snrt.scheduler import policies
 from snrt.summary import human_bytes, summary_table, totals_by_type
 
 
@@ -48,7 +49,7 @@ def build_parser():
     _add_run_options(train)
     train.add_argument("--iterations", type=_positive_int, help="train up to this iteration (overrides train.iterations)")
     train.add_argument("--lr", type=float, help="base learning rate (overrides train.optimizer.lr)")
-    train.add_argument("--policy", choices=MEMORY_POLICIES, help="memory policy (overrides memory.policy)")
+    train.add_argument("--policy", choices=policies.CHOICES, help="memory policy (overrides memory.policy)")
     train.add_argument("--budget", help="device-memory budget such as 12GiB (overrides memory.budget)")
     train.add_argument("--seed", type=int, help="seed for initialisation, data and dropout (overrides train.seed)")
     train.add_argument("--out", help="output folder for metrics, checkpoint and summary (default runs/NAME)")
@@ -63,7 +64,7 @@ def build_parser():
     plan.add_argument("config", help="network YAML file, e.g. configs/resnet2500.yaml")
     plan.add_argument("--batch", type=_positive_int, help="batch size (overrides train.batch)")
     plan.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
-    plan.add_argument("--policy", choices=MEMORY_POLICIES, help="the policy to detail (default: memory.policy)")
+    plan.add_argument("--policy", choices=policies.CHOICES, help="the policy to detail (default: memory.policy)")
     plan.add_argument("--budget", help="device-memory budget such as 12GiB (overrides memory.budget)")
     plan.add_argument("--json", action="store_true", help="print the per-policy summary as JSON")
     plan.add_argument("--steps", action="store_true", help="print every step of the detailed plan")
@@ -184,7 +185,7 @@ def run_plan(args, console):
     batch, budget = config.train.batch, config.memory.budget
     rows = []
     with console.status("planning...") as status:
-        for policy in POLICIES:
+        for policy in policies.POLICIES:
             status.update(f"planning {policy}...")
             rows.append(policy_row(make_plan(config.graph, batch, policy), budget))
         chosen = args.policy or config.memory.policy
@@ -267,7 +268,7 @@ def run_train(args, console):
     if history:
         from snrt.timeline import draw_timeline  # matplotlib only once there is something to draw
 
-        draw_timeline(trainer.plan, out / "memory.png", budget=trainer.budget,
+        draw_timeline(trainer.plan, out / "memory.png", budget=config.memory.budget,
                       measured=trainer.executor.measured_bytes, title=f"{config.name}: {trainer.plan.policy}, "
                       f"batch {trainer.batch} (measured dashed)")
     console.print(_summary_table(summary))
@@ -280,7 +281,7 @@ def _summary(trainer, history, checkpoint):
         "network": trainer.config.name,
         "iterations": trainer.iteration,
         "batch": trainer.batch,
-        "policy": trainer.policy,
+        "policy": trainer.config.memory.policy,
         "final_loss": history[-1].loss if history else None,
         "mean_images_per_s": sum(m.images_per_s for m in timed) / len(timed) if timed else None,
         "predicted_peak_device_bytes": trainer.plan.peak_bytes,

@@ -22,10 +22,9 @@ from snrt.expressions import evaluate
 from snrt.graph import Graph
 from snrt.layers import LAYERS
 from snrt.layers.input import Input
-from snrt.units import parse_bytes
+from snrt.scheduler import policies
+from snrt.units import Bytes, parse_bytes
 
-POLICIES = ("none", "liveness", "recompute", "offload", "superneurons")  # see snrt/scheduler/planner.py
-MEMORY_POLICIES = POLICIES + ("auto",)
 OPTIMIZERS = ("sgd",)
 DATASETS = ("synthetic", "npz", "cifar10", "cifar100", "digits")
 TOP_LEVEL_KEYS = ("name", "input", "vars", "train", "memory", "blocks", "network")
@@ -89,8 +88,10 @@ class TrainConfig:
 
 @dataclass
 class MemoryConfig:
+    """The memory policy (snrt/scheduler/policies.py, or auto) and the device budget in bytes."""
+
     policy: str = "none"
-    budget: int = None  # bytes; written as 12GiB etc.
+    budget: Bytes = None  # written as 12GiB etc.; None: no budget
 
 
 @dataclass
@@ -110,7 +111,7 @@ CHOICES = {
     (ScheduleConfig, "type"): ("constant", "step", "cosine"),
     (DataConfig, "type"): DATASETS,
     (TrainConfig, "init"): ("default", "he", "xavier"),
-    (MemoryConfig, "policy"): MEMORY_POLICIES,
+    (MemoryConfig, "policy"): policies.CHOICES,
 }
 POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "iterations"), (OptimizerConfig, "lr"),
             (DataConfig, "samples"), (DataConfig, "holdout")}
@@ -125,6 +126,28 @@ def config_from_graph(graph, classes, train=None, memory=None, name=None):
     return Config(name or graph.name, graph, input_cfg, train or TrainConfig(), memory or MemoryConfig(),
                   f"<graph {graph.name}>")
 
+
+
+def with_settings(config, train=None, memory=None):
+    """A copy of `config` with settings replaced, checked as the file's are, e.g.
+    with_settings(cfg, train={"batch": 8}, memory={"policy": "offload", "budget": "2GiB"}).
+
+    Nested sections merge: train={"optimizer": {"lr": 0.01}} keeps the other optimizer settings.
+    """
+    sections = {}
+    for key, cls, changes in (("train", TrainConfig, train), ("memory", MemoryConfig, memory)):
+        if changes:
+            current = dataclasses.asdict(getattr(config, key))
+            sections[key] = parse_section(config.source, key, cls, _merged(current, changes))
+    return dataclasses.replace(config, **sections)
+
+
+def _merged(base, changes):
+    """`base` (a dict) with `changes` set, merging nested dicts key by key."""
+    out = dict(base)
+    for k, v in changes.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def load_config(source, overrides=None):
@@ -260,7 +283,7 @@ def parse_section(source, key, cls, section):
 
 
 def _check_setting(source, key, cls, name, annotation, value):
-    if name == "budget":
+    if annotation is Bytes:
         if value is None:
             return None
         try:

@@ -16,7 +16,8 @@ class PlanViolation(RuntimeError):
 
 
 class Executor:
-    """Runs `plan` for `graph` on `backend`. Persistent buffers are reserved once, here."""
+    """Runs `plan` for `graph` on `backend` (a snrt.backends.base.Backend). Persistent buffers
+    are reserved once, here, and start at zero."""
 
     def __init__(self, graph, plan, backend):
         self.graph, self.plan, self.backend = graph, plan, backend
@@ -31,9 +32,8 @@ class Executor:
                 arena.reserve(b)
                 self.views[b.id].fill(0)  # optimizer state starts at zero; the rest is loaded
         self.node_index = {name: i for i, name in enumerate(graph.nodes)}
-        kernel_for = getattr(backend, "kernel_for", None)  # a backend may bring faster kernels
-        self.kernels = {
-            name: kernel_for(node.layer, graph.in_shapes(name, plan.batch)) if kernel_for else node.layer
+        self.kernels = {  # the backend's kernel choice: the layer itself, or a faster kernel for it
+            name: backend.kernel_for(node.layer, graph.in_shapes(name, plan.batch))
             for name, node in graph.nodes.items() if node.inputs
         }
         self.waited = []  # copy events waited for this iteration (their times are read at the end)
@@ -87,12 +87,8 @@ class Executor:
         return to_host(v[out]), to_host(correct)
 
     def _feed(self, feed):
-        upload = getattr(self.backend, "upload", None)
         for name, b in self.plan.inputs:
-            if upload is not None:
-                upload(self.views[b], feed[name])
-            else:
-                self.views[b][...] = self.xp.asarray(feed[name])
+            self.backend.upload(self.views[b], feed[name])
         if self.plan.loss and self.plan.loss[1] >= 0:
             self.views[self.plan.loss[1]].fill(1.0 / self.plan.batch)
 

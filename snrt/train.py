@@ -13,15 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snrt.backends import make_backend, plan_kernels
 from snrt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from snrt.data import Batches, eval_batches, load_datasets, normalization
-from snrt.executor import Executor
-from snrt.errors import SnrtError
 from snrt.init import initial_parameters, initial_state
 from snrt.optim import SGD, learning_rate
-from snrt.scheduler import cost
-from snrt.scheduler.planner import make_plan
+from snrt.runtime import prepare
 
 
 @dataclass
@@ -37,46 +33,27 @@ class Metrics:
     peak_device_bytes: int
 
 
-def check_trainable(graph, batch):
-    """Raise SnrtError naming the first node whose training step cannot run at `batch`."""
-    for name, node in graph.nodes.items():
-        if node.inputs:
-            try:
-                node.layer.check_training(graph.in_shapes(name, batch))
-            except ValueError as error:
-                raise SnrtError(f"node {name!r} ({node.layer.type_name}) cannot train at batch {batch}: {error}") from None
-
-
 class Trainer:
-    """Trains `config` (a snrt.Config) on `backend` ("cpu" or "cuda"): `fit`, `evaluate`, `save`, `restore`.
+    """Trains `config` (a snrt.Config: the graph and every setting, batch, memory policy and
+    budget included) on `backend` ("cpu" or "cuda"): `fit`, `evaluate`, `save`, `restore`.
 
-    `batch`, `policy` and `budget` (bytes) override the config's train.batch, memory.policy
-    and memory.budget; `check` turns on the executor's check mode (poisoned memory, live
-    bytes and reads verified against the plan after every step).
+    `check` turns on the executor's check mode (poisoned memory, live bytes and reads
+    verified against the plan after every step).
     """
 
-    def __init__(self, config, backend="cpu", batch=None, policy=None, budget=None, check=False):
+    def __init__(self, config, backend="cpu", check=False):
         self.config = config
         self.graph = config.graph
-        self.batch = batch or config.train.batch
-        self.policy = policy or config.memory.policy
-        train = config.train
+        train, memory = config.train, config.memory
+        self.batch = train.batch
         self.optimizer = SGD(train.optimizer.momentum, train.optimizer.nesterov, train.optimizer.weight_decay)
-        self.budget = budget if budget is not None else config.memory.budget
-        check_trainable(self.graph, self.batch)
-        self.kernels = plan_kernels(backend)  # the backend's kernels size the plan's workspaces
-        self.cost_model = cost.CUDA if backend == "cuda" else cost.CPU
-        self.plan = make_plan(self.graph, self.batch, self.policy, budget=self.budget, training=True,
-                              momentum=train.optimizer.momentum != 0, cost_model=self.cost_model,
-                              kernels=self.kernels)
-        self.backend = make_backend(backend, self.plan, check=check, kernels=self.kernels)
-        self.executor = Executor(self.graph, self.plan, self.backend)
+        self.runtime = prepare(self.graph, self.batch, memory.policy, memory.budget, backend, training=True,
+                               momentum=train.optimizer.momentum != 0, check=check,
+                               values={**initial_parameters(self.graph, train.seed, train.init),
+                                       **initial_state(self.graph)})
+        self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor
         self._backend_name, self._check = backend, check
         self.iteration = 0
-        for key, value in initial_parameters(self.graph, train.seed, train.init).items():
-            self.executor.view_of(*key)[...] = self.backend.xp.asarray(value)
-        for key, value in initial_state(self.graph).items():
-            self.executor.view_of(*key)[...] = self.backend.xp.asarray(value)
         self.train_set, self.heldout_set = load_datasets(train.data, tuple(config.input.shape), config.input.classes, train.seed)
         self.mean, self.std = normalization(train.data, self.train_set)
         self.stop_requested = False
@@ -139,33 +116,27 @@ class Trainer:
     def evaluate(self, dataset=None):
         """(mean loss, accuracy) over `dataset` (default: the held-out split), in eval mode."""
         dataset = dataset if dataset is not None else self.heldout_set
-        plan = make_plan(self.graph, self.batch, "liveness", training=False,  # forward only
-                         cost_model=self.cost_model, kernels=self.kernels)
-        backend = make_backend(self._backend_name, plan, check=self._check, kernels=self.kernels)
-        executor = Executor(self.graph, plan, backend)
-        for key, value in self.host_arrays(("parameter", "state")).items():
-            executor.view_of(*key)[...] = backend.xp.asarray(value)
+        forward = prepare(self.graph, self.batch, "liveness", backend=self._backend_name, training=False,
+                          check=self._check, values=self.host_arrays(("parameter", "state")))
         loss_sum, correct, seen = 0.0, 0, 0
-        for x, y in eval_batches(dataset, self.batch, self.mean, self.std):
-            valid = len(y)
-            if valid < self.batch:  # pad the last batch; only the real samples count
-                x = np.concatenate([x, np.repeat(x[-1:], self.batch - valid, axis=0)])
-                y = np.concatenate([y, np.repeat(y[-1:], self.batch - valid)])
-            losses, right = executor.run({"data": x, "label": y}, self.iteration, self.config.train.seed)
-            loss_sum += float(losses[:valid].sum())
-            correct += int(right[:valid].sum())
-            seen += valid
+        try:
+            for x, y in eval_batches(dataset, self.batch, self.mean, self.std):
+                valid = len(y)
+                if valid < self.batch:  # pad the last batch; only the real samples count
+                    x = np.concatenate([x, np.repeat(x[-1:], self.batch - valid, axis=0)])
+                    y = np.concatenate([y, np.repeat(y[-1:], self.batch - valid)])
+                losses, right = forward.executor.run({"data": x, "label": y}, self.iteration, self.config.train.seed)
+                loss_sum += float(losses[:valid].sum())
+                correct += int(right[:valid].sum())
+                seen += valid
+        finally:
+            forward.close()
         return loss_sum / max(seen, 1), correct / max(seen, 1)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def host_arrays(self, roles=("parameter", "optimizer_state", "state")):
         """{(node, name): host copy} of the persistent buffers with the given roles."""
-        out = {}
-        for b in self.plan.buffers:
-            if b.role in roles:
-                node, _, name = b.name.partition(":")
-                out[(node, name)] = self.backend.to_host(self.executor.views[b.id])
-        return out
+        return self.runtime.host_arrays(roles)
 
     def save(self, path):
         """Write parameters, optimizer state, BatchNorm statistics and the iteration atomically."""
@@ -176,16 +147,14 @@ class Trainer:
     def restore(self, path):
         """Load a checkpoint written by `save` for the same network; training continues from it."""
         arrays, meta = load_checkpoint(path)
-        expected = {f"{node}:{name}": value for (node, name), value in self.host_arrays().items()}
+        expected = {f"{node}:{name}": (node, name, value) for (node, name), value in self.host_arrays().items()}
         missing = sorted(set(expected) - set(arrays))
         if missing:
             raise CheckpointError(f"{path}: made for a different network (no {missing[0]}; "
                                   f"{len(missing)} tensors missing)")
-        for key, value in expected.items():
+        for key, (_, _, value) in expected.items():
             if arrays[key].shape != value.shape:
                 raise CheckpointError(f"{path}: {key} has shape {list(arrays[key].shape)}, "
                                       f"the network needs {list(value.shape)}")
-        for key in expected:
-            node, _, name = key.partition(":")
-            self.executor.view_of(node, name)[...] = self.backend.xp.asarray(arrays[key])
+        self.runtime.load({(node, name): arrays[key] for key, (node, name, _) in expected.items()})
         self.iteration = int(meta["iteration"])

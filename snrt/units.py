@@ -1,6 +1,9 @@
 """Byte sizes written by people: 12GiB, 512MB, 1e9, 1073741824."""
 
 import re
+from typing import NewType
+
+Bytes = NewType("Bytes", int)  # the type of a settings field written as a byte size (parsed by parse_bytes)
 
 _UNITS = {
     "": 1, "b": 1,

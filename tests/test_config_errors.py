@@ -4,7 +4,9 @@ import textwrap
 
 import pytest
 
+import snrt
 from snrt import ConfigError, load_config
+from snrt.config import with_settings
 from snrt.cli import main
 
 VALID = """
@@ -148,3 +150,17 @@ def test_expressions_and_scoped_names(tmp_path):
     assert graph["body.fc"].shape == (11,)
     assert graph["body.tanh0"].inputs == ("body.fc",)
     assert graph["softmaxcrossentropy0"].inputs == ("linear0", "label")
+
+
+def test_settings_are_changed_on_a_loaded_config_and_checked_like_the_file():
+    config = snrt.load_config("configs/lenet.yaml")
+    changed = with_settings(config, train={"batch": 8, "optimizer": {"lr": 0.01}},
+                            memory={"policy": "offload", "budget": "2GiB"})
+    assert (changed.train.batch, changed.train.optimizer.lr) == (8, 0.01)
+    assert changed.train.optimizer.momentum == config.train.optimizer.momentum  # nested sections merge
+    assert (changed.memory.policy, changed.memory.budget) == ("offload", 2 * 2**30)  # the budget is bytes
+    assert changed.graph is config.graph and config.train.batch != 8  # the original is unchanged
+    with pytest.raises(snrt.ConfigError, match=r"lenet.yaml: memory.budget: expected a byte size"):
+        with_settings(config, memory={"budget": "lots"})
+    with pytest.raises(snrt.ConfigError, match=r"train.batch: expected a positive value"):
+        with_settings(config, train={"batch": 0})

@@ -19,7 +19,8 @@ from reproduce_common import arena_in_budget, largest_fitting  # noqa: E402
 from reproduce_summary import verdict  # noqa: E402
 
 from snrt.scheduler.cost import CPU, step_cost, update_bytes  # noqa: E402
-from snrt.scheduler.planner import POLICIES, BudgetError, make_plan  # noqa: E402
+from snrt.scheduler.planner import BudgetError, make_plan  # noqa: E402
+from snrt.scheduler.policies import POLICIES  # noqa: E402
 from tests.scheduler.graphs import build  # noqa: E402
 
 

@@ -1,4 +1,5 @@
-"""Backends: the only code that knows numpy from cupy (device arena, host store, streams).
+"""Backends: the only code that knows numpy from cupy (device arena, host store, streams,
+kernels). The contract every backend meets is in base.py.
 
 "cpu" (NumPy) always works; "cuda" (CuPy, cuDNN) needs the `gpu` extra and a CUDA device,
 and asking for it without them is an error that says what is missing, never a quiet run on
@@ -42,31 +43,21 @@ def default_backend():
     return "cuda" if cuda_available() else "cpu"
 
 
-def plan_kernels(name):
-    """The kernel choice a plan for backend `name` should be made with (its workspaces come
-    from these kernels), to hand to `make_backend` too: None for "cpu" (the layers' own),
-    the process's CudaKernels for "cuda" (cuDNN graphs built once per shape)."""
-    if name != "cuda":
-        return None
-    _require_cuda()
-    from snrt.backends.cupy_backend import default_kernels
-
-    return default_kernels()
-
-
-def make_backend(name, plan, check=False, kernels=None):
-    """The backend called `name`, with the arena and host store that `plan` needs.
-
-    For "cuda", `kernels` is the snrt.backends.cuda_kernels.CudaKernels the plan was made
-    with (`plan_kernels("cuda")`, the process's, when None).
-    """
+def backend_class(name):
+    """The Backend subclass called `name` (see snrt/backends/base.py for the contract)."""
     if name == "cpu":
         from snrt.backends.numpy_backend import NumpyBackend
 
-        return NumpyBackend(plan.arena_bytes, plan.host_bytes, check=check)
+        return NumpyBackend
     if name == "cuda":
         _require_cuda()
         from snrt.backends.cupy_backend import CupyBackend
 
-        return CupyBackend(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)
+        return CupyBackend
     raise SnrtError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
+
+
+def make_backend(name, plan, check=False, kernels=None):
+    """The backend called `name` with the arena and host store that `plan` needs; `kernels`
+    is the kernel choice the plan was made with (the backend's `kernel_choice()` when None)."""
+    return backend_class(name)(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)

@@ -1,12 +1,13 @@
 """The CUDA backend: CuPy arena, pinned host store, three CUDA streams, cuDNN kernels.
 
-It has the surface of `NumpyBackend` (name, xp, arena, offload, prefetch, to_host,
-synchronize, close) and runs the same plans. The layers' kernels are shared with the CPU
-backend (written against `xp`); `kernel_for` hands the executor a faster or allocation-free
-kernel where snrt/backends/cuda_kernels.py registers one (cuDNN convolution and BatchNorm,
-cuBLAS Linear, CUDA kernels for the layers whose xp code allocates).
+It implements the backend contract (snrt/backends/base.py) and runs the same plans as
+`NumpyBackend`. The layers' kernels are shared with the CPU backend (written against `xp`);
+its kernel choice (CudaKernels) hands the executor a faster or allocation-free kernel where
+snrt/backends/cuda_kernels.py registers one (cuDNN convolution and BatchNorm, cuBLAS Linear,
+CUDA kernels for the layers whose xp code allocates).
 
-The CUDA-only surface, all of it in this file, cuda_kernels.py and cudnn_graphs.py:
+The CUDA-only surface, all of it in this file, cuda_source.py (kernel source, NVRTC, launches),
+cuda_layers.py (the kernels), cudnn_graphs.py and cuda_kernels.py (the per-layer choice):
 
 - arena: one device allocation of `plan.arena_bytes` (`Arena(cupy, ...)`, from a memory
   pool of its own), carved into views at the planned offsets; every tensor and every
@@ -21,7 +22,7 @@ The CUDA-only surface, all of it in this file, cuda_kernels.py and cudnn_graphs.
   stream; `wait` makes the compute stream wait on the end event (the host does not block);
 - copies: `cudaMemcpyAsync` between arena offsets and host slots;
 - the allocator: `cupy.cuda.set_allocator` (see below);
-- kernels: NVRTC-compiled `RawModule` (cuda_kernels.KERNEL_SOURCE), cuBLAS SGEMM through
+- kernels: NVRTC-compiled `RawModule` (cuda_source.KERNEL_SOURCE), cuBLAS SGEMM through
   `cupy_backends.cuda.libs.cublas`, cuDNN frontend graphs (cudnn_graphs), and CuPy's own
   elementwise and reduction kernels for the shared xp code;
 - `cudaMemGetInfo` (`memory_report`) to cross-check the arena's measured bytes.
@@ -53,9 +54,12 @@ import cupyx
 import numpy as np
 from cupy.cuda import runtime
 
+from snrt.backends.base import Backend, CopyEvent
 from snrt.backends.cuda_kernels import CudaKernels
 from snrt.errors import SnrtError
 from snrt.memory.arena import Arena
+from snrt.memory.host import HostStore
+from snrt.scheduler import cost
 
 
 class ArenaAllocationError(SnrtError):
@@ -80,7 +84,7 @@ class AllocationGuard:
         if self.armed_by is not None:
             raise ArenaAllocationError(
                 f"{self.armed_by} asked CuPy for {nbytes} bytes of device memory outside the arena; every "
-                "temporary a kernel uses must be planned workspace (ctx.scratch), see snrt/backends/cuda_kernels.py")
+                "temporary a kernel uses must be planned workspace (ctx.scratch), see snrt/backends/cuda_layers.py")
         pointer = self.pool.malloc(nbytes)
         self.allocations += 1
         self.peak_bytes = max(self.peak_bytes, self.pool.used_bytes())
@@ -105,8 +109,8 @@ class AllocationGuard:
             self._previous = None
 
 
-class CudaCopyEvent:
-    """One copy on a copy stream, with CopyEvent's surface: `wait()` and `seconds`.
+class CudaCopyEvent(CopyEvent):
+    """One copy on a copy stream.
 
     `wait` makes the compute stream wait for the copy (asynchronous for the host). `seconds`
     is the copy's duration from its CUDA events, measured when first read (that blocks the
@@ -160,7 +164,7 @@ class GuardedKernel:
             self.kernel.backward(ctx, gy, saved, params, aux, gxs, gparams)
 
 
-class CupyBackend:
+class CupyBackend(Backend):
     """The arena, host store and streams of one plan on the current CUDA device.
 
     `kernels` (a CudaKernels) is the kernel choice the plan was made with (the process's
@@ -170,9 +174,14 @@ class CupyBackend:
 
     name = "cuda"
     xp = cupy
+    cost_model = cost.CUDA
+
+    @classmethod
+    def kernel_choice(cls):
+        return default_kernels()
 
     def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None, profile=False):
-        self.kernels = kernels if kernels is not None else default_kernels()
+        super().__init__(arena_bytes, host_bytes, check, kernels)
         self.profile = profile
         self.lazy = check
         self._events = []  # (kind, what, start event, end event) when profiling
@@ -186,7 +195,7 @@ class CupyBackend:
         self._arena_pool = cupy.cuda.MemoryPool()
         with cupy.cuda.using_allocator(self._arena_pool.malloc):
             self.arena = Arena(cupy, arena_bytes, check=check)
-        self.host = cupyx.empty_pinned((host_bytes,), dtype=np.uint8) if host_bytes > 0 else None
+        self.host = HostStore(cupyx.empty_pinned((host_bytes,), dtype=np.uint8) if host_bytes > 0 else None)
         self.kernels.set_stream(self.compute_stream)
         self._origin = cupy.cuda.Event()
         self._origin.record(self.compute_stream)
@@ -210,9 +219,7 @@ class CupyBackend:
 
     # ---- copies --------------------------------------------------------------------------
     def _host_address(self, buffer):
-        if self.host is None:
-            raise SnrtError(f"buffer {buffer.name} has a host slot but the plan reserved no host memory")
-        return self.host.ctypes.data + buffer.host_slot
+        return self.host.slot(buffer).ctypes.data
 
     def _copy(self, stream, target, source, nbytes, kind, what):
         ready = cupy.cuda.Event(disable_timing=True)
@@ -234,24 +241,23 @@ class CupyBackend:
         return event
 
     def offload(self, buffer):
-        """Queue the copy of `buffer`'s device bytes to its host slot; returns an event."""
         source = self.arena.data.data.ptr + buffer.offset
         return self._copy(self.to_host_stream, self._host_address(buffer), source, buffer.nbytes,
                           runtime.memcpyDeviceToHost, f"offload {buffer.name}")
 
     def prefetch(self, buffer, source):
-        """Queue the copy of `source`'s host slot into `buffer` on the device; returns an event."""
         target = self.arena.data.data.ptr + buffer.offset
         return self._copy(self.to_device_stream, target, self._host_address(source), source.nbytes,
                           runtime.memcpyHostToDevice, f"prefetch {buffer.name}")
 
     # ---- host side -----------------------------------------------------------------------
     def to_host(self, array):
-        """A host (NumPy) copy of a device array (waits for the compute stream)."""
+        """A host (NumPy) copy (waits for the compute stream)."""
         return cupy.asnumpy(array, stream=self.compute_stream)
 
     def upload(self, view, array):
-        """Copy host `array` into the device `view` without a staging allocation."""
+        """Copy host `array` into the device `view` without a staging allocation (on the
+        compute stream)."""
         view.set(np.ascontiguousarray(array, dtype=view.dtype).reshape(view.shape), stream=self.compute_stream)
 
     def synchronize(self):

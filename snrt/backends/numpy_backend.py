@@ -3,40 +3,42 @@ store another, and the device-to-host and host-to-device streams are worker thre
 
 import numpy as np
 
+from snrt.backends.base import Backend
 from snrt.backends.streams import CopyStream
+from snrt.layers.base import LAYER_KERNELS
 from snrt.memory.arena import Arena
+from snrt.memory.host import HostStore
+from snrt.scheduler import cost
 
 
-class NumpyBackend:
-    """NumPy arrays stand in for device memory; kernels run on the calling thread."""
+class NumpyBackend(Backend):
+    """NumPy arrays stand in for device memory; kernels (the layers' own) run on the calling thread."""
 
     name = "cpu"
     xp = np
+    cost_model = cost.CPU
 
-    def __init__(self, arena_bytes, host_bytes=0, check=False):
+    @classmethod
+    def kernel_choice(cls):
+        return LAYER_KERNELS
+
+    def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None):
+        super().__init__(arena_bytes, host_bytes, check, kernels)
         self.arena = Arena(np, arena_bytes, check=check)
-        self.host = np.zeros(host_bytes, dtype=np.uint8)
+        self.host = HostStore(np.zeros(host_bytes, dtype=np.uint8))
         self.to_host_stream = CopyStream("d2h", lazy=check)
         self.to_device_stream = CopyStream("h2d", lazy=check)
 
     def offload(self, buffer):
-        """Queue the copy of `buffer`'s device bytes to its host slot; returns an event."""
-        source = self.arena.data[buffer.offset:buffer.offset + buffer.nbytes]
-        target = self.host[buffer.host_slot:buffer.host_slot + buffer.nbytes]
+        source, target = self.arena.bytes_of(buffer), self.host.slot(buffer)
         return self.to_host_stream.submit(lambda: np.copyto(target, source))
 
     def prefetch(self, buffer, source):
-        """Queue the copy of `source`'s host slot into `buffer` on the device; returns an event."""
-        data = self.host[source.host_slot:source.host_slot + source.nbytes]
-        target = self.arena.data[buffer.offset:buffer.offset + buffer.nbytes]
+        data, target = self.host.slot(source), self.arena.bytes_of(buffer)
         return self.to_device_stream.submit(lambda: np.copyto(target, data))
 
     def to_host(self, array):
-        """A host (NumPy) copy of a device array."""
         return np.array(array, copy=True)
-
-    def synchronize(self):
-        """Wait for all queued work (kernels are synchronous; copies are waited by the plan)."""
 
     def close(self):
         """Stop the copy threads."""

@@ -10,9 +10,12 @@ import queue
 import threading
 import time
 
+from snrt.backends.base import CopyEvent
 
-class CopyEvent:
-    """Completion of one queued copy; `wait` re-raises the copy's error, if any."""
+
+class ThreadCopyEvent(CopyEvent):
+    """Completion of one copy queued on a CopyStream; `wait` blocks until it is done and
+    re-raises the copy's error, if any."""
 
     def __init__(self, copy=None):
         self._done = threading.Event()
@@ -48,13 +51,13 @@ class CopyStream:
         self._thread = None
 
     def submit(self, copy):
-        """Queue `copy` (a no-argument callable); returns its CopyEvent."""
+        """Queue `copy` (a no-argument callable); returns its ThreadCopyEvent."""
         if self.lazy:
-            return CopyEvent(copy)
+            return ThreadCopyEvent(copy)
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=f"snrt-{self.name}", daemon=True)
             self._thread.start()
-        event = CopyEvent()
+        event = ThreadCopyEvent()
         self._queue.put((copy, event))
         return event
 

@@ -222,3 +222,22 @@ class Layer:
 
 def _plain(value):
     return list(value) if isinstance(value, tuple) else value
+
+
+class LayerKernels:
+    """The kernel choice that runs every layer's own `xp` code (the CPU backend's).
+
+    A kernel choice answers two questions the same way at plan time and at run time: which
+    kernel runs a layer at given input shapes (`kernel_for`), and how much workspace that
+    kernel wants (`workspace_bytes`, what the planner reserves). The CUDA backend brings its
+    own (snrt/backends/cuda_kernels.py: cuDNN, cuBLAS, CUDA kernels).
+    """
+
+    def kernel_for(self, layer, in_shapes):
+        return layer
+
+    def workspace_bytes(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return layer.workspace_bytes(in_shapes, phase, itemsize=itemsize)
+
+
+LAYER_KERNELS = LayerKernels()

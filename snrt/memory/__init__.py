@@ -1,1 +1,2 @@
-"""The unified tensor pool: offset assignment in the device arena and the host store."""
+"""Device memory at run time: the arena every tensor is a view of, and the host store that
+holds offloaded tensors. Where each buffer goes is planned by snrt/scheduler/offsets.py."""

@@ -31,6 +31,10 @@ class Arena:
             raise ArenaError(f"buffer {buffer.name} [{buffer.offset}, {end}) is outside the {self.capacity_bytes}-byte arena")
         return self.data[buffer.offset:end].view(buffer.dtype).reshape(buffer.shape)
 
+    def bytes_of(self, buffer):
+        """The raw bytes of `buffer` (a uint8 view at its offset)."""
+        return self.data[buffer.offset:buffer.offset + buffer.nbytes]
+
     def reserve(self, buffer):
         """Mark `buffer` alive (its bytes now count)."""
         if buffer.id in self.live:
@@ -56,7 +60,7 @@ class Arena:
 
     def poison(self, buffer):
         """Fill `buffer` with NaN (floats) or a marker pattern (integers)."""
-        view = self.data[buffer.offset:buffer.offset + buffer.nbytes]
+        view = self.bytes_of(buffer)
         if buffer.dtype.startswith("float"):
             view.view(buffer.dtype)[...] = self.xp.nan
         else:

@@ -3,6 +3,7 @@ from a Graph and options to a Plan; no numpy or cupy here."""
 
 from snrt.scheduler.plan import Plan
 from snrt.scheduler.planner import BudgetError, make_plan
+from snrt.scheduler.policies import POLICIES, Policy
 from snrt.units import parse_bytes
 
 
@@ -15,4 +16,4 @@ def plan(graph, batch, policy="none", budget=None, training=True, **options):
     return make_plan(graph, batch, policy, budget=budget, training=training, **options)
 
 
-__all__ = ["BudgetError", "Plan", "make_plan", "plan"]
+__all__ = ["BudgetError", "POLICIES", "Plan", "Policy", "make_plan", "plan"]

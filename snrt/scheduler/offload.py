@@ -13,7 +13,7 @@ prefetched tensor a buffer id of its own. Host slots are assigned here.
 
 from dataclasses import replace
 
-from snrt.memory.offsets import aligned
+from snrt.scheduler.offsets import aligned
 from snrt.scheduler.plan import Offload, Prefetch, Wait
 from snrt.scheduler.recompute import backward_start
 

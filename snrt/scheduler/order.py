@@ -8,7 +8,7 @@ its backward, when its parameter gradients are complete (fused update).
 
 from dataclasses import dataclass
 
-from snrt.layers.base import BACKWARD, FORWARD, numel
+from snrt.layers.base import BACKWARD, FORWARD, LAYER_KERNELS, numel
 from snrt.layers.input import Input
 from snrt.scheduler.plan import Backward, Buffer, Forward, Update
 
@@ -26,11 +26,11 @@ class Iteration:
     output: dict  # node -> activation buffer id
 
 
-def build_iteration(graph, batch, training=True, momentum=True, dtype="float32", kernels=None):
+def build_iteration(graph, batch, training=True, momentum=True, dtype="float32", kernels=LAYER_KERNELS):
     """Buffers and compute steps of one iteration (forward only when not `training`).
 
-    `kernels`, when given, sizes the workspaces for the kernels a backend will run
-    (`kernels.workspace_bytes(layer, in_shapes, phase, itemsize)`); else the layers' own.
+    `kernels` (a kernel choice, see snrt.layers.base.LayerKernels) sizes the workspaces for
+    the kernels a backend will run.
     """
     table = BufferTable()
     builder = _StepBuilder(graph, batch, table, dtype, kernels)
@@ -55,7 +55,7 @@ class BufferTable:
 class _StepBuilder:
     """Creates buffers and steps for one graph; keeps the node -> buffer maps."""
 
-    def __init__(self, graph, batch, table, dtype, kernels=None):
+    def __init__(self, graph, batch, table, dtype, kernels):
         self.graph, self.batch, self.table, self.dtype, self.kernels = graph, batch, table, dtype, kernels
         self.output, self.aux, self.params, self.state = {}, {}, {}, {}
         self.input_buffers = []
@@ -86,10 +86,7 @@ class _StepBuilder:
 
     def _workspace(self, name, phase):
         layer, in_shapes, itemsize = self.graph[name].layer, self.graph.in_shapes(name, self.batch), ITEMSIZE[self.dtype]
-        if self.kernels is not None:
-            nbytes = self.kernels.workspace_bytes(layer, in_shapes, phase, itemsize)
-        else:
-            nbytes = layer.workspace_bytes(in_shapes, phase, itemsize=itemsize)
+        nbytes = self.kernels.workspace_bytes(layer, in_shapes, phase, itemsize)
         return self.table.add(f"{name}:workspace:{phase}", (nbytes,), "uint8", "workspace") if nbytes else -1
 
     def forward_steps(self):

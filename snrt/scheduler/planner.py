@@ -1,13 +1,5 @@
-"""Policies: which passes turn an iteration into a Plan, and the budget-driven choice.
-
-- none: every tensor kept for the whole iteration (the naive baseline);
-- liveness: every tensor freed after its last use;
-- recompute: liveness + cost-aware recomputation of cheap layers;
-- offload: liveness + every tensor the backward reads offloaded and prefetched;
-- superneurons: liveness + recomputation + offload of the remaining checkpoints, never more
-  memory than offload alone: a segment whose replay stands at a step over the offload plan's
-  peak is kept and offloaded instead of recomputed;
-- auto: the fastest of those (by the cost model) whose arena fits the budget.
+"""The planner: the passes a policy's row (snrt/scheduler/policies.py) asks for turn an
+iteration into a Plan; `auto` picks the fastest row whose arena fits the budget.
 
 A budget (bytes) is checked against the arena the plan needs; an infeasible one is an error
 that states the smallest budget that works and the largest batch that fits.
@@ -16,36 +8,34 @@ that states the smallest budget that works and the largest batch that fits.
 import bisect
 from dataclasses import dataclass, replace
 
-from snrt.config import MEMORY_POLICIES, POLICIES
 from snrt.errors import SnrtError
-from snrt.memory.offsets import assign_offsets
+from snrt.layers.base import LAYER_KERNELS
 from snrt.scheduler import cost as cost_models
 from snrt.scheduler.cost import CostModel
 from snrt.scheduler.liveness import allocation_points, insert_frees, predict_device_bytes
 from snrt.scheduler.offload import plan_offload, with_host_slots
+from snrt.scheduler.offsets import assign_offsets
 from snrt.scheduler.order import BufferTable, build_iteration
 from snrt.scheduler.plan import Plan
+from snrt.scheduler.policies import AUTO, POLICIES, policy_named
 from snrt.scheduler.recompute import plan_recomputation, speed_segments_that_fit, version_buffers
 from snrt.summary import human_bytes
-
-
-
-COPYING = ("offload", "superneurons")  # policies whose prefetch distance trades memory for speed
 
 
 @dataclass(frozen=True)
 class PlanOptions:
     """What every pass needs besides the graph, batch and policy.
 
-    `kernels` (optional) answers `workspace_bytes(layer, in_shapes, phase, itemsize)` for
-    the kernels a backend will run (cuDNN's workspace on the GPU); None uses the layers'.
+    `kernels` is the kernel choice of the backend that will run the plan: its
+    `workspace_bytes(layer, in_shapes, phase, itemsize)` sizes the workspaces (cuDNN's on the
+    GPU; the layers' own on the CPU).
     """
 
     training: bool = True
     momentum: bool = True
     cost_model: CostModel = cost_models.CPU
     dtype: str = "float32"
-    kernels: object = None
+    kernels: object = LAYER_KERNELS
 
 
 class BudgetError(SnrtError):
@@ -57,20 +47,22 @@ class BudgetError(SnrtError):
 
 
 def make_plan(graph, batch, policy="none", budget=None, training=True, momentum=True,
-              cost_model=cost_models.CPU, dtype="float32", kernels=None):
-    """The Plan of one iteration of `graph` at `batch` under `policy` (see the module doc).
+              cost_model=cost_models.CPU, dtype="float32", kernels=LAYER_KERNELS, hide_copies=True):
+    """The Plan of one iteration of `graph` at `batch` under `policy` (a name of
+    snrt/scheduler/policies.py, or "auto").
 
     `budget` (bytes) is checked against the arena; `training` False gives a forward-only
     plan; `momentum` allocates one optimizer-state buffer per parameter; `kernels` see
-    PlanOptions.
+    PlanOptions. A copying policy prefetches early enough to hide its copies behind compute,
+    and, when that plan exceeds the budget, just in time (smaller, slower); `hide_copies`
+    False asks for the just-in-time plan directly.
     """
-    if policy not in MEMORY_POLICIES:
-        raise SnrtError(f"unknown memory policy {policy!r}; expected one of {', '.join(MEMORY_POLICIES)}")
     opts = PlanOptions(training, momentum, cost_model, dtype, kernels)
-    if policy == "auto":
+    if policy == AUTO:
         return _auto(graph, batch, budget, opts)
-    plan = _build(graph, batch, policy, opts)
-    if budget is not None and plan.arena_bytes > budget and policy in COPYING:
+    policy = policy_named(policy)
+    plan = _build(graph, batch, policy, opts, hide_copies)
+    if budget is not None and plan.arena_bytes > budget and policy.offloads and hide_copies:
         plan = _build(graph, batch, policy, opts, hide_copies=False)
     if budget is not None and plan.arena_bytes > budget:
         raise _infeasible(graph, batch, budget, (policy,), opts)
@@ -78,17 +70,17 @@ def make_plan(graph, batch, policy="none", budget=None, training=True, momentum=
 
 
 def _build(graph, batch, policy, opts, hide_copies=True):
-    """The plan of `policy`; `hide_copies` False prefetches just in time (see plan_offload).
+    """The plan of Policy `policy`; `hide_copies` False prefetches just in time (see plan_offload).
 
-    With recomputation, the all-memory-centric plan is built first (under superneurons, with
-    the segments that cost more memory than offloading kept, see `_recompute_within_offload`);
+    With recomputation, the all-memory-centric plan is built first (under a capped policy,
+    with the segments that cost more memory than the cap's plan kept, see `_recompute_within_cap`);
     segments that fit under its peak are then replayed speed-centric, and that plan is kept
     unless its arena is larger.
     """
     plan, segments = _assemble(graph, batch, policy, opts, hide_copies)
     kept = ()
-    if policy == "superneurons" and segments:
-        plan, segments, kept = _recompute_within_offload(graph, batch, opts, hide_copies, plan, segments)
+    if policy.capped_by and segments:
+        plan, segments, kept = _recompute_within_cap(graph, batch, policy, opts, hide_copies, plan, segments)
     if segments:
         speed = speed_segments_that_fit(plan, segments)
         if speed:
@@ -98,31 +90,32 @@ def _build(graph, batch, policy, opts, hide_copies=True):
     return plan
 
 
-REPLAY_ROUNDS = 4  # rebuilds of the superneurons plan while segments are moved to offloading
+REPLAY_ROUNDS = 4  # rebuilds of a capped plan while segments are moved to offloading
 
 
-def _recompute_within_offload(graph, batch, opts, hide_copies, plan, segments):
-    """(plan, replayed segments, kept segment roots) whose arena is at most the offload plan's.
+def _recompute_within_cap(graph, batch, policy, opts, hide_copies, plan, segments):
+    """(plan, replayed segments, kept segment roots) whose arena is at most the plan of
+    `policy.capped_by` (offload: superneurons never needs more memory than offloading alone).
 
     Replaying a segment holds its checkpoint and the replayed chain on the device at once,
     where offloading holds only the one prefetched tensor the backward step reads. So while
-    the superneurons plan's arena exceeds the offload plan's, the segments replayed around a
-    step over the offload peak are kept (offloaded, not dropped) and the plan is rebuilt; if
-    that does not get there within REPLAY_ROUNDS, every segment is kept (offload alone).
+    the plan's arena exceeds the cap's, the segments replayed around a step over the cap's
+    peak are kept (offloaded, not dropped) and the plan is rebuilt; if that does not get
+    there within REPLAY_ROUNDS, every segment is kept (the cap's plan under this name).
     """
-    offload, _ = _assemble(graph, batch, "offload", opts, hide_copies)
+    cap, _ = _assemble(graph, batch, policy_named(policy.capped_by), opts, hide_copies)
     kept = set()
     for _ in range(REPLAY_ROUNDS):
-        if plan.arena_bytes <= offload.arena_bytes:
+        if plan.arena_bytes <= cap.arena_bytes:
             return plan, segments, tuple(sorted(kept))
-        over = _segments_replayed_over(plan, segments, offload.peak_bytes)
+        over = _segments_replayed_over(plan, segments, cap.peak_bytes)
         if not over:
             break
         kept |= over
-        plan, segments = _assemble(graph, batch, "superneurons", opts, hide_copies, (), tuple(sorted(kept)))
-    if plan.arena_bytes <= offload.arena_bytes:
+        plan, segments = _assemble(graph, batch, policy, opts, hide_copies, (), tuple(sorted(kept)))
+    if plan.arena_bytes <= cap.arena_bytes:
         return plan, segments, tuple(sorted(kept))
-    return replace(offload, policy="superneurons"), {}, ()
+    return replace(cap, policy=policy.name), {}, ()
 
 
 def _segments_replayed_over(plan, segments, limit):
@@ -143,7 +136,8 @@ def _segments_replayed_over(plan, segments, limit):
 
 
 def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_segments=()):
-    """(plan, replayed segments) with the given speed-centric and kept (not dropped) segments."""
+    """(plan, replayed segments) of Policy `policy` with the given speed-centric and kept (not
+    dropped) segments."""
     training, cost_model = opts.training, opts.cost_model
     it = build_iteration(graph, batch, training, opts.momentum, opts.dtype, opts.kernels)
     table = BufferTable()
@@ -151,14 +145,14 @@ def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_s
     steps = list(it.steps)
     keep = set(it.loss[:1] + it.loss[2:]) if it.loss else set()
     slots, host_bytes, segments = {}, 0, {}
-    if policy in ("recompute", "superneurons") and training:
+    if policy.recomputes and training:
         steps, segments = plan_recomputation(graph, steps, table.buffers, speed_segments, kept_segments)
         steps = version_buffers(steps, table)
-    if policy in ("offload", "superneurons") and training:
+    if policy.offloads and training:
         seconds = [cost_models.step_seconds(s, graph, batch, cost_model) for s in steps]
         steps, slots, host_bytes = plan_offload(steps, table.buffers, seconds, cost_model, keep, hide_copies)
         steps = version_buffers(steps, table)
-    if policy != "none":
+    if policy.frees:
         steps = insert_frees(steps, table.buffers, keep)
     buffers = with_host_slots(table.buffers, slots)
     fed = tuple(b for _, b in it.inputs) + ((it.loss[1],) if it.loss and it.loss[1] >= 0 else ())
@@ -169,26 +163,27 @@ def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_s
     predicted_s, stall_s = cost_models.simulate(steps, buffers, seconds, cost_model)
     recompute_flops = sum(graph[s.node].layer.cost(graph.in_shapes(s.node, batch), "forward").flops
                           for s in steps if s.kind == "recompute")
-    plan = Plan(batch, policy, training, tuple(buffers), tuple(steps), tuple(device_bytes), arena_bytes,
+    plan = Plan(batch, policy.name, training, tuple(buffers), tuple(steps), tuple(device_bytes), arena_bytes,
                 host_bytes, tuple(allocations), tuple(it.inputs), it.loss,
                 predicted_s=predicted_s, stall_s=stall_s, recompute_flops=recompute_flops)
     return plan, segments
 
 
 def _candidates(graph, batch, policies, opts):
-    """[(plan, hide_copies)] for `policies`, the copying ones also with just-in-time prefetch."""
+    """[(plan, hide_copies)] for Policy rows `policies`, the copying ones also with just-in-time prefetch."""
     return [(_build(graph, batch, p, opts, hide), hide)
-            for p in policies for hide in ((True, False) if p in COPYING else (True,))]
+            for p in policies for hide in ((True, False) if p.offloads else (True,))]
 
 
 def _auto(graph, batch, budget, opts):
     """The fastest policy whose arena fits `budget` (ties: the smaller arena)."""
     if budget is None:
         raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
-    candidates = _candidates(graph, batch, POLICIES, opts)
+    rows = tuple(POLICIES.values())
+    candidates = _candidates(graph, batch, rows, opts)
     fitting = [plan for plan, _ in candidates if plan.arena_bytes <= budget]
     if not fitting:
-        raise _infeasible(graph, batch, budget, POLICIES, opts, candidates)
+        raise _infeasible(graph, batch, budget, rows, opts, candidates)
     best = min(fitting, key=lambda p: (p.predicted_s, p.arena_bytes))
     return replace(best, policy=f"auto:{best.policy}")
 
@@ -200,7 +195,7 @@ def _infeasible(graph, batch, budget, policies, opts, candidates=None):
     smallest = frugal.arena_bytes
 
     def fits(b):
-        return _build(graph, b, frugal.policy, opts, hide).arena_bytes <= budget
+        return _build(graph, b, POLICIES[frugal.policy], opts, hide).arena_bytes <= budget
 
     low, high = 0, batch - 1  # the largest batch in [1, batch) that fits, by bisection
     while low < high:
@@ -210,7 +205,7 @@ def _infeasible(graph, batch, budget, policies, opts, candidates=None):
         else:
             high = mid - 1
     largest = low
-    names = "/".join(policies)
+    names = "/".join(p.name for p in policies)
     where = f"the largest batch that fits is {largest} (policy {frugal.policy})" if largest else \
         "no batch size fits: the parameters and optimizer state alone are too large"
     return BudgetError(

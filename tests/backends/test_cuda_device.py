@@ -19,7 +19,8 @@ from snrt.layers.linear import Flatten, Linear
 from snrt.layers.loss import SoftmaxCrossEntropy
 from snrt.layers.norm import LRN, BatchNorm
 from snrt.layers.pool import AvgPool, GlobalAvgPool, MaxPool
-from snrt.scheduler.planner import POLICIES
+from snrt.config import with_settings
+from snrt.scheduler.policies import POLICIES
 
 REASON = cuda_unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"needs a CUDA device: {REASON}")]
@@ -164,13 +165,13 @@ def test_training_under_every_policy_matches_the_cpu(cupy, name):
     from snrt.train import Trainer
 
     config = snrt.load_config(_configs()[name])
-    cpu = Trainer(config, policy="none")
+    cpu = Trainer(config)
     cpu_losses = [m.loss for m in cpu.fit(iterations=3)]
     cpu_arrays = cpu.host_arrays()
     losses_by_policy = {}
     for policy in POLICIES:
         for check in (False, True):
-            trainer = Trainer(config, backend="cuda", policy=policy, check=check)
+            trainer = Trainer(with_settings(config, memory={"policy": policy}), backend="cuda", check=check)
             try:
                 losses = [m.loss for m in trainer.fit(iterations=3)]
                 arrays = trainer.host_arrays()
@@ -193,7 +194,7 @@ def test_no_allocation_outside_the_arena_while_kernels_run(cupy):
     from snrt.train import Trainer
 
     config = snrt.load_config(_configs()["small_resnet"])
-    trainer = Trainer(config, backend="cuda", policy="superneurons")
+    trainer = Trainer(with_settings(config, memory={"policy": "superneurons"}), backend="cuda")
     try:
         trainer.fit(iterations=2)
         report = trainer.backend.memory_report()
@@ -211,7 +212,7 @@ def test_copies_overlap_compute_in_cuda_event_timings(cupy):
     from snrt.train import Trainer
 
     config = snrt.load_config("configs/cifar_resnet20.yaml")
-    trainer = Trainer(config, backend="cuda", batch=128, policy="offload")
+    trainer = Trainer(with_settings(config, train={"batch": 128}, memory={"policy": "offload"}), backend="cuda")
     backend, executor = trainer.backend, trainer.executor
     try:
         assert trainer.plan.host_bytes > 0

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import snrt
-from snrt.config import DataConfig, TrainConfig, config_from_graph
-from snrt.scheduler.planner import POLICIES
+from snrt.config import DataConfig, TrainConfig, config_from_graph, with_settings
+from snrt.scheduler.policies import POLICIES
 from snrt.train import Trainer
 from tests.scheduler.graphs import CLASSES, build, graph_recipes
 from tests.test_train import SMALL_RESNET
@@ -46,7 +46,7 @@ CONCAT_NET = {
 
 def run_under(config, policy, iterations):
     """Losses, persistent arrays and (predicted, measured) peaks of a checked run."""
-    trainer = Trainer(config, policy=policy, check=True)
+    trainer = Trainer(with_settings(config, memory={"policy": policy}), check=True)
     losses = [m.loss for m in trainer.fit(iterations=iterations)]
     return losses, trainer.host_arrays(), (trainer.plan.peak_bytes, trainer.backend.arena.peak_bytes)
 
@@ -54,7 +54,7 @@ def run_under(config, policy, iterations):
 def assert_policies_agree(config, iterations):
     base_losses, base_arrays, peaks = run_under(config, "none", iterations)
     assert peaks[0] == peaks[1]
-    for policy in POLICIES[1:]:
+    for policy in list(POLICIES)[1:]:
         losses, arrays, (predicted, measured) = run_under(config, policy, iterations)
         assert losses == base_losses, policy
         for key, value in arrays.items():
@@ -89,7 +89,7 @@ def test_check_mode_catches_a_read_of_freed_memory():
 
     from snrt.executor import PlanViolation
 
-    trainer = Trainer(snrt.load_config(SMALL_RESNET), policy="liveness", check=True)
+    trainer = Trainer(snrt.load_config(SMALL_RESNET, {"memory.policy": "liveness"}), check=True)
     plan = trainer.plan
     k = next(i for i, s in enumerate(plan.steps)
              if s.kind == "free" and set(s.buffers) & set(plan.steps[i - 1].reads()))

@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 
 import snrt
 from snrt.scheduler.plan import Plan
-from snrt.scheduler.planner import POLICIES, BudgetError, make_plan
+from snrt.scheduler.planner import BudgetError, make_plan
+from snrt.scheduler.policies import POLICIES
 from snrt.scheduler.verify import PlanError, verify_plan
 from tests.scheduler.graphs import build, graph_recipes
 

@@ -1,0 +1,71 @@
+"""The backend contract: what the planner, the executor and the trainer need of a device.
+
+A backend class states, before any plan exists, what the planner needs to plan for it: its
+`name`, its `cost_model` (snrt/scheduler/cost.py) and its `kernel_choice()` (which kernel
+runs each layer and the workspace that kernel wants; see snrt.layers.base.LayerKernels). An
+instance is made for one plan, with that plan's arena and host-store sizes, and carries it
+out: the device `arena` (snrt/memory/arena.py) every tensor is a view of, the `host` store
+(snrt/memory/host.py) of offloaded tensors, copies between them on their own streams with
+events, uploads of host arrays and reads back to the host. Both backends (numpy_backend.py,
+cupy_backend.py) implement it; the executor and the trainer use nothing else.
+"""
+
+from abc import ABC, abstractmethod
+
+
+class CopyEvent(ABC):
+    """The completion of one queued copy."""
+
+    seconds = 0.0  # how long the copy itself took (read once the iteration is over)
+
+    @abstractmethod
+    def wait(self):
+        """Order what the compute stream runs next after the copy (re-raising its error, if any)."""
+
+
+class Backend(ABC):
+    """A device for one plan: `arena_bytes` of device memory, `host_bytes` of host store.
+
+    `check` turns on the debug mode (memory poisoned when freed or not yet written, copies
+    issued only when waited for); `kernels` is the kernel choice the plan was made with
+    (`kernel_choice()` when None).
+    """
+
+    name = None  # "cpu", "cuda": what --backend says
+    xp = None  # the array module of the device (numpy, cupy)
+    cost_model = None  # the CostModel plans for this backend are timed with
+
+    @classmethod
+    @abstractmethod
+    def kernel_choice(cls):
+        """The kernel choice plans for this backend are sized with (and the default `kernels`)."""
+
+    def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None):
+        self.kernels = kernels if kernels is not None else self.kernel_choice()
+        self.arena = self.host = None  # set by the subclass: the device Arena and the HostStore
+
+    def kernel_for(self, layer, in_shapes):
+        """The kernel the executor runs for `layer` at `in_shapes` (full shapes, batch first)."""
+        return self.kernels.kernel_for(layer, in_shapes)
+
+    @abstractmethod
+    def offload(self, buffer):
+        """Queue the copy of `buffer`'s device bytes to its host slot; returns a CopyEvent."""
+
+    @abstractmethod
+    def prefetch(self, buffer, source):
+        """Queue the copy of `source`'s host slot into `buffer` on the device; returns a CopyEvent."""
+
+    def upload(self, view, array):
+        """Copy host `array` into the device array `view`."""
+        view[...] = self.xp.asarray(array)
+
+    @abstractmethod
+    def to_host(self, array):
+        """A host (NumPy) copy of a device array."""
+
+    def synchronize(self):
+        """Wait until all queued kernels and copies are done."""
+
+    def close(self):
+        """Finish queued work and give back what the backend holds (threads, streams)."""

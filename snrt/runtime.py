@@ -1,0 +1,73 @@
+"""The set-up of a run, with no data yet: the plan, the backend, the executor, and the
+persistent values (parameters, BatchNorm statistics) in their buffers.
+
+Training, evaluation and the benchmark scripts all start here, so a plan is always made with
+the cost model and kernel choice of the backend that runs it.
+"""
+
+from dataclasses import dataclass
+
+from snrt.backends import backend_class
+from snrt.errors import SnrtError
+from snrt.executor import Executor
+from snrt.scheduler.plan import PERSISTENT_ROLES
+from snrt.scheduler.planner import make_plan
+
+
+@dataclass
+class Runtime:
+    """A plan carried out on a backend; `executor.run(feed, ...)` runs one iteration."""
+
+    graph: object
+    plan: object
+    backend: object
+    executor: Executor
+
+    def load(self, values):
+        """Write `values` ({(node, name): host array}, e.g. ("conv1", "weight")) into their
+        persistent buffers."""
+        for key, value in values.items():
+            self.backend.upload(self.executor.view_of(*key), value)
+
+    def host_arrays(self, roles=PERSISTENT_ROLES):
+        """{(node, name): host copy} of the persistent buffers with the given roles."""
+        out = {}
+        for b in self.plan.buffers:
+            if b.role in roles:
+                node, _, name = b.name.partition(":")
+                out[(node, name)] = self.backend.to_host(self.executor.views[b.id])
+        return out
+
+    def close(self):
+        self.backend.close()
+
+
+def check_trainable(graph, batch):
+    """Raise SnrtError naming the first node whose training step cannot run at `batch`."""
+    for name, node in graph.nodes.items():
+        if node.inputs:
+            try:
+                node.layer.check_training(graph.in_shapes(name, batch))
+            except ValueError as error:
+                raise SnrtError(f"node {name!r} ({node.layer.type_name}) cannot train at batch {batch}: {error}") from None
+
+
+def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, momentum=True, check=False,
+            values=None):
+    """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
+    backend called `backend`, with `values` ({(node, name): host array}) loaded.
+
+    `training` False plans the forward pass only; `momentum` gives every parameter an
+    optimizer-state buffer; `check` is the debug mode (poisoned memory, every step verified
+    against the plan).
+    """
+    if training:
+        check_trainable(graph, batch)
+    device_class = backend_class(backend)
+    kernels = device_class.kernel_choice()
+    plan = make_plan(graph, batch, policy, budget=budget, training=training, momentum=momentum,
+                     cost_model=device_class.cost_model, kernels=kernels)
+    device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)
+    runtime = Runtime(graph, plan, device, Executor(graph, plan, device))
+    runtime.load(values or {})
+    return runtime

@@ -1,0 +1,49 @@
+"""The memory policies: one row each, saying what a policy may do to a tensor.
+
+The planner reads a row's flags to choose its passes, the config layer and the command line
+read the names; nothing else spells a policy out.
+
+- none: every tensor kept for the whole iteration (the naive baseline);
+- liveness: every tensor freed after its last use;
+- recompute: liveness + cost-aware recomputation of cheap layers;
+- offload: liveness + every tensor the backward reads offloaded and prefetched;
+- superneurons: liveness + recomputation + offload of the remaining checkpoints, never more
+  memory than offload alone: a segment whose replay stands at a step over the offload plan's
+  peak is kept and offloaded instead of recomputed;
+- auto (not a row): the fastest row, by the cost model, whose arena fits the budget.
+"""
+
+from dataclasses import dataclass
+
+from snrt.errors import SnrtError
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a policy may do: free tensors after their last use, drop and replay cheap layers'
+    outputs, copy tensors to the host and back; `capped_by` names the policy whose arena
+    this one never exceeds (its replays over that plan's peak are offloaded instead)."""
+
+    name: str
+    frees: bool = False
+    recomputes: bool = False
+    offloads: bool = False
+    capped_by: str = None
+
+
+POLICIES = {p.name: p for p in (
+    Policy("none"),
+    Policy("liveness", frees=True),
+    Policy("recompute", frees=True, recomputes=True),
+    Policy("offload", frees=True, offloads=True),
+    Policy("superneurons", frees=True, recomputes=True, offloads=True, capped_by="offload"),
+)}
+AUTO = "auto"  # not a row: the fastest row whose arena fits the budget
+CHOICES = (*POLICIES, AUTO)  # every name a user may ask for
+
+
+def policy_named(name):
+    """The Policy called `name` (not "auto"); an unknown name is a SnrtError listing the choices."""
+    if name not in POLICIES:
+        raise SnrtError(f"unknown memory policy {name!r}; expected one of {', '.join(CHOICES)}")
+    return POLICIES[name]

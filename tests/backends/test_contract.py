@@ -1,0 +1,50 @@
+"""Both backends meet the contract of snrt/backends/base.py (the CUDA one checked where CuPy
+imports; no GPU is needed to check a class)."""
+
+import numpy as np
+import pytest
+
+import snrt
+from snrt.backends import BACKENDS, backend_class
+from snrt.backends.base import Backend, CopyEvent
+from snrt.backends.numpy_backend import NumpyBackend
+from snrt.scheduler.cost import CostModel
+
+
+def backend_classes():
+    classes = [NumpyBackend]
+    try:
+        from snrt.backends.cupy_backend import CupyBackend
+    except ImportError:  # the default install has no CuPy
+        return classes
+    return classes + [CupyBackend]
+
+
+@pytest.mark.parametrize("cls", backend_classes(), ids=lambda c: c.__name__)
+def test_every_backend_implements_the_whole_contract(cls):
+    assert issubclass(cls, Backend)
+    assert not cls.__abstractmethods__, f"{cls.__name__} leaves {sorted(cls.__abstractmethods__)} open"
+    assert cls.name in BACKENDS
+    assert isinstance(cls.cost_model, CostModel)
+
+
+def test_the_cpu_backend_carries_a_plan_out_through_the_contract():
+    graph = snrt.load_config("configs/lenet.yaml").graph
+    plan = snrt.plan(graph, batch=4, policy="offload")
+    assert plan.host_bytes > 0
+    backend = backend_class("cpu")(plan.arena_bytes, plan.host_bytes)
+    try:
+        buffer = next(b for b in plan.buffers if b.host_slot >= 0)
+        backend.arena.reserve(buffer)
+        view = backend.arena.view(buffer)
+        backend.upload(view, np.arange(view.size, dtype=view.dtype).reshape(view.shape))
+        event = backend.offload(buffer)
+        assert isinstance(event, CopyEvent)
+        event.wait()
+        view[...] = 0
+        backend.prefetch(buffer, buffer).wait()
+        np.testing.assert_array_equal(backend.to_host(view).ravel(), np.arange(view.size))
+        conv = next(n for n in graph.nodes.values() if n.layer.type_name == "Conv2d")
+        assert backend.kernel_for(conv.layer, graph.in_shapes(conv.name, 4)) is conv.layer
+    finally:
+        backend.close()

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from timing import fit_seconds
 
 import snrt
 from snrt import POLICIES
@@ -34,7 +35,6 @@ from snrt.scheduler.plan import PERSISTENT_ROLES
 from snrt.scheduler.planner import make_plan
 from snrt.scheduler.recompute import largest_step_bytes
 from snrt.summary import human_bytes
-from snrt.train import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,11 +93,10 @@ def timed_rows(networks, iterations, console):
     for name, size, batch in networks:
         row = {"network": name, "image": size, "batch": batch, "policies": {}}
         for policy in ("none", "superneurons"):
-            trainer = Trainer(synthetic_config(name, size, batch, policy))
-            history = trainer.fit(iterations=iterations + 1)[1:]  # the first iteration warms up
+            trainer, seconds = fit_seconds(synthetic_config(name, size, batch, policy), iterations)
             stats = trainer.executor.copy_stats
             row["policies"][policy] = {
-                "seconds_per_iteration": statistics.median(m.seconds for m in history),
+                "seconds_per_iteration": statistics.median(seconds),
                 "predicted_peak_bytes": trainer.plan.peak_bytes,
                 "measured_peak_bytes": trainer.backend.arena.peak_bytes,
                 "copy_s": stats["copy_s"], "stalled_s": stats["stalled_s"],

@@ -12,7 +12,7 @@ batch 8) it runs `--warmup` untimed and then `--iterations` timed training itera
   same parameters as snrt: BatchNorm and bias parameters are not decayed),
 
 on the same synthetic batches (`snrt.data.Batches(...).get(i)` of the Trainer's synthetic
-training set: batch i is identical in both runs). Both frameworks use every core: numpy's
+training set: batch i is identical in both runs), timed by the harness of scripts/timing.py. Both frameworks use every core: numpy's
 BLAS via OPENBLAS_NUM_THREADS / OMP_NUM_THREADS / MKL_NUM_THREADS (set before numpy loads,
 unless already set), torch via `torch.set_num_threads(os.cpu_count())`. The first
 iteration's loss of both is recorded as a check that they train the same network on the
@@ -35,8 +35,8 @@ Memory, and why every (model, framework) pair runs in its own subprocess:
   parameters, gradients, momentum and workspaces; neither counts NumPy temporaries that
   kernels allocate outside the arena, nor the Python/NumPy/data baseline).
 - "RSS" numbers come from `resource.getrusage(RUSAGE_SELF).ru_maxrss`, the process's
-  high-water mark of resident memory, read before the model is built, before the first
-  (warm-up) iteration and after the last one. "RSS growth" for torch is
+  high-water mark of resident memory, read before the model is built (the batches are
+  already precomputed), before the first (warm-up) iteration and after the last one. "RSS growth" for torch is
   max RSS after the iterations minus max RSS before the warm-up: the memory torch's
   allocator (glibc malloc/mmap) had to get from the OS for activations, gradients, momentum
   buffers and convolution workspaces on top of the built model and the data. For snrt the
@@ -58,30 +58,21 @@ frameworks; the "cores busy" column (process CPU seconds per wall second) shows 
 the machine a run actually got. Full mode takes about two minutes per round on 2 idle cores.
 """
 
+import timing  # first: it sets the BLAS thread counts before numpy loads
+
+import argparse
+import datetime
+import hashlib
+import json
 import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
 
-CORES = os.cpu_count() or 1
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, str(CORES))  # before numpy loads its BLAS
-
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import gc  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # this checkout's snrt, whatever the installed copy points at
-
-import numpy as np  # noqa: E402
-from reproduce_common import max_rss_bytes  # noqa: E402
+import numpy as np
+from timing import CORES, ROOT
 
 # name: (config file, batch, quick batch)
 MODELS = {
@@ -89,7 +80,6 @@ MODELS = {
     "resnet50": ("configs/resnet50.yaml", 8, 2),
 }
 FRAMEWORKS = ("snrt", "torch")
-RESULT_TAG = "BENCH_TRAIN_RESULT "  # the worker's JSON line on stdout
 MiB = 2**20
 FULL_CORES = 0.9  # an iteration "had the machine" when its process kept >= 90 % of the cores busy
 
@@ -102,16 +92,6 @@ def load(model, batch):
                                           "train.data": {"type": "synthetic", "samples": 4 * batch}})
 
 
-def batches_of(config, train_set, mean, std, count):
-    """The first `count` training batches of the Trainer's stream, precomputed (not timed)."""
-    from snrt.data import Batches
-
-    data = config.train.data
-    stream = Batches(train_set, config.train.batch, config.train.seed, mean, std,
-                     crop_padding=data.crop_padding, flip=data.flip, prefetch=False)
-    return [stream.get(i) for i in range(count)]
-
-
 def summarize(seconds, batch):
     rates = [batch / s for s in seconds]
     return {"seconds": seconds, "images_per_s": rates, "images_per_s_mean": batch * len(seconds) / sum(seconds),
@@ -119,7 +99,7 @@ def summarize(seconds, batch):
             "images_per_s_max": max(rates), "seconds_median": statistics.median(seconds)}
 
 
-def contention(cpu, seconds, load_before, batch):
+def contention(cpu, seconds, load_before, load_after, batch):
     """CPU seconds per wall second of the timed iterations (all threads of this process; about
     the core count when nothing else competes, lower when other processes take cores), the
     1-minute load average before and after them (it includes this process), and the median
@@ -128,122 +108,45 @@ def contention(cpu, seconds, load_before, batch):
     return {"cpu_seconds": cpu, "cores_busy": sum(cpu) / sum(seconds),
             "images_per_s_median_full_cores": statistics.median(full) if full else None,
             "iterations_full_cores": len(full),
-            "loadavg_1min_before": load_before[0], "loadavg_1min_after": os.getloadavg()[0]}
+            "loadavg_1min_before": load_before, "loadavg_1min_after": load_after}
+
+
+def measured(run, batch):
+    """The fields of a row both frameworks have, from a timing.Run."""
+    return {**summarize(run.seconds, batch),
+            **contention(run.cpu_seconds, run.seconds, run.loadavg_before, run.loadavg_after, batch),
+            "build_s": run.build_s, "losses": run.losses,
+            "rss_max_start_bytes": run.rss_max_start, "rss_max_before_iterations_bytes": run.rss_max_before,
+            "rss_max_after_bytes": run.rss_max_after,
+            "rss_growth_iterations_bytes": run.rss_max_after - run.rss_max_before,
+            "rss_growth_total_bytes": run.rss_max_after - run.rss_max_start}
 
 
 # ---- workers (one per subprocess) ---------------------------------------------------------
 def run_snrt(model, batch, warmup, iterations):
-    from snrt.train import Trainer
-
-    config = load(model, batch)
-    rss_start = max_rss_bytes()
-    start = time.perf_counter()
-    trainer = Trainer(config)
-    build_s = time.perf_counter() - start
-    data = batches_of(config, trainer.train_set, trainer.mean, trainer.std, warmup + iterations)
-    total = warmup + iterations
-    rss_before = max_rss_bytes()
-    seconds, cpu, step_seconds, losses = [], [], [], []
-    load_before = os.getloadavg()
-    for i, (x, y) in enumerate(data):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        metrics = trainer.step(x, y, total)
-        elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
-        losses.append(metrics.loss)
-        if i >= warmup:
-            seconds.append(elapsed)
-            cpu.append(used)
-            step_seconds.append(metrics.seconds)
-        print(f"  snrt {model} iteration {i}{' (warm-up)' if i < warmup else ''}: {elapsed:.2f} s, "
-              f"{used / elapsed:.2f} cores busy, loss {metrics.loss:.4f}", file=sys.stderr, flush=True)
-    rss_after = max_rss_bytes()
-    return {
-        **summarize(seconds, batch), **contention(cpu, seconds, load_before, batch), "build_s": build_s, "losses": losses,
-        "executor_seconds": step_seconds,  # Trainer's own timing: executor.run only
-        "plan_peak_bytes": int(trainer.plan.peak_bytes), "plan_arena_bytes": int(trainer.plan.arena_bytes),
-        "arena_peak_bytes": int(trainer.backend.arena.peak_bytes),
-        "rss_max_start_bytes": rss_start, "rss_max_before_iterations_bytes": rss_before,
-        "rss_max_after_bytes": rss_after,
-        "rss_growth_iterations_bytes": rss_after - rss_before, "rss_growth_total_bytes": rss_after - rss_start,
-    }
+    run = timing.time_snrt(load(model, batch), warmup, iterations, label=f"snrt {model}")
+    trainer = run.subject
+    return {**measured(run, batch), "executor_seconds": run.inner_seconds,  # Trainer's own timing: executor.run only
+            "plan_peak_bytes": int(trainer.plan.peak_bytes), "plan_arena_bytes": int(trainer.plan.arena_bytes),
+            "arena_peak_bytes": int(trainer.backend.arena.peak_bytes)}
 
 
 def run_torch(model, batch, warmup, iterations):
     import torch
 
-    from snrt.data import load_datasets, normalization
-    from snrt.init import initial_parameters, initial_state
-    from snrt.torch_reference import TorchNet, torch_sgd
-
-    torch.set_num_threads(CORES)
-    config = load(model, batch)
-    train = config.train
-    graph = config.graph
-    train_set, _ = load_datasets(train.data, tuple(config.input.shape), config.input.classes, train.seed)
-    mean, std = normalization(train.data, train_set)
-    data = [(torch.from_numpy(x), torch.from_numpy(y))
-            for x, y in batches_of(config, train_set, mean, std, warmup + iterations)]
-    del train_set
-    gc.collect()
-    rss_start = max_rss_bytes()
-    start = time.perf_counter()
-    # the Trainer's initial values: it copies exactly these into its arena
-    params = initial_parameters(graph, train.seed, train.init)
-    state = initial_state(graph)
-    net = TorchNet(graph, params, state)
-    net.train()
-    opt = train.optimizer
-    if opt.type != "sgd":
-        raise SystemExit(f"{model}: optimizer {opt.type!r}; this benchmark compares SGD only")
-    sgd = torch_sgd(net, graph, opt)
-    del params, state
-    gc.collect()
-    build_s = time.perf_counter() - start
-    rss_before = max_rss_bytes()
-    seconds, cpu, losses = [], [], []
-    load_before = os.getloadavg()
-    for i, (x, y) in enumerate(data):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        sgd.zero_grad(set_to_none=True)
-        loss = net({"data": x, "label": y}).mean()
-        loss.backward()
-        sgd.step()
-        value = loss.item()
-        elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
-        losses.append(value)
-        if i >= warmup:
-            seconds.append(elapsed)
-            cpu.append(used)
-        print(f"  torch {model} iteration {i}{' (warm-up)' if i < warmup else ''}: {elapsed:.2f} s, "
-              f"{used / elapsed:.2f} cores busy, loss {value:.4f}", file=sys.stderr, flush=True)
-    rss_after = max_rss_bytes()
-    return {
-        **summarize(seconds, batch), **contention(cpu, seconds, load_before, batch), "build_s": build_s, "losses": losses,
-        "threads": torch.get_num_threads(),
-        "rss_max_start_bytes": rss_start, "rss_max_before_iterations_bytes": rss_before,
-        "rss_max_after_bytes": rss_after,
-        "rss_growth_iterations_bytes": rss_after - rss_before, "rss_growth_total_bytes": rss_after - rss_start,
-    }
+    run = timing.time_torch(load(model, batch), warmup, iterations, label=f"torch {model}")
+    return {**measured(run, batch), "threads": torch.get_num_threads()}
 
 
-def worker(args):
-    fn = {"snrt": run_snrt, "torch": run_torch}[args.worker]
-    result = fn(args.worker_model, args.worker_batch, args.warmup, args.iterations)
-    print(RESULT_TAG + json.dumps(result), flush=True)
+WORKERS = {"snrt": run_snrt, "torch": run_torch}
 
 
 # ---- the driver ---------------------------------------------------------------------------
 def spawn(framework, model, batch, args):
-    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", framework,
-           "--worker-model", model, "--worker-batch", str(batch),
-           "--iterations", str(args.iterations), "--warmup", str(args.warmup)]
     print(f"{framework} {model} batch {batch}: {args.warmup} warm-up + {args.iterations} timed iterations",
           file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_TAG)]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"worker exited with status {proc.returncode}", "stdout": proc.stdout[-2000:]}
-    return json.loads(lines[-1][len(RESULT_TAG):])
+    return timing.spawn(__file__, framework, model=model, batch=batch, warmup=args.warmup,
+                        iterations=args.iterations)
 
 
 def pool_rounds(results, batch):
@@ -257,8 +160,8 @@ def pool_rounds(results, batch):
     seconds = [s for r in results for s in r["seconds"]]
     cpu = [c for r in results for c in r["cpu_seconds"]]
     row.update(summarize(seconds, batch))
-    row.update(contention(cpu, seconds, (results[0]["loadavg_1min_before"],), batch))
-    row.update({"loadavg_1min_after": results[-1]["loadavg_1min_after"], "rounds": results})
+    row.update(contention(cpu, seconds, results[0]["loadavg_1min_before"], results[-1]["loadavg_1min_after"], batch))
+    row["rounds"] = results
     for key in [k for k in row if k.startswith(("rss_", "arena_peak"))]:
         row[key] = max(r[key] for r in results)
     if "executor_seconds" in row:
@@ -356,6 +259,8 @@ def print_table(rows, meta):
 
 
 def main(argv=None):
+    if timing.serve(WORKERS, argv):
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
                         help="models to run (default: all)")
@@ -369,16 +274,11 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the whole sweep (fresh processes, frameworks interleaved) and pool "
                              "the timed iterations of all rounds (default 1); helps on a shared machine")
-    parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
-    parser.add_argument("--worker-model", choices=list(MODELS), help=argparse.SUPPRESS)
-    parser.add_argument("--worker-batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.iterations is None:
         args.iterations = 2 if args.quick else 5
     if args.iterations < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error("need --iterations >= 1, --warmup >= 0 and --rounds >= 1")
-    if args.worker:
-        return worker(args)
 
     meta = {**machine_info(), "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds,
             "quick": args.quick}

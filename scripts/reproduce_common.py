@@ -5,7 +5,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -66,21 +65,6 @@ def machine():
     except ImportError:
         info["torch"] = None
     return info
-
-
-def max_rss_bytes():
-    """The process's peak resident set size so far (ru_maxrss is KiB on Linux)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
-def current_rss_bytes():
-    """The process's resident set size now (Linux: /proc/self/statm; elsewhere the peak so far)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return max_rss_bytes()
 
 
 def gib(nbytes):

@@ -37,39 +37,19 @@ Writes results/speed.{md,json,png}.
     python scripts/reproduce_speed.py [--quick]
 """
 
-import os
+import timing  # first: it sets the BLAS thread counts before numpy loads
 
-os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-os.environ.setdefault("OPENBLAS_NUM_THREADS", str(os.cpu_count() or 1))
+import math
+import statistics
+import time
 
-import gc  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-from reproduce_common import (MIB, POLICIES, ROOT, current_rss_bytes, grouped_bars, machine,  # noqa: E402
-                              max_rss_bytes, meta_line,
-                              parse_args, save_json, save_markdown, synthetic_config, table)
+from reproduce_common import (MIB, POLICIES, grouped_bars, machine, meta_line, parse_args, save_json,
+                              save_markdown, synthetic_config, table)
 
 CASES = [("cifar_resnet110", 32, 32), ("cifar_resnet164", 32, 16), ("resnet50", 224, 8)]  # (config, image, batch)
 QUICK_CASES = [("cifar_resnet110", 32, 8), ("resnet50", 112, 4)]
 VARIANTS = [("snrt", p) for p in POLICIES] + [("torch", "plain"), ("torch", "checkpoint"), ("torch", "perturbed")]
 PERTURBATION = 1e-6  # "perturbed": plain PyTorch from initial parameters scaled by (1 + 1e-6 * N(0, 1))
-TAG = "REPRODUCE_SPEED_RESULT "
-
-
-def batches(config, count):
-    """The first `count` batches of the Trainer's stream (computed before timing)."""
-    from snrt.data import Batches, load_datasets, normalization
-    train = config.train
-    train_set, _ = load_datasets(train.data, tuple(config.input.shape), config.input.classes, train.seed)
-    mean, std = normalization(train.data, train_set)
-    stream = Batches(train_set, train.batch, train.seed, mean, std, crop_padding=train.data.crop_padding,
-                     flip=train.data.flip, prefetch=False)
-    return [stream.get(i) for i in range(count)]
 
 
 def chain_pieces(net, graph):
@@ -114,101 +94,54 @@ def chain_pieces(net, graph):
     return pieces
 
 
-def run_snrt(name, size, batch, policy, warmup, iterations):
-    from snrt.train import Trainer
-    config = synthetic_config(name, size, batch, policy)
-    data = batches(config, warmup + iterations)
-    rss_start = current_rss_bytes()
-    trainer = Trainer(config)
-    gc.collect()
-    rss_before, high_before = current_rss_bytes(), max_rss_bytes()
-    seconds, losses = [], []
-    for i, (x, y) in enumerate(data):
-        start = time.perf_counter()
-        losses.append(trainer.step(x, y, warmup + iterations).loss)
-        if i >= warmup:
-            seconds.append(time.perf_counter() - start)
-    return {"seconds": seconds, "losses": losses, "loss": losses[-1], "peak_bytes": trainer.backend.arena.peak_bytes,
-            "planned_peak_bytes": trainer.plan.peak_bytes, "predicted_s": trainer.plan.predicted_s,
-            **rss_growth(rss_before, high_before), "rss_growth_with_build_bytes": max_rss_bytes() - rss_start}
+def segments_of(pieces):
+    """checkpoint_sequential's segments: about sqrt(pieces)."""
+    return max(1, min(len(pieces), round(math.sqrt(len(pieces)))))
 
 
-def rss_growth(rss_before, high_before):
-    """The resident high-water mark after the iterations minus the resident bytes before them;
-    `new_high_water` False: the iterations never passed the earlier high-water mark, so this
-    is only an upper bound of what they needed."""
-    high = max_rss_bytes()
-    return {"rss_growth_bytes": high - rss_before, "new_high_water": high > high_before}
-
-
-def run_torch(name, size, batch, variant, warmup, iterations):
-    import numpy as np
-    import torch
+def checkpointed(net, graph):
+    """The loss function of the "checkpoint" variant: the chain of pieces under checkpoint_sequential."""
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint_sequential
 
-    from snrt.init import initial_parameters, initial_state
-    from snrt.optim import learning_rate
-    from snrt.torch_reference import TorchNet, torch_sgd
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    config = synthetic_config(name, size, batch)
-    graph, train = config.graph, config.train
-    data = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches(config, warmup + iterations)]
-    params = initial_parameters(graph, train.seed, train.init)
-    if variant == "perturbed":  # how far PyTorch's own losses move from a tiny change of the start
-        rng = np.random.default_rng(0)
-        params = {k: (v * (1 + PERTURBATION * rng.standard_normal(v.shape))).astype(v.dtype) for k, v in params.items()}
-    net = TorchNet(graph, params, initial_state(graph))
-    net.train()
-    opt = train.optimizer
-    sgd = torch_sgd(net, graph, opt)
     pieces = chain_pieces(net, graph)
-    segments = max(1, min(len(pieces), round(math.sqrt(len(pieces)))))
-    gc.collect()
-    rss_before, high_before = current_rss_bytes(), max_rss_bytes()
-    seconds, losses = [], []
-    for i, (x, y) in enumerate(data):
-        start = time.perf_counter()
-        for group in sgd.param_groups:  # the Trainer's schedule
-            group["lr"] = learning_rate(train.schedule, opt.lr, i, warmup + iterations)
-        sgd.zero_grad(set_to_none=True)
-        if variant != "checkpoint":
-            loss = net({"data": x, "label": y}).mean()
-        else:
-            logits = checkpoint_sequential(pieces, segments, x, use_reentrant=False)
-            loss = F.cross_entropy(logits, y)
-        loss.backward()
-        sgd.step()
-        losses.append(loss.item())
-        if i >= warmup:
-            seconds.append(time.perf_counter() - start)
-    growth = rss_growth(rss_before, high_before)
-    return {"seconds": seconds, "losses": losses, "loss": losses[-1], "peak_bytes": growth["rss_growth_bytes"], **growth,
-            "pieces": len(pieces), "segments": segments if variant == "checkpoint" else None,
-            "threads": torch.get_num_threads()}
+    segments = segments_of(pieces)
+    return lambda x, y: F.cross_entropy(checkpoint_sequential(pieces, segments, x, use_reentrant=False), y)
 
 
-def worker(argv):
-    framework, variant, name, size, batch, warmup, iterations = argv
-    run = run_snrt if framework == "snrt" else run_torch
-    result = run(name, int(size), int(batch), variant, int(warmup), int(iterations))
-    print(TAG + json.dumps(result), flush=True)
+def perturbed(params):
+    """The initial parameters scaled by (1 + PERTURBATION * N(0, 1))."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return {k: (v * (1 + PERTURBATION * rng.standard_normal(v.shape))).astype(v.dtype) for k, v in params.items()}
 
 
-def spawn(framework, variant, name, size, batch, warmup, iterations):
-    cmd = [sys.executable, __file__, "--worker", framework, variant, name, str(size), str(batch),
-           str(warmup), str(iterations)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    for line in proc.stdout.splitlines():
-        if line.startswith(TAG):
-            return json.loads(line[len(TAG):])
-    return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+def run_snrt(name, size, batch, variant, warmup, iterations):
+    run = timing.time_snrt(synthetic_config(name, size, batch, variant), warmup, iterations)
+    trainer = run.subject
+    return {"seconds": run.seconds, "losses": run.losses, "loss": run.losses[-1],
+            "peak_bytes": trainer.backend.arena.peak_bytes, "planned_peak_bytes": trainer.plan.peak_bytes,
+            "predicted_s": trainer.plan.predicted_s, "rss_growth_bytes": run.rss_growth_bytes,
+            "new_high_water": run.new_high_water, "rss_growth_with_build_bytes": run.rss_max_after - run.rss_start}
+
+
+def run_torch(name, size, batch, variant, warmup, iterations):
+    import torch
+
+    config = synthetic_config(name, size, batch)
+    run = timing.time_torch(config, warmup, iterations, schedule=True,  # the Trainer's learning-rate schedule
+                            adjust=perturbed if variant == "perturbed" else None,
+                            forward=checkpointed if variant == "checkpoint" else None, keep_initial=True)
+    pieces = chain_pieces(run.subject[0], config.graph)
+    return {"seconds": run.seconds, "losses": run.losses, "loss": run.losses[-1], "peak_bytes": run.rss_growth_bytes,
+            "rss_growth_bytes": run.rss_growth_bytes, "new_high_water": run.new_high_water, "pieces": len(pieces),
+            "segments": segments_of(pieces) if variant == "checkpoint" else None, "threads": torch.get_num_threads()}
 
 
 def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        return worker(sys.argv[2:])
+    if timing.serve({"snrt": run_snrt, "torch": run_torch}):
+        return
     parser = parse_args(__doc__)
     parser.add_argument("--iterations", type=int, default=None, help="timed iterations per round (quick 1, full 2)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds over every variant (quick 1, full 3)")
@@ -222,7 +155,8 @@ def main():
         for name, size, batch in (QUICK_CASES if args.quick else CASES):
             for framework, variant in VARIANTS:
                 start = time.perf_counter()
-                r = spawn(framework, variant, name, size, batch, warmup, iterations)
+                r = timing.spawn(__file__, framework, echo=False, name=name, size=size, batch=batch,
+                                 variant=variant, warmup=warmup, iterations=iterations)
                 r.update({"network": name, "image": size, "batch": batch, "framework": framework, "variant": variant,
                           "wall_s": time.perf_counter() - start})
                 merged = runs.setdefault((name, framework, variant), r)

@@ -15,9 +15,9 @@ Writes results/timeline.{md,json} and results/timeline_resnet50_superneurons.png
 import statistics
 
 from reproduce_common import POLICIES, machine, meta_line, parse_args, save_json, save_markdown, synthetic_config, table
+from timing import fit_seconds
 
 from snrt.timeline import draw_timeline
-from snrt.train import Trainer
 
 NETWORK = "resnet50"
 FULL, QUICK = (224, 8), (112, 4)  # (image size, batch)
@@ -30,12 +30,11 @@ def main():
     image, batch = QUICK if args.quick else FULL
     rows, timeline = [], None
     for policy in POLICIES:
-        trainer = Trainer(synthetic_config(NETWORK, image, batch, policy))
-        history = trainer.fit(iterations=1 + timed)[1:]  # the first iteration warms up
+        trainer, seconds = fit_seconds(synthetic_config(NETWORK, image, batch, policy), timed)
         plan, measured = trainer.plan, list(trainer.executor.measured_bytes)
         predicted = list(plan.device_bytes)
         row = {"policy": policy, "predicted_s": plan.predicted_s,
-               "measured_s": statistics.median(m.seconds for m in history), "iterations": len(history),
+               "measured_s": statistics.median(seconds), "iterations": len(seconds),
                "peak_bytes": plan.peak_bytes, "measured_peak_bytes": trainer.backend.arena.peak_bytes,
                "steps": len(plan.steps), "steps_equal": sum(p == m for p, m in zip(predicted, measured))}
         row["ratio"] = row["measured_s"] / row["predicted_s"]

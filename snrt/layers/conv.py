@@ -22,12 +22,15 @@ small images group samples, big ones are cut into bands of rows in forward (back
 whole samples, see `Conv2d._chunking`). When a chunk holds several samples its output (or
 output gradient) is staged batch-transposed, (O, columns), in a second workspace array;
 a single-sample chunk's GEMM reads and writes y[n] / gy[n] in place. Backward sums the
-weight gradient of later chunks through one (O, C/groups*kh*kw) workspace array.
+weight gradient of later chunks through one (O, C/groups*kh*kw) workspace array; for up to
+TRANSPOSED_WEIGHT_GRAD_MAX_OUT output channels per group every chunk's weight gradient is
+computed transposed into a (C/groups*kh*kw, O/groups) array instead (a faster GEMM there).
 
 A 1x1 kernel with stride 1, no padding and no dilation needs no column matrix: x[n] (C, H*W)
 already is one. Its forward uses no workspace; its backward only the weight-gradient partial.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -48,6 +51,11 @@ from snrt.layers.base import (
 from snrt.layers.registry import register
 
 GEMM_COLUMNS = 1024  # GEMM columns per chunk: BLAS runs at full speed from about 800 on
+# Up to this many output channels per group, the weight gradient is computed transposed,
+# gW^T (Cg*kh*kw, Og) = col @ gy^T, and copied back: OpenBLAS runs that orientation 1.1-2.3x
+# faster for Og <= 64 and 1.3-4x slower from Og = 128 on (results/bench_conv.md has the
+# measurement).
+TRANSPOSED_WEIGHT_GRAD_MAX_OUT = 64
 TAP_ELEMENTS = 1 << 16  # elements per tap copy, at least: amortises a numpy call's overhead
 
 
@@ -209,9 +217,16 @@ class Conv2d(Layer):
             shapes.append((c * kh * kw, nb * rb * wo))  # column matrix of one chunk
         if nb > 1:
             shapes.append((o, nb * rb * wo))  # the chunk's y or gy, batch-transposed
-        if phase == BACKWARD and (n > nb or ho > rb):
+        if phase == BACKWARD and self._weight_grad_transposed():
+            shapes.append((g, c // g * kh * kw, o // g))  # every chunk's weight gradient, transposed
+        elif phase == BACKWARD and (n > nb or ho > rb):
             shapes.append((g, o // g, c // g * kh * kw))  # weight gradient of a later chunk
         return shapes
+
+    def _weight_grad_transposed(self):
+        """True when the weight gradient's GEMM runs faster transposed (see
+        TRANSPOSED_WEIGHT_GRAD_MAX_OUT)."""
+        return self.out_channels // self.groups <= TRANSPOSED_WEIGHT_GRAD_MAX_OUT
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """Column matrix of one batch chunk, staging for its output, weight-gradient partial.
@@ -268,22 +283,34 @@ class Conv2d(Layer):
         shift = (i * self.dilation[0] - self.padding[0]) * w + j * self.dilation[1] - self.padding[1]
         return max(h0 * w, -shift), min(h1 * w, h * w - shift), shift
 
+    @functools.lru_cache(maxsize=4096)
+    def _tap_plan(self, in_hw, out_hw, rows):
+        """Per tap (i, j), in order: (i, j, local ranges, input slices, flat span or None) for
+        output rows [r0, r1). A pure function of the geometry, so computed once per chunk
+        shape rather than once per chunk."""
+        h, w = in_hw
+        kh, kw = self.kernel
+        r0 = rows[0]
+        flat = self._flat_rows(in_hw, out_hw)
+        plan = []
+        for i in range(kh):
+            for j in range(kw):
+                ((h0, h1), (w0, w1)), slices = self._tap_slices(in_hw, out_hw, i, j, rows)
+                span = None
+                if flat and h1 > h0 and w1 > w0:
+                    a, b, shift = self._flat_span(in_hw, i, j, r0 + h0, r0 + h1)
+                    span = (a - r0 * w, b - r0 * w, a + shift, b + shift)
+                plan.append((i, j, (h0, h1, w0, w1), tuple(slices), span))
+        return tuple(plan)
+
     def _tap_blocks(self, x_shape, out_hw, col, rows):
         """Per tap: (dst, local ranges, input slices, flat span or None); dst (C, nb, rb, Wo)
         is the tap's block of `col` for the chunk of samples x_shape[0] and output rows."""
         n, c, h, w = x_shape
         kh, kw = self.kernel
-        r0, r1 = rows
-        taps = col.reshape(c, kh, kw, n, r1 - r0, out_hw[1])
-        flat = self._flat_rows((h, w), out_hw)
-        for i in range(kh):
-            for j in range(kw):
-                ((h0, h1), (w0, w1)), slices = self._tap_slices((h, w), out_hw, i, j, rows)
-                span = None
-                if flat and h1 > h0 and w1 > w0:
-                    a, b, shift = self._flat_span((h, w), i, j, r0 + h0, r0 + h1)
-                    span = (a - r0 * w, b - r0 * w, a + shift, b + shift)
-                yield taps[:, i, j], (h0, h1, w0, w1), slices, span
+        taps = col.reshape(c, kh, kw, n, rows[1] - rows[0], out_hw[1])
+        for i, j, ranges, slices, span in self._tap_plan((h, w), tuple(out_hw), tuple(rows)):
+            yield taps[:, i, j], ranges, slices, span
 
     def _im2col(self, x, out_hw, col, rows):
         """Fill `col` (C*kh*kw, nb*rb*Wo) from x (nb, C, H, W) for output rows [r0, r1)."""
@@ -321,7 +348,8 @@ class Conv2d(Layer):
         (n0, n1, r0, r1, col) with col (C*kh*kw, GEMM columns) filled from x.
 
         staging (O, nb*rb*Wo) is None when chunks are single samples; partial (G, Og,
-        Cg*kh*kw) is None when there is one chunk or in forward. On the 1x1 path col is
+        Cg*kh*kw), or (G, Cg*kh*kw, Og) for a transposed weight gradient, is None in forward
+        and when a weight gradient of one chunk goes straight into gW. On the 1x1 path col is
         x[n0] itself, (C, H*W).
         """
         n, c = x.shape[:2]
@@ -365,7 +393,8 @@ class Conv2d(Layer):
         ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        """gW = sum over chunks of gy col^T, gb = sum_{n,h,w} gy, gx = col2im(W^T gy).
+        """gW = sum over chunks of gy col^T (or of (col gy^T)^T, see _weight_grad_transposed),
+        gb = sum_{n,h,w} gy, gx = col2im(W^T gy).
 
         Backward chunks are whole samples (see `_chunking`).
         """
@@ -388,9 +417,16 @@ class Conv2d(Layer):
                 xp.copyto(gyt.reshape(o, k, m), gy[n0:n1].reshape(k, o, m).transpose(1, 0, 2))
                 gyt = gyt.reshape(g, o // g, k * m)
             cols = col.reshape(g, -1, k * m)
-            xp.matmul(gyt, cols.transpose(0, 2, 1), out=gweight if n0 == 0 else partial)
-            if n0:
-                gweight += partial
+            if self._weight_grad_transposed():  # partial (G, Cg*kh*kw, Og)
+                xp.matmul(cols, gyt.transpose(0, 2, 1), out=partial)
+                if n0:
+                    gweight += partial.transpose(0, 2, 1)
+                else:
+                    xp.copyto(gweight, partial.transpose(0, 2, 1))
+            else:
+                xp.matmul(gyt, cols.transpose(0, 2, 1), out=gweight if n0 == 0 else partial)
+                if n0:
+                    gweight += partial
             if gx is None:
                 continue
             if self._is_pointwise():  # the column gradient is the input gradient

@@ -115,12 +115,15 @@ def test_conv2d_workspace():
     shape = [(2, 4, 7, 6)]
     layer = Conv2d(out_channels=3, kernel=3, padding=1)
     col, out = 4 * 9 * 2 * 7 * 6 * 8, 3 * 2 * 7 * 6 * 8  # whole batch in one chunk
+    weight_grad_t = 4 * 9 * 3 * 8  # 3 output channels: the weight gradient is computed transposed
     assert layer.workspace_bytes(shape, FORWARD, 8) == scratch_bytes(col, out)
-    assert layer.workspace_bytes(shape, BACKWARD, 8) == scratch_bytes(col, out)
+    assert layer.workspace_bytes(shape, BACKWARD, 8) == scratch_bytes(col, out, weight_grad_t)
     pointwise = Conv2d(out_channels=3, kernel=1)
     assert pointwise.workspace_bytes(shape, FORWARD, 4) == 0
     assert pointwise.workspace_bytes(shape, BACKWARD, 4) == scratch_bytes(3 * 4 * 4)
-    assert pointwise.workspace_bytes([(1, 4, 7, 6)], BACKWARD, 4) == 0
+    assert pointwise.workspace_bytes([(1, 4, 7, 6)], BACKWARD, 4) == scratch_bytes(3 * 4 * 4)
+    wide = Conv2d(out_channels=128, kernel=1)  # more than 64 outputs: gy col^T into gW directly
+    assert wide.workspace_bytes([(1, 4, 7, 6)], BACKWARD, 4) == 0
 
 
 def test_conv2d_workspace_is_one_chunk():
@@ -136,7 +139,8 @@ def test_conv2d_workspace_is_one_chunk():
     assert layer._chunking(8, 64, 14, 14, FORWARD) == (4, 14)  # 2 chunks of 4 samples, 784 columns
     assert layer.workspace_bytes([(8, 64, 14, 14)], FORWARD, 4) == scratch_bytes(
         64 * 9 * 4 * 196 * 4, 64 * 4 * 196 * 4)
-    assert layer.workspace_bytes([(1, 64, 14, 14)], BACKWARD, 4) == scratch_bytes(64 * 9 * 196 * 4)
+    assert layer.workspace_bytes([(1, 64, 14, 14)], BACKWARD, 4) == scratch_bytes(64 * 9 * 196 * 4,
+                                                                                   64 * 9 * 64 * 4)
     stem = Conv2d(out_channels=64, kernel=7, stride=2, padding=3)
     assert stem._chunking(8, 3, 112, 112, FORWARD) == (2, 112)  # 3 channels: big chunks, few numpy calls
 
@@ -226,3 +230,22 @@ def test_conv2d_ignores_stale_workspace(monkeypatch, options, gemm_columns):
     for clean, stale in zip(*results):
         assert not np.isnan(stale).any()
         np.testing.assert_array_equal(clean, stale)
+
+
+@pytest.mark.parametrize("max_out", [0, 1 << 30], ids=["gy-colT", "transposed"])
+@pytest.mark.parametrize("gemm_columns", [10, 1024], ids=["chunks", "one-chunk"])
+@pytest.mark.parametrize("options", [
+    dict(out_channels=3, kernel=3, padding=1),
+    dict(out_channels=6, kernel=3, padding=1, groups=2),
+    dict(out_channels=3, kernel=1),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_conv2d_weight_gradient_in_either_orientation(monkeypatch, max_out, gemm_columns, options):
+    """Both GEMM orientations of the weight gradient (chosen by output channels per group),
+    with one chunk and with the partial sums of many, against PyTorch and finite differences."""
+    import snrt.layers.conv as conv
+
+    monkeypatch.setattr(conv, "TRANSPOSED_WEIGHT_GRAD_MAX_OUT", max_out)
+    monkeypatch.setattr(Conv2d, "gemm_columns", gemm_columns)
+    monkeypatch.setattr(Conv2d, "tap_elements", 1)
+    layer = _check((3, 4, 7, 6), **options)
+    assert layer._weight_grad_transposed() == (max_out > 0)

@@ -4,15 +4,16 @@ store another, and the device-to-host and host-to-device streams are worker thre
 import numpy as np
 
 from snrt.backends.base import Backend
+from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.backends.streams import CopyStream
-from snrt.layers.base import LAYER_KERNELS
 from snrt.memory.arena import Arena
 from snrt.memory.host import HostStore
 from snrt.scheduler import cost
 
 
 class NumpyBackend(Backend):
-    """NumPy arrays stand in for device memory; kernels (the layers' own) run on the calling thread."""
+    """NumPy arrays stand in for device memory; kernels (the layers' own, or a compiled one
+    from cpu_kernels.py) run on the calling thread."""
 
     name = "cpu"
     xp = np
@@ -20,7 +21,7 @@ class NumpyBackend(Backend):
 
     @classmethod
     def kernel_choice(cls):
-        return LAYER_KERNELS
+        return CPU_KERNELS
 
     def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None):
         super().__init__(arena_bytes, host_bytes, check, kernels)

@@ -113,8 +113,8 @@ class BatchNorm(Layer):
             var = _per_channel_dot(xp, y3, y3) / count
             xp.add(var, self.eps, out=inv_std)
             if not recompute:
-                _blend(state["running_mean"], mean, self.momentum)
-                _blend(state["running_var"], var * (count / (count - 1)), self.momentum)
+                blend_running(state["running_mean"], mean, self.momentum)
+                blend_running(state["running_var"], var * (count / (count - 1)), self.momentum)
         else:
             mean[...] = state["running_mean"]
             xp.add(state["running_var"], self.eps, out=inv_std)
@@ -152,7 +152,7 @@ class BatchNorm(Layer):
         gx3 *= scale
 
 
-def _blend(running, batch, momentum):
+def blend_running(running, batch, momentum):
     """running <- (1 - momentum) * running + momentum * batch, in place."""
     running *= 1 - momentum
     running += momentum * batch

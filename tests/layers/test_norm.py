@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from snrt.errors import ShapeError
 from snrt.layers.base import BACKWARD, FORWARD
+from snrt.backends.cpu_kernels import CompiledBatchNorm
 from snrt.layers.norm import LRN, BatchNorm
 from tests.layers.harness import check_layer, make_params, make_state, run_backward, run_forward
 
@@ -23,25 +24,32 @@ def _torch_batch_norm(layer, state, training):
     return reference
 
 
+# the layer's own NumPy code, and the CPU backend's compiled kernel for it
+KERNELS = pytest.mark.parametrize("kernel", [lambda layer: layer, CompiledBatchNorm], ids=["numpy", "compiled"])
+
+
+@KERNELS
 @pytest.mark.parametrize("shape", [(4, 3, 5, 6), (6, 4), (1, 2, 3, 3)])
-def test_batch_norm_training(shape):
-    layer = BatchNorm(momentum=0.2, eps=1e-3)
+def test_batch_norm_training(shape, kernel):
+    layer = kernel(BatchNorm(momentum=0.2, eps=1e-3))
     x = np.random.default_rng(0).standard_normal(shape) * 2 + 1.5
     state = _running_stats(shape[1])
     check_layer(layer, [x], _torch_batch_norm(layer, state, True), state=state, rtol=1e-4, atol=1e-4)
 
 
+@KERNELS
 @pytest.mark.parametrize("shape", [(3, 3, 4, 5), (5, 4), (1, 2, 1, 1)])
-def test_batch_norm_eval(shape):
-    layer = BatchNorm()
+def test_batch_norm_eval(shape, kernel):
+    layer = kernel(BatchNorm())
     x = np.random.default_rng(1).standard_normal(shape)
     state = _running_stats(shape[1])
     check_layer(layer, [x], _torch_batch_norm(layer, state, False), state=state, training=False)
 
 
+@KERNELS
 @pytest.mark.parametrize("shape", [(4, 3, 5, 6), (7, 5)])
-def test_batch_norm_running_statistics_match_torch(shape):
-    layer = BatchNorm(momentum=0.3)
+def test_batch_norm_running_statistics_match_torch(shape, kernel):
+    layer = kernel(BatchNorm(momentum=0.3))
     rng = np.random.default_rng(2)
     x = (rng.standard_normal(shape) * 3 - 2).astype(np.float32)
     params = make_params(layer, [shape], rng)
@@ -59,8 +67,9 @@ def test_batch_norm_running_statistics_match_torch(shape):
                                rtol=1e-5)
 
 
-def test_batch_norm_recompute_leaves_running_statistics_and_repeats_the_output():
-    layer = BatchNorm()
+@KERNELS
+def test_batch_norm_recompute_leaves_running_statistics_and_repeats_the_output(kernel):
+    layer = kernel(BatchNorm())
     shape = (4, 3, 5, 5)
     rng = np.random.default_rng(3)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -77,8 +86,9 @@ def test_batch_norm_recompute_leaves_running_statistics_and_repeats_the_output()
         np.testing.assert_array_equal(aux_again[name], aux[name])
 
 
-def test_batch_norm_eval_forward_leaves_running_statistics():
-    layer = BatchNorm()
+@KERNELS
+def test_batch_norm_eval_forward_leaves_running_statistics(kernel):
+    layer = kernel(BatchNorm())
     state = {k: v.astype(np.float32) for k, v in _running_stats(3).items()}
     before = {k: v.copy() for k, v in state.items()}
     x = np.random.default_rng(4).standard_normal((2, 3, 2, 2)).astype(np.float32)
@@ -87,8 +97,9 @@ def test_batch_norm_eval_forward_leaves_running_statistics():
         np.testing.assert_array_equal(state[name], before[name])
 
 
-def test_batch_norm_backward_without_input_gradient():
-    layer = BatchNorm()
+@KERNELS
+def test_batch_norm_backward_without_input_gradient(kernel):
+    layer = kernel(BatchNorm())
     rng = np.random.default_rng(6)
     x = rng.standard_normal((3, 2, 4, 4))
     params = make_params(layer, [x.shape], rng, np.float64)
@@ -102,8 +113,9 @@ def test_batch_norm_backward_without_input_gradient():
         np.testing.assert_allclose(gparams[name], full_gparams[name], rtol=1e-12)
 
 
-def test_batch_norm_training_needs_two_values_per_channel():
-    layer = BatchNorm()
+@KERNELS
+def test_batch_norm_training_needs_two_values_per_channel(kernel):
+    layer = kernel(BatchNorm())
     x = np.ones((1, 3), dtype=np.float32)
     params = make_params(layer, [x.shape], np.random.default_rng(0))
     with pytest.raises(ValueError, match="more than 1 value per channel"):

@@ -1,0 +1,145 @@
+"""The CPU backend's kernel choice: the layers' own NumPy code, except where a compiled kernel
+measures faster (results/bench_layers.md).
+
+BatchNorm in training, compiled with numba: one channel at a time, its statistics (forward)
+or gradient sums (backward) and then its output, while the channel's values are still in
+cache: two passes over the channel, one trip through memory, where the NumPy layer makes
+five to eight passes with per-channel broadcasts whose inner loops are only H*W long. Sums
+are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2).
+
+Determinism: kernels are serial (no thread pool to fight OpenBLAS's spinning threads on a
+small machine) and compiled with `reassoc` and `contract` only, so a sum is vectorised in
+one order fixed by the compiled code: the same inputs give the same bits in every run and
+every policy (a recomputed BatchNorm reproduces the stored output); NaN and inf propagate
+(check mode relies on it).
+
+Kernels are "layer-like", as the CUDA ones are (snrt/backends/cuda_layers.py): the layer's
+`forward`, `backward` and `workspace_bytes` signatures, everything else from the layer.
+numba compiles a kernel on its first call for each dtype and caches the machine code beside
+this file (`cache=True`): about 0.7 s the first time, under 0.3 s to load in a new process.
+"""
+
+import numpy as np
+from numba import njit
+
+from snrt.layers.base import FLOAT32_BYTES, LayerKernels
+from snrt.layers.norm import blend_running
+
+FASTMATH = {"reassoc", "contract"}
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def channel_sums(a, b, c):
+    """(sum of a[:, c, :], sum of a[:, c, :] * b[:, c, :]) in float64; a, b (N, C, K)."""
+    total = 0.0
+    products = 0.0
+    for i in range(a.shape[0]):
+        for j in range(a.shape[2]):
+            v = np.float64(a[i, c, j])
+            total += v
+            products += v * b[i, c, j]
+    return total, products
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def batchnorm_forward(x, weight, bias, eps, y, mean, inv_std, var, scale_shift):
+    """Per channel c of x (N, C, K): mean[c], biased var[c] (float64) and inv_std[c] over the
+    N*K values, then y = x * scale + shift with scale = weight * inv_std and shift = bias -
+    mean * scale (kept in scale_shift (2, C), x's dtype)."""
+    n, channels, k = x.shape
+    count = n * k
+    for c in range(channels):
+        total, squares = channel_sums(x, x, c)
+        mu = total / count
+        var[c] = max(squares / count - mu * mu, 0.0)
+        mean[c] = mu
+        inv_std[c] = 1.0 / np.sqrt(var[c] + eps)
+        scale_shift[0, c] = weight[c] * inv_std[c]
+        scale_shift[1, c] = bias[c] - mean[c] * scale_shift[0, c]
+        a, b = scale_shift[0, c], scale_shift[1, c]
+        for i in range(n):
+            for j in range(k):
+                y[i, c, j] = x[i, c, j] * a + b
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def batchnorm_backward(x, gy, weight, mean, inv_std, gweight, gbias, gx, coefficients):
+    """Per channel c: gbias = sum(gy), gweight = sum(gy * xhat) (float64 sums), then, unless
+    gx has no samples, gx = a * gy + b * x + d with a = weight * inv_std, b = -a * inv_std *
+    gweight / M, d = -b * mean - a * gbias / M (kept in coefficients (3, C), x's dtype)."""
+    n, channels, k = x.shape
+    count = n * k
+    for c in range(channels):
+        sum_gy, sum_gy_x = channel_sums(gy, x, c)
+        mu, istd = np.float64(mean[c]), np.float64(inv_std[c])
+        sum_gy_xhat = (sum_gy_x - mu * sum_gy) * istd
+        gweight[c] = sum_gy_xhat
+        gbias[c] = sum_gy
+        if gx.shape[0] == 0:
+            continue
+        a = weight[c] * istd
+        b = -a * istd * sum_gy_xhat / count
+        coefficients[0, c] = a
+        coefficients[1, c] = b
+        coefficients[2, c] = -b * mu - a * sum_gy / count
+        ca, cb, cd = coefficients[0, c], coefficients[1, c], coefficients[2, c]
+        for i in range(n):
+            for j in range(k):
+                gx[i, c, j] = ca * gy[i, c, j] + cb * x[i, c, j] + cd
+
+
+class CompiledBatchNorm:
+    """BatchNorm's training steps by the kernels above; eval steps run the layer's own code.
+    Same contract as snrt.layers.norm.BatchNorm: aux `mean` and `inv_std`, running statistics
+    blended unless the forward is a recomputation."""
+
+    name = "numba"
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __getattr__(self, name):  # the facts (shapes, specs, saves, ...) are the layer's
+        return getattr(self.layer, name)
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return self.layer.workspace_bytes(in_shapes, phase, itemsize)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        if not ctx.training:
+            return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
+        self.layer.check_training([xs[0].shape])
+        x3 = _by_channel(xs[0])
+        n, channels, k = x3.shape
+        var = np.empty(channels, np.float64)
+        batchnorm_forward(x3, params["weight"], params["bias"], self.layer.eps, _by_channel(y), aux["mean"],
+                          aux["inv_std"], var, np.empty((2, channels), x3.dtype))
+        if not recompute:
+            count = n * k
+            blend_running(state["running_mean"], aux["mean"], self.layer.momentum)
+            blend_running(state["running_var"], (var * (count / (count - 1))).astype(x3.dtype), self.layer.momentum)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        if not ctx.training:
+            return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
+        x3 = _by_channel(saved.xs[0])
+        gx3 = _by_channel(gxs[0]) if gxs[0] is not None else x3[:0]  # no samples: sums only
+        batchnorm_backward(x3, _by_channel(gy), params["weight"], aux["mean"], aux["inv_std"], gparams["weight"],
+                           gparams["bias"], gx3, np.empty((3, x3.shape[1]), x3.dtype))
+
+
+def _by_channel(array):
+    """(N, C, K) view of an (N, C, ...) array."""
+    return array.reshape(array.shape[0], array.shape[1], -1)
+
+
+class CpuKernels(LayerKernels):
+    """The CPU's kernel of every layer: a compiled kernel where REGISTRY has one, else the layer."""
+
+    REGISTRY = {"BatchNorm": CompiledBatchNorm}
+
+    def kernel_for(self, layer, in_shapes):
+        kernel_class = self.REGISTRY.get(layer.type_name)
+        return kernel_class(layer) if kernel_class else layer
+
+
+CPU_KERNELS = CpuKernels()

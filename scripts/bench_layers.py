@@ -1,0 +1,192 @@
+"""Time every layer family snrt trains ResNets with, as the CPU backend runs it, next to PyTorch.
+
+Not a test. For each (layer, input shape): forward and backward of the kernel the CPU backend
+runs for it (`NumpyBackend.kernel_choice().kernel_for(layer, in_shapes)`: the layer's own
+NumPy code, or a compiled kernel from snrt/backends/cpu_kernels.py), with its buffers and
+planned workspace allocated once, against PyTorch's (forward under no_grad; backward =
+`torch.autograd.grad` of the output with respect to every input and parameter), both with
+as many threads as cores. Timing as in bench_conv.py (one warm-up, then `--repeats` rounds,
+best time kept, median in the JSON), but kernels run back to back as in training (no wait for
+idle CPUs before a round by default: after an idle pause every call starts with parked
+threads and cold caches, which inflates small kernels several times), and snrt's two kernels
+and PyTorch's two are timed in separate phases with a pause between:
+OpenBLAS's threads and PyTorch's OpenMP threads spin for a while after each call, and on
+2 cores kernels of the two frameworks run in turn slow each other down several times over. Shapes: CIFAR ResNet layers at batch 32 and ResNet-50 layers at
+batch 8. Writes results/bench_layers.{json,md}.
+
+    python scripts/bench_layers.py [--repeats 7] [--out results/bench_layers]
+"""
+
+import os
+
+CORES = os.cpu_count() or 1
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, str(CORES))  # before numpy loads its BLAS
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_conv import time_rounds  # noqa: E402
+from reproduce_common import machine, table  # noqa: E402
+
+from snrt.backends.numpy_backend import NumpyBackend  # noqa: E402
+from snrt.layers.activation import ReLU  # noqa: E402
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved  # noqa: E402
+from snrt.layers.conv import Conv2d  # noqa: E402
+from snrt.layers.join import Add  # noqa: E402
+from snrt.layers.norm import BatchNorm  # noqa: E402
+from snrt.layers.pool import MaxPool  # noqa: E402
+
+
+PAUSE_S = 0.5  # longer than OpenBLAS's and OpenMP's spin-wait after a call
+
+
+def conv(**options):
+    return Conv2d(bias=False, **options)
+
+
+# name, layer, input shapes (one per input)
+CASES = [
+    ("conv 3x3 16->16 @32 b32", conv(out_channels=16, kernel=3, padding=1), [(32, 16, 32, 32)]),
+    ("conv 3x3 32->32 @16 b32", conv(out_channels=32, kernel=3, padding=1), [(32, 32, 16, 16)]),
+    ("conv 3x3 64->64 @8 b32", conv(out_channels=64, kernel=3, padding=1), [(32, 64, 8, 8)]),
+    ("conv 3x3/2 16->32 @32 b32", conv(out_channels=32, kernel=3, stride=2, padding=1), [(32, 16, 32, 32)]),
+    ("conv 1x1 64->16 @32 b32", conv(out_channels=16, kernel=1), [(32, 64, 32, 32)]),
+    ("conv 7x7/2 3->64 @224 b8", conv(out_channels=64, kernel=7, stride=2, padding=3), [(8, 3, 224, 224)]),
+    ("conv 3x3 64->64 @56 b8", conv(out_channels=64, kernel=3, padding=1), [(8, 64, 56, 56)]),
+    ("conv 1x1 256->64 @56 b8", conv(out_channels=64, kernel=1), [(8, 256, 56, 56)]),
+    ("conv 3x3 256->256 @14 b8", conv(out_channels=256, kernel=3, padding=1), [(8, 256, 14, 14)]),
+    ("conv 1x1 512->2048 @7 b8", conv(out_channels=2048, kernel=1), [(8, 512, 7, 7)]),
+    ("batchnorm 16 @32 b32", BatchNorm(), [(32, 16, 32, 32)]),
+    ("batchnorm 64 @8 b32", BatchNorm(), [(32, 64, 8, 8)]),
+    ("batchnorm 64 @112 b8", BatchNorm(), [(8, 64, 112, 112)]),
+    ("batchnorm 256 @56 b8", BatchNorm(), [(8, 256, 56, 56)]),
+    ("maxpool 3x3/2 64 @112 b8", MaxPool(kernel=3, stride=2, padding=1), [(8, 64, 112, 112)]),
+    ("relu 16 @32 b32", ReLU(), [(32, 16, 32, 32)]),
+    ("relu 256 @56 b8", ReLU(), [(8, 256, 56, 56)]),
+    ("add 16 @32 b32", Add(), [(32, 16, 32, 32)] * 2),
+    ("add 256 @56 b8", Add(), [(8, 256, 56, 56)] * 2),
+]
+
+
+def snrt_kernels(layer, xs, params, rng):
+    """(forward, backward) closures running the CPU backend's kernel for `layer` on
+    preallocated buffers and workspace, in training mode."""
+    in_shapes = [x.shape for x in xs]
+    kernel = NumpyBackend.kernel_choice().kernel_for(layer, in_shapes)
+    y = np.empty(layer.infer_shape(in_shapes), np.float32)
+    gy = rng.standard_normal(y.shape).astype(np.float32)
+    aux = {k: np.empty(s.shape, np.float32 if s.dtype == "compute" else s.dtype)
+           for k, s in layer.aux_specs(in_shapes).items()}
+    state = {k: np.full(s.shape, s.fill, np.float32) for k, s in layer.state_specs(in_shapes).items()}
+    gxs = [np.empty_like(x) for x in xs]
+    gparams = {k: np.empty_like(v) for k, v in params.items()}
+    workspace = {phase: np.zeros(kernel.workspace_bytes(in_shapes, phase, 4), np.uint8) for phase in (FORWARD, BACKWARD)}
+    saves = layer.saves
+    saved = Saved(tuple(x if i in saves.inputs else None for i, x in enumerate(xs)), y if saves.output else None)
+
+    def forward():
+        kernel.forward(KernelContext(np, workspace=workspace[FORWARD]), xs, params, state, y, aux)
+
+    def backward():
+        kernel.backward(KernelContext(np, workspace=workspace[BACKWARD]), gy, saved, params, aux, gxs, gparams)
+
+    forward()  # aux (BatchNorm statistics, MaxPool argmax) for backward
+    return forward, backward, getattr(kernel, "name", "numpy")
+
+
+def torch_function(layer):
+    """The PyTorch function of `layer`: f(inputs, params) -> output."""
+    if isinstance(layer, Conv2d):
+        return lambda xs, p: F.conv2d(xs[0], p["weight"], None, layer.stride, layer.padding, layer.dilation,
+                                      layer.groups)
+    if isinstance(layer, BatchNorm):
+        return lambda xs, p: F.batch_norm(xs[0], None, None, p["weight"], p["bias"], True, layer.momentum, layer.eps)
+    if isinstance(layer, MaxPool):
+        return lambda xs, p: F.max_pool2d(xs[0], layer.kernel, layer.stride, layer.padding)
+    if isinstance(layer, ReLU):
+        return lambda xs, p: F.relu(xs[0])
+    if isinstance(layer, Add):
+        return lambda xs, p: xs[0] + xs[1]
+    raise ValueError(f"no PyTorch function for {layer.type_name}")
+
+
+def torch_kernels(layer, xs, params, rng):
+    """(forward, backward) closures of PyTorch on the same values."""
+    f = torch_function(layer)
+    txs = [torch.from_numpy(x).requires_grad_() for x in xs]
+    tps = {k: torch.from_numpy(v).requires_grad_() for k, v in params.items()}
+    leaves = txs + list(tps.values())
+    out = f(txs, tps)
+    gy = torch.from_numpy(rng.standard_normal(tuple(out.shape)).astype(np.float32))
+
+    def forward():
+        with torch.no_grad():
+            f(txs, tps)
+
+    def backward():
+        torch.autograd.grad(out, leaves, gy, retain_graph=True)
+
+    return forward, backward
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per kernel, after one warm-up")
+    parser.add_argument("--out", default="results/bench_layers", help="path without suffix for .json and .md")
+    parser.add_argument("--settle", action=argparse.BooleanOptionalAction, default=False,
+                        help="wait for idle CPUs before each timing round (Linux; off: kernels run back to back)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(CORES)
+    meta = machine()
+    start = time.perf_counter()
+    rows = []
+    for name, layer, in_shapes in CASES:
+        rng = np.random.default_rng(0)
+        xs = [rng.standard_normal(shape).astype(np.float32) for shape in in_shapes]
+        params = {k: (rng.standard_normal(s.shape) * 0.05 + (1 if k == "weight" and isinstance(layer, BatchNorm) else 0))
+                  .astype(np.float32) for k, s in layer.param_specs(in_shapes).items()}
+        snrt_f, snrt_b, kernel = snrt_kernels(layer, xs, params, rng)
+        torch_f, torch_b = torch_kernels(layer, xs, params, rng)
+        timed, others = {}, []
+        for kernels in ({"snrt_forward": snrt_f, "snrt_backward": snrt_b},
+                        {"torch_forward": torch_f, "torch_backward": torch_b}):
+            time.sleep(PAUSE_S)  # the other framework's threads stop spinning
+            phase, share = time_rounds(kernels, args.repeats, args.settle)
+            timed.update(phase)
+            others.append(share)
+        others = None if None in others else max(others)
+        row = {"layer": name, "kernel": kernel, "inputs": [list(s) for s in in_shapes], "other_processes_cpu_share": others}
+        for key, (best, median) in timed.items():
+            row[f"{key}_ms"], row[f"{key}_median_ms"] = best * 1e3, median * 1e3
+        rows.append(row)
+        print(f"{name:28s} {kernel:6s} fwd {row['snrt_forward_ms']:7.2f} vs {row['torch_forward_ms']:7.2f} ms   "
+              f"bwd {row['snrt_backward_ms']:7.2f} vs {row['torch_backward_ms']:7.2f} ms", flush=True)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta.update({"repeats": args.repeats, "settle": args.settle, "threads": CORES, "seconds": time.perf_counter() - start})
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = ["# Layers on this CPU: snrt's CPU kernels against PyTorch", "",
+             f"Generated {meta['date']} on {meta['platform']} ({meta['cores']} cores), NumPy {meta['numpy']}, "
+             f"PyTorch {meta['torch']}; load average {meta['load_average'][0]:.2f} when it started. "
+             f"`python scripts/bench_layers.py` (best of {args.repeats} after a warm-up, ms; "
+             "speed = PyTorch ms / snrt ms, above 1 snrt is faster; kernel = what the CPU backend runs: "
+             "numpy = the layer's own code, numba = snrt/backends/cpu_kernels.py).", ""]
+    lines += table(["layer", "kernel", "snrt fwd", "torch fwd", "fwd speed", "snrt bwd", "torch bwd", "bwd speed"], [
+        [r["layer"], r["kernel"], f"{r['snrt_forward_ms']:.2f}", f"{r['torch_forward_ms']:.2f}",
+         f"{r['torch_forward_ms'] / r['snrt_forward_ms']:.2f}x", f"{r['snrt_backward_ms']:.2f}",
+         f"{r['torch_backward_ms']:.2f}", f"{r['torch_backward_ms'] / r['snrt_backward_ms']:.2f}x"] for r in rows])
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}.json and {out}.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,10 +17,10 @@ from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, Cost, numel
 class CostModel:
     """Machine rates: FLOP/s of the kernels, bytes/s of memory traffic and of host copies."""
 
-    flops_per_s: float = 90e9
-    memory_bytes_per_s: float = 5e9
+    flops_per_s: float = 210e9
+    memory_bytes_per_s: float = 11e9
     copy_bytes_per_s: float = 5e9
-    step_overhead_s: float = 500e-6
+    step_overhead_s: float = 110e-6
 
     def kernel_s(self, cost):
         """Seconds for one kernel call of Cost `cost`."""

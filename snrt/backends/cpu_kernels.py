@@ -5,7 +5,10 @@ BatchNorm in training, compiled with numba: one channel at a time, its statistic
 or gradient sums (backward) and then its output, while the channel's values are still in
 cache: two passes over the channel, one trip through memory, where the NumPy layer makes
 five to eight passes with per-channel broadcasts whose inner loops are only H*W long. Sums
-are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2).
+are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2). ReLU's backward in one
+pass (the layer's makes two) and MaxPool's backward in one pass without workspace (the
+layer's makes one per window offset). Compiled forwards of ReLU and MaxPool measured no
+faster than the layers' NumPy code, so those stay the layers'.
 
 Determinism: kernels are serial (no thread pool to fight OpenBLAS's spinning threads on a
 small machine) and compiled with `reassoc` and `contract` only, so a sum is vectorised in
@@ -22,7 +25,7 @@ this file (`cache=True`): about 0.7 s the first time, under 0.3 s to load in a n
 import numpy as np
 from numba import njit
 
-from snrt.layers.base import FLOAT32_BYTES, LayerKernels
+from snrt.layers.base import FLOAT32_BYTES, FORWARD, LayerKernels
 from snrt.layers.norm import blend_running
 
 FASTMATH = {"reassoc", "contract"}
@@ -88,21 +91,49 @@ def batchnorm_backward(x, gy, weight, mean, inv_std, gweight, gbias, gx, coeffic
                 gx[i, c, j] = ca * gy[i, c, j] + cb * x[i, c, j] + cd
 
 
-class CompiledBatchNorm:
-    """BatchNorm's training steps by the kernels above; eval steps run the layer's own code.
-    Same contract as snrt.layers.norm.BatchNorm: aux `mean` and `inv_std`, running statistics
-    blended unless the forward is a recomputation."""
+@njit(cache=True)
+def relu_backward(y, gy, gx):
+    """gx = sign(y) * gy over flat arrays, one pass (the layer's own code makes two); sign keeps
+    a NaN in y visible in gx."""
+    for i in range(y.size):
+        gx[i] = np.sign(y[i]) * gy[i]
+
+
+@njit(cache=True)
+def maxpool_backward(gy, argmax, kh, kw, sh, sw, ph, pw, gx):
+    """gx = 0, then each gy[n, c, r, q] added at its window's argmax (when inside x)."""
+    gx[...] = 0.0
+    n, channels, h, w = gx.shape
+    for s in range(n):
+        for c in range(channels):
+            for r in range(gy.shape[2]):
+                for q in range(gy.shape[3]):
+                    k = argmax[s, c, r, q]
+                    hi, wi = r * sh - ph + k // kw, q * sw - pw + k % kw
+                    if 0 <= hi < h and 0 <= wi < w:
+                        gx[s, c, hi, wi] += gy[s, c, r, q]
+
+
+class LayerLike:
+    """Base of the compiled kernels: the facts (shapes, specs, saves, ...) are the layer's;
+    a kernel that needs no workspace says so (the planner reserves what the kernel asks)."""
 
     name = "numba"
 
     def __init__(self, layer):
         self.layer = layer
 
-    def __getattr__(self, name):  # the facts (shapes, specs, saves, ...) are the layer's
+    def __getattr__(self, name):
         return getattr(self.layer, name)
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
-        return self.layer.workspace_bytes(in_shapes, phase, itemsize)
+        return 0
+
+
+class CompiledBatchNorm(LayerLike):
+    """BatchNorm's training steps by the kernels above; eval steps run the layer's own code.
+    Same contract as snrt.layers.norm.BatchNorm: aux `mean` and `inv_std`, running statistics
+    blended unless the forward is a recomputation."""
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         if not ctx.training:
@@ -127,6 +158,34 @@ class CompiledBatchNorm:
                            gparams["bias"], gx3, np.empty((3, x3.shape[1]), x3.dtype))
 
 
+class CompiledReLU(LayerLike):
+    """ReLU with a one-pass backward; forward (one np.maximum) is the layer's."""
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        if gxs[0] is not None:
+            relu_backward(saved.y.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1))
+
+
+class CompiledMaxPool(LayerLike):
+    """MaxPool with a one-pass backward that needs no workspace (the layer's makes a pass per
+    window offset); forward is the layer's (a compiled forward measured slower than its
+    strided NumPy maxima), with the layer's workspace."""
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return self.layer.workspace_bytes(in_shapes, phase, itemsize) if phase == FORWARD else 0
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        if gxs[0] is not None:
+            layer = self.layer
+            maxpool_backward(gy, aux["argmax"], *layer.kernel, *layer.stride, *layer.padding, gxs[0])
+
+
 def _by_channel(array):
     """(N, C, K) view of an (N, C, ...) array."""
     return array.reshape(array.shape[0], array.shape[1], -1)
@@ -135,7 +194,7 @@ def _by_channel(array):
 class CpuKernels(LayerKernels):
     """The CPU's kernel of every layer: a compiled kernel where REGISTRY has one, else the layer."""
 
-    REGISTRY = {"BatchNorm": CompiledBatchNorm}
+    REGISTRY = {"BatchNorm": CompiledBatchNorm, "ReLU": CompiledReLU, "MaxPool": CompiledMaxPool}
 
     def kernel_for(self, layer, in_shapes):
         kernel_class = self.REGISTRY.get(layer.type_name)

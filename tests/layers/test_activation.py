@@ -2,7 +2,9 @@ import numpy as np
 import pytest
 import torch
 
+from snrt.backends.cpu_kernels import CompiledReLU
 from snrt.layers.activation import LeakyReLU, ReLU, Sigmoid, Tanh
+from snrt.layers.base import KernelContext, Saved
 from tests.layers.harness import check_layer
 
 
@@ -26,6 +28,23 @@ def away_from_zero(shape, seed=0):
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 7)])
 def test_activation(layer, reference, shape):
     check_layer(layer, [away_from_zero(shape)], reference)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 7)])
+def test_compiled_relu(shape):
+    """The CPU backend's ReLU kernel: the same checks, and the same bits as the layer's code,
+    a NaN in the saved output included (check mode's poison must stay visible)."""
+    kernel = CompiledReLU(ReLU())
+    check_layer(kernel, [away_from_zero(shape)], lambda xs, p: torch.relu(xs[0]))
+    rng = np.random.default_rng(1)
+    y = np.maximum(rng.standard_normal(shape), 0).astype(np.float32)
+    y.flat[0] = np.nan
+    gy = rng.standard_normal(shape).astype(np.float32)
+    expected, got = np.empty_like(y), np.empty_like(y)
+    ReLU().backward(KernelContext(np), gy, Saved((None,), y), {}, {}, [expected], {})
+    kernel.backward(KernelContext(np), gy, Saved((None,), y), {}, {}, [got], {})
+    np.testing.assert_array_equal(got, expected)
+    assert np.isnan(got.flat[0])
 
 
 def test_sigmoid_is_finite_for_large_inputs():

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from snrt.errors import ShapeError
 from snrt.layers.base import BACKWARD, FORWARD
+from snrt.backends.cpu_kernels import CompiledMaxPool
 from snrt.layers.pool import AvgPool, GlobalAvgPool, MaxPool
 from tests.layers.harness import check_layer, run_backward, run_forward
 
@@ -36,9 +37,14 @@ def _torch_kwargs(kernel, stride, padding, ceil_mode):
     return dict(kernel_size=kernel, stride=stride, padding=padding, ceil_mode=ceil_mode)
 
 
+# the layer's own NumPy code, and the CPU backend's compiled kernel for it
+KERNELS = pytest.mark.parametrize("kernel_of", [lambda layer: layer, CompiledMaxPool], ids=["numpy", "compiled"])
+
+
+@KERNELS
 @pytest.mark.parametrize("kernel, stride, padding, ceil_mode, shape", WINDOWS)
-def test_max_pool(kernel, stride, padding, ceil_mode, shape):
-    layer = MaxPool(**_pool_kwargs(kernel, stride, padding, ceil_mode))
+def test_max_pool(kernel, stride, padding, ceil_mode, shape, kernel_of):
+    layer = kernel_of(MaxPool(**_pool_kwargs(kernel, stride, padding, ceil_mode)))
     kwargs = _torch_kwargs(kernel, stride, padding, ceil_mode)
     check_layer(layer, [distinct(shape)], lambda xs, p: F.max_pool2d(xs[0], **kwargs))
 
@@ -52,17 +58,19 @@ def test_avg_pool(kernel, stride, padding, ceil_mode, shape, count_include_pad):
     check_layer(layer, [x], lambda xs, p: F.avg_pool2d(xs[0], count_include_pad=count_include_pad, **kwargs))
 
 
-def test_max_pool_large_window_uses_int32_indices():
-    layer = MaxPool(kernel=16, stride=1)
+@KERNELS
+def test_max_pool_large_window_uses_int32_indices(kernel_of):
+    layer = kernel_of(MaxPool(kernel=16, stride=1))
     assert layer.aux_specs([(1, 1, 16, 16)])["argmax"].dtype == "int32"
     assert MaxPool(kernel=(15, 17)).aux_specs([(1, 1, 15, 17)])["argmax"].dtype == "uint8"
     check_layer(layer, [distinct((1, 2, 17, 18))], lambda xs, p: F.max_pool2d(xs[0], 16, 1))
 
 
-def test_max_pool_ties_go_to_the_first_maximum_like_torch():
+@KERNELS
+def test_max_pool_ties_go_to_the_first_maximum_like_torch(kernel_of):
     x = np.zeros((1, 2, 6, 6), dtype=np.float32)
     x[0, 1, 2:4, 2:4] = 1.0  # a tie inside each window covering it
-    layer = MaxPool(kernel=3, stride=1, padding=1)
+    layer = kernel_of(MaxPool(kernel=3, stride=1, padding=1))
     y, aux = run_forward(layer, [x], {})
     gy = np.random.default_rng(2).standard_normal(y.shape).astype(np.float32)
     gxs, _ = run_backward(layer, [x], y, aux, gy, {})
@@ -71,12 +79,13 @@ def test_max_pool_ties_go_to_the_first_maximum_like_torch():
     np.testing.assert_allclose(gxs[0], tx.grad.numpy(), rtol=1e-6, atol=1e-6)
 
 
-def test_max_pool_argmax_is_the_window_index():
+@KERNELS
+def test_max_pool_argmax_is_the_window_index(kernel_of):
     x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
-    _, aux = run_forward(MaxPool(kernel=2), [x], {})
+    _, aux = run_forward(kernel_of(MaxPool(kernel=2)), [x], {})
     assert aux["argmax"].dtype == np.uint8
     np.testing.assert_array_equal(aux["argmax"], 3)  # bottom-right of every 2x2 window
-    _, aux = run_forward(MaxPool(kernel=3, stride=2, padding=1), [x], {})
+    _, aux = run_forward(kernel_of(MaxPool(kernel=3, stride=2, padding=1)), [x], {})
     np.testing.assert_array_equal(aux["argmax"][0, 0], [[8, 8], [8, 8]])
 
 

@@ -12,6 +12,8 @@ of the machine's speed during the run slows every variant alike:
 - PyTorch "plain": `snrt.torch_reference.TorchNet` built from the same graph and the Trainer's
   initial parameters, trained with torch.optim.SGD (same lr, momentum, weight decay on every
   parameter but BatchNorm's and biases, as snrt; the Trainer's learning-rate schedule);
+- PyTorch "channels_last": "plain" with its 4-D parameters and every batch in the channels-last
+  memory format (often faster on CPUs); the anchor for snrt is the faster of the two layouts;
 - PyTorch "checkpoint": the same TorchNet, its forward cut into a chain of single-tensor pieces
   (`chain_pieces`: cut wherever exactly one tensor crosses, i.e. between residual blocks) run
   by `torch.utils.checkpoint.checkpoint_sequential` with round(sqrt(pieces)) segments
@@ -48,7 +50,9 @@ from reproduce_common import (MIB, POLICIES, grouped_bars, machine, meta_line, p
 
 CASES = [("cifar_resnet110", 32, 32), ("cifar_resnet164", 32, 16), ("resnet50", 224, 8)]  # (config, image, batch)
 QUICK_CASES = [("cifar_resnet110", 32, 8), ("resnet50", 112, 4)]
-VARIANTS = [("snrt", p) for p in POLICIES] + [("torch", "plain"), ("torch", "checkpoint"), ("torch", "perturbed")]
+VARIANTS = [("snrt", p) for p in POLICIES] + [("torch", "plain"), ("torch", "channels_last"), ("torch", "checkpoint"),
+                                               ("torch", "perturbed")]
+TORCH_LAYOUTS = ("plain", "channels_last")  # snrt's anchor is the faster of these
 PERTURBATION = 1e-6  # "perturbed": plain PyTorch from initial parameters scaled by (1 + 1e-6 * N(0, 1))
 
 
@@ -109,6 +113,15 @@ def checkpointed(net, graph):
     return lambda x, y: F.cross_entropy(checkpoint_sequential(pieces, segments, x, use_reentrant=False), y)
 
 
+def channels_last(net, graph):
+    """The loss function of the "channels_last" variant: the net's 4-D parameters converted
+    once (in place, so the optimizer keeps them), every batch converted as it comes in."""
+    import torch
+
+    net.to(memory_format=torch.channels_last)
+    return lambda x, y: net({"data": x.contiguous(memory_format=torch.channels_last), "label": y}).mean()
+
+
 def perturbed(params):
     """The initial parameters scaled by (1 + PERTURBATION * N(0, 1))."""
     import numpy as np
@@ -132,7 +145,8 @@ def run_torch(name, size, batch, variant, warmup, iterations):
     config = synthetic_config(name, size, batch)
     run = timing.time_torch(config, warmup, iterations, schedule=True,  # the Trainer's learning-rate schedule
                             adjust=perturbed if variant == "perturbed" else None,
-                            forward=checkpointed if variant == "checkpoint" else None, keep_initial=True)
+                            forward={"checkpoint": checkpointed, "channels_last": channels_last}.get(variant),
+                            keep_initial=True)
     pieces = chain_pieces(run.subject[0], config.graph)
     return {"seconds": run.seconds, "losses": run.losses, "loss": run.losses[-1], "peak_bytes": run.rss_growth_bytes,
             "rss_growth_bytes": run.rss_growth_bytes, "new_high_water": run.new_high_water, "pieces": len(pieces),
@@ -209,7 +223,7 @@ def main():
              f"parameters scaled by (1 + {PERTURBATION:g} N(0, 1)): how far these short runs' losses move by "
              "themselves (see the last table).", ""]
     lines += table(["network", "image", "batch", "framework", "variant", "images/s", "s/iteration", "peak memory (MiB)",
-                    "= plan", "RSS growth (MiB)", "vs torch plain", "first loss", "last loss"], [
+                    "= plan", "RSS growth (MiB)", "vs faster torch layout", "first loss", "last loss"], [
         [r["network"], r["image"], r["batch"], r["framework"],
          r["variant"] + (f" ({r['segments']} of {r['pieces']} pieces)" if r.get("segments") else ""),
          f"{r['images_per_s']:.2f}" if "images_per_s" in r else "failed",
@@ -219,6 +233,11 @@ def main():
          (f"{r['rss_growth_bytes'] / MIB:.0f}" + ("" if r["new_high_water"] else " (bound)")) if "seconds" in r else "-",
          speedup(r, rows), f"{r['losses'][0]:.5f}" if "losses" in r else "-",
          f"{r['loss']:.4f}" if "loss" in r else "-"] for r in rows])
+    lines += ["", "## Targets", "", "snrt none against the faster of PyTorch's two layouts (plain, channels_last), "
+              "snrt superneurons against PyTorch checkpoint_sequential, and what superneurons costs over none "
+              "(images/s ratios; the goals are >= 1.00x, >= 1.00x and <= 1.10x).", ""]
+    lines += table(["network", "image", "batch", "none vs faster torch layout", "superneurons vs torch checkpoint",
+                    "superneurons / none time"], targets(rows))
     lines += ["", "![speed](speed.png)", "", "## Same training?", "",
               "Every variant trains the same network from the same initial parameters on the same batches. "
               "Relative difference of the losses, per iteration, of snrt (none) against plain PyTorch, and of "
@@ -245,10 +264,33 @@ def divergence(rows):
     return out
 
 
+def torch_rate(r, rows, variants):
+    """The best images/s of PyTorch's `variants` on r's network and batch (None if none ran)."""
+    rates = [q["images_per_s"] for q in rows if q["network"] == r["network"] and q["batch"] == r["batch"]
+             and q["framework"] == "torch" and q["variant"] in variants and "images_per_s" in q]
+    return max(rates, default=None)
+
+
 def speedup(r, rows):
-    ref = next((q for q in rows if q["network"] == r["network"] and q["batch"] == r["batch"]
-                and q["framework"] == "torch" and q["variant"] == "plain" and "images_per_s" in q), None)
-    return f"{r['images_per_s'] / ref['images_per_s']:.2f}x" if ref and "images_per_s" in r else "-"
+    ref = torch_rate(r, rows, TORCH_LAYOUTS)
+    return f"{r['images_per_s'] / ref:.2f}x" if ref and "images_per_s" in r else "-"
+
+
+def targets(rows):
+    """Per network: snrt none / faster torch layout, snrt superneurons / torch checkpoint (images/s),
+    superneurons / none (seconds)."""
+    out = []
+    for r in rows:
+        if (r["framework"], r["variant"]) != ("snrt", "none") or "images_per_s" not in r:
+            continue
+        sn = next((q for q in rows if (q["network"], q["batch"], q["framework"], q["variant"]) ==
+                   (r["network"], r["batch"], "snrt", "superneurons") and "images_per_s" in q), None)
+        layout, checkpoint = torch_rate(r, rows, TORCH_LAYOUTS), torch_rate(r, rows, ("checkpoint",))
+        out.append([r["network"], r["image"], r["batch"],
+                    f"{r['images_per_s'] / layout:.2f}x" if layout else "-",
+                    f"{sn['images_per_s'] / checkpoint:.2f}x" if sn and checkpoint else "-",
+                    f"{r['images_per_s'] / sn['images_per_s']:.2f}x" if sn else "-"])
+    return out
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 Not a test. For each shape it times forward and backward (weight, bias and data gradients)
 of `snrt.layers.conv.Conv2d` with buffers and planned workspace allocated once, and
 `torch.nn.functional.conv2d` / `aten.convolution_backward` on the same shapes, both with as
-many threads as there are cores. The four kernels are timed in turn, `--repeats` rounds after
-one warm-up, and the best time is reported (the median goes to the JSON as well); on a shared
-machine `--settle` (the default where /proc/stat exists) waits before each round until other
-processes leave the CPUs idle. Prints a table and writes `results/bench_conv.json`.
+many threads as there are cores. Each framework's two kernels are timed in a phase of their
+own (see `time_rounds`), `--repeats` rounds after one warm-up, and the best time is reported
+(the median goes to the JSON as well); on a shared machine `--settle` (the default where
+/proc/stat exists) waits before each round until other processes leave the CPUs idle. Prints a table and writes `results/bench_conv.json`.
 
     python scripts/bench_conv.py [--batch 8] [--repeats 5] [--out results/bench_conv.json]
 """
@@ -69,30 +69,40 @@ def settle(max_wait=30.0, threshold=0.1):
         pass
 
 
-def time_rounds(kernels, repeats, wait):
-    """Run every kernel once (warm-up), then `repeats` rounds of each in turn.
+PAUSE_S = 0.5  # longer than OpenBLAS's and OpenMP's spin-wait after a call
 
-    Returns ({name: (best, median)} wall seconds, the share of the machine's CPU time other
-    processes took during the timed rounds, or None without /proc/stat).
+
+def time_rounds(phases, repeats, wait):
+    """Time each phase's kernels ({name: fn}, one framework's) apart from the other phases:
+    after a pause (the previous framework's threads stop spinning; on 2 cores OpenBLAS's and
+    PyTorch's OpenMP threads spinning beside the other's kernels slow both several times),
+    every kernel once (warm-up), then `repeats` rounds of the phase's kernels in turn.
+
+    Returns ({name: (best, median)} wall seconds, the largest share of the machine's CPU time
+    other processes took during a phase's timed rounds, or None without /proc/stat).
     """
-    for fn in kernels.values():
-        fn()
-    times = {name: [] for name in kernels}
-    others = total = 0.0
-    for _ in range(repeats):
-        if wait:
-            settle()
-        own0, (busy0, total0) = sum(os.times()[:2]), _cpu_seconds() if HAVE_PROC else (0.0, 0.0)
-        for name, fn in kernels.items():
-            start = time.perf_counter()
+    timed, shares = {}, []
+    for kernels in phases:
+        time.sleep(PAUSE_S)
+        for fn in kernels.values():
             fn()
-            times[name].append(time.perf_counter() - start)
-        if HAVE_PROC:
-            busy1, total1 = _cpu_seconds()
-            others += max(0.0, (busy1 - busy0) - (sum(os.times()[:2]) - own0))
-            total += total1 - total0
-    share = others / total if HAVE_PROC and total > 0 else None
-    return {name: (min(t), statistics.median(t)) for name, t in times.items()}, share
+        times = {name: [] for name in kernels}
+        others = total = 0.0
+        for _ in range(repeats):
+            if wait:
+                settle()
+            own0, (busy0, total0) = sum(os.times()[:2]), _cpu_seconds() if HAVE_PROC else (0.0, 0.0)
+            for name, fn in kernels.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+            if HAVE_PROC:
+                busy1, total1 = _cpu_seconds()
+                others += max(0.0, (busy1 - busy0) - (sum(os.times()[:2]) - own0))
+                total += total1 - total0
+        timed.update({name: (min(t), statistics.median(t)) for name, t in times.items()})
+        shares.append(others / total if HAVE_PROC and total > 0 else None)
+    return timed, (None if None in shares else max(shares))
 
 
 def snrt_kernels(layer, x, params):
@@ -166,9 +176,8 @@ def main(argv=None):
                   for k, s in layer.param_specs([shape]).items()}
         snrt_f, snrt_b, workspace = snrt_kernels(layer, x, params)
         torch_f, torch_b = torch_kernels(layer, x, params)
-        timed, others = time_rounds({"snrt_forward": snrt_f, "torch_forward": torch_f,
-                             "snrt_backward": snrt_b, "torch_backward": torch_b},
-                            args.repeats, args.settle)
+        timed, others = time_rounds([{"snrt_forward": snrt_f, "snrt_backward": snrt_b},
+                                     {"torch_forward": torch_f, "torch_backward": torch_b}], args.repeats, args.settle)
         flops = {"forward": layer.cost([shape], FORWARD).flops, "backward": layer.cost([shape], BACKWARD).flops}
         row = {"layer": name, "input": list(shape), "options": layer.options(),
                "flops_forward": flops["forward"], "flops_backward": flops["backward"],

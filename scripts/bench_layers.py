@@ -6,12 +6,10 @@ NumPy code, or a compiled kernel from snrt/backends/cpu_kernels.py), with its bu
 planned workspace allocated once, against PyTorch's (forward under no_grad; backward =
 `torch.autograd.grad` of the output with respect to every input and parameter), both with
 as many threads as cores. Timing as in bench_conv.py (one warm-up, then `--repeats` rounds,
-best time kept, median in the JSON), but kernels run back to back as in training (no wait for
-idle CPUs before a round by default: after an idle pause every call starts with parked
-threads and cold caches, which inflates small kernels several times), and snrt's two kernels
-and PyTorch's two are timed in separate phases with a pause between:
-OpenBLAS's threads and PyTorch's OpenMP threads spin for a while after each call, and on
-2 cores kernels of the two frameworks run in turn slow each other down several times over. Shapes: CIFAR ResNet layers at batch 32 and ResNet-50 layers at
+best time kept, median in the JSON, each framework in a phase of its own), but kernels run
+back to back as in training: no wait for idle CPUs before a round by default (after an idle
+pause every call starts with parked threads and cold caches, which inflates small kernels
+several times). Shapes: CIFAR ResNet layers at batch 32 and ResNet-50 layers at
 batch 8. Writes results/bench_layers.{json,md}.
 
     python scripts/bench_layers.py [--repeats 7] [--out results/bench_layers]
@@ -44,9 +42,6 @@ from snrt.layers.conv import Conv2d  # noqa: E402
 from snrt.layers.join import Add  # noqa: E402
 from snrt.layers.norm import BatchNorm  # noqa: E402
 from snrt.layers.pool import MaxPool  # noqa: E402
-
-
-PAUSE_S = 0.5  # longer than OpenBLAS's and OpenMP's spin-wait after a call
 
 
 def conv(**options):
@@ -156,14 +151,8 @@ def main(argv=None):
                   .astype(np.float32) for k, s in layer.param_specs(in_shapes).items()}
         snrt_f, snrt_b, kernel = snrt_kernels(layer, xs, params, rng)
         torch_f, torch_b = torch_kernels(layer, xs, params, rng)
-        timed, others = {}, []
-        for kernels in ({"snrt_forward": snrt_f, "snrt_backward": snrt_b},
-                        {"torch_forward": torch_f, "torch_backward": torch_b}):
-            time.sleep(PAUSE_S)  # the other framework's threads stop spinning
-            phase, share = time_rounds(kernels, args.repeats, args.settle)
-            timed.update(phase)
-            others.append(share)
-        others = None if None in others else max(others)
+        timed, others = time_rounds([{"snrt_forward": snrt_f, "snrt_backward": snrt_b},
+                                     {"torch_forward": torch_f, "torch_backward": torch_b}], args.repeats, args.settle)
         row = {"layer": name, "kernel": kernel, "inputs": [list(s) for s in in_shapes], "other_processes_cpu_share": others}
         for key, (best, median) in timed.items():
             row[f"{key}_ms"], row[f"{key}_median_ms"] = best * 1e3, median * 1e3

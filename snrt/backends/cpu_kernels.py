@@ -115,8 +115,9 @@ def maxpool_backward(gy, argmax, kh, kw, sh, sw, ph, pw, gx):
 
 
 class LayerLike:
-    """Base of the compiled kernels: the facts (shapes, specs, saves, ...) are the layer's;
-    a kernel that needs no workspace says so (the planner reserves what the kernel asks)."""
+    """Base of the compiled kernels: what a kernel does not define (its facts: shapes, specs,
+    saves; and a forward or backward it leaves to the layer) is the layer's; a kernel needs
+    no workspace unless it says so (the planner reserves what the kernel asks)."""
 
     name = "numba"
 
@@ -161,9 +162,6 @@ class CompiledBatchNorm(LayerLike):
 class CompiledReLU(LayerLike):
     """ReLU with a one-pass backward; forward (one np.maximum) is the layer's."""
 
-    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
-
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         if gxs[0] is not None:
             relu_backward(saved.y.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1))
@@ -176,9 +174,6 @@ class CompiledMaxPool(LayerLike):
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         return self.layer.workspace_bytes(in_shapes, phase, itemsize) if phase == FORWARD else 0
-
-    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         if gxs[0] is not None:

@@ -18,7 +18,6 @@ from snrt.scheduler.planner import make_plan
 class Runtime:
     """A plan carried out on a backend; `executor.run(feed, ...)` runs one iteration."""
 
-    graph: object
     plan: object
     backend: object
     executor: Executor
@@ -68,6 +67,6 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     plan = make_plan(graph, batch, policy, budget=budget, training=training, momentum=momentum,
                      cost_model=device_class.cost_model, kernels=kernels)
     device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)
-    runtime = Runtime(graph, plan, device, Executor(graph, plan, device))
+    runtime = Runtime(plan, device, Executor(graph, plan, device))
     runtime.load(values or {})
     return runtime

@@ -56,8 +56,3 @@ def backend_class(name):
         return CupyBackend
     raise SnrtError(f"unknown backend {name!r}; expected one of {', '.join(BACKENDS)}")
 
-
-def make_backend(name, plan, check=False, kernels=None):
-    """The backend called `name` with the arena and host store that `plan` needs; `kernels`
-    is the kernel choice the plan was made with (the backend's `kernel_choice()` when None)."""
-    return backend_class(name)(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)

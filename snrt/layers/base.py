@@ -225,12 +225,14 @@ def _plain(value):
 
 
 class LayerKernels:
-    """The kernel choice that runs every layer's own `xp` code (the CPU backend's).
+    """The kernel choice that runs every layer's own `xp` code: what plans are sized with
+    unless a backend brings its own.
 
     A kernel choice answers two questions the same way at plan time and at run time: which
     kernel runs a layer at given input shapes (`kernel_for`), and how much workspace that
-    kernel wants (`workspace_bytes`, what the planner reserves). The CUDA backend brings its
-    own (snrt/backends/cuda_kernels.py: cuDNN, cuBLAS, CUDA kernels).
+    kernel wants (`workspace_bytes`, what the planner reserves). The backends bring their own:
+    snrt/backends/cpu_kernels.py (compiled CPU kernels) and cuda_kernels.py (cuDNN, cuBLAS,
+    CUDA kernels).
     """
 
     def kernel_for(self, layer, in_shapes):

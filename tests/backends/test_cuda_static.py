@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import snrt
-from snrt.backends import cuda_available, cuda_unavailable_reason, default_backend, make_backend
+from snrt.backends import backend_class, cuda_available, cuda_unavailable_reason, default_backend
 from snrt.backends import cuda_layers, cuda_source
 from snrt.backends.cuda_kernels import REGISTRY
 from snrt.backends.cuda_layers import NUMPY_ONLY, ConvGeometry, CublasLinear, GemmConv2d
@@ -66,16 +66,15 @@ def test_cuda_request_without_cuda_is_a_clear_error():
         pytest.skip("this machine has a CUDA device")
     plan = snrt.plan(snrt.load_config(os.path.join(ROOT, "configs", "lenet.yaml")).graph, batch=2)
     with pytest.raises(SnrtError, match="cuda backend is not available") as error:
-        make_backend("cuda", plan)
+        backend_class("cuda")(plan.arena_bytes, plan.host_bytes)
     assert cuda_unavailable_reason() in str(error.value)
     assert default_backend() == "cpu"
-    assert make_backend("cpu", plan).name == "cpu"  # cpu always works
+    assert backend_class("cpu")(plan.arena_bytes, plan.host_bytes).name == "cpu"  # cpu always works
 
 
 def test_unknown_backend_is_an_error():
-    plan = snrt.plan(snrt.load_config(os.path.join(ROOT, "configs", "lenet.yaml")).graph, batch=2)
     with pytest.raises(SnrtError, match="unknown backend"):
-        make_backend("tpu", plan)
+        backend_class("tpu")
 
 
 def test_registry_covers_every_layer_whose_xp_code_allocates():

@@ -42,15 +42,14 @@ def timed_run(name, size, batch, iterations):
     executor = trainer.executor
     record = []
 
-    def timed(handler):
-        def run(step):
+    def timed(step, action):
+        def run():
             start = time.perf_counter()
-            handler(step)
+            action()
             record.append((step, time.perf_counter() - start))
         return run
 
-    for kind in TIMED_KINDS:
-        executor.handlers[kind] = timed(executor.handlers[kind])
+    executor.wrap_steps(TIMED_KINDS, timed)
     walls = []
 
     def clock(metrics):  # after every iteration: its seconds; the record restarts for the next

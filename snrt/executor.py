@@ -17,7 +17,12 @@ class PlanViolation(RuntimeError):
 
 class Executor:
     """Runs `plan` for `graph` on `backend` (a snrt.backends.base.Backend). Persistent buffers
-    are reserved once, here, and start at zero."""
+    are reserved once, here, and start at zero.
+
+    Every step is bound once, here, to its views, kernel and KernelContext: running a step is
+    one call of a prepared closure, with no lookups and no allocations
+    (results/bench_executor.md measures what is left).
+    """
 
     def __init__(self, graph, plan, backend):
         self.graph, self.plan, self.backend = graph, plan, backend
@@ -31,26 +36,34 @@ class Executor:
                 self.persistent[(node, rest)] = b.id
                 arena.reserve(b)
                 self.views[b.id].fill(0)  # optimizer state starts at zero; the rest is loaded
-        self.node_index = {name: i for i, name in enumerate(graph.nodes)}
         self.kernels = {  # the backend's kernel choice: the layer itself, or a faster kernel for it
             name: backend.kernel_for(node.layer, graph.in_shapes(name, plan.batch))
             for name, node in graph.nodes.items() if node.inputs
         }
+        self.contexts = []  # one KernelContext per compute step; run() sets their iteration and seed
         self.waited = []  # copy events waited for this iteration (their times are read at the end)
-        self.handlers = {
-            "forward": self._forward, "recompute": self._forward, "backward": self._backward,
-            "update": self._update, "free": self._free, "offload": self._offload,
-            "prefetch": self._prefetch, "wait": self._wait,
-        }
         self.pending = {}  # buffer id -> copy event
         self.measured_bytes = [0] * len(plan.steps)  # live arena bytes seen at each step
         self.copy_stats = {"copy_s": 0.0, "stalled_s": 0.0}  # copy time, and how much the compute waited
         self.optimizer = None
         self.lr = 0.0
+        node_index = {name: i for i, name in enumerate(graph.nodes)}
+        binders = {"forward": self._bind_forward, "recompute": self._bind_forward, "backward": self._bind_backward,
+                   "update": self._bind_update, "free": self._bind_free, "offload": self._bind_offload,
+                   "prefetch": self._bind_prefetch, "wait": self._bind_wait}
+        self.actions = [binders[step.kind](step, node_index) for step in plan.steps]
+        self.reservations = [tuple(plan.buffers[b] for b in ids) for ids in plan.allocations]
 
     def view_of(self, node, name):
         """The array of a persistent buffer, e.g. view_of("conv1", "weight")."""
         return self.views[self.persistent[(node, name)]]
+
+    def wrap_steps(self, kinds, wrapper):
+        """Replace the action of every step whose kind is in `kinds` by `wrapper(step, action)`
+        (a no-argument callable that should call `action`), e.g. to time kernels."""
+        for i, step in enumerate(self.plan.steps):
+            if step.kind in kinds:
+                self.actions[i] = wrapper(step, self.actions[i])
 
     def run(self, feed, iteration, seed, optimizer=None, lr=0.0):
         """One pass over the plan. `feed` maps input node names to host arrays (batch first).
@@ -58,17 +71,20 @@ class Executor:
         Returns (per-sample losses, per-sample correct flags) as host arrays, read before the
         iteration's buffers are released, or None when the graph has no loss.
         """
-        self.iteration, self.seed, self.optimizer, self.lr = iteration, seed, optimizer, lr
-        arena, buffers = self.backend.arena, self.plan.buffers
-        for i, step in enumerate(self.plan.steps):
-            for b in self.plan.allocations[i]:
-                arena.reserve(buffers[b])
+        self.optimizer, self.lr = optimizer, lr
+        for ctx in self.contexts:
+            ctx.iteration, ctx.seed = iteration, seed
+        arena, steps, measured = self.backend.arena, self.plan.steps, self.measured_bytes
+        reserve = arena.reserve
+        for i, action in enumerate(self.actions):
+            for buffer in self.reservations[i]:
+                reserve(buffer)
             if i == 0:
                 self._feed(feed)
-            self.measured_bytes[i] = arena.live_bytes
+            measured[i] = arena.live_bytes
             if arena.check:
-                self._verify(i, step)
-            self.handlers[step.kind](step)
+                self._verify(i, steps[i])
+            action()
         outputs = self._outputs()
         for event in self.waited:  # reading a copy's time may block, so only now
             self.copy_stats["copy_s"] += event.seconds
@@ -92,54 +108,91 @@ class Executor:
         if self.plan.loss and self.plan.loss[1] >= 0:
             self.views[self.plan.loss[1]].fill(1.0 / self.plan.batch)
 
-    def _ctx(self, node, workspace):
-        return KernelContext(
-            self.xp, training=self.plan.training, seed=self.seed, iteration=self.iteration,
-            node_index=self.node_index[node], workspace=self.views[workspace] if workspace >= 0 else None,
-        )
+    # ---- binding: one closure per step ------------------------------------------------
+    def _context(self, step, node_index):
+        ctx = KernelContext(self.xp, training=self.plan.training, node_index=node_index[step.node],
+                            workspace=self.views[step.workspace] if step.workspace >= 0 else None)
+        self.contexts.append(ctx)
+        return ctx
 
     def _named(self, pairs):
         return {name: self.views[b] for name, b in pairs}
 
-    def _forward(self, step):
-        layer = self.kernels[step.node]
-        xs = [self.views[b] for b in step.inputs]
-        layer.forward(self._ctx(step.node, step.workspace), xs, self._named(step.params), self._named(step.state),
-                      self.views[step.output], self._named(step.aux), recompute=step.recompute)
+    def _bind_forward(self, step, node_index):
+        forward, ctx, v = self.kernels[step.node].forward, self._context(step, node_index), self.views
+        args = (ctx, [v[b] for b in step.inputs], self._named(step.params), self._named(step.state), v[step.output],
+                self._named(step.aux))
+        recompute, release = step.recompute, ctx.release_scratch
 
-    def _backward(self, step):
-        layer = self.kernels[step.node]
-        v = self.views
+        def run():
+            release()
+            forward(*args, recompute=recompute)
+        return run
+
+    def _bind_backward(self, step, node_index):
+        backward, ctx, v = self.kernels[step.node].backward, self._context(step, node_index), self.views
         saved = Saved(tuple(v[b] if b >= 0 else None for b in step.saved_inputs),
                       v[step.saved_output] if step.saved_output >= 0 else None)
         gxs = [None if g is None else v[g[1] if g[1] >= 0 else g[0]] for g in step.grad_inputs]
-        layer.backward(self._ctx(step.node, step.workspace), v[step.grad_output], saved,
-                       self._named(step.params), self._named(step.aux), gxs, self._named(step.grad_params))
-        for g in step.grad_inputs:
-            if g is not None and g[1] >= 0:
-                v[g[0]] += v[g[1]]
+        args = (ctx, v[step.grad_output], saved, self._named(step.params), self._named(step.aux), gxs,
+                self._named(step.grad_params))
+        sums = tuple((v[g[0]], v[g[1]]) for g in step.grad_inputs if g is not None and g[1] >= 0)
+        release, accumulate = ctx.release_scratch, self.backend.accumulate
 
-    def _update(self, step):
-        if self.optimizer is None:
-            raise RuntimeError("a training plan needs an optimizer")
-        for param, grad, state, decay in step.slots:
-            self.optimizer.update(self.xp, self.views[param], self.views[grad],
-                                  self.views[state] if state >= 0 else None, decay, self.lr,
-                                  self.views[step.workspace])
+        def run():
+            release()
+            backward(*args)
+            for total, part in sums:  # a gradient with several contributions: add this one
+                accumulate(total, part)
+        return run
 
-    def _offload(self, step):
-        self.pending[step.buffer] = self.backend.offload(self.plan.buffers[step.buffer])
+    def _bind_update(self, step, node_index):
+        v, xp = self.views, self.xp
+        slots = tuple((v[param], v[grad], v[state] if state >= 0 else None, decay)
+                      for param, grad, state, decay in step.slots)
+        workspace = v[step.workspace]
 
-    def _prefetch(self, step):
-        buffers = self.plan.buffers
-        self.pending[step.buffer] = self.backend.prefetch(buffers[step.buffer], buffers[step.source])
+        def run():
+            if self.optimizer is None:
+                raise RuntimeError("a training plan needs an optimizer")
+            update, lr = self.optimizer.update, self.lr
+            for param, grad, state, decay in slots:
+                update(xp, param, grad, state, decay, lr, workspace)
+        return run
 
-    def _wait(self, step):
-        event = self.pending.pop(step.buffer)
-        start = time.perf_counter()
-        event.wait()
-        self.copy_stats["stalled_s"] += time.perf_counter() - start
-        self.waited.append(event)
+    def _bind_offload(self, step, node_index):
+        buffer, offload, pending = self.plan.buffers[step.buffer], self.backend.offload, self.pending
+
+        def run():
+            pending[buffer.id] = offload(buffer)
+        return run
+
+    def _bind_prefetch(self, step, node_index):
+        buffers, prefetch, pending = self.plan.buffers, self.backend.prefetch, self.pending
+        buffer, source = buffers[step.buffer], buffers[step.source]
+
+        def run():
+            pending[buffer.id] = prefetch(buffer, source)
+        return run
+
+    def _bind_wait(self, step, node_index):
+        b, pending, stats, waited = step.buffer, self.pending, self.copy_stats, self.waited
+
+        def run():
+            event = pending.pop(b)
+            start = time.perf_counter()
+            event.wait()
+            stats["stalled_s"] += time.perf_counter() - start
+            waited.append(event)
+        return run
+
+    def _bind_free(self, step, node_index):
+        buffers, release = tuple(self.plan.buffers[b] for b in step.buffers), self.backend.arena.release
+
+        def run():
+            for buffer in buffers:
+                release(buffer)
+        return run
 
     def _verify(self, i, step):
         """Check mode: the live bytes are the plan's, and no step reads poisoned memory."""
@@ -153,7 +206,3 @@ class Executor:
                 if buffer.dtype.startswith("float") and bool(self.xp.isnan(self.views[b]).any()):
                     raise PlanViolation(f"step {i} ({step.kind} {step.node}) reads {buffer.name}, which holds "
                                         "poison: it was freed, never written, or not yet prefetched")
-
-    def _free(self, step):
-        for b in step.buffers:
-            self.backend.arena.release(self.plan.buffers[b])

@@ -56,6 +56,10 @@ class Backend(ABC):
     def prefetch(self, buffer, source):
         """Queue the copy of `source`'s host slot into `buffer` on the device; returns a CopyEvent."""
 
+    def accumulate(self, total, part):
+        """total += part on the device: one more contribution to a gradient with several."""
+        total += part
+
     def upload(self, view, array):
         """Copy host `array` into the device array `view`."""
         view[...] = self.xp.asarray(array)

@@ -48,7 +48,8 @@ class Arena:
             self.poison(buffer)  # nothing has been written yet: a read before the write shows
         self.live[buffer.id] = buffer
         self.live_bytes += buffer.nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
 
     def release(self, buffer):
         """Mark `buffer` dead; in check mode poison its bytes."""

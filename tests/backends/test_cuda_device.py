@@ -145,9 +145,9 @@ def test_cudnn_serves_common_convolutions(cupy):
     assert served == 9, kernels.cudnn.refusals
 
 
-def _timed(backend, step, handler):
+def _timed(backend, step, action):
     with backend.timed("compute", f"{step.kind} {step.node}"):
-        handler(step)
+        action()
 
 
 def _configs():
@@ -217,9 +217,8 @@ def test_copies_overlap_compute_in_cuda_event_timings(cupy):
     try:
         assert trainer.plan.host_bytes > 0
         backend.profile = True
-        for kind in ("forward", "recompute", "backward", "update"):  # kernels timed on the compute stream
-            handler = executor.handlers[kind]
-            executor.handlers[kind] = lambda step, handler=handler: _timed(backend, step, handler)
+        executor.wrap_steps(("forward", "recompute", "backward", "update"),  # kernels timed on the compute stream
+                            lambda step, action: lambda: _timed(backend, step, action))
         trainer.fit(iterations=1)  # compiles kernels, builds cuDNN graphs
         backend.clear_timeline()
         trainer.fit(iterations=3)

@@ -87,7 +87,8 @@ def test_generated_graphs_train_identically_under_every_policy(recipe):
 def test_check_mode_catches_a_read_of_freed_memory():
     from dataclasses import replace
 
-    from snrt.executor import PlanViolation
+    from snrt.backends.numpy_backend import NumpyBackend
+    from snrt.executor import Executor, PlanViolation
 
     trainer = Trainer(snrt.load_config(SMALL_RESNET, {"memory.policy": "liveness"}), check=True)
     plan = trainer.plan
@@ -95,11 +96,36 @@ def test_check_mode_catches_a_read_of_freed_memory():
              if s.kind == "free" and set(s.buffers) & set(plan.steps[i - 1].reads()))
     freed = sum(plan.buffers[b].nbytes for b in plan.steps[k].buffers)
     # run the step before that free once more, after the free: it reads freed memory
-    trainer.executor.plan = replace(
+    broken = replace(
         plan,
         steps=plan.steps[:k + 1] + (plan.steps[k - 1],) + plan.steps[k + 1:],
         allocations=plan.allocations[:k + 1] + ((),) + plan.allocations[k + 1:],
         device_bytes=plan.device_bytes[:k + 1] + (plan.device_bytes[k] - freed,) + plan.device_bytes[k + 1:],
     )
+    trainer.executor = Executor(trainer.graph, broken, NumpyBackend(plan.arena_bytes, check=True))
     with pytest.raises(PlanViolation, match="holds poison"):
         trainer.fit(iterations=1)
+
+
+def test_wrapped_steps_run_once_per_iteration_in_plan_order_and_change_nothing():
+    """`wrap_steps` (how kernels are timed) sees every step of the wrapped kinds once per
+    iteration, in plan order, and the run it wraps gives the same losses as an unwrapped one."""
+    config = snrt.load_config(SMALL_RESNET, {"memory.policy": "superneurons"})
+    plain, wrapped = Trainer(config), Trainer(config)
+    kinds = ("forward", "recompute", "backward")
+    seen = []
+
+    def record(step, action):
+        def run():
+            seen.append(step)
+            action()
+        return run
+
+    wrapped.executor.wrap_steps(kinds, record)
+    losses = ([], [])
+    for trainer, out in zip((plain, wrapped), losses):
+        trainer.fit(iterations=2, on_iteration=lambda m, out=out: out.append(m.loss))
+    expected = [s for s in wrapped.plan.steps if s.kind in kinds]
+    assert any(s.kind == "recompute" for s in expected)
+    assert seen == expected * 2
+    assert losses[0] == losses[1]

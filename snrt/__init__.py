@@ -10,8 +10,9 @@ from snrt.errors import ConfigError, GraphError, ShapeError, SnrtError
 from snrt.graph import Graph
 from snrt.layers import LAYERS
 from snrt.scheduler import POLICIES, Plan, plan
+from snrt.threads import limit_threads, usable_cores
 from snrt.train import Trainer
 
 __all__ = ["Config", "ConfigError", "Graph", "GraphError", "LAYERS", "POLICIES", "Plan", "ShapeError", "SnrtError",
-           "Trainer", "load_config", "plan"]
+           "Trainer", "limit_threads", "load_config", "plan", "usable_cores"]
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ from snrt.config import DATASETS, config_to_yaml, load_config
 from snrt.errors import SnrtError
 from snrt.scheduler import policies
 from snrt.summary import human_bytes, summary_table, totals_by_type
+from snrt.threads import describe_pools, limit_threads, thread_pools, usable_cores
 
 
 def _positive_int(text):
@@ -87,6 +88,8 @@ def _add_run_options(parser):
                         help=f"data set: {', '.join(DATASETS)}; npz and cifar take :PATH")
     parser.add_argument("--backend", choices=BACKENDS, help="cpu or cuda (default: cuda when CuPy finds a GPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    parser.add_argument("--threads", type=_positive_int,
+                        help="threads of the CPU's BLAS pool (default: the cores this process may use)")
 
 
 def _overrides(args):
@@ -225,8 +228,10 @@ def _policy_table(config, batch, budget, rows):
 
 
 def _make_trainer(args, config):
+    """The Trainer of `config`, with every thread pool capped at --threads (or the usable cores)."""
     from snrt.train import Trainer  # the trainer pulls in the data pipeline; inspect doesn't need it
 
+    limit_threads(args.threads or usable_cores())
     return Trainer(config, backend=args.backend or default_backend(), check=getattr(args, "check", False))
 
 
@@ -237,6 +242,7 @@ def run_train(args, console):
     console.print(summary_table(config.graph, config.train.batch))
     trainer = _make_trainer(args, config)
     console.print(plan_headline(trainer.plan))
+    console.print(f"thread pools: {describe_pools(thread_pools())} ({usable_cores()} usable cores)")
     checkpoint = out / "checkpoint.npz"
     if args.resume is not None:
         source = Path(args.resume) if args.resume else checkpoint
@@ -286,6 +292,7 @@ def _summary(trainer, history, checkpoint):
         "mean_images_per_s": sum(m.images_per_s for m in timed) / len(timed) if timed else None,
         "predicted_peak_device_bytes": trainer.plan.peak_bytes,
         "measured_peak_device_bytes": trainer.backend.arena.peak_bytes,
+        "thread_pools": describe_pools(thread_pools()),
         "checkpoint": str(checkpoint),
     }
 

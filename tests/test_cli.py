@@ -83,3 +83,14 @@ def test_user_errors_are_one_line_without_a_traceback(argv, words, capsys, tmp_p
     assert main([*argv, "--no-progress"] + (["--out", str(tmp_path)] if argv[0] == "train" else [])) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
+
+
+def test_train_reports_its_thread_pools_capped_at_threads(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "snrt.cli", "train", LENET, *SYNTHETIC, "--iterations", "1",
+                           "--batch", "4", "--out", str(out), "--no-progress", "--no-eval", "--threads", "1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    pools = json.loads((out / "summary.json").read_text())["thread_pools"]
+    assert pools.startswith("openblas 1 thread") and "2 threads" not in pools  # numpy's, and scipy's if loaded
+    assert "thread pools: openblas 1 thread (" in proc.stdout

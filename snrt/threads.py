@@ -1,0 +1,71 @@
+"""Thread pools: how many threads the CPU kernels use, set explicitly rather than guessed.
+
+The only pool a CPU run uses is BLAS's (numpy's OpenBLAS, for the GEMMs of Conv2d and
+Linear): snrt's compiled kernels are serial (snrt/backends/cpu_kernels.py), and each copy
+stream is one thread. A BLAS library sizes its pool by the cores it sees, which is wrong in
+a container with a CPU quota (it sees the host's cores) and when two runs share a machine;
+more threads than cores then take turns and every GEMM slows down. `usable_cores()` counts
+the cores this process may really use (its CPU affinity and its cgroup's CPU quota), and
+`limit_threads(n)` caps every BLAS and OpenMP pool loaded in the process at n, through
+threadpoolctl (which also finds the pools a library like scipy or torch brings along).
+"""
+
+import math
+import os
+from pathlib import Path
+
+from threadpoolctl import threadpool_info, threadpool_limits
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_quota(root=CGROUP):
+    """Cores allowed by the cgroup's CPU quota (a float), or None when there is none.
+
+    Reads cgroup v2's `cpu.max` ("QUOTA PERIOD" or "max PERIOD") or, failing that, cgroup
+    v1's `cpu/cpu.cfs_quota_us` and `cpu/cpu.cfs_period_us` (quota -1: none).
+    """
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+def usable_cores(root=CGROUP):
+    """The cores this process may use: its CPU affinity, capped by the cgroup's quota (rounded
+    up, at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota(root)
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+POOL_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def limit_threads(count):
+    """Cap every BLAS and OpenMP pool in this process at `count` threads, for the rest of the
+    process: the pools loaded now through threadpoolctl, those a library loads later (numba
+    loads scipy's OpenBLAS on its first compile) through the variables they read when they
+    load. Returns `thread_pools()` after the change."""
+    for variable in POOL_VARIABLES:
+        os.environ[variable] = str(count)
+    threadpool_limits(limits=count)
+    return thread_pools()
+
+
+def thread_pools():
+    """[(library, threads), ...] of the thread pools loaded in this process, e.g.
+    [("openblas", 2)]."""
+    return [(pool["internal_api"], pool["num_threads"]) for pool in threadpool_info()]
+
+
+def describe_pools(pools):
+    """'openblas 2 threads' style text of `thread_pools()`'s answer ('none' when empty)."""
+    return ", ".join(f"{name} {n} thread{'s' if n != 1 else ''}" for name, n in pools) or "none"

@@ -1,0 +1,52 @@
+"""Thread pools: the cores a process may use, and the BLAS pool capped explicitly."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from snrt.threads import cgroup_cpu_quota, describe_pools, usable_cores
+
+
+@pytest.mark.parametrize("files, quota", [
+    ({"cpu.max": "150000 100000\n"}, 1.5),
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu.max": "garbage\n"}, None),
+    ({}, None),
+])
+def test_cgroup_quota_is_read_from_v2_or_v1_files(tmp_path, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_quota(tmp_path) == quota
+
+
+def test_usable_cores_are_the_affinity_capped_by_the_quota_rounded_up(tmp_path):
+    affinity = len(__import__("os").sched_getaffinity(0))
+    assert usable_cores(tmp_path) == affinity  # no quota files: the affinity
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a core
+    assert usable_cores(tmp_path) == 1
+    (tmp_path / "cpu.max").write_text(f"{(affinity + 3) * 100000} 100000\n")  # more than the affinity
+    assert usable_cores(tmp_path) == affinity
+
+
+def test_describe_pools_names_each_library_and_its_threads():
+    assert describe_pools([("openblas", 2), ("openmp", 1)]) == "openblas 2 threads, openmp 1 thread"
+    assert describe_pools([]) == "none"
+
+
+def test_limit_threads_caps_numpys_pool_and_those_loaded_later():
+    """In a fresh process (a pool's size is process-wide): numpy's BLAS pool at 1 thread, a
+    pool loaded afterwards (scipy's own OpenBLAS, in the test environment) too, and a GEMM
+    still gives the right answer."""
+    code = ("import json, numpy as np, snrt, threadpoolctl; snrt.limit_threads(1); import scipy.linalg; "
+            "a = np.ones((64, 64), np.float32); pools = threadpoolctl.threadpool_info(); "
+            "print(json.dumps([[(p['filepath'], p['num_threads']) for p in pools], float((a @ a)[0, 0])]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    pools, value = json.loads(out)
+    assert any("numpy" in path for path, _ in pools) and any("scipy" in path for path, _ in pools)
+    assert all(n == 1 for _, n in pools)
+    assert value == 64.0

@@ -6,6 +6,8 @@ reservations. Plans are the real ones (CIFAR ResNet-110 and ResNet-50 under `non
     python scripts/bench_executor.py          # writes results/bench_executor.{md,json}
 """
 
+import timing  # noqa: I001  (first: it sets the BLAS threads before numpy loads)
+
 import json
 import os
 import sys
@@ -89,7 +91,8 @@ def main():
     rows = [measure(name, size, batch, policy) for name, size, batch in CASES for policy in POLICIES]
     lines = ["# Executor overhead per plan step", "",
              "Every kernel, copy and update replaced by one that does nothing: the time left is the "
-             f"executor's own (`python scripts/bench_executor.py`; load average {load:.2f}).", "",
+             f"executor's own (`python scripts/bench_executor.py` on {timing.cpu_model()}; load average {load:.2f}).",
+             "",
              "| network | batch | policy | steps | ms per iteration | us per step |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['network']} {r['size']}x{r['size']} | {r['batch']} | {r['policy']} | {r['steps']} | "
@@ -97,7 +100,7 @@ def main():
     print("\n".join(lines))
     if "--no-write" not in sys.argv:
         (ROOT / "results" / "bench_executor.md").write_text("\n".join(lines) + "\n")
-        (ROOT / "results" / "bench_executor.json").write_text(json.dumps({"load_average": load, "rows": rows}, indent=1))
+        (ROOT / "results" / "bench_executor.json").write_text(json.dumps({"load_average": load, "cpu_model": timing.cpu_model(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -203,11 +203,7 @@ def machine_info():
                                for pool in threadpoolctl.threadpool_info()]
     except ImportError:  # optional: report the BLAS name only
         pass
-    try:
-        model_name = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
-        info["cpu_model"] = model_name[0] if model_name else None
-    except OSError:
-        pass
+    info["cpu_model"] = timing.cpu_model()
     return info
 
 

@@ -14,6 +14,7 @@ for _p in (ROOT, ROOT / "scripts"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))  # this checkout's snrt, and bench_memory's floor_bytes
 
+import timing  # noqa: E402  (before numpy: it sets the BLAS threads)
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
@@ -56,7 +57,7 @@ def machine():
     """Where and with what the numbers were produced."""
     info = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "platform": platform.platform(), "machine": platform.machine(),
-            "processor": platform.processor() or "cpu", "cores": os.cpu_count(),
+            "processor": platform.processor() or "cpu", "cpu_model": timing.cpu_model(), "cores": os.cpu_count(),
             "python": platform.python_version(), "numpy": np.__version__,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     try:
@@ -174,7 +175,8 @@ def table(header, rows):
 
 
 def meta_line(meta, quick):
-    return (f"Generated {meta['date']} on {meta['platform']} ({meta['cores']} cores), Python {meta['python']}, "
+    cpu = f"{meta['cpu_model']}, " if meta.get("cpu_model") else ""
+    return (f"Generated {meta['date']} on {meta['platform']} ({cpu}{meta['cores']} cores), Python {meta['python']}, "
             f"NumPy {meta['numpy']}, PyTorch {meta['torch']}; mode: {'quick' if quick else 'full'}"
             + (f"; load average {meta['load_average'][0]:.2f} when it started." if meta.get("load_average") else "."))
 

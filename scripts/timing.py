@@ -41,6 +41,16 @@ WORKER_FLAG = "--timing-worker"
 
 
 # ---- memory of this process -----------------------------------------------------------------
+def cpu_model():
+    """The processor's model name from /proc/cpuinfo (timings differ by machine), or None."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+    except OSError:
+        return None
+    return names[0] if names else None
+
+
 def max_rss_bytes():
     """The process's peak resident set size so far (ru_maxrss is KiB on Linux)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -3,16 +3,30 @@
 A network is a layer graph (YAML or Python); a static scheduler plans which tensors live on
 the device, which are offloaded and prefetched, and which are recomputed; executors carry the
 plan out on NumPy (CPU) or CuPy (CUDA).
+
+The names below load on first use, so that `import snrt` (and the `snrt` command's start-up,
+when a signal may already arrive) stays light.
 """
 
-from snrt.config import Config, load_config
-from snrt.errors import ConfigError, GraphError, ShapeError, SnrtError
-from snrt.graph import Graph
-from snrt.layers import LAYERS
-from snrt.scheduler import POLICIES, Plan, plan
-from snrt.threads import limit_threads, usable_cores
-from snrt.train import Trainer
+import importlib
 
-__all__ = ["Config", "ConfigError", "Graph", "GraphError", "LAYERS", "POLICIES", "Plan", "ShapeError", "SnrtError",
-           "Trainer", "limit_threads", "load_config", "plan", "usable_cores"]
+_EXPORTS = {
+    "Config": "snrt.config", "load_config": "snrt.config",
+    "ConfigError": "snrt.errors", "GraphError": "snrt.errors", "ShapeError": "snrt.errors", "SnrtError": "snrt.errors",
+    "Graph": "snrt.graph", "LAYERS": "snrt.layers", "POLICIES": "snrt.scheduler", "Plan": "snrt.scheduler",
+    "plan": "snrt.scheduler", "limit_threads": "snrt.threads", "usable_cores": "snrt.threads", "Trainer": "snrt.train",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'snrt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,7 +1,12 @@
 """Checkpoints: one .npz holding parameters, optimizer state, persistent state and progress.
 
-Writes are atomic: the file is written under a temporary name in the same folder, flushed
-to disk, then renamed over the old one, so a crash mid-write leaves the old checkpoint whole.
+Writes are atomic: the file is written under a temporary name (`.NAME.*.tmp`) in the same
+folder, flushed to disk, then renamed over the old one, so a crash mid-write leaves the old
+checkpoint whole; a failed write removes its temporary file, and `remove_stale_temporaries`
+removes those of writes that were killed. Writes stream: each tensor is fetched (copied to
+the host, where it lives on a device), checked finite and written before the next is
+fetched, so saving holds at most one tensor's copy in memory. A non-finite tensor (a
+diverged run) stops the write and keeps the previous checkpoint.
 """
 
 import json
@@ -15,27 +20,66 @@ import numpy as np
 from snrt.errors import SnrtError
 
 FORMAT = "snrt-checkpoint-1"
+META = "__meta__"
 
 
 class CheckpointError(SnrtError):
-    """A checkpoint cannot be read or does not fit the network."""
+    """A checkpoint cannot be read or written, or does not fit the network."""
 
 
-def save_checkpoint(path, arrays, meta):
-    """Write `arrays` ({key: ndarray}) and `meta` (JSON-able dict) to `path` atomically."""
+class NonFiniteError(CheckpointError):
+    """A tensor holds NaN or infinity: a diverged run, whose state must not replace a good one."""
+
+
+def save_checkpoint(path, tensors, meta):
+    """Write `tensors` (an iterable of (key, fetch), `fetch()` returning the host array) and
+    `meta` (a JSON-able dict) to `path` atomically, one tensor in memory at a time.
+
+    Raises NonFiniteError naming the first tensor with NaN or infinity, CheckpointError when
+    the file cannot be written (no space, no permission); either way the previous checkpoint
+    is kept and no partial file is left.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot write the checkpoint ({e.strerror})") from None
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, __meta__=np.frombuffer(json.dumps({"format": FORMAT, **meta}).encode(), np.uint8), **arrays)
+            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+                _write_array(archive, META, np.frombuffer(json.dumps({"format": FORMAT, **meta}).encode(), np.uint8))
+                for key, fetch in tensors:
+                    array = np.asarray(fetch())
+                    if array.dtype.kind == "f" and not np.isfinite(array).all():
+                        raise NonFiniteError(f"{path}: not written: {key} holds NaN or infinite values (the run "
+                                             "diverged); the previous checkpoint is kept")
+                    _write_array(archive, key, array)
+                    del array
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual mode
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: cannot write the checkpoint ({e.strerror or e}); the previous "
+                              "checkpoint is kept") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_array(archive, key, array):
+    """One .npy member of the archive, streamed (what np.savez writes, without a copy)."""
+    with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
+        np.lib.format.write_array(member, np.ascontiguousarray(array), allow_pickle=False)
+
+
+def remove_stale_temporaries(path):
+    """Remove the temporary files that killed writes of checkpoint `path` left beside it.
+    Only safe while no other process writes that checkpoint (the run folder's lock)."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        stale.unlink(missing_ok=True)
 
 
 def _umask():
@@ -50,14 +94,33 @@ def load_checkpoint(path):
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("it holds a single array, not the named arrays snrt train writes")
+        with data:
             arrays = {k: data[k] for k in data.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise CheckpointError(f"{path}: not a readable checkpoint ({e})") from None
     try:
-        meta = json.loads(arrays.pop("__meta__").tobytes().decode())
+        meta = json.loads(arrays.pop(META).tobytes().decode())
     except (KeyError, ValueError):
         raise CheckpointError(f"{path}: not an snrt checkpoint (no metadata)") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: unknown checkpoint format {meta.get('format')!r}, expected {FORMAT}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else meta
+        raise CheckpointError(f"{path}: unknown checkpoint format {found!r}, expected {FORMAT}")
+    iteration = meta.get("iteration")
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise CheckpointError(f"{path}: the metadata's iteration is {iteration!r}, expected a non-negative int")
+    for key, array in arrays.items():
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise NonFiniteError(f"{path}: {key} holds NaN or infinite values (written by a run that diverged?)")
     return arrays, meta
+
+
+def describe_batch_change(saved, batch):
+    """What changes when a run saved at batch `saved` resumes at `batch` (None when the same)."""
+    if saved is None or saved == batch:
+        return None
+    epochs = f"{batch / saved:.3g}x as many samples per iteration"
+    return (f"the checkpoint was trained at batch {saved}, resuming at batch {batch}: {epochs}, different "
+            "batches from here on, and a result that differs from an uninterrupted run")

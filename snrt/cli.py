@@ -3,16 +3,20 @@
 import argparse
 import dataclasses
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from snrt.backends import BACKENDS, default_backend
 from snrt.config import DATASETS, config_to_yaml, load_config
 from snrt.errors import SnrtError
+from snrt.runfolder import RunFolder
 from snrt.scheduler import policies
 from snrt.summary import human_bytes, summary_table, totals_by_type
 from snrt.threads import describe_pools, limit_threads, thread_pools, usable_cores
@@ -56,6 +60,8 @@ def build_parser():
     train.add_argument("--out", help="output folder for metrics, checkpoint and summary (default runs/NAME)")
     train.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
                        help="continue from a checkpoint (default: OUT/checkpoint.npz)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start over in an output folder that holds an earlier run (its files are deleted)")
     train.add_argument("--checkpoint-every", type=_positive_int, help="iterations between checkpoints")
     train.add_argument("--check", action="store_true", help="debug mode: check arena overlaps, poison freed memory")
     train.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
@@ -237,26 +243,37 @@ def _make_trainer(args, config):
 
 def run_train(args, console):
     config = load_config(args.config, _overrides(args))
-    out = Path(args.out or Path("runs") / config.name)
-    out.mkdir(parents=True, exist_ok=True)
+    with RunFolder(args.out or Path("runs") / config.name) as folder:
+        folder.prepare(resume=args.resume is not None, overwrite=args.overwrite)
+        return _train_in(folder, args, config, console)
+
+
+def _train_in(folder, args, config, console):
+    """The run of `config` in the locked `folder`; the exit status."""
+    out, checkpoint = folder.path, folder.checkpoint
     console.print(summary_table(config.graph, config.train.batch))
     trainer = _make_trainer(args, config)
     console.print(plan_headline(trainer.plan))
     console.print(f"thread pools: {describe_pools(thread_pools())} ({usable_cores()} usable cores)")
-    checkpoint = out / "checkpoint.npz"
     if args.resume is not None:
         source = Path(args.resume) if args.resume else checkpoint
-        trainer.restore(source)
-        console.print(f"resumed from {source} at iteration {trainer.iteration}")
+        note = trainer.restore(source)
+        folder.truncate_metrics(trainer.iteration)
+        console.print(f"resumed from {source} at iteration {trainer.iteration}" + (f"; note: {note}" if note else ""))
     (out / "config.yaml").write_text(config_to_yaml(config))
     total = config.train.iterations
-    metrics_file = (out / "metrics.jsonl").open("a")
+    failure = []  # the metrics file's write error: the run stops, its checkpoint is still saved
+    metrics_file = folder.open_metrics()
     with metrics_file, _progress(console, args.no_progress) as progress:
         task = progress.add_task("train", total=total, completed=trainer.iteration, status="")
 
         def report(m):
-            metrics_file.write(json.dumps(dataclasses.asdict(m)) + "\n")
-            metrics_file.flush()
+            try:
+                metrics_file.write(json.dumps(dataclasses.asdict(m)) + "\n")
+                metrics_file.flush()
+            except OSError as e:
+                failure.append(f"{folder.metrics}: cannot write metrics ({e.strerror or e})")
+                trainer.stop_reason = trainer.stop_reason or "metrics write error"
             status = (f"loss {m.loss:.4f}  acc {m.accuracy:.3f}  {m.images_per_s:.1f} img/s  "
                       f"device {human_bytes(m.peak_device_bytes)}")
             progress.update(task, completed=m.iteration + 1, status=status)
@@ -264,6 +281,9 @@ def run_train(args, console):
                 console.print(f"iteration {m.iteration + 1}/{total}  {status}")
 
         history = trainer.fit(on_iteration=report, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
+    if failure:
+        raise SnrtError(f"{failure[0]}; stopped at iteration {trainer.iteration} with its checkpoint saved to "
+                        f"{checkpoint}; free some space and continue with --resume")
     summary = _summary(trainer, history, checkpoint)
     if trainer.stop_requested:
         console.print(f"interrupted at iteration {trainer.iteration}; checkpoint saved to {checkpoint}; "
@@ -278,7 +298,7 @@ def run_train(args, console):
                       measured=trainer.executor.measured_bytes, title=f"{config.name}: {trainer.plan.policy}, "
                       f"batch {trainer.batch} (measured dashed)")
     console.print(_summary_table(summary))
-    return 130 if trainer.stop_requested else 0
+    return 128 + int(trainer.stop_reason) if trainer.stop_requested else 0  # the signal's conventional status
 
 
 def _summary(trainer, history, checkpoint):
@@ -326,16 +346,47 @@ def run_eval(args, console):
                   f"({len(trainer.heldout_set.y)} samples)")
 
 
+class Terminated(BaseException):
+    """SIGTERM outside the training loop (which handles it itself): stop quietly."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None):
+    """The `snrt` command; returns the exit status: 0, 2 for an error the user can fix, 128 +
+    the signal's number when SIGINT or SIGTERM stopped it (a training run saves its checkpoint
+    first). User text (paths, names) is never read as console markup."""
     args = build_parser().parse_args(argv)
-    console = Console()
+    console = Console(markup=False)
     if not console.is_terminal:  # logs and pipes: wide enough for the tables
-        console = Console(width=120)
+        console = Console(width=120, markup=False)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # the training loop installs its own meanwhile
+        previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+                    signal.SIGTERM: signal.signal(signal.SIGTERM, _terminate)}
     try:
         return args.run(args, console) or 0
     except SnrtError as e:
-        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, markup=True)
+        _error(str(e))
         return 2
+    except OSError as e:  # a file the run needs or writes: named, with the system's reason
+        _error(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
+        return 2
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 128 + signal.SIGINT
+    except Terminated:
+        _error("terminated")
+        return 128 + signal.SIGTERM
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _error(message):
+    Console(stderr=True, markup=False, highlight=False).print(Text.assemble(("error:", "bold red"), " ", message))
 
 
 if __name__ == "__main__":

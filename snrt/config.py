@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import difflib
 import heapq
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,6 +303,8 @@ def _check_setting(source, key, cls, name, annotation, value):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(source, key, f"expected a number, got {_kind(value)}")
         value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(source, key, f"expected a finite number, got {value!r}")
     elif annotation is bool and not isinstance(value, bool):
         raise ConfigError(source, key, f"expected true or false, got {_kind(value)}")
     elif annotation is list and not (isinstance(value, list) and all(_is_int(v) and v >= 0 for v in value)):
@@ -602,14 +605,14 @@ def _matches(value, annotation):
     if annotation is int:
         return _is_int(value)
     if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if annotation is str:
         return isinstance(value, str)
     return True  # compound options (pairs, shapes) are checked by the layer itself
 
 
 def _describe(annotation):
-    return {bool: "true or false", int: "an int", float: "a number", str: "a string"}[annotation]
+    return {bool: "true or false", int: "an int", float: "a finite number", str: "a string"}[annotation]
 
 
 # ---- writing back -----------------------------------------------------------------------------

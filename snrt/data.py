@@ -125,9 +125,14 @@ def _load_npz(data, input_shape, classes, seed):
     if ("x_test" in arrays) != ("y_test" in arrays):
         raise ConfigError(source, PATH_KEY, "the file has only one of 'x_test' and 'y_test'; give both or neither")
     x, y = _npz_split(source, arrays["x"], arrays["y"], "x", "y", input_shape, classes)
+    if not len(y):
+        raise ConfigError(source, PATH_KEY, f"array 'x' holds no samples to train on; expected {expected}")
     if "x_test" not in arrays:
         return _split_holdout(x, y, classes, "npz", data, seed, source=source)
     x_test, y_test = _npz_split(source, arrays["x_test"], arrays["y_test"], "x_test", "y_test", input_shape, classes)
+    if not len(y_test):
+        raise ConfigError(source, PATH_KEY, "array 'x_test' holds no samples to evaluate on; leave 'x_test' and "
+                                            "'y_test' out to hold out part of 'x' instead")
     return Dataset(x, y, classes, "npz/train"), Dataset(x_test, y_test, classes, "npz/test")
 
 

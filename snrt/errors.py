@@ -34,3 +34,7 @@ class ShapeError(SnrtError):
 
     The graph re-raises it as a GraphError that names the node.
     """
+
+
+class DivergenceError(SnrtError):
+    """Training produced a NaN or infinite loss: the run stops, and the last good checkpoint stays."""

@@ -5,6 +5,7 @@ layer fact methods work with full shapes (batch first). Nodes are kept in topolo
 `add` only accepts inputs that already exist, so a Graph can never hold a cycle.
 """
 
+import hashlib
 from dataclasses import dataclass
 
 from snrt.errors import GraphError, ShapeError
@@ -149,6 +150,14 @@ class Graph:
         """
         position = {name: i for i, name in enumerate(self.nodes)}
         return [(n.layer, tuple(position[i] for i in n.inputs)) for n in self.nodes.values()]
+
+    def fingerprint(self):
+        """A hex digest of the nodes' names, layers (with every option) and inputs: what a
+        checkpoint must match. Input image sizes are left out, as the same parameters fit any
+        size the layers accept (the parameters' shapes are checked on their own)."""
+        parts = [(n.name, n.layer.type_name if n.layer.type_name == "Input" else repr(n.layer), n.inputs)
+                 for n in self.nodes.values()]
+        return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
     def topological_order(self):
         """Node names, every node after its inputs (the insertion order)."""

@@ -30,12 +30,16 @@ class Runtime:
 
     def host_arrays(self, roles=PERSISTENT_ROLES):
         """{(node, name): host copy} of the persistent buffers with the given roles."""
-        out = {}
+        return {(node, name): fetch() for node, name, fetch in self.persistent_tensors(roles)}
+
+    def persistent_tensors(self, roles=PERSISTENT_ROLES):
+        """(node, name, fetch) of every persistent buffer with the given roles, `fetch()` giving
+        a host copy of it: one tensor at a time, for writes that must not copy them all at once."""
+        to_host, views = self.backend.to_host, self.executor.views
         for b in self.plan.buffers:
             if b.role in roles:
                 node, _, name = b.name.partition(":")
-                out[(node, name)] = self.backend.to_host(self.executor.views[b.id])
-        return out
+                yield node, name, lambda view=views[b.id]: to_host(view)
 
     def close(self):
         self.backend.close()

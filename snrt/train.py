@@ -6,6 +6,7 @@ stopped and resumed from a checkpoint continues exactly as if it never stopped.
 """
 
 import contextlib
+import math
 import signal
 import threading
 import time
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snrt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from snrt.checkpoint import CheckpointError, describe_batch_change, load_checkpoint, save_checkpoint
 from snrt.data import Batches, eval_batches, load_datasets, normalization
+from snrt.errors import DivergenceError
 from snrt.init import initial_parameters, initial_state
 from snrt.optim import SGD, learning_rate
 from snrt.runtime import prepare
@@ -56,7 +58,7 @@ class Trainer:
         self.iteration = 0
         self.train_set, self.heldout_set = load_datasets(train.data, tuple(config.input.shape), config.input.classes, train.seed)
         self.mean, self.std = normalization(train.data, self.train_set)
-        self.stop_requested = False
+        self.stop_reason = None  # what asked fit to stop: a signal (SIGINT, SIGTERM) or a caller's reason
 
     # ---- training ------------------------------------------------------------------------
     def fit(self, iterations=None, on_iteration=None, checkpoint=None, checkpoint_every=None):
@@ -64,7 +66,9 @@ class Trainer:
 
         `on_iteration(metrics)` is called after every iteration. With `checkpoint` (a path),
         a checkpoint is written every `checkpoint_every` iterations, at the end, and when
-        Ctrl-C stops the run (the current iteration finishes first).
+        SIGINT (Ctrl-C) or SIGTERM stops the run (the current iteration finishes first; the
+        signal is in `stop_reason`), or a caller sets `stop_reason`. A NaN or infinite loss raises DivergenceError and writes
+        no checkpoint, so the last good one stays.
         """
         train = self.config.train
         total = iterations if iterations is not None else train.iterations
@@ -83,34 +87,57 @@ class Trainer:
                     on_iteration(metrics)
                 if checkpoint and every and self.iteration % every == 0 and self.iteration < total:
                     self.save(checkpoint)
-        if checkpoint:
-            self.save(checkpoint)
+            if checkpoint:  # still guarded: a signal now lets the write finish
+                self.save(checkpoint)
         return history
+
+    @property
+    def stop_requested(self):
+        """True once a signal or the caller asked the training loop to stop."""
+        return self.stop_reason is not None
 
     def step(self, x, y, total):
         """One training iteration on batch (x, y); returns its Metrics."""
         train = self.config.train
         lr = learning_rate(train.schedule, train.optimizer.lr, self.iteration, total)
         start = time.perf_counter()
-        losses, correct = self.executor.run({"data": x, "label": y}, self.iteration, train.seed, self.optimizer, lr)
+        with np.errstate(all="ignore"):  # an overflow is reported once, as divergence, below
+            losses, correct = self.executor.run({"data": x, "label": y}, self.iteration, train.seed, self.optimizer, lr)
         self.backend.synchronize()
         seconds = time.perf_counter() - start
-        metrics = Metrics(self.iteration, float(losses.mean()), float(correct.mean()), lr, seconds,
-                          len(y) / seconds, self.backend.arena.peak_bytes)
+        loss = float(losses.mean())
+        if not math.isfinite(loss):
+            raise DivergenceError(self._divergence_message(loss, lr))
+        metrics = Metrics(self.iteration, loss, float(correct.mean()), lr, seconds, len(y) / seconds,
+                          self.backend.arena.peak_bytes)
         self.iteration += 1
         return metrics
 
+    def _divergence_message(self, loss, lr):
+        """What went non-finite at this iteration: the loss, and the first parameter (in graph
+        order) that the iteration's update left non-finite, if any."""
+        culprit = next((f"{node}:{name}" for node, name, fetch in self.runtime.persistent_tensors(("parameter",))
+                        if not self.backend.xp.isfinite(self.executor.view_of(node, name)).all()), None)
+        where = (f"; the first parameter it left non-finite is {culprit}" if culprit
+                 else "; the parameters are still finite (non-finite inputs or an overflow in the forward pass?)")
+        return (f"training diverged at iteration {self.iteration}: the loss is {loss} at learning rate {lr:g}{where}. "
+                "Stopped without writing a checkpoint, so the last good one is kept; lower the learning rate "
+                "(--lr) and resume")
+
     @contextlib.contextmanager
     def _interrupt_guard(self):
-        """Ctrl-C (in the main thread) asks the loop to stop after the current iteration."""
+        """SIGINT and SIGTERM (in the main thread) ask the loop to stop after the current
+        iteration; the previous handlers come back afterwards."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: setattr(self, "stop_requested", True))
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {s: signal.signal(s, lambda signum, frame: setattr(self, "stop_reason", signum)) for s in signals}
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
     # ---- evaluation ------------------------------------------------------------------------
     def evaluate(self, dataset=None):
@@ -139,22 +166,35 @@ class Trainer:
         return self.runtime.host_arrays(roles)
 
     def save(self, path):
-        """Write parameters, optimizer state, BatchNorm statistics and the iteration atomically."""
-        arrays = {f"{node}:{name}": value for (node, name), value in self.host_arrays().items()}
-        save_checkpoint(path, arrays, {"iteration": self.iteration, "seed": self.config.train.seed,
-                                       "network": self.graph.name})
+        """Write parameters, optimizer state, BatchNorm statistics and the iteration atomically,
+        one tensor in memory at a time (see snrt/checkpoint.py)."""
+        tensors = ((f"{node}:{name}", fetch) for node, name, fetch in
+                   self.runtime.persistent_tensors(("parameter", "optimizer_state", "state")))
+        save_checkpoint(path, tensors, {"iteration": self.iteration, "seed": self.config.train.seed,
+                                        "network": self.graph.name, "graph": self.graph.fingerprint(),
+                                        "batch": self.batch})
 
     def restore(self, path):
-        """Load a checkpoint written by `save` for the same network; training continues from it."""
+        """Load a checkpoint written by `save` for the same network; training continues from it.
+
+        Returns a note when the checkpoint was trained at another batch size (None otherwise).
+        """
         arrays, meta = load_checkpoint(path)
-        expected = {f"{node}:{name}": (node, name, value) for (node, name), value in self.host_arrays().items()}
+        roles = ("parameter", "optimizer_state", "state")
+        expected = {f"{node}:{name}": (node, name) for node, name, _ in self.runtime.persistent_tensors(roles)}
         missing = sorted(set(expected) - set(arrays))
         if missing:
             raise CheckpointError(f"{path}: made for a different network (no {missing[0]}; "
                                   f"{len(missing)} tensors missing)")
-        for key, (_, _, value) in expected.items():
-            if arrays[key].shape != value.shape:
+        for key, (node, name) in expected.items():
+            shape = self.executor.view_of(node, name).shape
+            if arrays[key].shape != shape:
                 raise CheckpointError(f"{path}: {key} has shape {list(arrays[key].shape)}, "
-                                      f"the network needs {list(value.shape)}")
-        self.runtime.load({(node, name): arrays[key] for key, (node, name, _) in expected.items()})
+                                      f"the network needs {list(shape)}")
+        if meta.get("graph", self.graph.fingerprint()) != self.graph.fingerprint():
+            raise CheckpointError(f"{path}: made for another network ({meta.get('network')!r}, structure "
+                                  f"{meta['graph']}) than {self.graph.name!r} (structure {self.graph.fingerprint()}): "
+                                  "its layers, options or connections differ")
+        self.runtime.load({(node, name): arrays[key] for key, (node, name) in expected.items()})
         self.iteration = int(meta["iteration"])
+        return describe_batch_change(meta.get("batch"), self.batch)

@@ -1,5 +1,6 @@
 """Byte sizes written by people: 12GiB, 512MB, 1e9, 1073741824."""
 
+import math
 import re
 from typing import NewType
 
@@ -10,6 +11,7 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
+MAX_BYTES = 2**62  # 4 EiB: far beyond any device, small enough for int64 arithmetic
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -23,10 +25,19 @@ def parse_bytes(value):
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"expected a non-negative byte size, got {value}")
-        return value
-    if isinstance(value, float) and value >= 0 and value == int(value):
-        return int(value)
+        return _at_most_max(value)
+    if isinstance(value, float) and math.isfinite(value) and value >= 0 and value == int(value):
+        return _at_most_max(int(value))
     match = _PATTERN.match(value) if isinstance(value, str) else None
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"expected a byte size such as 12GiB, 512MiB, 8GB or 1000000, got {value!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(size):
+        raise ValueError(f"expected a finite byte size such as 12GiB, got {value!r}")
+    return _at_most_max(int(size))
+
+
+def _at_most_max(size):
+    if size > MAX_BYTES:
+        raise ValueError(f"expected a byte size of at most 4EiB, got {size}")
+    return size

@@ -1,5 +1,7 @@
 """End-to-end training on the CPU backend: learning, PyTorch parity, determinism, checkpoints."""
 
+import errno
+
 import numpy as np
 import pytest
 import torch
@@ -121,12 +123,17 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     before = path.read_bytes()
     trainer.fit(iterations=1)
 
-    def crash(file, **arrays):
-        file.write(b"partial garbage")
-        raise OSError("disk full")
+    write_array, written = np.lib.format.write_array, []
 
-    monkeypatch.setattr(np, "savez", crash)
-    with pytest.raises(OSError, match="disk full"):
+    def fill_the_disk(file, array, **kwargs):  # the third tensor finds the disk full half-way
+        written.append(array.shape)
+        if len(written) == 3:
+            file.write(b"partial garbage")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_array(file, array, **kwargs)
+
+    monkeypatch.setattr(np.lib.format, "write_array", fill_the_disk)
+    with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint is kept"):
         trainer.save(path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.npz"]

@@ -1,0 +1,19 @@
+"""The `snrt` command's entry point: signals are answered quietly from the first moment,
+before the command's modules (numpy, rich, the layers) load."""
+
+import signal
+import sys
+
+
+def _quit(signum, frame):
+    """SIGINT or SIGTERM before the command runs: nothing to save yet, so just stop."""
+    sys.stderr.write(f"error: {'interrupted' if signum == signal.SIGINT else 'terminated'}\n")
+    raise SystemExit(128 + signum)
+
+
+def main(argv=None):
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _quit)
+    from snrt.cli import main as run  # the command's handlers take over from here
+
+    return run(argv)

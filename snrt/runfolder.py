@@ -1,0 +1,118 @@
+"""A training run's output folder, which protects what it holds.
+
+One run at a time: the folder is locked (an advisory lock on `.lock`, released by the
+operating system when the process ends, however it ends), so a second run on the same folder
+is refused instead of overwriting the first one's checkpoint. A folder that already holds a
+run is never silently started over: the caller says `resume` (continue it) or `overwrite`
+(delete its files first). Temporary files of checkpoint writes that were killed are removed
+when the lock is taken, and on resume metrics.jsonl is cut back to the iterations before the
+checkpoint, so it never holds an iteration twice.
+"""
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+from snrt.checkpoint import remove_stale_temporaries
+from snrt.errors import SnrtError
+
+CHECKPOINT, METRICS, LOCK = "checkpoint.npz", "metrics.jsonl", ".lock"
+RUN_FILES = (CHECKPOINT, METRICS, "summary.json", "config.yaml", "memory.png")
+
+
+class RunFolderError(SnrtError):
+    """The output folder cannot be used: not a folder, not writable, in use, or holding a run."""
+
+
+class RunFolder:
+    """The locked output folder `path` of one run; `close()` (or the end of the process)
+    unlocks it."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise RunFolderError(f"{self.path}: the output folder is an existing file; choose another --out")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock = open(self.path / LOCK, "a+")
+        except OSError as e:
+            raise RunFolderError(f"{self.path}: cannot use this output folder ({e.strerror}); choose another "
+                                 "--out") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.seek(0)
+            owner = self._lock.read().strip() or "unknown"
+            self._lock.close()
+            raise RunFolderError(f"{self.path}: another snrt run (process {owner}) is using this output folder; "
+                                 "wait for it to finish or choose another --out") from None
+        self._lock.truncate(0)
+        self._lock.write(f"{os.getpid()}\n")
+        self._lock.flush()
+        remove_stale_temporaries(self.checkpoint)
+
+    @property
+    def checkpoint(self):
+        return self.path / CHECKPOINT
+
+    @property
+    def metrics(self):
+        return self.path / METRICS
+
+    def open_metrics(self):
+        """metrics.jsonl opened for appending, one JSON line per iteration."""
+        return self.metrics.open("a")
+
+    def holds_run(self):
+        """True when an earlier run left a checkpoint or metrics here."""
+        return self.checkpoint.exists() or (self.metrics.exists() and self.metrics.stat().st_size > 0)
+
+    def prepare(self, resume, overwrite):
+        """Make the folder ready for a run: refuse to start over a run it holds unless `resume`
+        (keep it) or `overwrite` (delete its files)."""
+        if not self.holds_run() or resume:
+            return
+        if not overwrite:
+            raise RunFolderError(f"{self.path}: holds an earlier run ({self._describe_run()}); continue it with "
+                                 "--resume, start over with --overwrite, or choose another --out")
+        for name in RUN_FILES:
+            (self.path / name).unlink(missing_ok=True)
+
+    def _describe_run(self):
+        lines = self._metric_lines()
+        return f"{len(lines)} iterations in {METRICS}" if lines else f"a {CHECKPOINT}"
+
+    def _metric_lines(self):
+        try:
+            return self.metrics.read_text().splitlines()
+        except (OSError, UnicodeDecodeError):
+            return []
+
+    def truncate_metrics(self, iteration):
+        """Keep only metrics.jsonl's lines of iterations before `iteration` (where a resumed run
+        continues), rewritten atomically; lines that are not metrics are dropped."""
+        if not self.metrics.exists():
+            return
+        kept = []
+        for line in self._metric_lines():
+            try:
+                if json.loads(line)["iteration"] < iteration:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+        tmp = self.path / f".{METRICS}.tmp"
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.metrics)
+
+    def close(self):
+        """Unlock the folder."""
+        if not self._lock.closed:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,298 @@
+"""Nothing lost: divergence, shared and reused output folders, signals, full disks, checkpoints
+of other networks, and bad input that once ended in a traceback."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import snrt
+from snrt.checkpoint import CheckpointError, NonFiniteError, load_checkpoint
+from snrt.cli import main
+from snrt.errors import DivergenceError
+from snrt.runfolder import RunFolder, RunFolderError
+from snrt.train import Trainer
+from tests.test_train import SMALL_RESNET, small_config
+
+LENET = "configs/lenet.yaml"
+RUN = ["--data", "synthetic", "--batch", "8", "--no-progress", "--no-eval"]
+
+
+def train(out, *extra):
+    return main(["train", LENET, *RUN, "--out", str(out), *extra])
+
+
+def iterations_in(out):
+    return [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---- divergence ---------------------------------------------------------------------------
+def test_divergence_stops_the_run_names_the_iteration_and_keeps_the_good_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "3") == 0
+    good = (out / "checkpoint.npz").read_bytes()
+    assert train(out, "--iterations", "200", "--resume", "--lr", "1e6") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "training diverged at iteration" in err and "the last good one is kept" in err
+    assert "Traceback" not in err and "RuntimeWarning" not in err
+    assert (out / "checkpoint.npz").read_bytes() == good
+    assert max(iterations_in(out)) < 199  # stopped early
+    assert all(np.isfinite(json.loads(line)["loss"]) for line in (out / "metrics.jsonl").read_text().splitlines())
+
+
+def test_trainer_raises_divergence_and_never_saves_non_finite_values(tmp_path):
+    trainer = Trainer(snrt.load_config(SMALL_RESNET, {"train.optimizer.lr": 1e8}))
+    path = tmp_path / "ckpt.npz"
+    with pytest.raises(DivergenceError, match="diverged at iteration"):
+        trainer.fit(iterations=100, checkpoint=path)
+    assert not path.exists()
+    with pytest.raises(NonFiniteError, match="NaN or infinite"):
+        trainer.save(path)  # the state the divergence left is refused too
+    assert not path.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flag, value", [("--lr", "nan"), ("--lr", "inf"), ("--lr", "-inf")])
+def test_non_finite_learning_rates_are_rejected(tmp_path, capsys, flag, value):
+    assert train(tmp_path / "run", f"{flag}={value}") == 2
+    assert "expected a finite number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["train.optimizer.momentum", "train.optimizer.weight_decay", "train.schedule.gamma"])
+def test_every_float_setting_rejects_nan_and_inf(key):
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(snrt.ConfigError, match="expected a finite number"):
+            snrt.load_config(LENET, {key: value})
+
+
+def test_an_all_nan_checkpoint_is_refused_by_eval(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1") == 0
+    with np.load(out / "checkpoint.npz") as data:
+        arrays = {k: data[k] for k in data.files}
+    arrays = {k: (np.full_like(v, np.nan) if k.endswith("weight") else v) for k, v in arrays.items()}
+    np.savez(out / "nan.npz", **arrays)
+    assert main(["eval", LENET, *RUN[:4], "--checkpoint", str(out / "nan.npz")]) == 2
+    assert "NaN or infinite" in capsys.readouterr().err
+
+
+# ---- output folders -----------------------------------------------------------------------
+def test_an_earlier_run_is_never_overwritten_without_being_asked(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "4") == 0
+    before = (out / "checkpoint.npz").read_bytes()
+    assert train(out, "--iterations", "2") == 2
+    assert "holds an earlier run (4 iterations" in " ".join(capsys.readouterr().err.split())
+    assert (out / "checkpoint.npz").read_bytes() == before
+    assert train(out, "--iterations", "2", "--overwrite") == 0
+    assert iterations_in(out) == [0, 1]
+    assert load_checkpoint(out / "checkpoint.npz")[1]["iteration"] == 2
+
+
+def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    with RunFolder(out):
+        assert train(out, "--iterations", "1") == 2
+        assert f"another snrt run (process {os.getpid()})" in " ".join(capsys.readouterr().err.split())
+        with pytest.raises(RunFolderError, match="another snrt run"):
+            RunFolder(out)
+    assert train(out, "--iterations", "1") == 0  # free again once the first let go
+
+
+def test_resume_cuts_metrics_back_to_the_checkpoint_so_no_iteration_repeats(tmp_path):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "4") == 0
+    with (out / "metrics.jsonl").open("a") as f:  # iterations a killed run logged after its checkpoint
+        f.write(json.dumps({"iteration": 4, "loss": 1.0}) + "\n" + '{"iteration": 5, "lo')
+    assert train(out, "--iterations", "6", "--resume") == 0
+    assert iterations_in(out) == list(range(6))
+
+
+def test_stale_checkpoint_temporaries_are_removed_when_a_run_starts(tmp_path):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "2") == 0
+    stale = out / ".checkpoint.npz.k1ll3d.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    assert train(out, "--iterations", "3", "--resume") == 0
+    assert not stale.exists()
+
+
+@pytest.mark.parametrize("case", ["a file", "cannot create"])
+def test_unusable_output_folders_are_one_clear_error(tmp_path, capsys, monkeypatch, case):
+    out = tmp_path / "out"
+    if case == "a file":
+        out.write_text("not a folder")
+        words = "is an existing file"
+    else:
+        def refuse(self, *args, **kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        monkeypatch.setattr(type(out), "mkdir", refuse)
+        words = "cannot use this output folder (Permission denied)"
+    assert train(out, "--iterations", "1") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert words in err and "Traceback" not in err
+
+
+# ---- signals ------------------------------------------------------------------------------
+def _start(out, iterations="100000"):
+    command = [sys.executable, "-m", "snrt", "train", LENET, *RUN, "--out", str(out), "--iterations", iterations]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_iterations(out, count, timeout=60):
+    metrics, deadline = out / "metrics.jsonl", time.time() + timeout
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < count):
+        time.sleep(0.05)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
+    out = tmp_path / "run"
+    proc = _start(out)
+    _wait_for_iterations(out, 3)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert "interrupted at iteration" in output and "Traceback" not in output
+    done = load_checkpoint(out / "checkpoint.npz")[1]["iteration"]
+    assert done >= 3 and iterations_in(out) == list(range(done))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_start_up_exits_quietly(tmp_path, signum):
+    proc = _start(tmp_path / "run")
+    time.sleep(0.5)  # the command is still loading its modules or building the plan
+    proc.send_signal(signum)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+
+
+# ---- disks --------------------------------------------------------------------------------
+def test_a_full_disk_while_writing_metrics_stops_with_the_checkpoint_saved(tmp_path, capsys, monkeypatch):
+    class FillsUp:
+        def __init__(self, file):
+            self.file, self.lines = file, 0
+
+        def write(self, text):
+            self.lines += 1
+            if self.lines > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.file.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    open_metrics = RunFolder.open_metrics
+    monkeypatch.setattr(RunFolder, "open_metrics", lambda self: FillsUp(open_metrics(self)))
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "50") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "cannot write metrics (No space left on device)" in err and "continue with --resume" in err
+    assert load_checkpoint(out / "checkpoint.npz")[1]["iteration"] == 3
+    assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == []
+
+
+def test_a_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "2") == 0
+    before = (out / "checkpoint.npz").read_bytes()
+
+    def full(file, array, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np.lib.format, "write_array", full)
+    assert train(out, "--iterations", "4", "--resume") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "cannot write the checkpoint (No space left on device)" in err and "previous checkpoint is kept" in err
+    assert (out / "checkpoint.npz").read_bytes() == before
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+# ---- checkpoints bound to their network ---------------------------------------------------
+def test_a_checkpoint_of_another_structure_with_the_same_tensors_is_refused(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    Trainer(small_config()).save(path)
+    layers = [dict(entry) for entry in SMALL_RESNET["network"]]
+    layers[0] = {**layers[0], "stride": 2}  # the first Conv2d: the same weights, another function
+    other = {**SMALL_RESNET, "network": layers}
+    with pytest.raises(CheckpointError, match="made for another network"):
+        Trainer(snrt.load_config(other)).restore(path)
+
+
+def test_resuming_at_another_batch_says_what_changes(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "2") == 0
+    assert main(["train", LENET, *RUN[:2], "--batch", "4", *RUN[4:], "--out", str(out), "--iterations", "3",
+                 "--resume"]) == 0
+    assert "trained at batch 8, resuming at batch 4" in " ".join(capsys.readouterr().out.split())
+
+
+def test_checkpoint_saving_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """The write fetches a tensor only after the previous one is written."""
+    trainer = Trainer(small_config())
+    events = []
+    runtime_tensors = trainer.runtime.persistent_tensors
+
+    def traced(roles):
+        for node, name, fetch in runtime_tensors(roles):
+            yield node, name, lambda fetch=fetch, key=f"{node}:{name}": (events.append(("fetch", key)), fetch())[1]
+
+    write_array = np.lib.format.write_array
+
+    def write(file, array, **kwargs):
+        events.append(("write", None))
+        write_array(file, array, **kwargs)
+
+    monkeypatch.setattr(trainer.runtime, "persistent_tensors", traced)
+    monkeypatch.setattr(np.lib.format, "write_array", write)
+    trainer.save(tmp_path / "ckpt.npz")
+    kinds = [kind for kind, _ in events]
+    assert kinds[0] == "write"  # the metadata
+    assert kinds[1:] == ["fetch", "write"] * ((len(kinds) - 1) // 2) and len(kinds) > 3
+
+
+# ---- bad input that once ended in a traceback ---------------------------------------------
+def test_a_npy_file_given_as_a_checkpoint_is_refused(tmp_path, capsys):
+    np.save(tmp_path / "weights.npy", np.zeros(3))
+    assert main(["eval", LENET, *RUN[:4], "--checkpoint", str(tmp_path / "weights.npy")]) == 2
+    assert "single array" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget", ["1e400", "99999999999EiB"])
+def test_absurd_budgets_are_one_clear_error(tmp_path, capsys, budget):
+    assert train(tmp_path / "run", "--budget", budget) == 2
+    err = capsys.readouterr().err
+    assert "memory.budget" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("arrays, words", [
+    ({"x": np.zeros((0, 1, 8, 8)), "y": np.zeros(0, int), "x_test": np.zeros((4, 1, 8, 8)), "y_test": np.zeros(4, int)},
+     "no samples to train on"),
+    ({"x": np.zeros((8, 1, 8, 8)), "y": np.zeros(8, int), "x_test": np.zeros((0, 1, 8, 8)), "y_test": np.zeros(0, int)},
+     "no samples to evaluate on"),
+])
+def test_empty_npz_splits_are_refused(tmp_path, arrays, words):
+    np.savez(tmp_path / "data.npz", **arrays)
+    config = snrt.load_config(LENET, {"input.shape": [1, 8, 8], "train.data": {"type": "npz", "path": str(tmp_path / "data.npz")}})
+    with pytest.raises(snrt.ConfigError, match=words):
+        Trainer(config)
+
+
+def test_paths_are_printed_as_given_never_read_as_markup(tmp_path, capsys):
+    folder = tmp_path / "runs[bold]" / "[red]x"
+    folder.mkdir(parents=True)
+    config = folder / "net[1].yaml"
+    config.write_text("network: [")
+    assert main(["train", str(config), "--no-progress"]) == 2
+    assert str(config) in " ".join(capsys.readouterr().err.replace("\n", "").split())

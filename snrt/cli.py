@@ -374,6 +374,10 @@ def main(argv=None):
     except OSError as e:  # a file the run needs or writes: named, with the system's reason
         _error(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
         return 2
+    except MemoryError:
+        _error("not enough memory for this run: lower --batch or --image-size, or shrink the device footprint "
+               "with --policy and --budget (snrt plan shows each policy's peak)")
+        return 2
     except KeyboardInterrupt:
         _error("interrupted")
         return 128 + signal.SIGINT

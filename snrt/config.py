@@ -30,6 +30,11 @@ OPTIMIZERS = ("sgd",)
 DATASETS = ("synthetic", "npz", "cifar10", "cifar100", "digits")
 TOP_LEVEL_KEYS = ("name", "input", "vars", "train", "memory", "blocks", "network")
 LABEL_READERS = {"SoftmaxCrossEntropy"}  # layers whose default inputs are [previous, label]
+LOSSES = LABEL_READERS  # the layers a training iteration starts its backward pass from
+# Limits that turn a runaway file into an error instead of a hang or a crash
+MAX_NODES = 200_000  # layers after expansion (ResNet2500 has 8,337)
+MAX_BLOCK_DEPTH = 64  # blocks inside blocks
+MAX_YAML_VALUES = 2_000_000  # values in the loaded document, YAML aliases expanded
 
 
 # ---- settings sections ------------------------------------------------------------------
@@ -162,9 +167,13 @@ def load_config(source, overrides=None):
         return parse_config(apply_overrides(source, overrides), "<dict>")
     path = Path(source)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(str(path), "", "file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(str(path), "", "this is a folder; expected a network YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), "", f"not UTF-8 text (byte {e.start}); expected a network YAML file") from None
     except OSError as e:
         raise ConfigError(str(path), "", f"cannot read the file ({e.strerror})") from None
     try:
@@ -174,7 +183,26 @@ def load_config(source, overrides=None):
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(str(path), "", f"not valid YAML: {where}{problem}") from None
+    except RecursionError:
+        raise ConfigError(str(path), "", "not valid YAML: nested too deeply") from None
+    _check_size(str(path), doc)
     return parse_config(apply_overrides(doc, overrides), str(path), default_name=path.stem)
+
+
+def _check_size(source, doc):
+    """Refuse a document with more than MAX_YAML_VALUES values once YAML aliases are expanded
+    (a few lines of aliases can stand for billions), counting without expanding."""
+    seen, stack = 0, [doc]
+    while stack:
+        value = stack.pop()
+        seen += 1
+        if seen > MAX_YAML_VALUES:
+            raise ConfigError(source, "", f"the file expands to more than {MAX_YAML_VALUES:,} values (YAML aliases "
+                                          "nested in aliases?); write the network with blocks and repeat instead")
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def apply_overrides(doc, overrides):
@@ -210,8 +238,12 @@ def parse_config(doc, source, default_name="net"):
     input_cfg = _parse_input(source, doc["input"])
     env = {"classes": input_cfg.classes, **_parse_vars(source, doc.get("vars", {}))}
     blocks = _parse_blocks(source, doc.get("blocks", {}))
-    entries = expand_network(source, doc["network"], blocks, env)
+    try:
+        entries = expand_network(source, doc["network"], blocks, env)
+    except RecursionError:
+        raise ConfigError(source, "network", "nested too deeply") from None
     graph = build_graph(source, name, input_cfg, entries)
+    _check_loss(source, graph, input_cfg.classes)
     train = parse_section(source, "train", TrainConfig, doc.get("train", {}))
     memory = parse_section(source, "memory", MemoryConfig, doc.get("memory", {}))
     return Config(name, graph, input_cfg, train, memory, source)
@@ -264,6 +296,8 @@ def _parse_vars(source, section):
     for k in section:
         if not isinstance(k, str) or not k.isidentifier():
             raise ConfigError(source, f"vars.{k}", "expected a name made of letters, digits and _")
+        if k == "classes":
+            raise ConfigError(source, "vars.classes", "$classes is input.classes; set it there, or choose another name")
     return dict(section)
 
 
@@ -433,6 +467,11 @@ class _Expander:
 
     def _layer(self, item, key, env, prefix, previous, counters):
         type_name = item["type"]
+        if not isinstance(type_name, str):
+            raise ConfigError(self.source, _join(key, "type"), f"expected a layer type name, got {_kind(type_name)}")
+        if type_name == "Input":
+            raise ConfigError(self.source, _join(key, "type"), "the inputs ('data', 'label') come from the input: "
+                                                                "section; a network lists no Input layers")
         if type_name not in LAYERS:
             hint = _suggest(type_name, list(LAYERS))
             raise ConfigError(self.source, _join(key, "type"), f"unknown layer type {type_name!r}{hint}; known: {', '.join(sorted(LAYERS))}")
@@ -457,6 +496,9 @@ class _Expander:
             refs = [(r, _join(_join(key, "inputs"), j)) for j, r in enumerate(inputs)]
         entry = LayerEntry(prefix + name, type_name, options, [], key)
         self.entries.append(entry)
+        if len(self.entries) > MAX_NODES:
+            raise ConfigError(self.source, key, f"the network expands to more than {MAX_NODES:,} layers "
+                                                "(a repeat count too large?)")
         return entry, refs
 
     @staticmethod
@@ -467,6 +509,10 @@ class _Expander:
     def _expand_block(self, item, key, env, prefix, local, previous, counters, stack):
         _reject_unknown(self.source, key, item, ("block", "args", "repeat", "name", "inputs"))
         block_name = item["block"]
+        if not isinstance(block_name, str):
+            raise ConfigError(self.source, _join(key, "block"), f"expected a block name, got {_kind(block_name)}")
+        if len(stack) >= MAX_BLOCK_DEPTH:
+            raise ConfigError(self.source, _join(key, "block"), f"blocks nested more than {MAX_BLOCK_DEPTH} deep")
         if block_name not in self.blocks:
             known = ", ".join(self.blocks) or "none defined"
             raise ConfigError(self.source, _join(key, "block"), f"unknown block {block_name!r}; known: {known}")
@@ -489,10 +535,14 @@ class _Expander:
                 self._resolve(refs[0], _join(key, "inputs"), local)
             block_input = local[refs[0]]
         body_key = f"{key}.block.{block_name}.layers"
+        before = len(self.entries)
         for r in range(repeat):
             instance = name if repeat == 1 else f"{name}.{r}"
             block_input = self.expand(block.layers, body_key, args, f"{prefix}{instance}.", block_input,
                                       stack + (block_name,))
+            if r == 0 and before + (len(self.entries) - before) * repeat > MAX_NODES:
+                raise ConfigError(self.source, _join(key, "repeat"), f"{repeat} repeats of block '{block_name}' "
+                                  f"make more than {MAX_NODES:,} layers")
         return name, block_input
 
     def _block_args(self, item, key, env, block, block_name):
@@ -519,6 +569,13 @@ def expand_network(source, network, blocks, env):
     """Flatten `network` into LayerEntry objects with global names and resolved inputs."""
     expander = _Expander(source, blocks)
     expander.expand(network, "network", env, "", "data", ())
+    first = {}
+    for entry in expander.entries:  # a name given at one level can equal one generated at another
+        if entry.name in ("data", "label") or entry.name in first:
+            other = first.get(entry.name)
+            clash = f"the layer at {other.key}" if other else "a graph input"
+            raise ConfigError(source, entry.key, f"layer name '{entry.name}' is also the name of {clash}; rename one")
+        first[entry.name] = entry
     return expander.entries
 
 
@@ -573,6 +630,22 @@ def build_graph(source, name, input_cfg, entries):
         except GraphError as e:
             raise ConfigError(source, entry.key, f"layer '{entry.name}' ({entry.type}): {e.message}") from None
     return graph
+
+
+def _check_loss(source, graph, classes):
+    """A training network has one loss layer, reading `classes` scores per sample (the layer
+    itself checks that it reads one label per sample)."""
+    losses = [n for n in graph.nodes.values() if n.layer.type_name in LOSSES]
+    if len(losses) != 1:
+        found = ", ".join(f"'{n.name}'" for n in losses) or "none"
+        raise ConfigError(source, "network", f"expected exactly one loss layer ({', '.join(sorted(LOSSES))}), "
+                                             f"found {found}")
+    loss = losses[0]
+    logits = graph[loss.inputs[0]]
+    if tuple(logits.shape) != (classes,):
+        raise ConfigError(source, loss.key or "network", f"the loss '{loss.name}' reads '{logits.name}' of shape "
+                                                         f"{list(logits.shape)} per sample; it needs [{classes}] "
+                                                         "(input.classes scores)")
 
 
 def make_layer(source, entry):

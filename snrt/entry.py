@@ -12,7 +12,9 @@ def _quit(signum, frame):
 
 
 def main(argv=None):
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    signals = (signal.SIGINT, signal.SIGTERM)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # a parent may have blocked them; we handle them
+    for signum in signals:
         signal.signal(signum, _quit)
     from snrt.cli import main as run  # the command's handlers take over from here
 

@@ -6,16 +6,23 @@ import operator
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 
 
+MAX_LENGTH = 1000  # characters of one expression
+
+
 def evaluate(text, env):
     """Evaluate `text` (+, -, *, //, parentheses, ints and names from `env`).
 
     Raises ValueError saying what is not allowed or which name is unknown.
     """
+    if len(text) > MAX_LENGTH:
+        raise ValueError(f"the expression is {len(text)} characters long; at most {MAX_LENGTH} are allowed")
     try:
         tree = ast.parse(text.strip(), mode="eval")
+        return _eval(tree.body, env)
     except SyntaxError:
         raise ValueError("not an expression of ints and names with + - * //") from None
-    return _eval(tree.body, env)
+    except RecursionError:
+        raise ValueError("the expression is nested too deeply") from None
 
 
 def _eval(node, env):
@@ -24,7 +31,10 @@ def _eval(node, env):
     if isinstance(node, ast.Name):
         if node.id not in env:
             raise ValueError(f"unknown name '{node.id}'; known here: {', '.join(sorted(env)) or 'none'}")
-        return env[node.id]
+        value = env[node.id]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"'{node.id}' is {value!r}, not a number")
+        return value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_eval(node.operand, env)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:

@@ -39,11 +39,15 @@ def initial_value(spec, seed, node, name, mode="default", dtype=np.float32):
 
 def initial_parameters(graph, seed, mode="default"):
     """{(node, name): array} for every trained parameter of `graph`."""
-    return {
-        (node, name): initial_value(spec, seed, node, name, mode)
-        for node, specs in graph.param_specs().items()
-        for name, spec in specs.items()
-    }
+    return dict(each_initial_parameter(graph, seed, mode))
+
+
+def each_initial_parameter(graph, seed, mode="default"):
+    """((node, name), array) for every trained parameter of `graph`, one array at a time (so
+    that loading them into a device never holds more than one host copy)."""
+    for node, specs in graph.param_specs().items():
+        for name, spec in specs.items():
+            yield (node, name), initial_value(spec, seed, node, name, mode)
 
 
 def initial_state(graph):

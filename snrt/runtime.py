@@ -23,9 +23,9 @@ class Runtime:
     executor: Executor
 
     def load(self, values):
-        """Write `values` ({(node, name): host array}, e.g. ("conv1", "weight")) into their
-        persistent buffers."""
-        for key, value in values.items():
+        """Write `values` ({(node, name): host array}, e.g. ("conv1", "weight"), or an iterable
+        of such pairs, consumed one at a time) into their persistent buffers."""
+        for key, value in (values.items() if isinstance(values, dict) else values):
             self.backend.upload(self.executor.view_of(*key), value)
 
     def host_arrays(self, roles=PERSISTENT_ROLES):
@@ -58,7 +58,8 @@ def check_trainable(graph, batch):
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, momentum=True, check=False,
             values=None):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
-    backend called `backend`, with `values` ({(node, name): host array}) loaded.
+    backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
+    such pairs) loaded.
 
     `training` False plans the forward pass only; `momentum` gives every parameter an
     optimizer-state buffer; `check` is the debug mode (poisoned memory, every step verified

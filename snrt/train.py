@@ -6,6 +6,7 @@ stopped and resumed from a checkpoint continues exactly as if it never stopped.
 """
 
 import contextlib
+import itertools
 import math
 import signal
 import threading
@@ -17,7 +18,7 @@ import numpy as np
 from snrt.checkpoint import CheckpointError, describe_batch_change, load_checkpoint, save_checkpoint
 from snrt.data import Batches, eval_batches, load_datasets, normalization
 from snrt.errors import DivergenceError
-from snrt.init import initial_parameters, initial_state
+from snrt.init import each_initial_parameter, initial_state
 from snrt.optim import SGD, learning_rate
 from snrt.runtime import prepare
 
@@ -51,8 +52,8 @@ class Trainer:
         self.optimizer = SGD(train.optimizer.momentum, train.optimizer.nesterov, train.optimizer.weight_decay)
         self.runtime = prepare(self.graph, self.batch, memory.policy, memory.budget, backend, training=True,
                                momentum=train.optimizer.momentum != 0, check=check,
-                               values={**initial_parameters(self.graph, train.seed, train.init),
-                                       **initial_state(self.graph)})
+                               values=itertools.chain(each_initial_parameter(self.graph, train.seed, train.init),
+                                                      initial_state(self.graph).items()))
         self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor
         self._backend_name, self._check = backend, check
         self.iteration = 0

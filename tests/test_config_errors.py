@@ -64,6 +64,28 @@ CASES = [
     ("self-recursive-block", ("      - {type: Add, inputs: [relu0, $in]}", "      - {type: Add, inputs: [relu0, $in]}\n      - {block: pair, args: {channels: 8}}"),
      "network[1].block.pair.layers[3].block", "uses itself"),
     ("loss-on-4d", ("  - {type: GlobalAvgPool}\n  - {type: Linear, out_features: $classes}\n", ""), "network[2]", "add a Flatten"),
+    ("type-is-a-list", ("{type: GlobalAvgPool}", "{type: [GlobalAvgPool]}"), "network[2].type", "expected a layer type name"),
+    ("type-is-a-mapping", ("{type: GlobalAvgPool}", "{type: {a: 1}}"), "network[2].type", "expected a layer type name"),
+    ("block-is-a-list", ("{block: pair,", "{block: [pair],"), "network[1].block", "expected a block name"),
+    ("no-loss", ("  - {type: SoftmaxCrossEntropy}\n", ""), "network", "exactly one loss layer"),
+    ("two-losses", ("  - {type: SoftmaxCrossEntropy}\n", "  - {type: SoftmaxCrossEntropy, name: l1}\n"
+                    "  - {type: SoftmaxCrossEntropy, name: l2, inputs: [linear0, label]}\n"), "network", "found 'l1', 'l2'"),
+    ("narrow-head", ("out_features: $classes", "out_features: 9"), "network[4]", "it needs [10]"),
+    ("vars-classes", ("train:", "vars: {classes: 3}\ntrain:"), "vars.classes", "is input.classes"),
+    ("input-in-network", ("  - {type: GlobalAvgPool}\n", "  - {type: GlobalAvgPool}\n  - {type: Input, shape: [3]}\n"),
+     "network[3].type", "no Input layers"),
+    ("conv-without-out-channels", ("{type: Conv2d, out_channels: 8, kernel: 3, padding: 1}\n  - {block",
+                                   "{type: Conv2d, kernel: 3, padding: 1}\n  - {block"), "network[0]", "needs option 'out_channels'"),
+    ("nan-option", ("{type: GlobalAvgPool}", "{type: GlobalAvgPool}\n  - {type: Dropout, p: .nan}"), "network[3].p",
+     "a finite number"),
+    ("nan-lr", ("optimizer: {lr: 0.1}", "optimizer: {lr: .nan}"), "train.optimizer.lr", "finite number"),
+    ("inf-budget", ("budget: 1GiB", "budget: .inf"), "memory.budget", "byte size"),
+    ("huge-budget", ("budget: 1GiB", "budget: 1e400"), "memory.budget", "finite byte size"),
+    ("huge-repeat", ("repeat: 2", "repeat: 1000000"), "network[1].repeat", "more than 200,000 layers"),
+    ("long-expression", ("out_features: $classes", "out_features: '${" + "+".join(["classes"] * 200) + "}'"),
+     "network[3].out_features", "at most 1000"),
+    ("generated-name-clash", ("{type: GlobalAvgPool}", "{type: GlobalAvgPool, name: pair0.0.a}"), "network[2]",
+     "also the name of the layer at network[1]"),
 ]
 
 
@@ -94,6 +116,30 @@ def test_broken_config_reports_file_key_and_expectation(tmp_path, case, change, 
     assert error.key == key, str(error)
     assert words in error.message, str(error)
     assert str(error).startswith(f"{path}: {key + ': ' if key else ''}")
+
+
+def test_deep_nesting_alias_bombs_and_block_chains_are_errors_not_crashes(tmp_path):
+    """What would hang or overflow the stack: YAML nested 1,000 deep, aliases that stand for
+    billions of values, a chain of 2,000 blocks, parentheses nested 300 deep, a file that is
+    not UTF-8."""
+    bomb = "vars:\n  a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n"
+    for i in range(1, 9):
+        bomb += f"  v{i}: &v{i} [{', '.join(['*a' if i == 1 else f'*v{i - 1}'] * 10)}]\n"
+    chain = VALID.replace("blocks:\n", "blocks:\n" + "".join(
+        f"  c{i}: {{layers: [{{block: c{i + 1}}}]}}\n" for i in range(2000)) + "  c2000: {layers: [{type: ReLU}]}\n")
+    chain = chain.replace("  - {type: GlobalAvgPool}", "  - {block: c0}\n  - {type: GlobalAvgPool}")
+    deep_expression = VALID.replace("out_features: $classes", "out_features: '${" + "(" * 300 + "classes" + ")" * 300 + "}'")
+    cases = {"deep.yaml": ("network: " + "[" * 1000 + "]" * 1000 + "\n", "nested too deeply"),
+             "bomb.yaml": (VALID + bomb, "expands to more than"),
+             "chain.yaml": (chain, "nested more than 64 deep"),
+             "expression.yaml": (deep_expression, "not an expression")}
+    for name, (text, words) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=words):
+            load_config(tmp_path / name)
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00network")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(tmp_path / "binary.yaml")
 
 
 def test_there_are_at_least_twenty_kinds():
@@ -164,3 +210,60 @@ def test_settings_are_changed_on_a_loaded_config_and_checked_like_the_file():
         with_settings(config, memory={"budget": "lots"})
     with pytest.raises(snrt.ConfigError, match=r"train.batch: expected a positive value"):
         with_settings(config, train={"batch": 0})
+
+
+# ---- mutated zoo configs: each loads, or is one ConfigError ---------------------------------
+ODD_VALUES = [None, [], {}, "x", "", -1, 0, 1, 3, 10**12, 2.5, float("nan"), float("inf"), -float("inf"), True,
+              [1, 2], [3, 8, 8], {"a": 1}, "$nope", "$classes", "${1//0}", "${classes*0}", "1e400", [[[]]],
+              "Conv2d", "ReLU", "label", "data"]
+ZOO = ["lenet", "cifar_resnet20", "alexnet", "resnet50", "densenet121", "inceptionv4"]
+
+
+def _mutated(doc, data):
+    """A copy of `doc` with one value somewhere inside replaced, removed or duplicated."""
+    import copy
+
+    from hypothesis import strategies as st
+
+    doc = copy.deepcopy(doc)
+    parent, key, node = None, None, doc
+    while isinstance(node, (dict, list)) and node and (parent is None or data.draw(st.integers(0, 3)) > 0):
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        parent, key = node, data.draw(st.sampled_from(keys))
+        node = parent[key]
+    if parent is None:
+        return data.draw(st.sampled_from(ODD_VALUES))
+    action = data.draw(st.sampled_from(["replace", "remove", "duplicate", "rename"]))
+    if action == "replace":
+        parent[key] = data.draw(st.sampled_from(ODD_VALUES))
+    elif action == "remove":
+        del parent[key]
+    elif action == "duplicate" and isinstance(parent, list):
+        parent.insert(key, copy.deepcopy(parent[key]))
+    elif isinstance(parent, dict):
+        parent[str(key) + data.draw(st.sampled_from(["s", "_", "0"]))] = parent.pop(key)
+    return doc
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_mutated_zoo_configs_load_or_give_one_config_error(name, tmp_path):
+    """Hundreds of one-edit mutants of the zoo's files: every one either loads or raises a
+    ConfigError naming the file, never another exception, a hang or a crash."""
+    import yaml
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    original = yaml.safe_load(open(f"configs/{name}.yaml"))
+    path = tmp_path / f"{name}.yaml"
+
+    @settings(max_examples=40, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(st.data())
+    def check(data):
+        path.write_text(yaml.safe_dump(_mutated(original, data), sort_keys=False))
+        try:
+            load_config(path)
+        except ConfigError as error:
+            assert str(error).startswith(str(path)), str(error)
+
+    check()

@@ -144,6 +144,15 @@ def _start(out, iterations="100000"):
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _finish(proc, timeout=60):
+    """The output of `proc` once it exits; a failure with the output so far if it does not."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still running {timeout} s after the signal; its output:\n{proc.communicate()[0][-3000:]}")
+
+
 def _wait_for_iterations(out, count, timeout=60):
     metrics, deadline = out / "metrics.jsonl", time.time() + timeout
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < count):
@@ -155,7 +164,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
     proc = _start(out)
     _wait_for_iterations(out, 3)
     proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=60)
+    output = _finish(proc)
     assert proc.returncode == 128 + signal.SIGTERM, output
     assert "interrupted at iteration" in output and "Traceback" not in output
     done = load_checkpoint(out / "checkpoint.npz")[1]["iteration"]
@@ -167,7 +176,7 @@ def test_a_signal_during_start_up_exits_quietly(tmp_path, signum):
     proc = _start(tmp_path / "run")
     time.sleep(0.5)  # the command is still loading its modules or building the plan
     proc.send_signal(signum)
-    output, _ = proc.communicate(timeout=60)
+    output = _finish(proc)
     assert proc.returncode == 128 + signum, output
     assert "Traceback" not in output and "KeyboardInterrupt" not in output
 
@@ -296,3 +305,15 @@ def test_paths_are_printed_as_given_never_read_as_markup(tmp_path, capsys):
     config.write_text("network: [")
     assert main(["train", str(config), "--no-progress"]) == 2
     assert str(config) in " ".join(capsys.readouterr().err.replace("\n", "").split())
+
+
+def test_a_network_too_large_for_memory_is_one_clear_error(tmp_path, capsys):
+    """snrt plan accepts a 10^12-channel layer (its plan says what it needs); training it is
+    refused with the way out, not a MemoryError traceback."""
+    config = tmp_path / "wide.yaml"
+    config.write_text(open(LENET).read().replace("out_channels: 16", "out_channels: 1000000000000", 1))
+    assert "1000000000000" in config.read_text()
+    assert main(["plan", str(config)]) == 0
+    assert main(["train", str(config), *RUN, "--out", str(tmp_path / "run")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "not enough memory for this run" in err and "Traceback" not in err

@@ -113,7 +113,7 @@ class Conv2d(Layer):
     saves = Saves(inputs=(0,))
     gemm_columns: ClassVar[int] = GEMM_COLUMNS
     tap_elements: ClassVar[int] = TAP_ELEMENTS
-    out_channels: int = 1
+    out_channels: int  # required
     kernel: int | tuple = 3  # int or (kh, kw); normalised to a pair
     stride: int | tuple = 1
     padding: int | tuple = 0  # symmetric zero padding per spatial dim

@@ -101,7 +101,7 @@ def test_conv2d_infer_shape_and_params():
     assert specs["weight"].fan_in == 2 * 3 and specs["weight"].fan_out == 8 * 3 // 2
     assert specs["bias"].shape == (8,) and specs["bias"].init == "zeros" and not specs["bias"].decay
     assert "bias" not in Conv2d(out_channels=8, bias=False).param_specs([(2, 4, 5, 5)])
-    assert Conv2d(kernel=3, dilation=2, padding=(2, 0)).infer_shape([(1, 1, 9, 9)]) == (1, 1, 9, 5)
+    assert Conv2d(out_channels=1, kernel=3, dilation=2, padding=(2, 0)).infer_shape([(1, 1, 9, 9)]) == (1, 1, 9, 5)
 
 
 def test_conv2d_options_normalised():
@@ -177,7 +177,7 @@ def test_conv2d_cost():
 ])
 def test_conv2d_shape_errors(in_shape, options, words):
     with pytest.raises(ShapeError, match=words):
-        Conv2d(**options).infer_shape([in_shape])
+        Conv2d(**{"out_channels": 1, **options}).infer_shape([in_shape])
 
 
 @pytest.mark.parametrize("options, name", [
@@ -194,12 +194,12 @@ def test_conv2d_shape_errors(in_shape, options, words):
 ])
 def test_conv2d_option_validation(options, name):
     with pytest.raises(ValueError, match=f"option '{name}'"):
-        Conv2d(**options)
+        Conv2d(**{"out_channels": 1, **options})
 
 
 def test_conv2d_stride_message():
     with pytest.raises(ValueError, match=r"option 'stride' must be a positive int or pair of positive ints, got 0"):
-        Conv2d(stride=0)
+        Conv2d(out_channels=1, stride=0)
 
 
 @pytest.mark.parametrize("gemm_columns", [5, 1000])

@@ -17,7 +17,7 @@ from snrt.backends import BACKENDS, default_backend
 from snrt.config import DATASETS, config_to_yaml, load_config
 from snrt.errors import SnrtError
 from snrt.runfolder import RunFolder
-from snrt.scheduler import policies
+from snrt.scheduler import BudgetError, policies
 from snrt.summary import human_bytes, summary_table, totals_by_type
 from snrt.threads import describe_pools, limit_threads, thread_pools, usable_cores
 
@@ -368,6 +368,9 @@ def main(argv=None):
                     signal.SIGTERM: signal.signal(signal.SIGTERM, _terminate)}
     try:
         return args.run(args, console) or 0
+    except BudgetError as e:  # the planner knows no file: name the one whose budget it is
+        _error(f"{args.config}: memory.budget: {e}")
+        return 2
     except SnrtError as e:
         _error(str(e))
         return 2

@@ -36,6 +36,7 @@ def test_plan_with_an_infeasible_budget_says_what_would_work(capsys):
     assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--policy", "auto", "--budget", "4MiB"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "smallest budget that works is" in err and "largest batch" in err
+    assert err.startswith("error: configs/cifar_resnet20.yaml: memory.budget: budget 4.0 MiB is too small")
 
 
 def test_train_writes_metrics_checkpoint_summary_and_timeline(tmp_path):

@@ -198,6 +198,8 @@ def _infeasible(graph, batch, budget, policies, opts, candidates=None):
         return _build(graph, b, POLICIES[frugal.policy], opts, hide).arena_bytes <= budget
 
     low, high = 0, batch - 1  # the largest batch in [1, batch) that fits, by bisection
+    if high >= 1 and not fits(1):  # often nothing fits: one plan says so, not a bisection's worth
+        high = 0
     while low < high:
         mid = (low + high + 1) // 2
         if fits(mid):

@@ -317,3 +317,14 @@ def test_a_network_too_large_for_memory_is_one_clear_error(tmp_path, capsys):
     assert main(["train", str(config), *RUN, "--out", str(tmp_path / "run")]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "not enough memory for this run" in err and "Traceback" not in err
+
+
+def test_the_gpu_hint_keeps_its_brackets(tmp_path, capsys):
+    """Console markup once ate '[gpu]' from the install hint."""
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed here: the cuda backend's error is another one")
+    except ImportError:
+        pass
+    assert main(["train", LENET, *RUN, "--backend", "cuda", "--out", str(tmp_path / "run")]) == 2
+    assert "pip install 'snrt[gpu]'" in " ".join(capsys.readouterr().err.split())

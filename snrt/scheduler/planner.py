@@ -16,7 +16,7 @@ from snrt.scheduler.liveness import allocation_points, insert_frees, predict_dev
 from snrt.scheduler.offload import plan_offload, with_host_slots
 from snrt.scheduler.offsets import assign_offsets
 from snrt.scheduler.order import BufferTable, build_iteration
-from snrt.scheduler.plan import Plan
+from snrt.scheduler.plan import PERSISTENT_ROLES, Plan
 from snrt.scheduler.policies import AUTO, POLICIES, policy_named
 from snrt.scheduler.recompute import plan_recomputation, speed_segments_that_fit, version_buffers
 from snrt.summary import human_bytes
@@ -198,7 +198,8 @@ def _infeasible(graph, batch, budget, policies, opts, candidates=None):
         return _build(graph, b, POLICIES[frugal.policy], opts, hide).arena_bytes <= budget
 
     low, high = 0, batch - 1  # the largest batch in [1, batch) that fits, by bisection
-    if high >= 1 and not fits(1):  # often nothing fits: one plan says so, not a bisection's worth
+    persistent = sum(b.nbytes for b in frugal.buffers if b.role in PERSISTENT_ROLES)  # the same at every batch
+    if high >= 1 and (persistent > budget or not fits(1)):  # often nothing fits: say so without a bisection
         high = 0
     while low < high:
         mid = (low + high + 1) // 2

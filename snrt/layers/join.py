@@ -1,9 +1,10 @@
-"""Layers that join branches: elementwise sum (residual) and channel concatenation."""
+"""Layers that join branches: elementwise sum (residual), product (gates) and channel
+concatenation."""
 
 from dataclasses import dataclass
 
 from snrt.errors import ShapeError
-from snrt.layers.base import EXPENSIVE, Layer
+from snrt.layers.base import BACKWARD, EXPENSIVE, FLOAT32_BYTES, Layer, Saves, numel
 from snrt.layers.registry import register
 
 
@@ -35,6 +36,64 @@ class Add(Layer):
         for gx in gxs:
             if gx is not None:
                 gx[...] = gy
+
+
+@register
+@dataclass(frozen=True)
+class Mul(Layer):
+    """y = x * g: x (N, C, ...) times a gate g of the same shape, or of a shape that leaves out
+    trailing dims of x or has 1 there, e.g. (N, C) or (N, C, 1, 1) for a channel gate (a
+    squeeze-and-excitation block), broadcast over them.
+
+    gx = gy * g; gg = gy * x summed over the broadcast dims. Backward reads both inputs and,
+    for a broadcast gate, one scratch tensor of x's size.
+    """
+
+    type_name = "Mul"
+    recompute_cost = EXPENSIVE  # a join: its output is a checkpoint
+    min_inputs = 2
+    max_inputs = 2
+    saves = Saves(inputs=(0, 1))
+
+    def _gate_shape(self, in_shapes):
+        """The gate's shape padded with trailing 1s to x's rank; ShapeError if it cannot broadcast."""
+        x, g = tuple(in_shapes[0]), tuple(in_shapes[1])
+        padded = g + (1,) * (len(x) - len(g))
+        if len(g) > len(x) or any(d not in (1, e) for d, e in zip(padded[1:], x[1:])) or padded[0] != x[0]:
+            raise ShapeError(f"the gate (input 1) of per-sample shape {list(g[1:])} does not broadcast to input 0's "
+                             f"{list(x[1:])}: give it x's shape, or leave out or set to 1 trailing dims")
+        return padded
+
+    def _broadcast_axes(self, in_shapes):
+        x, padded = tuple(in_shapes[0]), self._gate_shape(in_shapes)
+        return tuple(i for i, (d, e) in enumerate(zip(padded, x)) if d != e)
+
+    def infer_shape(self, in_shapes):
+        self._gate_shape(in_shapes)
+        return tuple(in_shapes[0])
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return numel(in_shapes[0]) * itemsize if phase == BACKWARD and self._broadcast_axes(in_shapes) else 0
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x, g = xs
+        ctx.xp.multiply(x, g.reshape(self._gate_shape([x.shape, g.shape])), out=y)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        x, g = saved.xs
+        gate_shape = self._gate_shape([x.shape, g.shape])
+        if gxs[0] is not None:
+            ctx.xp.multiply(gy, g.reshape(gate_shape), out=gxs[0])
+        if gxs[1] is None:
+            return
+        axes = self._broadcast_axes([x.shape, g.shape])
+        if not axes:
+            ctx.xp.multiply(gy, x, out=gxs[1])
+            return
+        product = ctx.scratch(x.shape, x.dtype)
+        ctx.xp.multiply(gy, x, out=product)
+        ctx.xp.sum(product, axis=axes, keepdims=True, out=gxs[1].reshape(gate_shape))
+        ctx.release_scratch()
 
 
 @register

@@ -10,11 +10,11 @@ import pytest
 
 import snrt
 from snrt.backends import cuda_unavailable_reason
-from snrt.layers.activation import LeakyReLU, ReLU, Sigmoid, Tanh
+from snrt.layers.activation import ELU, GELU, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softmax, Tanh
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.conv import Conv2d
 from snrt.layers.dropout import Dropout
-from snrt.layers.join import Add, Concat
+from snrt.layers.join import Add, Concat, Mul
 from snrt.layers.linear import Flatten, Linear
 from snrt.layers.loss import SoftmaxCrossEntropy
 from snrt.layers.norm import LRN, BatchNorm
@@ -48,6 +48,13 @@ LAYERS = [
     (LeakyReLU(slope=0.1), [(3, 4, 5)]),
     (Sigmoid(), [(3, 4, 5)]),
     (Tanh(), [(3, 4, 5)]),
+    (SiLU(), [(3, 4, 5)]),
+    (ELU(alpha=0.5), [(3, 4, 5)]),
+    (GELU(), [(3, 4, 5)]),
+    (GELU(approximate="tanh"), [(3, 4, 5)]),
+    (Identity(), [(3, 4, 5)]),
+    (Softmax(), [(3, 4, 5)]),
+    (Mul(), [(2, 3, 4, 4), (2, 3)]),
     (Add(), [(2, 3, 4, 4), (2, 3, 4, 4)]),
     (Concat(), [(2, 3, 4, 4), (2, 5, 4, 4)]),
     (Flatten(), [(2, 3, 4, 4)]),

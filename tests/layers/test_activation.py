@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from snrt.backends.cpu_kernels import CompiledReLU
-from snrt.layers.activation import LeakyReLU, ReLU, Sigmoid, Tanh
+from snrt.layers.activation import ELU, GELU, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softmax, Tanh
 from snrt.layers.base import KernelContext, Saved
 from tests.layers.harness import check_layer
 
@@ -22,6 +22,14 @@ def away_from_zero(shape, seed=0):
         (LeakyReLU(slope=0.1), lambda xs, p: torch.nn.functional.leaky_relu(xs[0], 0.1)),
         (Sigmoid(), lambda xs, p: torch.sigmoid(xs[0])),
         (Tanh(), lambda xs, p: torch.tanh(xs[0])),
+        (SiLU(), lambda xs, p: torch.nn.functional.silu(xs[0])),
+        (ELU(), lambda xs, p: torch.nn.functional.elu(xs[0])),
+        (ELU(alpha=2.5), lambda xs, p: torch.nn.functional.elu(xs[0], 2.5)),
+        (ELU(alpha=0.3), lambda xs, p: torch.nn.functional.elu(xs[0], 0.3)),
+        (GELU(), lambda xs, p: torch.nn.functional.gelu(xs[0])),
+        (GELU(approximate="tanh"), lambda xs, p: torch.nn.functional.gelu(xs[0], approximate="tanh")),
+        (Identity(), lambda xs, p: xs[0]),
+        (Softmax(), lambda xs, p: torch.softmax(xs[0], dim=1)),
     ],
     ids=repr,
 )
@@ -58,3 +66,39 @@ def test_sigmoid_is_finite_for_large_inputs():
 def test_leaky_relu_rejects_bad_slope(slope):
     with pytest.raises(ValueError, match="slope"):
         LeakyReLU(slope=slope)
+
+
+def test_softmax_along_another_axis():
+    check_layer(Softmax(axis=3), [away_from_zero((2, 3, 4, 5))], lambda xs, p: torch.softmax(xs[0], dim=3))
+
+
+def test_softmax_axis_out_of_range():
+    from snrt.errors import ShapeError
+
+    with pytest.raises(ShapeError, match="axis 3 is out of range"):
+        Softmax(axis=3).infer_shape([(2, 7)])
+
+
+def test_gelu_erf_matches_torch_over_a_wide_range():
+    """The erf formula behind GELU(approximate: none) agrees with PyTorch's exact erf to float32
+    precision from -8 to 8, the tails included."""
+    from tests.layers.harness import run_forward
+
+    x = np.linspace(-8, 8, 4001).reshape(1, -1)
+    y, _ = run_forward(GELU(), [x], {})
+    expected = torch.nn.functional.gelu(torch.tensor(x)).numpy()
+    np.testing.assert_allclose(y, expected, rtol=0, atol=3e-7)
+
+
+@pytest.mark.parametrize("options, name", [(dict(alpha=0), "alpha"), (dict(alpha=float("nan")), "alpha"),
+                                           (dict(alpha=True), "alpha")])
+def test_elu_rejects_bad_alpha(options, name):
+    with pytest.raises(ValueError, match=f"option '{name}'"):
+        ELU(**options)
+
+
+def test_gelu_and_softmax_reject_bad_options():
+    with pytest.raises(ValueError, match="option 'approximate'"):
+        GELU(approximate="fast")
+    with pytest.raises(ValueError, match="option 'axis'"):
+        Softmax(axis=0)

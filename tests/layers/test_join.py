@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from snrt.errors import ShapeError
-from snrt.layers.join import Add, Concat
+from snrt.layers.join import Add, Concat, Mul
 from tests.layers.harness import check_layer
 
 
@@ -34,3 +34,21 @@ def test_concat_infers_channels_and_rejects_mismatch():
     assert Concat().infer_shape([(2, 3, 8, 8), (2, 5, 8, 8), (2, 1, 8, 8)]) == (2, 9, 8, 8)
     with pytest.raises(ShapeError, match="agree except on axis 1"):
         Concat().infer_shape([(2, 3, 8, 8), (2, 5, 4, 4)])
+
+
+@pytest.mark.parametrize("gate_shape", [(2, 3, 4, 5), (2, 3), (2, 3, 1, 1), (2, 3, 4), (2, 1, 4, 1)])
+def test_mul_with_a_gate_of_any_broadcastable_shape(gate_shape):
+    """A squeeze-and-excitation gate (N, C) or (N, C, 1, 1), a full product, and partial ones."""
+    x, g = randn(2, 3, 4, 5), randn(*gate_shape, seed=1)
+
+    def reference(xs, p):
+        gate = xs[1].reshape(xs[1].shape + (1,) * (xs[0].dim() - xs[1].dim()))
+        return xs[0] * gate
+
+    check_layer(Mul(), [x, g], reference)
+
+
+@pytest.mark.parametrize("gate_shape", [(2, 4), (2, 3, 2), (1, 3), (2, 3, 4, 5, 1)])
+def test_mul_rejects_a_gate_that_does_not_broadcast(gate_shape):
+    with pytest.raises(ShapeError, match="does not broadcast"):
+        Mul().infer_shape([(2, 3, 4, 5), gate_shape])

@@ -3,11 +3,11 @@
 from hypothesis import strategies as st
 
 from snrt.graph import Graph
-from snrt.layers.activation import ReLU, Tanh
+from snrt.layers.activation import ELU, GELU, Identity, ReLU, Sigmoid, SiLU, Softmax, Tanh
 from snrt.layers.conv import Conv2d
 from snrt.layers.dropout import Dropout
 from snrt.layers.input import Input
-from snrt.layers.join import Add, Concat
+from snrt.layers.join import Add, Concat, Mul
 from snrt.layers.linear import Linear
 from snrt.layers.loss import SoftmaxCrossEntropy
 from snrt.layers.norm import BatchNorm
@@ -15,7 +15,10 @@ from snrt.layers.pool import GlobalAvgPool, MaxPool
 
 CHANNELS, SIZE, CLASSES = 3, 6, 4
 
-OPS = ("conv", "conv1", "bn", "relu", "tanh", "pool", "dropout", "add", "concat")
+OPS = ("conv", "conv1", "bn", "relu", "tanh", "pool", "dropout", "add", "concat", "silu", "gelu", "elu",
+       "softmax", "identity", "mul", "gate")
+ELEMENTWISE = {"relu": ReLU, "tanh": Tanh, "silu": SiLU, "gelu": GELU, "elu": ELU, "softmax": Softmax,
+               "identity": Identity}
 
 
 @st.composite
@@ -46,16 +49,20 @@ def build(recipe):
             nodes.append(g.add(Conv2d(out_channels=CHANNELS, kernel=1), inputs=[x], name=name))
         elif op == "bn":
             nodes.append(g.add(BatchNorm(), inputs=[x], name=name))
-        elif op == "relu":
-            nodes.append(g.add(ReLU(), inputs=[x], name=name))
-        elif op == "tanh":
-            nodes.append(g.add(Tanh(), inputs=[x], name=name))
+        elif op in ELEMENTWISE:
+            nodes.append(g.add(ELEMENTWISE[op](), inputs=[x], name=name))
         elif op == "pool":
             nodes.append(g.add(MaxPool(kernel=3, stride=1, padding=1), inputs=[x], name=name))
         elif op == "dropout":
             nodes.append(g.add(Dropout(p=0.25), inputs=[x], name=name))
         elif op == "add":
             nodes.append(g.add(Add(), inputs=[x, y], name=name))
+        elif op == "mul":
+            nodes.append(g.add(Mul(), inputs=[x, y], name=name))
+        elif op == "gate":  # squeeze and excitation: x times sigmoid(a channel summary of y)
+            squeeze = g.add(GlobalAvgPool(), inputs=[y], name=f"{name}_squeeze")
+            excite = g.add(Sigmoid(), inputs=[squeeze], name=f"{name}_excite")
+            nodes.append(g.add(Mul(), inputs=[x, excite], name=name))
         else:  # concat, then a 1x1 conv back to CHANNELS
             cat = g.add(Concat(), inputs=[x, y], name=f"{name}_cat")
             nodes.append(g.add(Conv2d(out_channels=CHANNELS, kernel=1), inputs=[cat], name=name))

@@ -45,6 +45,45 @@ SMALL_RESNET = {
 }
 
 
+# The newer layers in one network: SiLU, GELU (both forms), ELU, Identity, a channel Softmax
+# and squeeze-and-excitation gates (Mul of a feature map and an (N, C) gate).
+MODERN = {
+    "name": "modern",
+    "input": {"shape": [3, 10, 10], "classes": 5},
+    "blocks": {
+        "gated": {
+            "args": {"channels": None},
+            "layers": [
+                {"type": "GlobalAvgPool"},
+                {"type": "Linear", "out_features": 3},
+                {"type": "GELU"},
+                {"type": "Linear", "out_features": "$channels"},
+                {"type": "Sigmoid", "name": "gate"},
+                {"type": "Mul", "inputs": ["$in", "gate"]},
+            ],
+        }
+    },
+    "train": {"batch": 6, "iterations": 4, "seed": 2,
+              "optimizer": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.001},
+              "data": {"samples": 48}},
+    "network": [
+        {"type": "Conv2d", "out_channels": 6, "kernel": 3, "padding": 1},
+        {"type": "BatchNorm"},
+        {"type": "SiLU", "name": "act"},
+        {"block": "gated", "args": {"channels": 6}},
+        {"type": "ELU", "alpha": 0.5},
+        {"type": "Identity", "name": "skip"},
+        {"type": "Softmax", "name": "attend", "inputs": ["act"]},
+        {"type": "Mul", "inputs": ["skip", "attend"]},
+        {"type": "Conv2d", "out_channels": 4, "kernel": 3, "stride": 2, "padding": 1},
+        {"type": "GELU", "approximate": "tanh"},
+        {"type": "GlobalAvgPool"},
+        {"type": "Linear", "out_features": "$classes"},
+        {"type": "SoftmaxCrossEntropy"},
+    ],
+}
+
+
 def small_config(**train):
     doc = {**SMALL_RESNET, "train": {**SMALL_RESNET["train"], **train}}
     return snrt.load_config(doc)
@@ -57,8 +96,9 @@ def batch_of(config, seed):
     return x, y
 
 
-def test_losses_and_parameters_match_pytorch():
-    config = small_config()
+@pytest.mark.parametrize("doc", [SMALL_RESNET, MODERN], ids=lambda doc: doc["name"])
+def test_losses_and_parameters_match_pytorch(doc):
+    config = snrt.load_config(doc)
     trainer = Trainer(config)
     params = {k: v.copy() for k, v in trainer.host_arrays(("parameter",)).items()}
     state = {k: v.copy() for k, v in trainer.host_arrays(("state",)).items()}
@@ -78,8 +118,10 @@ def test_losses_and_parameters_match_pytorch():
         np.testing.assert_allclose(value, reference.detach().numpy(), rtol=1e-3, atol=1e-5, err_msg=f"{node}:{name}")
 
 
-def test_gradients_match_pytorch():
-    config = small_config(optimizer={"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0})
+@pytest.mark.parametrize("doc", [SMALL_RESNET, MODERN], ids=lambda doc: doc["name"])
+def test_gradients_match_pytorch(doc):
+    config = snrt.load_config({**doc, "train": {**doc["train"], "optimizer": {"lr": 0.01, "momentum": 0.0,
+                                                                             "weight_decay": 0.0}}})
     trainer = Trainer(config)
     params = trainer.host_arrays(("parameter",))
     net = TorchNet(config.graph, params, trainer.host_arrays(("state",)))

@@ -86,13 +86,13 @@ class Mul(Layer):
             ctx.xp.multiply(gy, g.reshape(gate_shape), out=gxs[0])
         if gxs[1] is None:
             return
-        axes = self._broadcast_axes([x.shape, g.shape])
+        axes, gg = self._broadcast_axes([x.shape, g.shape]), gxs[1].reshape(gate_shape)
         if not axes:
-            ctx.xp.multiply(gy, x, out=gxs[1])
+            ctx.xp.multiply(gy, x, out=gg)
             return
         product = ctx.scratch(x.shape, x.dtype)
         ctx.xp.multiply(gy, x, out=product)
-        ctx.xp.sum(product, axis=axes, keepdims=True, out=gxs[1].reshape(gate_shape))
+        ctx.xp.sum(product, axis=axes, keepdims=True, out=gg)
         ctx.release_scratch()
 
 

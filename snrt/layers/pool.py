@@ -68,9 +68,9 @@ def _window_sizes(xp, out_size, in_size, k, s, p, include_pad):
 class _WindowPool(Layer):
     """Shared options, shape inference and window iteration of MaxPool and AvgPool."""
 
-    kernel: object = None
-    stride: object = None
-    padding: object = 0
+    kernel: int | tuple  # required: int or (kh, kw)
+    stride: int | tuple | None = None  # None: the kernel
+    padding: int | tuple = 0
     ceil_mode: bool = False
 
     def __post_init__(self):

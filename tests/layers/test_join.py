@@ -36,10 +36,13 @@ def test_concat_infers_channels_and_rejects_mismatch():
         Concat().infer_shape([(2, 3, 8, 8), (2, 5, 4, 4)])
 
 
-@pytest.mark.parametrize("gate_shape", [(2, 3, 4, 5), (2, 3), (2, 3, 1, 1), (2, 3, 4), (2, 1, 4, 1)])
-def test_mul_with_a_gate_of_any_broadcastable_shape(gate_shape):
+@pytest.mark.parametrize("x_shape, gate_shape", [
+    ((2, 3, 4, 5), (2, 3, 4, 5)), ((2, 3, 4, 5), (2, 3)), ((2, 3, 4, 5), (2, 3, 1, 1)), ((2, 3, 4, 5), (2, 3, 4)),
+    ((2, 3, 4, 5), (2, 1, 4, 1)), ((2, 3, 1, 1), (2, 3)),  # a 1x1 feature map: nothing to sum, shapes differ
+])
+def test_mul_with_a_gate_of_any_broadcastable_shape(x_shape, gate_shape):
     """A squeeze-and-excitation gate (N, C) or (N, C, 1, 1), a full product, and partial ones."""
-    x, g = randn(2, 3, 4, 5), randn(*gate_shape, seed=1)
+    x, g = randn(*x_shape), randn(*gate_shape, seed=1)
 
     def reference(xs, p):
         gate = xs[1].reshape(xs[1].shape + (1,) * (xs[0].dim() - xs[1].dim()))

@@ -117,7 +117,7 @@ def test_options_are_normalised():
 
 @pytest.mark.parametrize("cls", [MaxPool, AvgPool])
 @pytest.mark.parametrize("options, name", [
-    (dict(), "kernel"),
+    (dict(kernel=None), "kernel"),
     (dict(kernel=0), "kernel"),
     (dict(kernel=True), "kernel"),
     (dict(kernel="3"), "kernel"),

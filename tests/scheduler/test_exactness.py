@@ -10,7 +10,7 @@ from snrt.config import DataConfig, TrainConfig, config_from_graph, with_setting
 from snrt.scheduler.policies import POLICIES
 from snrt.train import Trainer
 from tests.scheduler.graphs import CLASSES, build, graph_recipes
-from tests.test_train import SMALL_RESNET
+from tests.test_train import MODERN, SMALL_RESNET
 
 CONCAT_NET = {
     "name": "concat_net",
@@ -74,6 +74,16 @@ def test_concat_branches_are_bit_identical_under_every_policy():
 def test_alexnet_with_dropout_and_lrn_is_bit_identical_under_every_policy():
     config = snrt.load_config("configs/alexnet.yaml", {
         "input.shape": [3, 67, 67], "train.batch": 2, "train.data": {"samples": 8}})
+    assert_policies_agree(config, iterations=2)
+
+
+def test_newer_layers_are_bit_identical_under_every_policy():
+    assert_policies_agree(snrt.load_config(MODERN), iterations=3)
+
+
+def test_se_resnet50_gates_are_bit_identical_under_every_policy():
+    config = snrt.load_config("configs/se_resnet50.yaml", {
+        "input.shape": [3, 32, 32], "train.batch": 2, "train.data": {"samples": 8}})
     assert_policies_agree(config, iterations=2)
 
 

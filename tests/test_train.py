@@ -63,9 +63,7 @@ MODERN = {
             ],
         }
     },
-    "train": {"batch": 6, "iterations": 4, "seed": 2,
-              "optimizer": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.001},
-              "data": {"samples": 48}},
+    "train": {**SMALL_RESNET["train"], "batch": 6, "iterations": 4, "seed": 2, "data": {"samples": 48}},
     "network": [
         {"type": "Conv2d", "out_channels": 6, "kernel": 3, "padding": 1},
         {"type": "BatchNorm"},

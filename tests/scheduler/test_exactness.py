@@ -71,20 +71,16 @@ def test_concat_branches_are_bit_identical_under_every_policy():
     assert_policies_agree(snrt.load_config(CONCAT_NET), iterations=3)
 
 
-def test_alexnet_with_dropout_and_lrn_is_bit_identical_under_every_policy():
-    config = snrt.load_config("configs/alexnet.yaml", {
-        "input.shape": [3, 67, 67], "train.batch": 2, "train.data": {"samples": 8}})
+@pytest.mark.parametrize("name, size", [("alexnet", 67), ("se_resnet50", 32)])
+def test_zoo_networks_are_bit_identical_under_every_policy(name, size):
+    """AlexNet (dropout, LRN) and SE-ResNet-50 (squeeze-and-excitation gates), small images, batch 2."""
+    config = snrt.load_config(f"configs/{name}.yaml", {
+        "input.shape": [3, size, size], "train.batch": 2, "train.data": {"samples": 8}})
     assert_policies_agree(config, iterations=2)
 
 
 def test_newer_layers_are_bit_identical_under_every_policy():
     assert_policies_agree(snrt.load_config(MODERN), iterations=3)
-
-
-def test_se_resnet50_gates_are_bit_identical_under_every_policy():
-    config = snrt.load_config("configs/se_resnet50.yaml", {
-        "input.shape": [3, 32, 32], "train.batch": 2, "train.data": {"samples": 8}})
-    assert_policies_agree(config, iterations=2)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

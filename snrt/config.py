@@ -26,7 +26,7 @@ from snrt.layers.input import Input
 from snrt.scheduler import policies
 from snrt.units import Bytes, parse_bytes
 
-OPTIMIZERS = ("sgd",)
+OPTIMIZERS = ("sgd", "adam", "adamw")
 DATASETS = ("synthetic", "npz", "cifar10", "cifar100", "digits")
 TOP_LEVEL_KEYS = ("name", "input", "vars", "train", "memory", "blocks", "network")
 LABEL_READERS = {"SoftmaxCrossEntropy"}  # layers whose default inputs are [previous, label]
@@ -48,11 +48,17 @@ class InputConfig:
 
 @dataclass
 class OptimizerConfig:
+    """sgd (momentum, nesterov), adam or adamw (beta1, beta2, eps); weight_decay for all
+    (L2 in the gradient for sgd and adam, decoupled for adamw)."""
+
     type: str = "sgd"
     lr: float = 0.1
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
 
 
 @dataclass
@@ -120,7 +126,8 @@ CHOICES = {
     (MemoryConfig, "policy"): policies.CHOICES,
 }
 POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "iterations"), (OptimizerConfig, "lr"),
-            (DataConfig, "samples"), (DataConfig, "holdout")}
+            (DataConfig, "samples"), (DataConfig, "holdout"), (OptimizerConfig, "eps")}
+BELOW_ONE = {(DataConfig, "holdout"), (OptimizerConfig, "beta1"), (OptimizerConfig, "beta2")}  # fractions
 
 
 # ---- public entry points ----------------------------------------------------------------
@@ -345,7 +352,7 @@ def _check_setting(source, key, cls, name, annotation, value):
         raise ConfigError(source, key, f"expected a list of non-negative ints, got {_kind(value)}")
     if (cls, name) in POSITIVE and value <= 0:
         raise ConfigError(source, key, f"expected a positive value, got {value!r}")
-    if name == "holdout" and value >= 1:
+    if (cls, name) in BELOW_ONE and value >= 1:
         raise ConfigError(source, key, f"expected a fraction below 1, got {value!r}")
     if annotation in (int, float) and value < 0:
         raise ConfigError(source, key, f"expected a non-negative value, got {value!r}")

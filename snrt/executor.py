@@ -47,6 +47,7 @@ class Executor:
         self.copy_stats = {"copy_s": 0.0, "stalled_s": 0.0}  # copy time, and how much the compute waited
         self.optimizer = None
         self.lr = 0.0
+        self.iteration = 0  # of the run in progress; the update count is iteration + 1
         node_index = {name: i for i, name in enumerate(graph.nodes)}
         binders = {"forward": self._bind_forward, "recompute": self._bind_forward, "backward": self._bind_backward,
                    "update": self._bind_update, "free": self._bind_free, "offload": self._bind_offload,
@@ -71,7 +72,7 @@ class Executor:
         Returns (per-sample losses, per-sample correct flags) as host arrays, read before the
         iteration's buffers are released, or None when the graph has no loss.
         """
-        self.optimizer, self.lr = optimizer, lr
+        self.optimizer, self.lr, self.iteration = optimizer, lr, iteration
         for ctx in self.contexts:
             ctx.iteration, ctx.seed = iteration, seed
         arena, steps, measured = self.backend.arena, self.plan.steps, self.measured_bytes
@@ -148,16 +149,15 @@ class Executor:
 
     def _bind_update(self, step, node_index):
         v, xp = self.views, self.xp
-        slots = tuple((v[param], v[grad], v[state] if state >= 0 else None, decay)
-                      for param, grad, state, decay in step.slots)
+        slots = tuple((v[param], v[grad], tuple(v[s] for s in states), decay) for param, grad, states, decay in step.slots)
         workspace = v[step.workspace]
 
         def run():
             if self.optimizer is None:
                 raise RuntimeError("a training plan needs an optimizer")
-            update, lr = self.optimizer.update, self.lr
-            for param, grad, state, decay in slots:
-                update(xp, param, grad, state, decay, lr, workspace)
+            update, lr, count = self.optimizer.update, self.lr, self.iteration + 1
+            for param, grad, states, decay in slots:
+                update(xp, param, grad, states, decay, lr, count, workspace)
         return run
 
     def _bind_offload(self, step, node_index):

@@ -1,7 +1,20 @@
-"""Optimizers and learning-rate schedules. Updates work in place on arena views."""
+"""Optimizers and learning-rate schedules. Updates work in place on arena views.
+
+An optimizer names the buffers it keeps per parameter (`state_names`: the planner gives each
+parameter one buffer per name, zero at the start, saved in checkpoints as "node:param:name")
+and updates one parameter at a time, as soon as its gradient is complete (the plan's fused
+per-layer update): `update(xp, w, g, states, decay, lr, step, workspace)` with `g` the
+gradient (overwritten), `states` the parameter's buffers in `state_names` order, `decay`
+whether weight decay applies to it, `step` the 1-based count of updates so far (Adam's bias
+correction) and `workspace` a uint8 buffer of at least w.nbytes.
+"""
 
 import math
 from dataclasses import dataclass
+
+
+def _temporary(workspace, w):
+    return workspace[: w.nbytes].view(w.dtype).reshape(w.shape)
 
 
 @dataclass(frozen=True)
@@ -13,26 +26,72 @@ class SGD:
     nesterov: bool = False
     weight_decay: float = 0.0
 
-    def update(self, xp, w, g, m, decay, lr, workspace):
-        """Update `w` in place from gradient `g` (overwritten) and momentum `m` (or None).
+    @property
+    def state_names(self):
+        return ("momentum",) if self.momentum else ()
 
-        `workspace` is a uint8 buffer of at least w.nbytes, used as one temporary.
-        """
-        tmp = workspace[: w.nbytes].view(w.dtype).reshape(w.shape)
+    def update(self, xp, w, g, states, decay, lr, step, workspace):
+        tmp = _temporary(workspace, w)
         if decay and self.weight_decay:
             xp.multiply(w, self.weight_decay, out=tmp)
             g += tmp
-        step = g
-        if m is not None and self.momentum:
+        direction = g
+        if states:
+            (m,) = states
             m *= self.momentum
             m += g
             if self.nesterov:
                 xp.multiply(m, self.momentum, out=tmp)
                 g += tmp
             else:
-                step = m
-        xp.multiply(step, lr, out=tmp)
+                direction = m
+        xp.multiply(direction, lr, out=tmp)
         w -= tmp
+
+
+@dataclass(frozen=True)
+class Adam:
+    """Adam, and AdamW with `decoupled` weight decay, as PyTorch defines them:
+    Adam g' = g + wd w (AdamW instead w -= lr wd w first);  m = b1 m + (1 - b1) g';
+    v = b2 v + (1 - b2) g'^2;  w -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)."""
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled: bool = False
+
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def update(self, xp, w, g, states, decay, lr, step, workspace):
+        m, v = states
+        tmp = _temporary(workspace, w)
+        if decay and self.weight_decay:
+            if self.decoupled:
+                w *= 1 - lr * self.weight_decay
+            else:
+                xp.multiply(w, self.weight_decay, out=tmp)
+                g += tmp
+        m *= self.beta1
+        xp.multiply(g, 1 - self.beta1, out=tmp)
+        m += tmp
+        v *= self.beta2
+        xp.multiply(g, g, out=tmp)
+        tmp *= 1 - self.beta2
+        v += tmp
+        xp.sqrt(v, out=tmp)  # denominator: sqrt(v) / sqrt(1 - b2^t) + eps
+        tmp *= 1 / math.sqrt(1 - self.beta2 ** step)
+        tmp += self.eps
+        xp.divide(m, tmp, out=tmp)
+        tmp *= lr / (1 - self.beta1 ** step)
+        w -= tmp
+
+
+def make_optimizer(config):
+    """The optimizer of OptimizerConfig `config` (train.optimizer)."""
+    if config.type == "sgd":
+        return SGD(config.momentum, config.nesterov, config.weight_decay)
+    return Adam(config.beta1, config.beta2, config.eps, config.weight_decay, decoupled=config.type == "adamw")
 
 
 def learning_rate(schedule, base_lr, iteration, total):

@@ -55,21 +55,21 @@ def check_trainable(graph, batch):
                 raise SnrtError(f"node {name!r} ({node.layer.type_name}) cannot train at batch {batch}: {error}") from None
 
 
-def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, momentum=True, check=False,
-            values=None):
+def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
+            check=False, values=None):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
     backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
     such pairs) loaded.
 
-    `training` False plans the forward pass only; `momentum` gives every parameter an
-    optimizer-state buffer; `check` is the debug mode (poisoned memory, every step verified
+    `training` False plans the forward pass only; `optimizer_states` names the optimizer's
+    buffers of every parameter (snrt.optim: `optimizer.state_names`); `check` is the debug mode (poisoned memory, every step verified
     against the plan).
     """
     if training:
         check_trainable(graph, batch)
     device_class = backend_class(backend)
     kernels = device_class.kernel_choice()
-    plan = make_plan(graph, batch, policy, budget=budget, training=training, momentum=momentum,
+    plan = make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
                      cost_model=device_class.cost_model, kernels=kernels)
     device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)
     runtime = Runtime(plan, device, Executor(graph, plan, device))

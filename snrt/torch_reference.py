@@ -76,11 +76,14 @@ class TorchNet(torch.nn.Module):
 
 
 def torch_sgd(net, graph, optimizer):
-    """torch.optim.SGD over `net`'s parameters with snrt's semantics of `optimizer` (a config's
-    train.optimizer): weight decay on every parameter except BatchNorm's and biases."""
+    """The torch.optim optimizer over `net`'s parameters with snrt's semantics of `optimizer` (a
+    config's train.optimizer: SGD, Adam or AdamW): weight decay on every parameter except those
+    whose spec says no decay (BatchNorm's and biases)."""
     specs = graph.param_specs()
     no_decay = [net.param(n, k) for n in specs for k in specs[n] if not specs[n][k].decay]
     decay = [p for p in net.parameters() if all(p is not q for q in no_decay)]
-    return torch.optim.SGD([{"params": decay, "weight_decay": optimizer.weight_decay},
-                            {"params": no_decay, "weight_decay": 0.0}],
-                           lr=optimizer.lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov)
+    groups = [{"params": decay, "weight_decay": optimizer.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if optimizer.type == "sgd":
+        return torch.optim.SGD(groups, lr=optimizer.lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov)
+    adam = torch.optim.Adam if optimizer.type == "adam" else torch.optim.AdamW
+    return adam(groups, lr=optimizer.lr, betas=(optimizer.beta1, optimizer.beta2), eps=optimizer.eps)

@@ -19,7 +19,7 @@ from snrt.checkpoint import CheckpointError, describe_batch_change, load_checkpo
 from snrt.data import Batches, eval_batches, load_datasets, normalization
 from snrt.errors import DivergenceError
 from snrt.init import each_initial_parameter, initial_state
-from snrt.optim import SGD, learning_rate
+from snrt.optim import learning_rate, make_optimizer
 from snrt.runtime import prepare
 
 
@@ -49,9 +49,9 @@ class Trainer:
         self.graph = config.graph
         train, memory = config.train, config.memory
         self.batch = train.batch
-        self.optimizer = SGD(train.optimizer.momentum, train.optimizer.nesterov, train.optimizer.weight_decay)
+        self.optimizer = make_optimizer(train.optimizer)
         self.runtime = prepare(self.graph, self.batch, memory.policy, memory.budget, backend, training=True,
-                               momentum=train.optimizer.momentum != 0, check=check,
+                               optimizer_states=self.optimizer.state_names, check=check,
                                values=itertools.chain(each_initial_parameter(self.graph, train.seed, train.init),
                                                       initial_state(self.graph).items()))
         self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor
@@ -173,6 +173,7 @@ class Trainer:
                    self.runtime.persistent_tensors(("parameter", "optimizer_state", "state")))
         save_checkpoint(path, tensors, {"iteration": self.iteration, "seed": self.config.train.seed,
                                         "network": self.graph.name, "graph": self.graph.fingerprint(),
+                                        "optimizer": self.config.train.optimizer.type,
                                         "batch": self.batch})
 
     def restore(self, path):
@@ -183,6 +184,10 @@ class Trainer:
         arrays, meta = load_checkpoint(path)
         roles = ("parameter", "optimizer_state", "state")
         expected = {f"{node}:{name}": (node, name) for node, name, _ in self.runtime.persistent_tensors(roles)}
+        optimizer = self.config.train.optimizer.type
+        if meta.get("optimizer", "sgd") != optimizer:
+            raise CheckpointError(f"{path}: trained with {meta.get('optimizer', 'sgd')}, this run uses {optimizer}: the "
+                                  "optimizer's state does not carry over; resume with the same train.optimizer.type")
         missing = sorted(set(expected) - set(arrays))
         if missing:
             raise CheckpointError(f"{path}: made for a different network (no {missing[0]}; "

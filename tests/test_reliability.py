@@ -328,3 +328,10 @@ def test_the_gpu_hint_keeps_its_brackets(tmp_path, capsys):
         pass
     assert main(["train", LENET, *RUN, "--backend", "cuda", "--out", str(tmp_path / "run")]) == 2
     assert "pip install 'snrt[gpu]'" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
+    path = tmp_path / "ckpt.npz"
+    Trainer(small_config()).save(path)
+    with pytest.raises(CheckpointError, match="trained with sgd, this run uses adam"):
+        Trainer(small_config(optimizer={"type": "adam", "lr": 0.001})).restore(path)

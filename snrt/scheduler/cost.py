@@ -43,15 +43,15 @@ def step_cost(step, graph, batch):
         node = graph[step.node]
         return node.layer.cost(graph.in_shapes(node.name, batch), phase)
     if step.kind == "update":
-        return Cost(flops=0, bytes=update_bytes(graph, step.node))
+        return Cost(flops=0, bytes=update_bytes(graph, step.node, len(step.slots[0][2])))
     return None
 
 
-def update_bytes(graph, node):
-    """Bytes an SGD update of `node`'s parameters moves: parameter, gradient and momentum read,
-    parameter and momentum written."""
+def update_bytes(graph, node, states=1):
+    """Bytes an update of `node`'s parameters moves: parameter, gradient and `states` optimizer
+    buffers per parameter read, parameter and states written."""
     specs = graph[node].layer.param_specs(graph.in_shapes(node, 1))
-    return 5 * FLOAT32_BYTES * sum(numel(spec.shape) for spec in specs.values())
+    return (3 + 2 * states) * FLOAT32_BYTES * sum(numel(spec.shape) for spec in specs.values())
 
 
 def step_seconds(step, graph, batch, model):

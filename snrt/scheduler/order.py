@@ -26,7 +26,7 @@ class Iteration:
     output: dict  # node -> activation buffer id
 
 
-def build_iteration(graph, batch, training=True, momentum=True, dtype="float32", kernels=LAYER_KERNELS):
+def build_iteration(graph, batch, training=True, optimizer_states=("momentum",), dtype="float32", kernels=LAYER_KERNELS):
     """Buffers and compute steps of one iteration (forward only when not `training`).
 
     `kernels` (a kernel choice, see snrt.layers.base.LayerKernels) sizes the workspaces for
@@ -36,7 +36,7 @@ def build_iteration(graph, batch, training=True, momentum=True, dtype="float32",
     builder = _StepBuilder(graph, batch, table, dtype, kernels)
     steps = builder.forward_steps()
     if training:
-        steps += builder.backward_steps(momentum)
+        steps += builder.backward_steps(optimizer_states)
     return Iteration(table.buffers, steps, tuple(builder.input_buffers), builder.loss_buffers(), builder.output)
 
 
@@ -116,7 +116,7 @@ class _StepBuilder:
             needs[node.name] = upstream and node.name in feeds_loss
         return needs
 
-    def backward_steps(self, momentum):
+    def backward_steps(self, optimizer_states):
         needs = self._needs_grad()
         add = self.table.add
         for node in self.graph.nodes.values():
@@ -152,16 +152,19 @@ class _StepBuilder:
                 self._workspace(node.name, BACKWARD),
             ))
             if grad_params:
-                steps.append(self._update(node, grad_params, momentum))
+                steps.append(self._update(node, grad_params, optimizer_states))
         return steps
 
-    def _update(self, node, grad_params, momentum):
+    def _update(self, node, grad_params, optimizer_states):
+        """The node's optimizer step, with one buffer per parameter and name in `optimizer_states`
+        (e.g. "momentum", or Adam's "exp_avg" and "exp_avg_sq"), named "node:param:state"."""
         specs = node.layer.param_specs(self.graph.in_shapes(node.name, self.batch))
         slots = []
         for (p, param), (_, grad) in zip(self.params[node.name], grad_params):
             buf = self.table.buffers[param]
-            state = self.table.add(f"{node.name}:{p}:momentum", buf.shape, self.dtype, "optimizer_state") if momentum else -1
-            slots.append((param, grad, state, specs[p].decay))
+            states = tuple(self.table.add(f"{node.name}:{p}:{s}", buf.shape, self.dtype, "optimizer_state")
+                           for s in optimizer_states)
+            slots.append((param, grad, states, specs[p].decay))
         largest = max(self.table.buffers[p].nbytes for p, _, _, _ in slots)
         workspace = self.table.add(f"{node.name}:workspace:update", (largest,), "uint8", "workspace")
         return Update(node.name, tuple(slots), workspace)

@@ -83,7 +83,8 @@ class Backward:
 
 @dataclass(frozen=True)
 class Update:
-    """Optimizer step for one node's parameters: ((param, grad, momentum or -1, decay), ...)."""
+    """Optimizer step for one node's parameters: ((param, grad, (state, ...), decay), ...), the
+    states being the optimizer's buffers of that parameter (SGD's momentum, Adam's two moments)."""
 
     node: str
     slots: tuple
@@ -91,10 +92,10 @@ class Update:
     kind: str = field(default="update", init=False)
 
     def reads(self):
-        return tuple(b for p, g, m, _ in self.slots for b in (p, g, m) if b >= 0)
+        return tuple(b for p, g, states, _ in self.slots for b in (p, g, *states))
 
     def writes(self):
-        return (*(b for p, _, m, _ in self.slots for b in (p, m) if b >= 0), *_some(self.workspace))
+        return (*(b for p, _, states, _ in self.slots for b in (p, *states)), *_some(self.workspace))
 
 
 @dataclass(frozen=True)

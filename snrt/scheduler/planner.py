@@ -32,7 +32,7 @@ class PlanOptions:
     """
 
     training: bool = True
-    momentum: bool = True
+    optimizer_states: tuple = ("momentum",)
     cost_model: CostModel = cost_models.CPU
     dtype: str = "float32"
     kernels: object = LAYER_KERNELS
@@ -46,18 +46,20 @@ class BudgetError(SnrtError):
         self.smallest_bytes, self.largest_batch = smallest_bytes, largest_batch
 
 
-def make_plan(graph, batch, policy="none", budget=None, training=True, momentum=True,
+def make_plan(graph, batch, policy="none", budget=None, training=True, optimizer_states=("momentum",),
               cost_model=cost_models.CPU, dtype="float32", kernels=LAYER_KERNELS, hide_copies=True):
     """The Plan of one iteration of `graph` at `batch` under `policy` (a name of
     snrt/scheduler/policies.py, or "auto").
 
     `budget` (bytes) is checked against the arena; `training` False gives a forward-only
-    plan; `momentum` allocates one optimizer-state buffer per parameter; `kernels` see
+    plan; `optimizer_states` names the optimizer's buffers of each parameter (one planned buffer
+    per parameter and name: SGD's ("momentum",), () without momentum, Adam's ("exp_avg",
+    "exp_avg_sq")); `kernels` see
     PlanOptions. A copying policy prefetches early enough to hide its copies behind compute,
     and, when that plan exceeds the budget, just in time (smaller, slower); `hide_copies`
     False asks for the just-in-time plan directly.
     """
-    opts = PlanOptions(training, momentum, cost_model, dtype, kernels)
+    opts = PlanOptions(training, tuple(optimizer_states), cost_model, dtype, kernels)
     if policy == AUTO:
         return _auto(graph, batch, budget, opts)
     policy = policy_named(policy)
@@ -139,7 +141,7 @@ def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_s
     """(plan, replayed segments) of Policy `policy` with the given speed-centric and kept (not
     dropped) segments."""
     training, cost_model = opts.training, opts.cost_model
-    it = build_iteration(graph, batch, training, opts.momentum, opts.dtype, opts.kernels)
+    it = build_iteration(graph, batch, training, opts.optimizer_states, opts.dtype, opts.kernels)
     table = BufferTable()
     table.buffers = list(it.buffers)
     steps = list(it.steps)

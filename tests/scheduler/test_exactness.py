@@ -135,3 +135,17 @@ def test_wrapped_steps_run_once_per_iteration_in_plan_order_and_change_nothing()
     assert any(s.kind == "recompute" for s in expected)
     assert seen == expected * 2
     assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_adam_is_bit_identical_under_every_policy_and_its_two_moments_are_planned(optimizer):
+    doc = {**SMALL_RESNET, "train": {**SMALL_RESNET["train"], "optimizer": {"type": optimizer, "lr": 0.01,
+                                                                             "weight_decay": 0.01}}}
+    config = snrt.load_config(doc)
+    assert_policies_agree(config, iterations=3)
+    plan = Trainer(config).plan
+    by_role = {}
+    for b in plan.buffers:
+        by_role[b.role] = by_role.get(b.role, 0) + b.nbytes
+    assert by_role["optimizer_state"] == 2 * by_role["parameter"]
+    assert {b.name.rsplit(":", 1)[1] for b in plan.buffers if b.role == "optimizer_state"} == {"exp_avg", "exp_avg_sq"}

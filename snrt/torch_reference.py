@@ -32,6 +32,8 @@ OPS = {
     "GELU": lambda l, xs, p, s, t: F.gelu(xs[0], approximate=l.approximate),
     "Identity": lambda l, xs, p, s, t: xs[0],
     "Softmax": lambda l, xs, p, s, t: torch.softmax(xs[0], dim=l.axis),
+    "Reshape": lambda l, xs, p, s, t: xs[0].reshape(xs[0].shape[0], *l.shape),
+    "AdaptiveAvgPool": lambda l, xs, p, s, t: F.adaptive_avg_pool2d(xs[0], l.output),
     "Mul": lambda l, xs, p, s, t: xs[0] * xs[1].reshape(xs[1].shape + (1,) * (xs[0].dim() - xs[1].dim())),
     "MaxPool": lambda l, xs, p, s, t: F.max_pool2d(xs[0], **_pool_args(l)),
     "AvgPool": lambda l, xs, p, s, t: F.avg_pool2d(xs[0], count_include_pad=l.count_include_pad, **_pool_args(l)),
@@ -63,7 +65,7 @@ class TorchNet(torch.nn.Module):
                 values[node.name] = torch.as_tensor(feed[node.name])
                 continue
             layer = node.layer
-            if layer.type_name == "Dropout":
+            if layer.type_name in ("Dropout", "Dropout2d"):
                 raise NotImplementedError("dropout masks differ from torch's; compare without Dropout")
             p = {k: self.params[f"{node.name}:{k}".replace(".", "/")] for k in layer.param_specs(
                 self.graph.in_shapes(node.name, 1))}

@@ -116,7 +116,7 @@ class Conv2d(Layer):
     out_channels: int  # required
     kernel: int | tuple = 3  # int or (kh, kw); normalised to a pair
     stride: int | tuple = 1
-    padding: int | tuple = 0  # symmetric zero padding per spatial dim
+    padding: int | tuple | str = 0  # symmetric zero padding per spatial dim, or "same" (stride 1)
     dilation: int | tuple = 1
     groups: int = 1
     bias: bool = True
@@ -128,7 +128,10 @@ class Conv2d(Layer):
             raise ValueError(f"option 'bias' must be true or false, got {self.bias!r}")
         for name in ("kernel", "stride", "dilation"):
             object.__setattr__(self, name, _positive_pair(getattr(self, name), name))
-        message = f"option 'padding' must be a non-negative int or pair of non-negative ints, got {self.padding!r}"
+        message = (f"option 'padding' must be a non-negative int, a pair of non-negative ints or 'same', "
+                   f"got {self.padding!r}")
+        if self.padding == "same":
+            object.__setattr__(self, "padding", self._same_padding())
         try:
             padding = pair(self.padding, "padding")
         except ValueError:
@@ -136,6 +139,16 @@ class Conv2d(Layer):
         if min(padding) < 0:
             raise ValueError(message)
         object.__setattr__(self, "padding", padding)
+
+    def _same_padding(self):
+        """The symmetric padding that keeps the input size: stride 1 and an odd dilated kernel."""
+        if self.stride != (1, 1):
+            raise ValueError(f"option 'padding' 'same' needs stride 1, got stride {list(self.stride)}")
+        spans = [d * (k - 1) for k, d in zip(self.kernel, self.dilation)]
+        if any(span % 2 for span in spans):
+            raise ValueError(f"option 'padding' 'same' needs an odd (dilated) kernel to pad both sides alike, "
+                             f"got kernel {list(self.kernel)} with dilation {list(self.dilation)}")
+        return tuple(span // 2 for span in spans)
 
     # ---- facts -------------------------------------------------------------------------
     def _geometry(self, in_shapes):

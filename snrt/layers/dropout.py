@@ -1,8 +1,9 @@
-"""Inverted dropout with a mask regenerated from (seed, iteration, node), never stored."""
+"""Inverted dropout with a mask regenerated from (seed, iteration, node), never stored:
+per element (Dropout) or per channel (Dropout2d)."""
 
 from dataclasses import dataclass
 
-from snrt.layers.base import FLOAT32_BYTES, Cost, Layer, numel
+from snrt.layers.base import FLOAT32_BYTES, Cost, Layer, numel, scratch_bytes
 from snrt.layers.random import fill_random_bits, random_bits_scratch_bytes
 from snrt.layers.registry import register
 
@@ -59,3 +60,45 @@ class Dropout(Layer):
         base = super().cost(in_shapes, phase)
         return Cost(base.flops * 8, base.bytes)  # about 8 integer ops per element for the hash
 
+
+
+@register
+@dataclass(frozen=True)
+class Dropout2d(Dropout):
+    """Channel dropout (PyTorch's Dropout2d): training y = x * m / (1 - p) with one
+    m ~ Bernoulli(1 - p) per (sample, channel) of (N, C, H, W), shared by the whole feature
+    map; eval y = x. The (N, C) mask is rebuilt, never stored: backward reads nothing but gy."""
+
+    type_name = "Dropout2d"
+
+    def infer_shape(self, in_shapes):
+        self.require_rank(in_shapes, 4)
+        return tuple(in_shapes[0])
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        channels = numel(in_shapes[0][:2])
+        return scratch_bytes(channels * itemsize, random_bits_scratch_bytes(channels))
+
+    def _write_scaled_mask(self, ctx, out):
+        """out <- x-shaped product with this (seed, iteration, node)'s channel mask: here
+        `out` is multiplied in place by mask / (1 - p) broadcast over H, W."""
+        n, c = out.shape[:2]
+        mask = ctx.scratch((n, c), out.dtype)
+        bits = fill_random_bits(ctx, n * c)
+        ctx.xp.greater_equal(bits, ctx.xp.uint32(self.threshold), out=mask.reshape(-1))
+        mask *= 1.0 / (1.0 - self.p)
+        out *= mask[:, :, None, None]
+        ctx.release_scratch()
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        y[...] = xs[0]
+        if ctx.training and self.p:
+            self._write_scaled_mask(ctx, y)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx = gxs[0]
+        if gx is None:
+            return
+        gx[...] = gy
+        if ctx.training and self.p:
+            self._write_scaled_mask(ctx, gx)

@@ -1,5 +1,6 @@
-"""Fully connected layers and the reshape that usually precedes them."""
+"""Fully connected layers and the reshapes that usually precede them."""
 
+import math
 from dataclasses import dataclass
 
 from snrt.errors import ShapeError
@@ -27,6 +28,31 @@ class Flatten(Layer):
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         if gxs[0] is not None:
             gxs[0][...] = gy.reshape(gxs[0].shape)
+
+
+@register
+@dataclass(frozen=True)
+class Reshape(Flatten):
+    """(N, ...) -> (N, *shape), the same values in the same order; one entry of `shape` may be
+    -1 (inferred). A copy, like Flatten; backward reads nothing."""
+
+    type_name = "Reshape"
+    shape: tuple  # required: the per-sample shape, e.g. [64, 7, 7] or [-1]
+
+    def __post_init__(self):
+        shape = self.shape
+        if (not isinstance(shape, (list, tuple)) or not shape
+                or not all(isinstance(d, int) and not isinstance(d, bool) and (d > 0 or d == -1) for d in shape)
+                or list(shape).count(-1) > 1):
+            raise ValueError(f"option 'shape' must be a list of positive ints with at most one -1, got {shape!r}")
+        object.__setattr__(self, "shape", tuple(shape))
+
+    def infer_shape(self, in_shapes):
+        size = math.prod(in_shapes[0][1:])
+        known = math.prod(d for d in self.shape if d != -1)
+        if (-1 in self.shape and size % known) or (-1 not in self.shape and known != size):
+            raise ShapeError(f"cannot reshape {list(in_shapes[0][1:])} ({size} values per sample) to {list(self.shape)}")
+        return (in_shapes[0][0], *(size // known if d == -1 else d for d in self.shape))
 
 
 @register

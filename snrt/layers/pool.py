@@ -261,3 +261,54 @@ class GlobalAvgPool(Layer):
         gx = gxs[0]
         if gx is not None:
             ctx.xp.multiply(gy[:, :, None, None], 1.0 / (gx.shape[2] * gx.shape[3]), out=gx)
+
+
+def _adaptive_bins(size, out):
+    """PyTorch's adaptive pooling windows along one axis: bin i covers [floor(i size / out),
+    ceil((i + 1) size / out)); neighbouring bins overlap when out does not divide size."""
+    return [(i * size // out, -(-(i + 1) * size // out)) for i in range(out)]
+
+
+@register
+@dataclass(frozen=True)
+class AdaptiveAvgPool(Layer):
+    """(N, C, H, W) -> (N, C, oh, ow) with `output` = oh or (oh, ow): each output the mean of its
+    bin (PyTorch's adaptive_avg_pool2d bins); gx spreads gy / bin size back over each bin.
+    Backward reads nothing (it carves one (N, C) scratch). output 1 is GlobalAvgPool that
+    keeps the spatial dims."""
+
+    type_name = "AdaptiveAvgPool"
+    output: int | tuple = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "output", _int_pair(self.output, "output", 1))
+
+    def infer_shape(self, in_shapes):
+        self.require_rank(in_shapes, 4)
+        return (*in_shapes[0][:2], *self.output)
+
+    def _bins(self, shape):
+        return [(r, c) for r in _adaptive_bins(shape[2], self.output[0]) for c in _adaptive_bins(shape[3], self.output[1])]
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        rows, cols = self.output
+        for k, ((r0, r1), (c0, c1)) in enumerate(self._bins(x.shape)):
+            out = y[:, :, k // cols, k % cols]
+            ctx.xp.sum(x[:, :, r0:r1, c0:c1], axis=(2, 3), out=out)
+            out *= 1.0 / ((r1 - r0) * (c1 - c0))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx = gxs[0]
+        if gx is None:
+            return
+        gx[...] = 0
+        cols = self.output[1]
+        share = ctx.scratch(gx.shape[:2], gx.dtype)
+        for k, ((r0, r1), (c0, c1)) in enumerate(self._bins(gx.shape)):
+            ctx.xp.multiply(gy[:, :, k // cols, k % cols], 1.0 / ((r1 - r0) * (c1 - c0)), out=share)
+            gx[:, :, r0:r1, c0:c1] += share[:, :, None, None]
+        ctx.release_scratch()
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return numel(in_shapes[0][:2]) * itemsize if phase == BACKWARD else 0

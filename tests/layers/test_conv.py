@@ -187,7 +187,7 @@ def test_conv2d_shape_errors(in_shape, options, words):
     (dict(kernel=2.5), "kernel"),
     (dict(dilation=True), "dilation"),
     (dict(padding=-1), "padding"),
-    (dict(padding="same"), "padding"),
+    (dict(padding="valid"), "padding"),
     (dict(out_channels=0), "out_channels"),
     (dict(groups=0), "groups"),
     (dict(bias="yes"), "bias"),
@@ -249,3 +249,19 @@ def test_conv2d_weight_gradient_in_either_orientation(monkeypatch, max_out, gemm
     monkeypatch.setattr(Conv2d, "tap_elements", 1)
     layer = _check((3, 4, 7, 6), **options)
     assert layer._weight_grad_transposed() == (max_out > 0)
+
+
+@pytest.mark.parametrize("kernel, dilation", [(3, 1), (5, 1), ((3, 5), 2), ((1, 3), 1)])
+def test_padding_same_keeps_the_size_and_matches_pytorch(kernel, dilation):
+    layer = Conv2d(out_channels=3, kernel=kernel, dilation=dilation, padding="same")
+    x = np.random.default_rng(0).standard_normal((2, 2, 7, 6))
+    check_layer(layer, [x], lambda xs, p: torch.nn.functional.conv2d(xs[0], p["weight"], p["bias"], padding="same",
+                                                                    dilation=dilation))
+    assert layer.infer_shape([(2, 2, 7, 6)]) == (2, 3, 7, 6)
+
+
+@pytest.mark.parametrize("options, words", [(dict(kernel=3, stride=2), "needs stride 1"),
+                                            (dict(kernel=2), "to pad both sides alike")])
+def test_padding_same_refuses_what_it_cannot_do_symmetrically(options, words):
+    with pytest.raises(ValueError, match=words):
+        Conv2d(out_channels=1, padding="same", **options)

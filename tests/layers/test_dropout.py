@@ -48,3 +48,25 @@ def test_eval_mode_is_identity():
 def test_rejects_bad_p(p):
     with pytest.raises(ValueError, match="'p'"):
         Dropout(p=p)
+
+
+def test_dropout2d_drops_whole_feature_maps_at_rate_p_and_backward_reuses_the_mask():
+    from snrt.layers.dropout import Dropout2d
+
+    layer = Dropout2d(p=0.3)
+    x = np.ones((40, 50, 3, 4), dtype=np.float32)
+    y, aux = run_forward(layer, [x], {}, iteration=3)
+    maps = y.reshape(40, 50, -1)
+    kept = maps[:, :, 0] != 0
+    assert np.all((maps != 0) == kept[:, :, None])  # a map is kept or dropped as a whole
+    np.testing.assert_allclose(maps[kept], 1 / 0.7, rtol=1e-6)
+    assert abs(kept.mean() - 0.7) < 0.03
+    (gx,), _ = run_backward(layer, [x], y, aux, np.ones_like(x), {}, iteration=3)
+    np.testing.assert_array_equal(gx, y)
+    again, _ = run_forward(layer, [x], {}, iteration=3, recompute=True)
+    np.testing.assert_array_equal(again, y)
+    other, _ = run_forward(layer, [x], {}, iteration=4)
+    assert (other != y).any()
+    check_layer(Dropout2d(p=0.4), [np.random.default_rng(1).standard_normal((3, 4, 2, 2))])
+    eval_y, _ = run_forward(layer, [x_of((2, 3, 4, 4))], {}, training=False)
+    np.testing.assert_array_equal(eval_y, x_of((2, 3, 4, 4)))

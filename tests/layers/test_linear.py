@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from snrt.errors import ShapeError
-from snrt.layers.linear import Flatten, Linear
+from snrt.layers.linear import Flatten, Linear, Reshape
 from tests.layers.harness import check_layer
 
 
@@ -32,3 +32,18 @@ def test_linear_needs_features():
 def test_flatten():
     x = np.random.default_rng(1).standard_normal((2, 3, 4, 5))
     check_layer(Flatten(), [x], lambda xs, p: torch.flatten(xs[0], 1))
+
+
+@pytest.mark.parametrize("shape, target", [((2, 3, 4, 4), (48,)), ((2, 3, 4, 4), (12, -1)), ((2, 12), (3, 2, 2)),
+                                           ((2, 3, 4, 4), (-1, 3, 4))])
+def test_reshape_matches_pytorch(shape, target):
+    x = np.random.default_rng(0).standard_normal(shape)
+    check_layer(Reshape(shape=target), [x], lambda xs, p: xs[0].reshape(shape[0], *target))
+
+
+def test_reshape_errors():
+    with pytest.raises(ShapeError, match="cannot reshape"):
+        Reshape(shape=(5, -1)).infer_shape([(2, 3, 4)])
+    for bad in ([], [0], [-1, -1], [2.5], "x"):
+        with pytest.raises(ValueError, match="option 'shape'"):
+            Reshape(shape=bad)

@@ -170,3 +170,13 @@ def test_costs_and_workspace():
     assert MaxPool(16).workspace_bytes(shape, FORWARD) == 5 * 8 * 16 * 2 * 2  # mask, int32 step
     assert MaxPool(3, 2, 1).workspace_bytes(shape, BACKWARD) == 5 * 8 * 16 * 16 * 16  # mask, float32 part
     assert GlobalAvgPool().workspace_bytes(shape, BACKWARD) == 0
+
+
+@pytest.mark.parametrize("shape, output", [((2, 3, 7, 5), (3, 2)), ((2, 3, 6, 6), 3), ((1, 2, 5, 7), 1),
+                                           ((1, 2, 4, 4), (4, 4)), ((1, 2, 3, 3), (5, 2))])
+def test_adaptive_avg_pool_matches_pytorch_bins(shape, output):
+    from snrt.layers.pool import AdaptiveAvgPool
+
+    x = np.random.default_rng(0).standard_normal(shape)
+    check_layer(AdaptiveAvgPool(output=output), [x],
+                lambda xs, p: torch.nn.functional.adaptive_avg_pool2d(xs[0], output))

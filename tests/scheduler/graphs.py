@@ -5,18 +5,18 @@ from hypothesis import strategies as st
 from snrt.graph import Graph
 from snrt.layers.activation import ELU, GELU, Identity, ReLU, Sigmoid, SiLU, Softmax, Tanh
 from snrt.layers.conv import Conv2d
-from snrt.layers.dropout import Dropout
+from snrt.layers.dropout import Dropout, Dropout2d
 from snrt.layers.input import Input
 from snrt.layers.join import Add, Concat, Mul
-from snrt.layers.linear import Linear
+from snrt.layers.linear import Linear, Reshape
 from snrt.layers.loss import SoftmaxCrossEntropy
 from snrt.layers.norm import BatchNorm
-from snrt.layers.pool import GlobalAvgPool, MaxPool
+from snrt.layers.pool import AdaptiveAvgPool, GlobalAvgPool, MaxPool
 
 CHANNELS, SIZE, CLASSES = 3, 6, 4
 
 OPS = ("conv", "conv1", "bn", "relu", "tanh", "pool", "dropout", "add", "concat", "silu", "gelu", "elu",
-       "softmax", "identity", "mul", "gate")
+       "softmax", "identity", "mul", "gate", "dropout2d", "same5", "adaptive")
 ELEMENTWISE = {"relu": ReLU, "tanh": Tanh, "silu": SiLU, "gelu": GELU, "elu": ELU, "softmax": Softmax,
                "identity": Identity}
 
@@ -55,6 +55,15 @@ def build(recipe):
             nodes.append(g.add(MaxPool(kernel=3, stride=1, padding=1), inputs=[x], name=name))
         elif op == "dropout":
             nodes.append(g.add(Dropout(p=0.25), inputs=[x], name=name))
+        elif op == "dropout2d":
+            nodes.append(g.add(Dropout2d(p=0.25), inputs=[x], name=name))
+        elif op == "same5":
+            nodes.append(g.add(Conv2d(out_channels=CHANNELS, kernel=5, padding="same"), inputs=[x], name=name))
+        elif op == "adaptive":  # pool to 4x4 and back to SIZE x SIZE through a flat reshape
+            pooled = g.add(AdaptiveAvgPool(output=4), inputs=[x], name=f"{name}_pool")
+            flat = g.add(Reshape(shape=[-1]), inputs=[pooled], name=f"{name}_flat")
+            wide = g.add(Linear(out_features=CHANNELS * SIZE * SIZE), inputs=[flat], name=f"{name}_wide")
+            nodes.append(g.add(Reshape(shape=[CHANNELS, SIZE, SIZE]), inputs=[wide], name=name))
         elif op == "add":
             nodes.append(g.add(Add(), inputs=[x, y], name=name))
         elif op == "mul":

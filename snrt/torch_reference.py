@@ -20,6 +20,12 @@ def _batch_norm(layer, x, p, s, training):
                         layer.momentum, layer.eps)
 
 
+def _channel_layer_norm(x, p, eps):
+    """LayerNorm over axis 1 (channels first), through torch's over the last axis."""
+    last = x.movedim(1, -1)
+    return F.layer_norm(last, last.shape[-1:], p["weight"], p["bias"], eps).movedim(-1, 1)
+
+
 OPS = {
     "Conv2d": lambda l, xs, p, s, t: F.conv2d(xs[0], p["weight"], p.get("bias"), l.stride, l.padding, l.dilation, l.groups),
     "BatchNorm": lambda l, xs, p, s, t: _batch_norm(l, xs[0], p, s, t),
@@ -34,6 +40,8 @@ OPS = {
     "Softmax": lambda l, xs, p, s, t: torch.softmax(xs[0], dim=l.axis),
     "Reshape": lambda l, xs, p, s, t: xs[0].reshape(xs[0].shape[0], *l.shape),
     "AdaptiveAvgPool": lambda l, xs, p, s, t: F.adaptive_avg_pool2d(xs[0], l.output),
+    "GroupNorm": lambda l, xs, p, s, t: F.group_norm(xs[0], l.groups, p["weight"], p["bias"], l.eps),
+    "LayerNorm": lambda l, xs, p, s, t: _channel_layer_norm(xs[0], p, l.eps),
     "Mul": lambda l, xs, p, s, t: xs[0] * xs[1].reshape(xs[1].shape + (1,) * (xs[0].dim() - xs[1].dim())),
     "MaxPool": lambda l, xs, p, s, t: F.max_pool2d(xs[0], **_pool_args(l)),
     "AvgPool": lambda l, xs, p, s, t: F.avg_pool2d(xs[0], count_include_pad=l.count_include_pad, **_pool_args(l)),

@@ -1,4 +1,5 @@
-"""Normalisation layers: batch normalisation and cross-channel local response normalisation."""
+"""Normalisation layers: batch, group and layer normalisation, and cross-channel local response
+normalisation."""
 
 import math
 from dataclasses import dataclass
@@ -241,3 +242,150 @@ class LRN(Layer):
         s *= gy
         gx += s
         ctx.release_scratch()
+
+
+class _Normalize(Layer):
+    """Per-sample normalisation with a learned per-channel scale and shift (no running
+    statistics, the same in training and eval). A subclass says which values share statistics
+    by viewing x as (A, R, B): statistics over R for every (a, b), kept as aux `mean` and
+    `inv_std` (A, 1, B). The affine part acts on the (N, C, K) view.
+
+    Backward reads the input and the aux: with xhat = (x - mean) inv_std and gh = gy * weight,
+    gx = inv_std (gh - mean_R(gh) - xhat mean_R(gh xhat)); gweight = sum gy xhat, gbias = sum gy
+    over every axis but the channels. One scratch tensor of x's size in both phases (and two of
+    the statistics' size in backward); no other allocation.
+    """
+
+    saves = Saves(inputs=(0,))
+
+    def _view(self, shape):
+        """(A, R, B) of x's `shape`, statistics over R."""
+        raise NotImplementedError
+
+    def _check(self, in_shapes):
+        if len(in_shapes[0]) < 2:
+            raise ShapeError(f"input must have channels (N, C, ...), got {list(in_shapes[0][1:])} per sample")
+
+    def infer_shape(self, in_shapes):
+        self._check(in_shapes)
+        self._view(tuple(in_shapes[0]))
+        return tuple(in_shapes[0])
+
+    def _stats_shape(self, shape):
+        a, _, b = self._view(shape)
+        return (a, 1, b)
+
+    def param_specs(self, in_shapes):
+        c = in_shapes[0][1]
+        return {"weight": ParamSpec((c,), "ones", decay=False), "bias": ParamSpec((c,), "zeros", decay=False)}
+
+    def aux_specs(self, in_shapes):
+        stats = self._stats_shape(tuple(in_shapes[0]))
+        return {"mean": AuxSpec(stats), "inv_std": AuxSpec(stats)}
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        size = numel(in_shapes[0]) * itemsize
+        if phase == BACKWARD:
+            stats = numel(self._stats_shape(tuple(in_shapes[0]))) * itemsize
+            return scratch_bytes(size, stats, stats)
+        return size
+
+    def cost(self, in_shapes, phase):
+        size = numel(in_shapes[0])
+        if phase == BACKWARD:
+            return Cost(12 * size, 7 * size * FLOAT32_BYTES)
+        return Cost(8 * size, 4 * size * FLOAT32_BYTES)
+
+    @staticmethod
+    def _by_channel(array):
+        return array.reshape(array.shape[0], array.shape[1], -1)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        xp, x = ctx.xp, xs[0]
+        view = self._view(x.shape)
+        x3, y3, mean, inv_std = x.reshape(view), y.reshape(view), aux["mean"], aux["inv_std"]
+        work = ctx.scratch(view, x.dtype)
+        xp.sum(x3, axis=1, keepdims=True, out=mean)
+        mean *= 1.0 / view[1]
+        xp.subtract(x3, mean, out=y3)
+        xp.multiply(y3, y3, out=work)
+        xp.sum(work, axis=1, keepdims=True, out=inv_std)
+        inv_std *= 1.0 / view[1]
+        inv_std += self.eps
+        xp.sqrt(inv_std, out=inv_std)
+        xp.reciprocal(inv_std, out=inv_std)
+        y3 *= inv_std
+        y_c = self._by_channel(y)
+        y_c *= params["weight"][:, None]
+        y_c += params["bias"][:, None]
+        ctx.release_scratch()
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        xp, x, gx = ctx.xp, saved.xs[0], gxs[0]
+        view = self._view(x.shape)
+        mean, inv_std = aux["mean"], aux["inv_std"]
+        work = ctx.scratch(view, x.dtype)  # (A, R, B)
+        s1, s2 = ctx.scratch(mean.shape, x.dtype), ctx.scratch(mean.shape, x.dtype)
+        xp.subtract(x.reshape(view), mean, out=work)
+        work *= inv_std  # xhat
+        gy_c, weight = self._by_channel(gy), params["weight"][:, None]
+        xp.sum(gy_c, axis=(0, 2), out=gparams["bias"])
+        gparams["weight"][...] = xp.einsum("nck,nck->c", gy_c, work.reshape(gy_c.shape))
+        if gx is None:
+            ctx.release_scratch()
+            return
+        gx3 = gx.reshape(view)
+        gx3[...] = work  # gx holds xhat from here on
+        xp.multiply(gy_c, weight, out=work.reshape(gy_c.shape))  # work holds gh = gy * weight
+        xp.sum(work, axis=1, keepdims=True, out=s1)
+        work *= gx3  # gh * xhat
+        xp.sum(work, axis=1, keepdims=True, out=s2)
+        s1 *= -1.0 / view[1]
+        s2 *= -1.0 / view[1]
+        gx3 *= s2  # -xhat mean(gh xhat)
+        xp.multiply(gy_c, weight, out=work.reshape(gy_c.shape))  # gh again
+        gx3 += work
+        gx3 += s1
+        gx3 *= inv_std
+        ctx.release_scratch()
+
+
+@register
+@dataclass(frozen=True)
+class GroupNorm(_Normalize):
+    """Group normalisation (Wu and He 2018, torch.nn.GroupNorm): the C channels of x (N, C, ...)
+    in `groups` groups of C/groups; mean and variance over each sample's group (its channels
+    and positions), then a per-channel scale and shift. groups 1 normalises each sample as a
+    whole, groups = C each channel (instance normalisation)."""
+
+    type_name = "GroupNorm"
+    groups: int  # required
+    eps: float = 1e-5
+
+    def __post_init__(self):
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
+            raise ValueError(f"option 'groups' must be a positive int, got {self.groups!r}")
+        _check_number(self.eps, "eps", 0, low_inclusive=False)
+
+    def _view(self, shape):
+        n, c = shape[:2]
+        if c % self.groups:
+            raise ShapeError(f"{c} channels do not split into {self.groups} groups")
+        return (n * self.groups, numel(shape[1:]) // self.groups, 1)
+
+
+@register
+@dataclass(frozen=True)
+class LayerNorm(_Normalize):
+    """Layer normalisation over the channels (axis 1) at every position, with a per-channel
+    scale and shift: for (N, C) features torch.nn.LayerNorm(C), for (N, C, H, W) feature maps
+    the channels-first LayerNorm of ConvNeXt."""
+
+    type_name = "LayerNorm"
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        _check_number(self.eps, "eps", 0, low_inclusive=False)
+
+    def _view(self, shape):
+        return (shape[0], shape[1], numel(shape[2:]))

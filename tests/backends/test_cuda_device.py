@@ -15,10 +15,10 @@ from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.conv import Conv2d
 from snrt.layers.dropout import Dropout
 from snrt.layers.join import Add, Concat, Mul
-from snrt.layers.linear import Flatten, Linear
+from snrt.layers.linear import Flatten, Linear, Reshape
 from snrt.layers.loss import SoftmaxCrossEntropy
-from snrt.layers.norm import LRN, BatchNorm
-from snrt.layers.pool import AvgPool, GlobalAvgPool, MaxPool
+from snrt.layers.norm import LRN, BatchNorm, GroupNorm, LayerNorm
+from snrt.layers.pool import AdaptiveAvgPool, AvgPool, GlobalAvgPool, MaxPool
 from snrt.config import with_settings
 from snrt.scheduler.policies import POLICIES
 
@@ -55,6 +55,10 @@ LAYERS = [
     (Identity(), [(3, 4, 5)]),
     (Softmax(), [(3, 4, 5)]),
     (Mul(), [(2, 3, 4, 4), (2, 3)]),
+    (GroupNorm(groups=2), [(2, 4, 3, 3)]),
+    (LayerNorm(), [(2, 4, 3, 3)]),
+    (AdaptiveAvgPool(output=(2, 3)), [(2, 3, 5, 7)]),
+    (Reshape(shape=[-1, 4]), [(2, 3, 4, 4)]),
     (Add(), [(2, 3, 4, 4), (2, 3, 4, 4)]),
     (Concat(), [(2, 3, 4, 4), (2, 5, 4, 4)]),
     (Flatten(), [(2, 3, 4, 4)]),

@@ -208,3 +208,39 @@ def test_lrn_shape_errors():
 def test_lrn_option_validation(options, name):
     with pytest.raises(ValueError, match=f"option '{name}'"):
         LRN(**options)
+
+
+@pytest.mark.parametrize("groups, shape", [(1, (2, 6, 3, 4)), (3, (2, 6, 3, 4)), (6, (3, 6, 2, 2)), (2, (4, 6))])
+def test_group_norm_matches_pytorch(groups, shape):
+    from snrt.layers.norm import GroupNorm
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape) * 2 + 1
+    params = {"weight": rng.uniform(0.5, 1.5, shape[1]), "bias": rng.standard_normal(shape[1])}
+    check_layer(GroupNorm(groups=groups), [x], lambda xs, p: torch.nn.functional.group_norm(
+        xs[0], groups, p["weight"], p["bias"], 1e-5), params=params)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 3, 4), (4, 7)])
+def test_layer_norm_over_channels_matches_pytorch(shape):
+    from snrt.layers.norm import LayerNorm
+    from snrt.torch_reference import OPS
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape) * 3 - 1
+    params = {"weight": rng.uniform(0.5, 1.5, shape[1]), "bias": rng.standard_normal(shape[1])}
+    layer = LayerNorm()
+    check_layer(layer, [x], lambda xs, p: OPS["LayerNorm"](layer, xs, p, {}, True), params=params)
+
+
+def test_group_and_layer_norm_options_and_shapes():
+    from snrt.errors import ShapeError
+    from snrt.layers.norm import GroupNorm, LayerNorm
+
+    with pytest.raises(ShapeError, match="do not split into 4 groups"):
+        GroupNorm(groups=4).infer_shape([(2, 6, 3, 3)])
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="option 'groups'"):
+            GroupNorm(groups=bad)
+    with pytest.raises(ValueError, match="option 'eps'"):
+        LayerNorm(eps=0)

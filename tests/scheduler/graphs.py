@@ -10,13 +10,13 @@ from snrt.layers.input import Input
 from snrt.layers.join import Add, Concat, Mul
 from snrt.layers.linear import Linear, Reshape
 from snrt.layers.loss import SoftmaxCrossEntropy
-from snrt.layers.norm import BatchNorm
+from snrt.layers.norm import BatchNorm, GroupNorm, LayerNorm
 from snrt.layers.pool import AdaptiveAvgPool, GlobalAvgPool, MaxPool
 
 CHANNELS, SIZE, CLASSES = 3, 6, 4
 
 OPS = ("conv", "conv1", "bn", "relu", "tanh", "pool", "dropout", "add", "concat", "silu", "gelu", "elu",
-       "softmax", "identity", "mul", "gate", "dropout2d", "same5", "adaptive")
+       "softmax", "identity", "mul", "gate", "dropout2d", "same5", "adaptive", "groupnorm", "layernorm")
 ELEMENTWISE = {"relu": ReLU, "tanh": Tanh, "silu": SiLU, "gelu": GELU, "elu": ELU, "softmax": Softmax,
                "identity": Identity}
 
@@ -55,6 +55,10 @@ def build(recipe):
             nodes.append(g.add(MaxPool(kernel=3, stride=1, padding=1), inputs=[x], name=name))
         elif op == "dropout":
             nodes.append(g.add(Dropout(p=0.25), inputs=[x], name=name))
+        elif op == "groupnorm":
+            nodes.append(g.add(GroupNorm(groups=CHANNELS), inputs=[x], name=name))
+        elif op == "layernorm":
+            nodes.append(g.add(LayerNorm(), inputs=[x], name=name))
         elif op == "dropout2d":
             nodes.append(g.add(Dropout2d(p=0.25), inputs=[x], name=name))
         elif op == "same5":

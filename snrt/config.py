@@ -49,7 +49,7 @@ class InputConfig:
 @dataclass
 class OptimizerConfig:
     """sgd (momentum, nesterov), adam or adamw (beta1, beta2, eps); weight_decay for all
-    (L2 in the gradient for sgd and adam, decoupled for adamw)."""
+    (L2 in the gradient for sgd and adam, decoupled for adamw); clip_value for all."""
 
     type: str = "sgd"
     lr: float = 0.1
@@ -59,6 +59,7 @@ class OptimizerConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
+    clip_value: float = 0.0  # > 0: every gradient element clipped to [-clip_value, clip_value]
 
 
 @dataclass

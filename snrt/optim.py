@@ -3,9 +3,9 @@
 An optimizer names the buffers it keeps per parameter (`state_names`: the planner gives each
 parameter one buffer per name, zero at the start, saved in checkpoints as "node:param:name")
 and updates one parameter at a time, as soon as its gradient is complete (the plan's fused
-per-layer update): `update(xp, w, g, states, decay, lr, step, workspace)` with `g` the
+per-layer update): `update(xp, w, g, states, decay, lr, count, workspace)` with `g` the
 gradient (overwritten), `states` the parameter's buffers in `state_names` order, `decay`
-whether weight decay applies to it, `step` the 1-based count of updates so far (Adam's bias
+whether weight decay applies to it, `count` the 1-based number of updates so far (Adam's bias
 correction) and `workspace` a uint8 buffer of at least w.nbytes.
 """
 
@@ -17,20 +17,33 @@ def _temporary(workspace, w):
     return workspace[: w.nbytes].view(w.dtype).reshape(w.shape)
 
 
+class Optimizer:
+    """Base: `update` clips the gradient to [-clip_value, clip_value] when clip_value > 0 (as
+    torch.nn.utils.clip_grad_value_ before the step), then applies the subclass's `apply`."""
+
+    clip_value = 0.0
+
+    def update(self, xp, w, g, states, decay, lr, count, workspace):
+        if self.clip_value:
+            xp.clip(g, -self.clip_value, self.clip_value, out=g)
+        self.apply(xp, w, g, states, decay, lr, count, workspace)
+
+
 @dataclass(frozen=True)
-class SGD:
+class SGD(Optimizer):
     """SGD with momentum, Nesterov and L2 weight decay, as PyTorch defines it:
     g' = g + wd w;  m = mu m + g';  step = g' + mu m (Nesterov) or m;  w -= lr step."""
 
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 0.0
+    clip_value: float = 0.0
 
     @property
     def state_names(self):
         return ("momentum",) if self.momentum else ()
 
-    def update(self, xp, w, g, states, decay, lr, step, workspace):
+    def apply(self, xp, w, g, states, decay, lr, count, workspace):
         tmp = _temporary(workspace, w)
         if decay and self.weight_decay:
             xp.multiply(w, self.weight_decay, out=tmp)
@@ -50,7 +63,7 @@ class SGD:
 
 
 @dataclass(frozen=True)
-class Adam:
+class Adam(Optimizer):
     """Adam, and AdamW with `decoupled` weight decay, as PyTorch defines them:
     Adam g' = g + wd w (AdamW instead w -= lr wd w first);  m = b1 m + (1 - b1) g';
     v = b2 v + (1 - b2) g'^2;  w -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)."""
@@ -60,10 +73,11 @@ class Adam:
     eps: float = 1e-8
     weight_decay: float = 0.0
     decoupled: bool = False
+    clip_value: float = 0.0
 
     state_names = ("exp_avg", "exp_avg_sq")
 
-    def update(self, xp, w, g, states, decay, lr, step, workspace):
+    def apply(self, xp, w, g, states, decay, lr, count, workspace):
         m, v = states
         tmp = _temporary(workspace, w)
         if decay and self.weight_decay:
@@ -80,18 +94,20 @@ class Adam:
         tmp *= 1 - self.beta2
         v += tmp
         xp.sqrt(v, out=tmp)  # denominator: sqrt(v) / sqrt(1 - b2^t) + eps
-        tmp *= 1 / math.sqrt(1 - self.beta2 ** step)
+        tmp *= 1 / math.sqrt(1 - self.beta2 ** count)
         tmp += self.eps
         xp.divide(m, tmp, out=tmp)
-        tmp *= lr / (1 - self.beta1 ** step)
+        tmp *= lr / (1 - self.beta1 ** count)
         w -= tmp
 
 
 def make_optimizer(config):
     """The optimizer of OptimizerConfig `config` (train.optimizer)."""
     if config.type == "sgd":
-        return SGD(config.momentum, config.nesterov, config.weight_decay)
-    return Adam(config.beta1, config.beta2, config.eps, config.weight_decay, decoupled=config.type == "adamw")
+        return SGD(momentum=config.momentum, nesterov=config.nesterov, weight_decay=config.weight_decay,
+                   clip_value=config.clip_value)
+    return Adam(beta1=config.beta1, beta2=config.beta2, eps=config.eps, weight_decay=config.weight_decay,
+                decoupled=config.type == "adamw", clip_value=config.clip_value)
 
 
 def learning_rate(schedule, base_lr, iteration, total):

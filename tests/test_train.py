@@ -106,10 +106,15 @@ NO_NOISE_BIAS = [{**SMALL_RESNET["network"][0], "bias": False}, *SMALL_RESNET["n
     {**SMALL_RESNET, "name": "adamw", "network": NO_NOISE_BIAS,
      "train": {**SMALL_RESNET["train"], "optimizer": {**ADAM, "type": "adamw"}}},
     {**SMALL_RESNET, "name": "plain_sgd", "train": {**SMALL_RESNET["train"], "optimizer": {"lr": 0.05, "momentum": 0}}},
+    {**SMALL_RESNET, "name": "clipped_sgd", "train": {**SMALL_RESNET["train"], "optimizer": {
+        **SMALL_RESNET["train"]["optimizer"], "lr": 0.5, "clip_value": 0.01}}},
+    {**SMALL_RESNET, "name": "clipped_adamw", "network": NO_NOISE_BIAS,
+     "train": {**SMALL_RESNET["train"], "optimizer": {**ADAM, "type": "adamw", "clip_value": 0.002}}},
 ], ids=lambda doc: doc["name"])
 def test_losses_and_parameters_match_pytorch(doc):
-    """Four steps of snrt and of torch.optim (SGD with and without momentum, Adam, AdamW) from
-    the same start: the same losses and parameters."""
+    """Four steps of snrt and of torch.optim (SGD with and without momentum, Adam, AdamW, with
+    torch.nn.utils.clip_grad_value_ where clip_value is set) from the same start: the same
+    losses and parameters."""
     config = snrt.load_config(doc)
     trainer = Trainer(config)
     params = {k: v.copy() for k, v in trainer.host_arrays(("parameter",)).items()}
@@ -122,6 +127,9 @@ def test_losses_and_parameters_match_pytorch(doc):
         sgd.zero_grad()
         loss = net({"data": torch.tensor(x), "label": torch.tensor(y)}).mean()
         loss.backward()
+        if config.train.optimizer.clip_value:
+            assert max(p.grad.abs().max() for p in net.parameters()) > config.train.optimizer.clip_value  # it clips
+            torch.nn.utils.clip_grad_value_(net.parameters(), config.train.optimizer.clip_value)
         sgd.step()
         assert ours == pytest.approx(loss.item(), rel=2e-5), f"step {step}"
     final = trainer.host_arrays(("parameter", "state"))

@@ -1,4 +1,5 @@
-"""2-D pooling over NCHW inputs with PyTorch semantics: max, average and global average.
+"""2-D pooling over NCHW inputs with PyTorch semantics: max, average, global and adaptive
+average, and its inverse, upsampling (nearest and bilinear).
 
 Windowed kernels loop over the kh*kw window offsets; for each offset the output positions
 whose window element lies inside the input form one rectangle, so one strided slice of the
@@ -7,6 +8,8 @@ materialised.
 """
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from snrt.errors import ShapeError
 from snrt.layers.base import (
@@ -312,3 +315,89 @@ class AdaptiveAvgPool(Layer):
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         return numel(in_shapes[0][:2]) * itemsize if phase == BACKWARD else 0
+
+
+def _bilinear_weights(size, out):
+    """(out, size) host matrix of PyTorch's bilinear weights (align_corners false) along one
+    axis: output i samples the input at (i + 0.5) size / out - 0.5, clamped at 0."""
+    position = np.maximum((np.arange(out) + 0.5) * (size / out) - 0.5, 0)
+    low = np.minimum(np.floor(position).astype(int), size - 1)
+    high = np.minimum(low + 1, size - 1)
+    frac = position - low
+    weights = np.zeros((out, size))
+    np.add.at(weights, (np.arange(out), low), 1 - frac)
+    np.add.at(weights, (np.arange(out), high), frac)
+    return weights
+
+
+@register
+@dataclass(frozen=True)
+class Upsample(Layer):
+    """(N, C, H, W) -> (N, C, sH, sW) for an integer `scale` s (or (sh, sw)): `mode` nearest
+    repeats each pixel; bilinear interpolates as PyTorch's interpolate(align_corners=False),
+    y = Ah x Aw^T per map with fixed (sH, H) and (sW, W) weight matrices. Backward reads
+    nothing: gx = the sum of each pixel's copies (nearest), Ah^T gy Aw (bilinear). Bilinear
+    carves its weight matrices and one (N, C, sH, W) intermediate from the workspace."""
+
+    type_name = "Upsample"
+    scale: int | tuple = 2
+    mode: str = "nearest"
+
+    def __post_init__(self):
+        object.__setattr__(self, "scale", _int_pair(self.scale, "scale", 1))
+        if self.mode not in ("nearest", "bilinear"):
+            raise ValueError(f"option 'mode' must be nearest or bilinear, got {self.mode!r}")
+
+    def infer_shape(self, in_shapes):
+        self.require_rank(in_shapes, 4)
+        n, c, h, w = in_shapes[0]
+        return (n, c, h * self.scale[0], w * self.scale[1])
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        if self.mode == "nearest":
+            return 0
+        n, c, h, w = in_shapes[0]
+        sh, sw = h * self.scale[0], w * self.scale[1]
+        middle = n * c * (sh * w if phase != BACKWARD else h * sw)
+        return scratch_bytes(sh * h * itemsize, sw * w * itemsize, middle * itemsize)
+
+    def _matrices(self, ctx, shape, dtype):
+        """The (sH, H) and (sW, W) bilinear weights, carved from the workspace."""
+        h, w = shape[2:]
+        rows = ctx.scratch((h * self.scale[0], h), dtype)
+        cols = ctx.scratch((w * self.scale[1], w), dtype)
+        rows[...] = ctx.xp.asarray(_bilinear_weights(h, rows.shape[0]), dtype=dtype)
+        cols[...] = ctx.xp.asarray(_bilinear_weights(w, cols.shape[0]), dtype=dtype)
+        return rows, cols
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x, xp = xs[0], ctx.xp
+        sh, sw = self.scale
+        if self.mode == "nearest":
+            for i in range(sh):
+                for j in range(sw):
+                    y[:, :, i::sh, j::sw] = x
+            return
+        rows, cols = self._matrices(ctx, x.shape, x.dtype)
+        middle = ctx.scratch((*x.shape[:2], rows.shape[0], x.shape[3]), x.dtype)
+        xp.matmul(rows, x, out=middle)  # (sH, H) @ (N, C, H, W)
+        xp.matmul(middle, cols.T, out=y)
+        ctx.release_scratch()
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx, xp = gxs[0], ctx.xp
+        if gx is None:
+            return
+        sh, sw = self.scale
+        if self.mode == "nearest":
+            gx[...] = gy[:, :, 0::sh, 0::sw]
+            for i in range(sh):
+                for j in range(sw):
+                    if i or j:
+                        gx += gy[:, :, i::sh, j::sw]
+            return
+        rows, cols = self._matrices(ctx, gx.shape, gx.dtype)
+        middle = ctx.scratch((*gx.shape[:2], gx.shape[2], cols.shape[0]), gx.dtype)
+        xp.matmul(rows.T, gy, out=middle)  # (H, sH) @ (N, C, sH, sW)
+        xp.matmul(middle, cols, out=gx)
+        ctx.release_scratch()

@@ -18,7 +18,7 @@ from snrt.layers.join import Add, Concat, Mul
 from snrt.layers.linear import Flatten, Linear, Reshape
 from snrt.layers.loss import SoftmaxCrossEntropy
 from snrt.layers.norm import LRN, BatchNorm, GroupNorm, LayerNorm
-from snrt.layers.pool import AdaptiveAvgPool, AvgPool, GlobalAvgPool, MaxPool
+from snrt.layers.pool import AdaptiveAvgPool, AvgPool, GlobalAvgPool, MaxPool, Upsample
 from snrt.config import with_settings
 from snrt.scheduler.policies import POLICIES
 
@@ -59,6 +59,8 @@ LAYERS = [
     (LayerNorm(), [(2, 4, 3, 3)]),
     (AdaptiveAvgPool(output=(2, 3)), [(2, 3, 5, 7)]),
     (Reshape(shape=[-1, 4]), [(2, 3, 4, 4)]),
+    (Upsample(scale=2), [(2, 3, 4, 5)]),
+    (Upsample(scale=(2, 3), mode="bilinear"), [(2, 3, 4, 5)]),
     (Add(), [(2, 3, 4, 4), (2, 3, 4, 4)]),
     (Concat(), [(2, 3, 4, 4), (2, 5, 4, 4)]),
     (Flatten(), [(2, 3, 4, 4)]),

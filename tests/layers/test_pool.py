@@ -180,3 +180,24 @@ def test_adaptive_avg_pool_matches_pytorch_bins(shape, output):
     x = np.random.default_rng(0).standard_normal(shape)
     check_layer(AdaptiveAvgPool(output=output), [x],
                 lambda xs, p: torch.nn.functional.adaptive_avg_pool2d(xs[0], output))
+
+
+@pytest.mark.parametrize("scale", [2, (3, 2), 1])
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+def test_upsample_matches_pytorch(scale, mode):
+    from snrt.layers.pool import Upsample
+    from snrt.torch_reference import OPS
+
+    layer = Upsample(scale=scale, mode=mode)
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 5))
+    check_layer(layer, [x], lambda xs, p: OPS["Upsample"](layer, xs, p, {}, True))
+    assert layer.infer_shape([x.shape]) == (2, 3, 4 * layer.scale[0], 5 * layer.scale[1])
+
+
+def test_upsample_rejects_bad_options():
+    from snrt.layers.pool import Upsample
+
+    with pytest.raises(ValueError, match="option 'mode'"):
+        Upsample(mode="bicubic")
+    with pytest.raises(ValueError, match="option 'scale'"):
+        Upsample(scale=0)

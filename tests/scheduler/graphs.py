@@ -11,12 +11,13 @@ from snrt.layers.join import Add, Concat, Mul
 from snrt.layers.linear import Linear, Reshape
 from snrt.layers.loss import SoftmaxCrossEntropy
 from snrt.layers.norm import BatchNorm, GroupNorm, LayerNorm
-from snrt.layers.pool import AdaptiveAvgPool, GlobalAvgPool, MaxPool
+from snrt.layers.pool import AdaptiveAvgPool, GlobalAvgPool, MaxPool, Upsample
 
 CHANNELS, SIZE, CLASSES = 3, 6, 4
 
 OPS = ("conv", "conv1", "bn", "relu", "tanh", "pool", "dropout", "add", "concat", "silu", "gelu", "elu",
-       "softmax", "identity", "mul", "gate", "dropout2d", "same5", "adaptive", "groupnorm", "layernorm")
+       "softmax", "identity", "mul", "gate", "dropout2d", "same5", "adaptive", "groupnorm", "layernorm",
+       "upsample")
 ELEMENTWISE = {"relu": ReLU, "tanh": Tanh, "silu": SiLU, "gelu": GELU, "elu": ELU, "softmax": Softmax,
                "identity": Identity}
 
@@ -55,6 +56,10 @@ def build(recipe):
             nodes.append(g.add(MaxPool(kernel=3, stride=1, padding=1), inputs=[x], name=name))
         elif op == "dropout":
             nodes.append(g.add(Dropout(p=0.25), inputs=[x], name=name))
+        elif op == "upsample":  # up (nearest or bilinear, by the other input's position) and back down
+            mode = "bilinear" if b % 2 else "nearest"
+            up = g.add(Upsample(scale=2, mode=mode), inputs=[x], name=f"{name}_up")
+            nodes.append(g.add(AdaptiveAvgPool(output=SIZE), inputs=[up], name=name))
         elif op == "groupnorm":
             nodes.append(g.add(GroupNorm(groups=CHANNELS), inputs=[x], name=name))
         elif op == "layernorm":

@@ -1,7 +1,9 @@
 """Integer arithmetic in YAML values: `${width * 4}`, `${(depth - 2) // 9}`."""
 
 import ast
+import keyword
 import operator
+import re
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 
@@ -20,6 +22,9 @@ def evaluate(text, env):
         tree = ast.parse(text.strip(), mode="eval")
         return _eval(tree.body, env)
     except SyntaxError:
+        reserved = [w for w in re.findall(r"[A-Za-z_]\w*", text) if keyword.iskeyword(w)]
+        if reserved:
+            raise ValueError(f"'{reserved[0]}' is a reserved word, not a usable name; rename it") from None
         raise ValueError("not an expression of ints and names with + - * //") from None
     except RecursionError:
         raise ValueError("the expression is nested too deeply") from None

@@ -30,6 +30,7 @@ OPS = {
     "Conv2d": lambda l, xs, p, s, t: F.conv2d(xs[0], p["weight"], p.get("bias"), l.stride, l.padding, l.dilation, l.groups),
     "BatchNorm": lambda l, xs, p, s, t: _batch_norm(l, xs[0], p, s, t),
     "ReLU": lambda l, xs, p, s, t: F.relu(xs[0]),
+    "ReLU6": lambda l, xs, p, s, t: F.relu6(xs[0]),
     "LeakyReLU": lambda l, xs, p, s, t: F.leaky_relu(xs[0], l.slope),
     "Sigmoid": lambda l, xs, p, s, t: torch.sigmoid(xs[0]),
     "Tanh": lambda l, xs, p, s, t: torch.tanh(xs[0]),

@@ -269,3 +269,11 @@ def test_mutated_zoo_configs_load_or_give_one_config_error(name, tmp_path):
             assert str(error).startswith(str(path)), str(error)
 
     check()
+
+
+def test_a_reserved_word_as_a_name_in_an_expression_says_so(tmp_path):
+    path = tmp_path / "net.yaml"
+    path.write_text(VALID.replace("args: {channels: null}", "args: {channels: null, in: 2}").replace(
+        "out_channels: $channels, kernel: 3", "out_channels: '${in * 4}', kernel: 3"))
+    with pytest.raises(ConfigError, match="'in' is a reserved word"):
+        load_config(path)

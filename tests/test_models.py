@@ -32,6 +32,7 @@ PUBLISHED = {
 # implementation (timm's seresnet50).
 YAML_ONLY = {
     "se_resnet50": 28_088_024,
+    "mobilenet_v2": 3_504_872,  # torchvision's
 }
 
 # He et al. 2016, table 6 (option-A shortcuts); our projections add a few thousand parameters.

@@ -32,6 +32,27 @@ class ReLU(Layer):
 
 @register
 @dataclass(frozen=True)
+class ReLU6(Layer):
+    """y = min(max(x, 0), 6) (MobileNet's); gx = gy * [0 < y < 6], the mask as sign(y (6 - y)).
+    Any shape."""
+
+    type_name = "ReLU6"
+    saves = Saves(output=True)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        ctx.xp.clip(xs[0], 0, 6, out=y)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx = gxs[0]
+        if gx is not None:
+            ctx.xp.subtract(6, saved.y, out=gx)
+            gx *= saved.y
+            ctx.xp.sign(gx, out=gx)
+            gx *= gy
+
+
+@register
+@dataclass(frozen=True)
 class LeakyReLU(Layer):
     """y = x if x > 0 else slope * x, with 0 < slope < 1 (slope 0 is ReLU); gx = gy * (1 or slope)."""
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from snrt.backends.cpu_kernels import CompiledReLU
-from snrt.layers.activation import ELU, GELU, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softmax, Tanh
+from snrt.layers.activation import ELU, GELU, Identity, LeakyReLU, ReLU, ReLU6, Sigmoid, SiLU, Softmax, Tanh
 from snrt.layers.base import KernelContext, Saved
 from tests.layers.harness import check_layer
 
@@ -19,6 +19,7 @@ def away_from_zero(shape, seed=0):
     "layer, reference",
     [
         (ReLU(), lambda xs, p: torch.relu(xs[0])),
+        (ReLU6(), lambda xs, p: torch.nn.functional.relu6(xs[0])),
         (LeakyReLU(slope=0.1), lambda xs, p: torch.nn.functional.leaky_relu(xs[0], 0.1)),
         (Sigmoid(), lambda xs, p: torch.sigmoid(xs[0])),
         (Tanh(), lambda xs, p: torch.tanh(xs[0])),
@@ -102,3 +103,11 @@ def test_gelu_and_softmax_reject_bad_options():
         GELU(approximate="fast")
     with pytest.raises(ValueError, match="option 'axis'"):
         Softmax(axis=0)
+
+
+def test_relu6_clips_at_six():
+    """Inputs on both sides of 0 and of 6 (none within 0.1 of either kink)."""
+    x = away_from_zero((4, 50)) * 5
+    x[np.abs(x - 6) < 0.1] += 0.2
+    assert (x > 6).any() and ((x > 0) & (x < 6)).any() and (x < 0).any()
+    check_layer(ReLU6(), [x], lambda xs, p: torch.nn.functional.relu6(xs[0]))

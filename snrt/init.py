@@ -28,6 +28,8 @@ def initial_value(spec, seed, node, name, mode="default", dtype=np.float32):
         return np.zeros(spec.shape, dtype)
     if init == "ones":
         return np.ones(spec.shape, dtype)
+    if init == "constant":
+        return np.full(spec.shape, spec.fill, dtype)
     rng = _generator(seed, node, name)
     if init == "he_normal":
         return (rng.standard_normal(spec.shape) * math.sqrt(2.0 / spec.fan_in)).astype(dtype)

@@ -45,6 +45,7 @@ OPS = {
     "LayerNorm": lambda l, xs, p, s, t: _channel_layer_norm(xs[0], p, l.eps),
     "Upsample": lambda l, xs, p, s, t: F.interpolate(xs[0], scale_factor=l.scale, mode=l.mode,
                                                      **({"align_corners": False} if l.mode == "bilinear" else {})),
+    "Scale": lambda l, xs, p, s, t: xs[0] * p["weight"].reshape(1, -1, *([1] * (xs[0].dim() - 2))),
     "Mul": lambda l, xs, p, s, t: xs[0] * xs[1].reshape(xs[1].shape + (1,) * (xs[0].dim() - xs[1].dim())),
     "MaxPool": lambda l, xs, p, s, t: F.max_pool2d(xs[0], **_pool_args(l)),
     "AvgPool": lambda l, xs, p, s, t: F.avg_pool2d(xs[0], count_include_pad=l.count_include_pad, **_pool_args(l)),

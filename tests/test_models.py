@@ -29,10 +29,11 @@ PUBLISHED = {
 }
 
 # Networks written only in YAML (no Python builder): exact counts of the reference
-# implementation (timm's seresnet50).
+# implementations.
 YAML_ONLY = {
     "se_resnet50": 28_088_024,
     "mobilenet_v2": 3_504_872,  # torchvision's
+    "convnext_tiny": 28_589_128,  # timm's
 }
 
 # He et al. 2016, table 6 (option-A shortcuts); our projections add a few thousand parameters.

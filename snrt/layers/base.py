@@ -35,8 +35,8 @@ FLOAT32_BYTES = 4
 class ParamSpec:
     """A trained parameter: shape, initialiser name and the fans the initialiser uses.
 
-    `init` is one of "he_normal", "xavier_uniform", "zeros", "ones".
-    `decay` says whether weight decay applies (weights yes; biases and BN affine no).
+    `init` is one of "he_normal", "xavier_uniform", "zeros", "ones", "constant" (every entry
+    `fill`). `decay` says whether weight decay applies (weights yes; biases and BN affine no).
     """
 
     shape: tuple
@@ -44,6 +44,7 @@ class ParamSpec:
     fan_in: int = 1
     fan_out: int = 1
     decay: bool = True
+    fill: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Layers that join branches: elementwise sum (residual), product (gates) and channel
-concatenation."""
+concatenation; and the per-channel scale a residual branch may end in."""
 
+import math
 from dataclasses import dataclass
 
 from snrt.errors import ShapeError
-from snrt.layers.base import BACKWARD, EXPENSIVE, FLOAT32_BYTES, Layer, Saves, numel
+from snrt.layers.base import BACKWARD, EXPENSIVE, FLOAT32_BYTES, Layer, ParamSpec, Saves, numel
 from snrt.layers.registry import register
 
 
@@ -94,6 +95,43 @@ class Mul(Layer):
         ctx.xp.multiply(gy, x, out=product)
         ctx.xp.sum(product, axis=axes, keepdims=True, out=gg)
         ctx.release_scratch()
+
+
+@register
+@dataclass(frozen=True)
+class Scale(Layer):
+    """y = x * weight[c], a learned factor per channel (axis 1) of (N, C, ...): ConvNeXt's layer
+    scale, `init` its starting value (1e-6 there). gx = gy * weight, gweight = sum gy x over
+    every axis but the channels; backward reads the input. Not weight-decayed."""
+
+    type_name = "Scale"
+    saves = Saves(inputs=(0,))
+    init: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.init, bool) or not isinstance(self.init, (int, float)) or not math.isfinite(self.init):
+            raise ValueError(f"option 'init' must be a finite number, got {self.init!r}")
+
+    def infer_shape(self, in_shapes):
+        if len(in_shapes[0]) < 2:
+            raise ShapeError(f"input must have channels (N, C, ...), got {list(in_shapes[0][1:])} per sample")
+        return tuple(in_shapes[0])
+
+    def param_specs(self, in_shapes):
+        return {"weight": ParamSpec((in_shapes[0][1],), "constant", decay=False, fill=float(self.init))}
+
+    @staticmethod
+    def _by_channel(array):
+        return array.reshape(array.shape[0], array.shape[1], -1)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        ctx.xp.multiply(self._by_channel(xs[0]), params["weight"][:, None], out=self._by_channel(y))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gy3, x3 = self._by_channel(gy), self._by_channel(saved.xs[0])
+        gparams["weight"][...] = ctx.xp.einsum("nck,nck->c", gy3, x3)
+        if gxs[0] is not None:
+            ctx.xp.multiply(gy3, params["weight"][:, None], out=self._by_channel(gxs[0]))
 
 
 @register

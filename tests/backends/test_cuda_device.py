@@ -14,7 +14,7 @@ from snrt.layers.activation import ELU, GELU, Identity, LeakyReLU, ReLU, Sigmoid
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.conv import Conv2d
 from snrt.layers.dropout import Dropout
-from snrt.layers.join import Add, Concat, Mul
+from snrt.layers.join import Add, Concat, Mul, Scale
 from snrt.layers.linear import Flatten, Linear, Reshape
 from snrt.layers.loss import SoftmaxCrossEntropy
 from snrt.layers.norm import LRN, BatchNorm, GroupNorm, LayerNorm
@@ -55,6 +55,7 @@ LAYERS = [
     (Identity(), [(3, 4, 5)]),
     (Softmax(), [(3, 4, 5)]),
     (Mul(), [(2, 3, 4, 4), (2, 3)]),
+    (Scale(init=0.5), [(2, 3, 4, 4)]),
     (GroupNorm(groups=2), [(2, 4, 3, 3)]),
     (LayerNorm(), [(2, 4, 3, 3)]),
     (AdaptiveAvgPool(output=(2, 3)), [(2, 3, 5, 7)]),

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from snrt.errors import ShapeError
-from snrt.layers.join import Add, Concat, Mul
+from snrt.layers.join import Add, Concat, Mul, Scale
 from tests.layers.harness import check_layer
 
 
@@ -55,3 +55,20 @@ def test_mul_with_a_gate_of_any_broadcastable_shape(x_shape, gate_shape):
 def test_mul_rejects_a_gate_that_does_not_broadcast(gate_shape):
     with pytest.raises(ShapeError, match="does not broadcast"):
         Mul().infer_shape([(2, 3, 4, 5), gate_shape])
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (4, 6)])
+def test_scale_matches_pytorch(shape):
+    check_layer(Scale(init=0.3), [randn(*shape)],
+                lambda xs, p: xs[0] * p["weight"].reshape(1, -1, *([1] * (len(shape) - 2))))
+
+
+def test_scale_starts_at_init_and_rejects_bad_init():
+    from snrt.init import initial_value
+
+    spec = Scale(init=1e-6).param_specs([(2, 5, 3, 3)])["weight"]
+    np.testing.assert_array_equal(initial_value(spec, 0, "gamma", "weight"), np.full(5, 1e-6, np.float32))
+    assert not spec.decay
+    for bad in (float("nan"), "small", True):
+        with pytest.raises(ValueError, match="option 'init'"):
+            Scale(init=bad)

@@ -429,7 +429,7 @@ class _Expander:
         self.source, self.blocks = source, blocks
         self.entries = []
 
-    def expand(self, items, key, env, prefix, block_input, stack):
+    def expand(self, items, key, env, prefix, block_inputs, stack):
         """Expand one scope; return the global name of its last node.
 
         Refs inside the scope may point forward (so that a cycle is reported as such), so
@@ -437,10 +437,12 @@ class _Expander:
         """
         if not isinstance(items, list) or not items:
             raise ConfigError(self.source, key, f"expected a non-empty list of layers, got {_kind(items)}")
-        local = {"$in": block_input} if stack else {"data": "data", "label": "label"}
+        local = {"data": "data", "label": "label"}
+        if stack:  # a block: $in is its (first) input; $in0, $in1, ... name each of its inputs
+            local = {"$in": block_inputs[0], **{f"$in{i}": x for i, x in enumerate(block_inputs)}}
         counters = {}
         pending = []  # (entry, [(raw ref, key)])
-        previous = block_input
+        previous = block_inputs[0]
         for i, item in enumerate(items):
             item_key = _join(key, i)
             if not isinstance(item, dict) or ("type" in item) == ("block" in item):
@@ -465,7 +467,7 @@ class _Expander:
             return local[ref]
         known = ", ".join(k for k in local if not k.startswith("$")) or "none"
         where = "this block" if "$in" in local else "the network"
-        hint = " ($in is the block's input)" if "$in" in local else ""
+        hint = " ($in is the block's input; $in0, $in1, ... when it reads several)" if "$in" in local else ""
         raise ConfigError(self.source, key, f"unknown input '{ref}': no layer of that name in {where}{hint}; known: {known}")
 
     def _auto_name(self, counters, base):
@@ -534,24 +536,26 @@ class _Expander:
         name = item.get("name") or self._auto_name(counters, block_name)
         if not isinstance(name, str) or "." in name or name.startswith("$"):
             raise ConfigError(self.source, _join(key, "name"), f"expected a name without '.' or '$', got {_kind(name)}")
-        block_input = previous
-        if "inputs" in item:
+        block_inputs = (previous,)
+        if "inputs" in item:  # one layer or several: $in (= $in0), $in1, ... in the block
             refs = item["inputs"] if isinstance(item["inputs"], list) else [item["inputs"]]
-            if len(refs) != 1 or not isinstance(refs[0], str):
-                raise ConfigError(self.source, _join(key, "inputs"), f"a block reads exactly one layer; got {_kind(item['inputs'])}")
-            if refs[0] not in local:
-                self._resolve(refs[0], _join(key, "inputs"), local)
-            block_input = local[refs[0]]
+            if not refs or not all(isinstance(r, str) for r in refs):
+                raise ConfigError(self.source, _join(key, "inputs"), f"expected a list of layer names, got {_kind(item['inputs'])}")
+            for j, ref in enumerate(refs):
+                if ref not in local:
+                    self._resolve(ref, _join(_join(key, "inputs"), j), local)
+            block_inputs = tuple(local[ref] for ref in refs)
         body_key = f"{key}.block.{block_name}.layers"
         before = len(self.entries)
-        for r in range(repeat):
+        for r in range(repeat):  # a repeat reads the previous repeat's output as $in, the other inputs as given
             instance = name if repeat == 1 else f"{name}.{r}"
-            block_input = self.expand(block.layers, body_key, args, f"{prefix}{instance}.", block_input,
-                                      stack + (block_name,))
+            output = self.expand(block.layers, body_key, args, f"{prefix}{instance}.", block_inputs,
+                                 stack + (block_name,))
+            block_inputs = (output, *block_inputs[1:])
             if r == 0 and before + (len(self.entries) - before) * repeat > MAX_NODES:
                 raise ConfigError(self.source, _join(key, "repeat"), f"{repeat} repeats of block '{block_name}' "
                                   f"make more than {MAX_NODES:,} layers")
-        return name, block_input
+        return name, output
 
     def _block_args(self, item, key, env, block, block_name):
         given = item.get("args", {}) or {}
@@ -576,7 +580,7 @@ class _GlobalName(str):
 def expand_network(source, network, blocks, env):
     """Flatten `network` into LayerEntry objects with global names and resolved inputs."""
     expander = _Expander(source, blocks)
-    expander.expand(network, "network", env, "", "data", ())
+    expander.expand(network, "network", env, "", ("data",), ())
     first = {}
     for entry in expander.entries:  # a name given at one level can equal one generated at another
         if entry.name in ("data", "label") or entry.name in first:

@@ -277,3 +277,18 @@ def test_a_reserved_word_as_a_name_in_an_expression_says_so(tmp_path):
         "out_channels: $channels, kernel: 3", "out_channels: '${in * 4}', kernel: 3"))
     with pytest.raises(ConfigError, match="'in' is a reserved word"):
         load_config(path)
+
+
+def test_a_block_reads_several_inputs_as_in0_in1():
+    from tests.test_train import UNET
+
+    graph = load_config(UNET).graph
+    upsample, concat = graph["dec2.upsample0"], graph["dec2.concat0"]
+    assert upsample.inputs == ("bottom",) and concat.inputs == ("dec2.upsample0", "enc2.relu0")
+    assert graph["dec2.conv2d0"].shape == (6, 4, 4)
+    network = list(UNET["network"])
+    decoder = next(i for i, entry in enumerate(network) if entry.get("name") == "dec2")
+    network[decoder] = {**network[decoder], "inputs": ["bottom"]}  # the skip connection forgotten
+    broken = {**UNET, "network": network}
+    with pytest.raises(ConfigError, match=r"unknown input '\$in1'.*\$in0, \$in1, ... when it reads several"):
+        load_config(broken)

@@ -82,6 +82,39 @@ MODERN = {
 }
 
 
+# A small U-Net: an encoder, and a decoder block that reads two layers (the deeper map to
+# upsample, as $in0, and the encoder's skip connection, as $in1).
+UNET = {
+    "name": "unet",
+    "input": {"shape": [2, 8, 8], "classes": 3},
+    "blocks": {
+        "down": {"args": {"width": None}, "layers": [
+            {"type": "Conv2d", "out_channels": "$width", "kernel": 3, "padding": "same"},
+            {"type": "GroupNorm", "groups": 2},
+            {"type": "ReLU"},
+        ]},
+        "up": {"args": {"width": None}, "layers": [
+            {"type": "Upsample", "scale": 2, "mode": "bilinear", "inputs": ["$in0"]},
+            {"type": "Concat", "inputs": ["upsample0", "$in1"]},
+            {"type": "Conv2d", "out_channels": "$width", "kernel": 3, "padding": 1},
+            {"type": "ReLU"},
+        ]},
+    },
+    "train": {**SMALL_RESNET["train"], "batch": 4, "data": {"samples": 32}},
+    "network": [
+        {"block": "down", "name": "enc1", "args": {"width": 4}},
+        {"type": "MaxPool", "kernel": 2},
+        {"block": "down", "name": "enc2", "args": {"width": 8}},
+        {"type": "MaxPool", "kernel": 2},
+        {"type": "Conv2d", "name": "bottom", "out_channels": 8, "kernel": 1},
+        {"block": "up", "name": "dec2", "inputs": ["bottom", "enc2"], "args": {"width": 6}},
+        {"type": "GlobalAvgPool"},
+        {"type": "Linear", "out_features": "$classes"},
+        {"type": "SoftmaxCrossEntropy"},
+    ],
+}
+
+
 def small_config(**train):
     doc = {**SMALL_RESNET, "train": {**SMALL_RESNET["train"], **train}}
     return snrt.load_config(doc)
@@ -101,7 +134,7 @@ NO_NOISE_BIAS = [{**SMALL_RESNET["network"][0], "bias": False}, *SMALL_RESNET["n
 
 
 @pytest.mark.parametrize("doc", [
-    SMALL_RESNET, MODERN,
+    SMALL_RESNET, MODERN, UNET,
     {**SMALL_RESNET, "name": "adam", "network": NO_NOISE_BIAS, "train": {**SMALL_RESNET["train"], "optimizer": ADAM}},
     {**SMALL_RESNET, "name": "adamw", "network": NO_NOISE_BIAS,
      "train": {**SMALL_RESNET["train"], "optimizer": {**ADAM, "type": "adamw"}}},

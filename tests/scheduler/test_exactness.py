@@ -10,7 +10,7 @@ from snrt.config import DataConfig, TrainConfig, config_from_graph, with_setting
 from snrt.scheduler.policies import POLICIES
 from snrt.train import Trainer
 from tests.scheduler.graphs import CLASSES, build, graph_recipes
-from tests.test_train import MODERN, SMALL_RESNET
+from tests.test_train import MODERN, SMALL_RESNET, UNET
 
 CONCAT_NET = {
     "name": "concat_net",
@@ -82,8 +82,9 @@ def test_zoo_networks_are_bit_identical_under_every_policy(name, size):
     assert_policies_agree(config, iterations=2)
 
 
-def test_newer_layers_are_bit_identical_under_every_policy():
-    assert_policies_agree(snrt.load_config(MODERN), iterations=3)
+@pytest.mark.parametrize("doc", [MODERN, UNET], ids=lambda doc: doc["name"])
+def test_newer_layers_and_two_input_blocks_are_bit_identical_under_every_policy(doc):
+    assert_policies_agree(snrt.load_config(doc), iterations=3)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -34,6 +34,7 @@ YAML_ONLY = {
     "se_resnet50": 28_088_024,
     "mobilenet_v2": 3_504_872,  # torchvision's
     "convnext_tiny": 28_589_128,  # timm's
+    "efficientnet_b0": 5_288_548,  # torchvision's
 }
 
 # He et al. 2016, table 6 (option-A shortcuts); our projections add a few thousand parameters.

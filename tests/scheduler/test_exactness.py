@@ -72,11 +72,11 @@ def test_concat_branches_are_bit_identical_under_every_policy():
 
 
 @pytest.mark.parametrize("name, size", [("alexnet", 67), ("se_resnet50", 32), ("mobilenet_v2", 32),
-                                        ("convnext_tiny", 32)])
+                                        ("convnext_tiny", 32), ("efficientnet_b0", 32)])
 def test_zoo_networks_are_bit_identical_under_every_policy(name, size):
     """AlexNet (dropout, LRN), SE-ResNet-50 (squeeze-and-excitation gates), MobileNetV2
-    (depthwise convolutions, ReLU6) and ConvNeXt-T (LayerNorm, GELU, layer scale), small
-    images, batch 2."""
+    (depthwise convolutions, ReLU6), ConvNeXt-T (LayerNorm, GELU, layer scale) and
+    EfficientNet-B0 (SiLU, gates inside depthwise blocks), small images, batch 2."""
     config = snrt.load_config(f"configs/{name}.yaml", {
         "input.shape": [3, size, size], "train.batch": 2, "train.data": {"samples": 8}})
     assert_policies_agree(config, iterations=2)

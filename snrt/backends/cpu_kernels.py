@@ -25,7 +25,7 @@ this file (`cache=True`): about 0.7 s the first time, under 0.3 s to load in a n
 import numpy as np
 from numba import njit
 
-from snrt.layers.base import FLOAT32_BYTES, FORWARD, LayerKernels
+from snrt.layers.base import FLOAT32_BYTES, FORWARD, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
 
 FASTMATH = {"reassoc", "contract"}
@@ -140,10 +140,10 @@ class CompiledBatchNorm(LayerLike):
         if not ctx.training:
             return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
         self.layer.check_training([xs[0].shape])
-        x3 = _by_channel(xs[0])
+        x3 = by_channel(xs[0])
         n, channels, k = x3.shape
         var = np.empty(channels, np.float64)
-        batchnorm_forward(x3, params["weight"], params["bias"], self.layer.eps, _by_channel(y), aux["mean"],
+        batchnorm_forward(x3, params["weight"], params["bias"], self.layer.eps, by_channel(y), aux["mean"],
                           aux["inv_std"], var, np.empty((2, channels), x3.dtype))
         if not recompute:
             count = n * k
@@ -153,9 +153,9 @@ class CompiledBatchNorm(LayerLike):
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         if not ctx.training:
             return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
-        x3 = _by_channel(saved.xs[0])
-        gx3 = _by_channel(gxs[0]) if gxs[0] is not None else x3[:0]  # no samples: sums only
-        batchnorm_backward(x3, _by_channel(gy), params["weight"], aux["mean"], aux["inv_std"], gparams["weight"],
+        x3 = by_channel(saved.xs[0])
+        gx3 = by_channel(gxs[0]) if gxs[0] is not None else x3[:0]  # no samples: sums only
+        batchnorm_backward(x3, by_channel(gy), params["weight"], aux["mean"], aux["inv_std"], gparams["weight"],
                            gparams["bias"], gx3, np.empty((3, x3.shape[1]), x3.dtype))
 
 
@@ -179,11 +179,6 @@ class CompiledMaxPool(LayerLike):
         if gxs[0] is not None:
             layer = self.layer
             maxpool_backward(gy, aux["argmax"], *layer.kernel, *layer.stride, *layer.padding, gxs[0])
-
-
-def _by_channel(array):
-    """(N, C, K) view of an (N, C, ...) array."""
-    return array.reshape(array.shape[0], array.shape[1], -1)
 
 
 class CpuKernels(LayerKernels):

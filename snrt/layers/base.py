@@ -90,6 +90,11 @@ class Saved:
     y: object = None
 
 
+def by_channel(array):
+    """The (N, C, K) view of an (N, C, ...) array: every channel's values along the last axis."""
+    return array.reshape(array.shape[0], array.shape[1], -1)
+
+
 def numel(shape):
     """Number of elements of a shape tuple."""
     return math.prod(shape)

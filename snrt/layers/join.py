@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 from snrt.errors import ShapeError
-from snrt.layers.base import BACKWARD, EXPENSIVE, FLOAT32_BYTES, Layer, ParamSpec, Saves, numel
+from snrt.layers.base import BACKWARD, EXPENSIVE, FLOAT32_BYTES, Layer, ParamSpec, Saves, by_channel, numel
 from snrt.layers.registry import register
 
 
@@ -120,18 +120,14 @@ class Scale(Layer):
     def param_specs(self, in_shapes):
         return {"weight": ParamSpec((in_shapes[0][1],), "constant", decay=False, fill=float(self.init))}
 
-    @staticmethod
-    def _by_channel(array):
-        return array.reshape(array.shape[0], array.shape[1], -1)
-
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        ctx.xp.multiply(self._by_channel(xs[0]), params["weight"][:, None], out=self._by_channel(y))
+        ctx.xp.multiply(by_channel(xs[0]), params["weight"][:, None], out=by_channel(y))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        gy3, x3 = self._by_channel(gy), self._by_channel(saved.xs[0])
+        gy3, x3 = by_channel(gy), by_channel(saved.xs[0])
         gparams["weight"][...] = ctx.xp.einsum("nck,nck->c", gy3, x3)
         if gxs[0] is not None:
-            ctx.xp.multiply(gy3, params["weight"][:, None], out=self._by_channel(gxs[0]))
+            ctx.xp.multiply(gy3, params["weight"][:, None], out=by_channel(gxs[0]))
 
 
 @register

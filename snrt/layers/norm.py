@@ -14,6 +14,7 @@ from snrt.layers.base import (
     ParamSpec,
     Saves,
     StateSpec,
+    by_channel,
     numel,
     scratch_bytes,
 )
@@ -97,13 +98,9 @@ class BatchNorm(Layer):
             return Cost(7 * size, 5 * size * FLOAT32_BYTES)
         return Cost(6 * size, 3 * size * FLOAT32_BYTES)  # read x twice, write y
 
-    @staticmethod
-    def _by_channel(array):
-        return array.reshape(array.shape[0], array.shape[1], -1)
-
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         xp = ctx.xp
-        x3, y3 = self._by_channel(xs[0]), self._by_channel(y)
+        x3, y3 = by_channel(xs[0]), by_channel(y)
         mean, inv_std = aux["mean"], aux["inv_std"]
         if ctx.training:
             self.check_training([xs[0].shape])
@@ -131,7 +128,7 @@ class BatchNorm(Layer):
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         xp = ctx.xp
-        x3, gy3 = self._by_channel(saved.xs[0]), self._by_channel(gy)
+        x3, gy3 = by_channel(saved.xs[0]), by_channel(gy)
         mean, inv_std = aux["mean"], aux["inv_std"]
         count = x3.shape[0] * x3.shape[2]
         sum_gy = xp.sum(gy3, axis=(0, 2))
@@ -140,7 +137,7 @@ class BatchNorm(Layer):
         gparams["bias"][...] = sum_gy
         if gxs[0] is None:
             return
-        gx3 = self._by_channel(gxs[0])
+        gx3 = by_channel(gxs[0])
         scale = (params["weight"] * inv_std)[:, None]
         if not ctx.training:  # the statistics are constants: an affine map
             xp.multiply(gy3, scale, out=gx3)
@@ -296,10 +293,6 @@ class _Normalize(Layer):
             return Cost(12 * size, 7 * size * FLOAT32_BYTES)
         return Cost(8 * size, 4 * size * FLOAT32_BYTES)
 
-    @staticmethod
-    def _by_channel(array):
-        return array.reshape(array.shape[0], array.shape[1], -1)
-
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         xp, x = ctx.xp, xs[0]
         view = self._view(x.shape)
@@ -315,7 +308,7 @@ class _Normalize(Layer):
         xp.sqrt(inv_std, out=inv_std)
         xp.reciprocal(inv_std, out=inv_std)
         y3 *= inv_std
-        y_c = self._by_channel(y)
+        y_c = by_channel(y)
         y_c *= params["weight"][:, None]
         y_c += params["bias"][:, None]
         ctx.release_scratch()
@@ -328,7 +321,7 @@ class _Normalize(Layer):
         s1, s2 = ctx.scratch(mean.shape, x.dtype), ctx.scratch(mean.shape, x.dtype)
         xp.subtract(x.reshape(view), mean, out=work)
         work *= inv_std  # xhat
-        gy_c, weight = self._by_channel(gy), params["weight"][:, None]
+        gy_c, weight = by_channel(gy), params["weight"][:, None]
         xp.sum(gy_c, axis=(0, 2), out=gparams["bias"])
         gparams["weight"][...] = xp.einsum("nck,nck->c", gy_c, work.reshape(gy_c.shape))
         if gx is None:

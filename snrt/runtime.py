@@ -62,8 +62,8 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     such pairs) loaded.
 
     `training` False plans the forward pass only; `optimizer_states` names the optimizer's
-    buffers of every parameter (snrt.optim: `optimizer.state_names`); `check` is the debug mode (poisoned memory, every step verified
-    against the plan).
+    buffers of every parameter (snrt.optim: `optimizer.state_names`); `check` is the debug
+    mode (poisoned memory, every step verified against the plan).
     """
     if training:
         check_trainable(graph, batch)

@@ -68,8 +68,8 @@ class Trainer:
         `on_iteration(metrics)` is called after every iteration. With `checkpoint` (a path),
         a checkpoint is written every `checkpoint_every` iterations, at the end, and when
         SIGINT (Ctrl-C) or SIGTERM stops the run (the current iteration finishes first; the
-        signal is in `stop_reason`), or a caller sets `stop_reason`. A NaN or infinite loss raises DivergenceError and writes
-        no checkpoint, so the last good one stays.
+        signal is in `stop_reason`), or a caller sets `stop_reason`. A NaN or infinite loss
+        raises DivergenceError and writes no checkpoint, so the last good one stays.
         """
         train = self.config.train
         total = iterations if iterations is not None else train.iterations
@@ -117,7 +117,7 @@ class Trainer:
     def _divergence_message(self, loss, lr):
         """What went non-finite at this iteration: the loss, and the first parameter (in graph
         order) that the iteration's update left non-finite, if any."""
-        culprit = next((f"{node}:{name}" for node, name, fetch in self.runtime.persistent_tensors(("parameter",))
+        culprit = next((f"{node}:{name}" for node, name, _ in self.runtime.persistent_tensors(("parameter",))
                         if not self.backend.xp.isfinite(self.executor.view_of(node, name)).all()), None)
         where = (f"; the first parameter it left non-finite is {culprit}" if culprit
                  else "; the parameters are still finite (non-finite inputs or an overflow in the forward pass?)")

@@ -80,25 +80,12 @@ class Dropout2d(Dropout):
         return scratch_bytes(channels * itemsize, random_bits_scratch_bytes(channels))
 
     def _write_scaled_mask(self, ctx, out):
-        """out <- x-shaped product with this (seed, iteration, node)'s channel mask: here
-        `out` is multiplied in place by mask / (1 - p) broadcast over H, W."""
+        """out (N, C, H, W) <- this (seed, iteration, node)'s (N, C) mask / (1 - p), broadcast
+        over H, W (Dropout's forward and backward then multiply it in)."""
         n, c = out.shape[:2]
         mask = ctx.scratch((n, c), out.dtype)
         bits = fill_random_bits(ctx, n * c)
         ctx.xp.greater_equal(bits, ctx.xp.uint32(self.threshold), out=mask.reshape(-1))
         mask *= 1.0 / (1.0 - self.p)
-        out *= mask[:, :, None, None]
+        out[...] = mask[:, :, None, None]
         ctx.release_scratch()
-
-    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        y[...] = xs[0]
-        if ctx.training and self.p:
-            self._write_scaled_mask(ctx, y)
-
-    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        gx = gxs[0]
-        if gx is None:
-            return
-        gx[...] = gy
-        if ctx.training and self.p:
-            self._write_scaled_mask(ctx, gx)

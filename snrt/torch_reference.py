@@ -16,7 +16,7 @@ def _pool_args(layer):
 
 
 def _batch_norm(layer, x, p, s, training):
-    return F.batch_norm(x, s["running_mean"], s["running_var"], p["weight"], p["bias"], training,
+    return F.batch_norm(x, s["running_mean"], s["running_var"], p.get("weight"), p.get("bias"), training,
                         layer.momentum, layer.eps)
 
 

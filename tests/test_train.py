@@ -70,6 +70,7 @@ MODERN = {
         {"type": "SiLU", "name": "act"},
         {"block": "gated", "args": {"channels": 6}},
         {"type": "ELU", "alpha": 0.5},
+        {"type": "BatchNorm", "affine": False, "momentum": 0.2},
         {"type": "Identity", "name": "skip"},
         {"type": "Softmax", "name": "attend", "inputs": ["act"]},
         {"type": "Mul", "inputs": ["skip", "attend"]},

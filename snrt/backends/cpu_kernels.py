@@ -48,7 +48,8 @@ def channel_sums(a, b, c):
 def batchnorm_forward(x, weight, bias, eps, y, mean, inv_std, var, scale_shift):
     """Per channel c of x (N, C, K): mean[c], biased var[c] (float64) and inv_std[c] over the
     N*K values, then y = x * scale + shift with scale = weight * inv_std and shift = bias -
-    mean * scale (kept in scale_shift (2, C), x's dtype)."""
+    mean * scale (kept in scale_shift (2, C), x's dtype). Empty weight and bias: weight 1,
+    bias 0 (BatchNorm without its affine part)."""
     n, channels, k = x.shape
     count = n * k
     for c in range(channels):
@@ -57,8 +58,8 @@ def batchnorm_forward(x, weight, bias, eps, y, mean, inv_std, var, scale_shift):
         var[c] = max(squares / count - mu * mu, 0.0)
         mean[c] = mu
         inv_std[c] = 1.0 / np.sqrt(var[c] + eps)
-        scale_shift[0, c] = weight[c] * inv_std[c]
-        scale_shift[1, c] = bias[c] - mean[c] * scale_shift[0, c]
+        scale_shift[0, c] = weight[c] * inv_std[c] if weight.size else inv_std[c]
+        scale_shift[1, c] = (bias[c] if bias.size else 0.0) - mean[c] * scale_shift[0, c]
         a, b = scale_shift[0, c], scale_shift[1, c]
         for i in range(n):
             for j in range(k):
@@ -69,18 +70,20 @@ def batchnorm_forward(x, weight, bias, eps, y, mean, inv_std, var, scale_shift):
 def batchnorm_backward(x, gy, weight, mean, inv_std, gweight, gbias, gx, coefficients):
     """Per channel c: gbias = sum(gy), gweight = sum(gy * xhat) (float64 sums), then, unless
     gx has no samples, gx = a * gy + b * x + d with a = weight * inv_std, b = -a * inv_std *
-    gweight / M, d = -b * mean - a * gbias / M (kept in coefficients (3, C), x's dtype)."""
+    gweight / M, d = -b * mean - a * gbias / M (kept in coefficients (3, C), x's dtype).
+    Empty weight, gweight and gbias: weight 1, the sums are not stored."""
     n, channels, k = x.shape
     count = n * k
     for c in range(channels):
         sum_gy, sum_gy_x = channel_sums(gy, x, c)
         mu, istd = np.float64(mean[c]), np.float64(inv_std[c])
         sum_gy_xhat = (sum_gy_x - mu * sum_gy) * istd
-        gweight[c] = sum_gy_xhat
-        gbias[c] = sum_gy
+        if gweight.size:
+            gweight[c] = sum_gy_xhat
+            gbias[c] = sum_gy
         if gx.shape[0] == 0:
             continue
-        a = weight[c] * istd
+        a = weight[c] * istd if weight.size else istd
         b = -a * istd * sum_gy_xhat / count
         coefficients[0, c] = a
         coefficients[1, c] = b
@@ -143,8 +146,9 @@ class CompiledBatchNorm(LayerLike):
         x3 = by_channel(xs[0])
         n, channels, k = x3.shape
         var = np.empty(channels, np.float64)
-        batchnorm_forward(x3, params["weight"], params["bias"], self.layer.eps, by_channel(y), aux["mean"],
-                          aux["inv_std"], var, np.empty((2, channels), x3.dtype))
+        none = np.empty(0, x3.dtype)  # no affine part: weight 1, bias 0
+        batchnorm_forward(x3, params.get("weight", none), params.get("bias", none), self.layer.eps, by_channel(y),
+                          aux["mean"], aux["inv_std"], var, np.empty((2, channels), x3.dtype))
         if not recompute:
             count = n * k
             blend_running(state["running_mean"], aux["mean"], self.layer.momentum)
@@ -155,8 +159,10 @@ class CompiledBatchNorm(LayerLike):
             return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
         x3 = by_channel(saved.xs[0])
         gx3 = by_channel(gxs[0]) if gxs[0] is not None else x3[:0]  # no samples: sums only
-        batchnorm_backward(x3, by_channel(gy), params["weight"], aux["mean"], aux["inv_std"], gparams["weight"],
-                           gparams["bias"], gx3, np.empty((3, x3.shape[1]), x3.dtype))
+        none = np.empty(0, x3.dtype)  # no affine part: weight 1, no parameter gradients
+        batchnorm_backward(x3, by_channel(gy), params.get("weight", none), aux["mean"], aux["inv_std"],
+                           gparams.get("weight", none), gparams.get("bias", none), gx3,
+                           np.empty((3, x3.shape[1]), x3.dtype))
 
 
 class CompiledReLU(LayerLike):

@@ -20,8 +20,9 @@ def _cudnn_conv(layer, in_shapes, kernels):
 
 
 def _cudnn_batchnorm(layer, in_shapes, kernels):
+    """cuDNN's BatchNorm needs a scale and a bias: without an affine part, the CUDA kernel."""
     fallback = CudaBatchNorm(layer, in_shapes, kernels.module)
-    return CudnnBatchNorm(layer, in_shapes, kernels, fallback) if kernels.use_cudnn else fallback
+    return CudnnBatchNorm(layer, in_shapes, kernels, fallback) if kernels.use_cudnn and layer.affine else fallback
 
 
 def _plain(kernel_class):

@@ -89,9 +89,11 @@ class Float32Kernel(XpKernel):
 
 
 class CudaBatchNorm(Float32Kernel):
-    """BatchNorm by snrt_bn_* (one block per channel); cuDNN's is in cudnn_graphs."""
+    """BatchNorm by snrt_bn_* (one block per channel); cuDNN's is in cudnn_graphs. Without an
+    affine part the weight, bias and their gradients go to the kernels as null pointers."""
 
     name = "cuda"
+    NULL = np.uint64(0)
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
@@ -104,13 +106,13 @@ class CudaBatchNorm(Float32Kernel):
             count = n * hw
             momentum = self.layer.momentum
             self.module.launch("snrt_bn_forward_train", c, (
-                x, y, params["weight"], params["bias"], aux["mean"], aux["inv_std"],
+                x, y, params.get("weight", self.NULL), params.get("bias", self.NULL), aux["mean"], aux["inv_std"],
                 state["running_mean"], state["running_var"], *int64_args(n, c, hw), np.float32(self.layer.eps),
                 np.float32(momentum), np.float32(1 - momentum), np.float32(count / (count - 1)),
                 np.int32(0 if recompute else 1)))
         else:
             self.module.launch("snrt_bn_forward_eval", grid_for(x.size), (
-                x, y, params["weight"], params["bias"], state["running_mean"], state["running_var"],
+                x, y, params.get("weight", self.NULL), params.get("bias", self.NULL), state["running_mean"], state["running_var"],
                 aux["mean"], aux["inv_std"], *int64_args(x.size, c, hw), np.float32(self.layer.eps)))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
@@ -120,8 +122,8 @@ class CudaBatchNorm(Float32Kernel):
         n, c = x.shape[:2]
         gx = gxs[0]
         self.module.launch("snrt_bn_backward", c, (
-            x, gy, params["weight"], aux["mean"], aux["inv_std"], np.uint64(0) if gx is None else gx,
-            gparams["weight"], gparams["bias"], *int64_args(n, c, numel(x.shape[2:])), np.int32(bool(ctx.training))))
+            x, gy, params.get("weight", self.NULL), aux["mean"], aux["inv_std"], self.NULL if gx is None else gx,
+            gparams.get("weight", self.NULL), gparams.get("bias", self.NULL), *int64_args(n, c, numel(x.shape[2:])), np.int32(bool(ctx.training))))
 
 
 class CudaSoftmaxCrossEntropy(Float32Kernel):

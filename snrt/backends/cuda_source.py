@@ -72,6 +72,7 @@ extern "C" __global__ void snrt_bias_add(float* y, const float* b, long long tot
 // passes, like the NumPy kernel), aux mean and inv_std = 1/sqrt(var + eps), the running
 // statistics (unless recomputing), and y = (x - mean) * (weight * inv_std) + bias.
 // keep = 1 - momentum and unbias = M/(M-1) come from the host in float32, as NumPy rounds them.
+// In every BatchNorm kernel a null weight and bias mean weight 1 and bias 0 (affine: false).
 extern "C" __global__ void snrt_bn_forward_train(
         const float* x, float* y, const float* weight, const float* bias, float* mean, float* inv_std,
         float* running_mean, float* running_var, long long n, long long c, long long hw,
@@ -95,7 +96,7 @@ extern "C" __global__ void snrt_bn_forward_train(
             running_var[ch] = __fadd_rn(__fmul_rn(running_var[ch], keep), __fmul_rn(momentum, __fmul_rn(var, unbias)));
         }
     }
-    float scale = __fmul_rn(weight[ch], inv), shift = bias[ch];
+    float scale = weight ? __fmul_rn(weight[ch], inv) : inv, shift = bias ? bias[ch] : 0.0f;
     for (long long k = threadIdx.x; k < count; k += blockDim.x) {
         long long i = ((k / hw) * c + ch) * hw + k % hw;
         y[i] = __fadd_rn(__fmul_rn(__fsub_rn(x[i], m), scale), shift);
@@ -109,8 +110,8 @@ extern "C" __global__ void snrt_bn_forward_eval(
     SNRT_GRID_LOOP(i, total) {
         long long ch = (i / hw) % c;
         float inv = 1.0f / sqrtf(__fadd_rn(running_var[ch], eps));
-        float scale = __fmul_rn(weight[ch], inv);
-        float shift = __fsub_rn(bias[ch], __fmul_rn(running_mean[ch], scale));
+        float scale = weight ? __fmul_rn(weight[ch], inv) : inv;
+        float shift = __fsub_rn(bias ? bias[ch] : 0.0f, __fmul_rn(running_mean[ch], scale));
         y[i] = __fadd_rn(__fmul_rn(x[i], scale), shift);
         if (i < c) {
             mean[i] = running_mean[i];
@@ -119,7 +120,8 @@ extern "C" __global__ void snrt_bn_forward_eval(
     }
 }
 
-// BatchNorm backward, one block per channel (gx may be null):
+// BatchNorm backward, one block per channel (gx may be null; gweight and gbias are null
+// without an affine part):
 // gweight = sum(gy * xhat), gbias = sum(gy); training:
 // gx = weight*inv_std * (gy + x*c1 + c0), c1 = -inv_std*sum(gy*xhat)/M, c0 = -mean*c1 - sum(gy)/M;
 // eval: gx = weight*inv_std * gy.
@@ -137,12 +139,12 @@ extern "C" __global__ void snrt_bn_backward(
     float dot = snrt_block_sum(acc_dot);
     float m = mean[ch], inv = inv_std[ch];
     float sum_gy_xhat = __fmul_rn(__fsub_rn(dot, __fmul_rn(m, sum_gy)), inv);
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && gweight) {
         gweight[ch] = sum_gy_xhat;
         gbias[ch] = sum_gy;
     }
     if (gx == 0) return;
-    float scale = __fmul_rn(weight[ch], inv);
+    float scale = weight ? __fmul_rn(weight[ch], inv) : inv;
     float c1 = __fdiv_rn(__fmul_rn(-inv, sum_gy_xhat), (float)count);
     float c0 = __fsub_rn(__fmul_rn(-m, c1), __fdiv_rn(sum_gy, (float)count));
     for (long long k = threadIdx.x; k < count; k += blockDim.x) {

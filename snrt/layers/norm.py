@@ -55,10 +55,16 @@ class BatchNorm(Layer):
     momentum: float = 0.1
     eps: float = 1e-5
     zero_init: bool = False  # scale starts at 0: a residual branch starts as nothing (Goyal et al. 2017)
+    affine: bool = True  # a learned per-channel weight and bias
 
     def __post_init__(self):
         _check_number(self.momentum, "momentum", 0, high=1)
         _check_number(self.eps, "eps", 0, low_inclusive=False)
+        for name in ("zero_init", "affine"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"option '{name}' must be true or false, got {getattr(self, name)!r}")
+        if self.zero_init and not self.affine:
+            raise ValueError("option 'zero_init' needs a weight to start at 0; it cannot go with 'affine: false'")
 
     def _channels(self, in_shapes):
         shape = tuple(in_shapes[0])
@@ -79,6 +85,8 @@ class BatchNorm(Layer):
 
     def param_specs(self, in_shapes):
         c = self._channels(in_shapes)
+        if not self.affine:
+            return {}
         return {
             "weight": ParamSpec((c,), "zeros" if self.zero_init else "ones", decay=False),
             "bias": ParamSpec((c,), "zeros", decay=False),
@@ -118,13 +126,19 @@ class BatchNorm(Layer):
             xp.add(state["running_var"], self.eps, out=inv_std)
         xp.sqrt(inv_std, out=inv_std)
         xp.divide(1, inv_std, out=inv_std)
-        scale = (params["weight"] * inv_std)[:, None]
+        scale = self._scale(params, inv_std)[:, None]
         if ctx.training:
             y3 *= scale
-            y3 += params["bias"][:, None]
+            if self.affine:
+                y3 += params["bias"][:, None]
         else:
             xp.multiply(x3, scale, out=y3)
-            y3 += (params["bias"] - mean * scale[:, 0])[:, None]
+            shift = -mean * scale[:, 0]
+            y3 += (shift + params["bias"] if self.affine else shift)[:, None]
+
+    def _scale(self, params, inv_std):
+        """weight * inv_std per channel (inv_std itself without an affine part)."""
+        return params["weight"] * inv_std if self.affine else inv_std
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         xp = ctx.xp
@@ -133,12 +147,13 @@ class BatchNorm(Layer):
         count = x3.shape[0] * x3.shape[2]
         sum_gy = xp.sum(gy3, axis=(0, 2))
         sum_gy_xhat = (_per_channel_dot(xp, gy3, x3) - mean * sum_gy) * inv_std
-        gparams["weight"][...] = sum_gy_xhat
-        gparams["bias"][...] = sum_gy
+        if self.affine:
+            gparams["weight"][...] = sum_gy_xhat
+            gparams["bias"][...] = sum_gy
         if gxs[0] is None:
             return
         gx3 = by_channel(gxs[0])
-        scale = (params["weight"] * inv_std)[:, None]
+        scale = self._scale(params, inv_std)[:, None]
         if not ctx.training:  # the statistics are constants: an affine map
             xp.multiply(gy3, scale, out=gx3)
             return

@@ -19,7 +19,7 @@ def _torch_batch_norm(layer, state, training):
     def reference(xs, p):
         mean = torch.tensor(state["running_mean"], dtype=xs[0].dtype)
         var = torch.tensor(state["running_var"], dtype=xs[0].dtype)
-        return F.batch_norm(xs[0], mean, var, p["weight"], p["bias"], training=training,
+        return F.batch_norm(xs[0], mean, var, p.get("weight"), p.get("bias"), training=training,
                             momentum=layer.momentum, eps=layer.eps)
     return reference
 
@@ -35,6 +35,18 @@ def test_batch_norm_training(shape, kernel):
     x = np.random.default_rng(0).standard_normal(shape) * 2 + 1.5
     state = _running_stats(shape[1])
     check_layer(layer, [x], _torch_batch_norm(layer, state, True), state=state, rtol=1e-4, atol=1e-4)
+
+
+@KERNELS
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("shape", [(4, 3, 5, 6), (6, 4)])
+def test_batch_norm_without_affine_part(shape, training, kernel):
+    layer = kernel(BatchNorm(affine=False, momentum=0.2))
+    assert layer.param_specs([shape]) == {}
+    x = np.random.default_rng(7).standard_normal(shape) * 2 - 1
+    state = _running_stats(shape[1])
+    check_layer(layer, [x], _torch_batch_norm(layer, state, training), state=state, training=training,
+                rtol=1e-4, atol=1e-4)
 
 
 @KERNELS
@@ -156,6 +168,9 @@ def test_batch_norm_shape_errors(shape):
     (dict(eps=0), "eps"),
     (dict(eps=-1e-5), "eps"),
     (dict(eps=None), "eps"),
+    (dict(affine="no"), "affine"),
+    (dict(zero_init=1), "zero_init"),
+    (dict(zero_init=True, affine=False), "zero_init"),
 ])
 def test_batch_norm_option_validation(options, name):
     with pytest.raises(ValueError, match=f"option '{name}'"):

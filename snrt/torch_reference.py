@@ -28,6 +28,8 @@ def _channel_layer_norm(x, p, eps):
 
 OPS = {
     "Conv2d": lambda l, xs, p, s, t: F.conv2d(xs[0], p["weight"], p.get("bias"), l.stride, l.padding, l.dilation, l.groups),
+    "ConvTranspose2d": lambda l, xs, p, s, t: F.conv_transpose2d(xs[0], p["weight"], p.get("bias"), l.stride, l.padding,
+                                                                 l.output_padding, l.groups, l.dilation),
     "BatchNorm": lambda l, xs, p, s, t: _batch_norm(l, xs[0], p, s, t),
     "ReLU": lambda l, xs, p, s, t: F.relu(xs[0]),
     "ReLU6": lambda l, xs, p, s, t: F.relu6(xs[0]),

@@ -109,6 +109,8 @@ UNET = {
         {"type": "MaxPool", "kernel": 2},
         {"type": "Conv2d", "name": "bottom", "out_channels": 8, "kernel": 1},
         {"block": "up", "name": "dec2", "inputs": ["bottom", "enc2"], "args": {"width": 6}},
+        {"type": "ConvTranspose2d", "out_channels": 4, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1},
+        {"type": "Concat", "inputs": ["convtranspose2d0", "enc1"]},
         {"type": "GlobalAvgPool"},
         {"type": "Linear", "out_features": "$classes"},
         {"type": "SoftmaxCrossEntropy"},

@@ -7,8 +7,8 @@ and the layer's own `xp` code for the rest. `CudaKernels` is the kernel choice t
 backend plans and runs with. Importing this module does not import CuPy.
 """
 
-from snrt.backends.cuda_layers import (CublasLinear, CudaAvgPool, CudaBatchNorm, CudaDropout, CudaSoftmaxCrossEntropy,
-                                       GemmConv2d, XpKernel)
+from snrt.backends.cuda_layers import (CublasLinear, CudaAvgPool, CudaBatchNorm, CudaConvTranspose2d, CudaDropout,
+                                       CudaSoftmaxCrossEntropy, GemmConv2d, XpKernel)
 from snrt.backends.cuda_source import KernelModule
 from snrt.backends.cudnn_graphs import CudnnBatchNorm, CudnnContext, CudnnConv2d
 from snrt.layers.base import FLOAT32_BYTES
@@ -32,6 +32,7 @@ def _plain(kernel_class):
 # layer type -> factory(layer, in_shapes, CudaKernels) -> kernel; other layers: XpKernel
 REGISTRY = {
     "Conv2d": _cudnn_conv,
+    "ConvTranspose2d": _plain(CudaConvTranspose2d),
     "BatchNorm": _cudnn_batchnorm,
     "Linear": _plain(CublasLinear),
     "SoftmaxCrossEntropy": _plain(CudaSoftmaxCrossEntropy),

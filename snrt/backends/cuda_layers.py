@@ -40,6 +40,7 @@ NUMPY_ONLY = {
     "BatchNorm": "einsum (no out=, allocates its result and operands), (C,)-sized temporaries "
                  "(var, scale, sum_gy, c1) from arithmetic on arrays",
     "Conv2d": "matmul with out= a non-contiguous view (CuPy computes into a temporary and copies)",
+    "ConvTranspose2d": "Conv2d's products (it runs the adjoint convolution's kernels)",
     "Linear": "matmul with a transposed operand may stage a contiguous copy",
     "SoftmaxCrossEntropy": "arange and fancy indexing (probs[rows, labels], gx[rows, labels] -= 1)",
     "Dropout": "arange of the whole tensor for the hash counters",
@@ -379,7 +380,8 @@ class GemmConv2d(Float32Kernel):
         bands, col = self._workspace(ctx, g)
         if gx is not None and col is not None:
             gx.fill(0)
-        w_ptr, gw_ptr = device_pointer(params["weight"]), device_pointer(gparams["weight"])
+        w_ptr = device_pointer(params["weight"])
+        gw_ptr = device_pointer(gparams["weight"]) if weight_grad else None
         first = True
         for n in range(g.n):
             x_n, gy_n = device_pointer(x) + n * g.c * g.h * g.w * f, device_pointer(gy) + n * g.o * plane * f
@@ -413,5 +415,45 @@ class GemmConv2d(Float32Kernel):
         ctx.release_scratch()
 
 
+class CudaConvTranspose2d(Float32Kernel):
+    """ConvTranspose2d by the GEMM convolution of its adjoint Conv2d (ConvTranspose2d.adjoint_conv):
+    forward is the adjoint's input gradient of x (gcol = W^T x, col2im into y), then + b;
+    backward is the adjoint's forward of gy (gx) and its weight gradient with gy as the input
+    and x as the output gradient, gb the channel sums of gy. Bands of rows fit the workspace
+    as the convolution's do."""
+
+    name = "gemm"
+
+    def __init__(self, layer, in_shapes, module):
+        super().__init__(layer, in_shapes, module)
+        conv, self.y_shape = layer.adjoint_conv(in_shapes)
+        self.conv = GemmConv2d(conv, [self.y_shape], module)
+
+    def own_workspace_bytes(self, in_shapes, phase):
+        return self.conv.own_workspace_bytes([self.y_shape], phase)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        if not self.is_float32(x):
+            return super().forward(ctx, xs, params, state, y, aux, recompute)
+        # the adjoint's input `x` is only a shape here: without its weight gradient it is not read
+        self.conv.backward_parts(ctx, x, y, y, params, {}, weight_grad=False, bias_grad=False)
+        if self.layer.bias:
+            self.module.launch("snrt_bias_add", grid_for(y.size), (
+                y, params["bias"], *int64_args(y.size, y.shape[1], numel(y.shape[2:]))))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        x, gx = saved.xs[0], gxs[0]
+        if not self.is_float32(x):
+            return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
+        if self.layer.bias:
+            self.module.launch("snrt_channel_sum", gy.shape[1], (
+                gy, gparams["bias"], *int64_args(gy.shape[0], gy.shape[1], numel(gy.shape[2:]))))
+        if gx is not None:
+            self.conv.forward(ctx, [gy], {"weight": params["weight"]}, None, gx, None)
+        self.conv.backward_parts(ctx, x, gy, None, params, gparams, weight_grad=True, bias_grad=False)
+
+
 __all__ = ["GEMM_WORKSPACE_CAP_BYTES", "NUMPY_ONLY", "ConvGeometry", "CublasLinear", "CudaAvgPool", "CudaBatchNorm",
+           "CudaConvTranspose2d",
            "CudaDropout", "CudaSoftmaxCrossEntropy", "Float32Kernel", "GemmConv2d", "XpKernel"]

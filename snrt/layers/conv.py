@@ -76,6 +76,31 @@ def _positive_int(value, name):
         raise ValueError(f"option '{name}' must be a positive int, got {value!r}")
 
 
+def _check_options(layer):
+    """Check a convolution's out_channels, groups and bias; kernel, stride and dilation become
+    pairs of positive ints."""
+    _positive_int(layer.out_channels, "out_channels")
+    _positive_int(layer.groups, "groups")
+    if not isinstance(layer.bias, bool):
+        raise ValueError(f"option 'bias' must be true or false, got {layer.bias!r}")
+    for name in ("kernel", "stride", "dilation"):
+        object.__setattr__(layer, name, _positive_pair(getattr(layer, name), name))
+
+
+def _non_negative_pair(layer, name, alternatives=""):
+    """Option `name` of `layer` becomes a pair of non-negative ints (`alternatives` names the
+    other values the message should offer)."""
+    value = getattr(layer, name)
+    message = f"option '{name}' must be a non-negative int, a pair of non-negative ints{alternatives}, got {value!r}"
+    try:
+        result = pair(value, name)
+    except ValueError:
+        raise ValueError(message) from None
+    if min(result) < 0:
+        raise ValueError(message)
+    object.__setattr__(layer, name, result)
+
+
 def _tap_range(size, out_size, offset, stride):
     """Output positions [lo, hi) whose input position o*stride + offset lies in [0, size)."""
     lo = min(out_size, max(0, -(offset // stride)))
@@ -122,23 +147,10 @@ class Conv2d(Layer):
     bias: bool = True
 
     def __post_init__(self):
-        _positive_int(self.out_channels, "out_channels")
-        _positive_int(self.groups, "groups")
-        if not isinstance(self.bias, bool):
-            raise ValueError(f"option 'bias' must be true or false, got {self.bias!r}")
-        for name in ("kernel", "stride", "dilation"):
-            object.__setattr__(self, name, _positive_pair(getattr(self, name), name))
-        message = (f"option 'padding' must be a non-negative int, a pair of non-negative ints or 'same', "
-                   f"got {self.padding!r}")
+        _check_options(self)
         if self.padding == "same":
             object.__setattr__(self, "padding", self._same_padding())
-        try:
-            padding = pair(self.padding, "padding")
-        except ValueError:
-            raise ValueError(message) from None
-        if min(padding) < 0:
-            raise ValueError(message)
-        object.__setattr__(self, "padding", padding)
+        _non_negative_pair(self, "padding", " or 'same'")
 
     def _same_padding(self):
         """The symmetric padding that keeps the input size: stride 1 and an odd dilated kernel."""
@@ -219,8 +231,9 @@ class Conv2d(Layer):
             for r0 in range(0, ho, rb):
                 yield n0, min(n, n0 + nb), r0, min(ho, r0 + rb)
 
-    def _scratch_shapes(self, in_shapes, phase):
-        """Shapes of the workspace arrays a kernel call carves, in the order it carves them."""
+    def _scratch_shapes(self, in_shapes, phase, weight_grad=True):
+        """Shapes of the workspace arrays a kernel call carves, in the order it carves them
+        (a backward without the weight gradient needs no partial for it)."""
         n, c, _, _, ho, wo = self._geometry(in_shapes)
         kh, kw = self.kernel
         o, g = self.out_channels, self.groups
@@ -230,9 +243,9 @@ class Conv2d(Layer):
             shapes.append((c * kh * kw, nb * rb * wo))  # column matrix of one chunk
         if nb > 1:
             shapes.append((o, nb * rb * wo))  # the chunk's y or gy, batch-transposed
-        if phase == BACKWARD and self._weight_grad_transposed():
+        if phase == BACKWARD and weight_grad and self._weight_grad_transposed():
             shapes.append((g, c // g * kh * kw, o // g))  # every chunk's weight gradient, transposed
-        elif phase == BACKWARD and (n > nb or ho > rb):
+        elif phase == BACKWARD and weight_grad and (n > nb or ho > rb):
             shapes.append((g, o // g, c // g * kh * kw))  # weight gradient of a later chunk
         return shapes
 
@@ -356,17 +369,19 @@ class Conv2d(Layer):
                 gxt[:, :, rs, cs] += src[:, :, h0:h1, w0:w1]
 
     # ---- kernels -----------------------------------------------------------------------
-    def _chunks(self, ctx, x, out_hw, phase):
+    def _chunks(self, ctx, x_shape, x, out_hw, phase, dtype):
         """Carve the workspace; return (staging, partial, chunks), chunks yielding
-        (n0, n1, r0, r1, col) with col (C*kh*kw, GEMM columns) filled from x.
+        (n0, n1, r0, r1, col) with col (C*kh*kw, GEMM columns) filled from x (left unfilled,
+        as room for the column gradient, when x is None).
 
         staging (O, nb*rb*Wo) is None when chunks are single samples; partial (G, Og,
         Cg*kh*kw), or (G, Cg*kh*kw, Og) for a transposed weight gradient, is None in forward
-        and when a weight gradient of one chunk goes straight into gW. On the 1x1 path col is
-        x[n0] itself, (C, H*W).
+        and when a weight gradient of one chunk goes straight into gW (or none is computed).
+        On the 1x1 path col is x[n0] itself, (C, H*W), or None without x.
         """
-        n, c = x.shape[:2]
-        buffers = [ctx.scratch(shape, x.dtype) for shape in self._scratch_shapes([x.shape], phase)]
+        n, c = x_shape[:2]
+        shapes = self._scratch_shapes([x_shape], phase, weight_grad=x is not None)
+        buffers = [ctx.scratch(shape, dtype) for shape in shapes]
         col_buffer = None if self._is_pointwise() else buffers.pop(0)
         staging = buffers.pop(0) if self._chunking(n, c, *out_hw, phase)[0] > 1 else None
         partial = buffers.pop(0) if buffers else None
@@ -374,10 +389,11 @@ class Conv2d(Layer):
         def chunks():
             for n0, n1, r0, r1 in self._chunk_ranges(n, c, *out_hw, phase):
                 if col_buffer is None:
-                    yield n0, n1, r0, r1, x[n0].reshape(c, -1)
+                    yield n0, n1, r0, r1, None if x is None else x[n0].reshape(c, -1)
                     continue
                 col = _prefix(col_buffer, (col_buffer.shape[0], (n1 - n0) * (r1 - r0) * out_hw[1]))
-                self._im2col(x[n0:n1], out_hw, col, (r0, r1))
+                if x is not None:
+                    self._im2col(x[n0:n1], out_hw, col, (r0, r1))
                 yield n0, n1, r0, r1, col
 
         return staging, partial, chunks()
@@ -390,7 +406,7 @@ class Conv2d(Layer):
         g = self.groups
         weight = params["weight"].reshape(g, o // g, -1)  # (G, Og, Cg*kh*kw)
         bias = params["bias"].reshape(o, 1, 1) if self.bias else None
-        staging, _, chunks = self._chunks(ctx, x, (ho, wo), FORWARD)
+        staging, _, chunks = self._chunks(ctx, x.shape, x, (ho, wo), FORWARD, x.dtype)
         for n0, n1, r0, r1, col in chunks:
             k, columns = n1 - n0, col.shape[1]
             cols = col.reshape(g, -1, columns)
@@ -406,21 +422,25 @@ class Conv2d(Layer):
         ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        """gW = sum over chunks of gy col^T (or of (col gy^T)^T, see _weight_grad_transposed),
-        gb = sum_{n,h,w} gy, gx = col2im(W^T gy).
+        """gb = sum_{n,h,w} gy; gW and gx by `adjoint`."""
+        if self.bias:
+            n, o = gy.shape[:2]
+            ctx.xp.sum(gy.reshape(n, o, -1), axis=(0, 2), out=gparams["bias"])
+        self.adjoint(ctx, gy, params["weight"], saved.xs[0], gparams["weight"], gxs[0])
 
-        Backward chunks are whole samples (see `_chunking`).
+    def adjoint(self, ctx, gy, weight, x=None, gweight=None, gx=None):
+        """The products of backward, each where asked: gweight = sum over chunks of gy col^T
+        (or of (col gy^T)^T, see _weight_grad_transposed; needs x) and gx = col2im(W^T gy), the
+        transposed convolution of gy (needs no x). Shapes: gy (N, O, Ho, Wo), weight and gweight
+        (O, C/g, kh, kw), x and gx (N, C, H, W). Chunks are whole samples (see `_chunking`).
         """
         xp = ctx.xp
-        x, gx = saved.xs[0], gxs[0]
-        n, c = x.shape[:2]
+        x_shape = (x if x is not None else gx).shape
+        c = x_shape[1]
         _, o, ho, wo = gy.shape
         g, m = self.groups, ho * wo
-        weight_t = params["weight"].reshape(g, o // g, -1).transpose(0, 2, 1)  # (G, Cg*kh*kw, Og)
-        gweight = gparams["weight"].reshape(g, o // g, -1)
-        if self.bias:
-            xp.sum(gy.reshape(n, o, m), axis=(0, 2), out=gparams["bias"])
-        staging, partial, chunks = self._chunks(ctx, x, (ho, wo), BACKWARD)
+        weight_t = weight.reshape(g, o // g, -1).transpose(0, 2, 1)  # (G, Cg*kh*kw, Og)
+        staging, partial, chunks = self._chunks(ctx, x_shape, x, (ho, wo), BACKWARD, gy.dtype)
         for n0, n1, _, _, col in chunks:
             k = n1 - n0
             if staging is None:
@@ -429,23 +449,134 @@ class Conv2d(Layer):
                 gyt = _prefix(staging, (o, k * m))
                 xp.copyto(gyt.reshape(o, k, m), gy[n0:n1].reshape(k, o, m).transpose(1, 0, 2))
                 gyt = gyt.reshape(g, o // g, k * m)
-            cols = col.reshape(g, -1, k * m)
-            if self._weight_grad_transposed():  # partial (G, Cg*kh*kw, Og)
-                xp.matmul(cols, gyt.transpose(0, 2, 1), out=partial)
-                if n0:
-                    gweight += partial.transpose(0, 2, 1)
-                else:
-                    xp.copyto(gweight, partial.transpose(0, 2, 1))
-            else:
-                xp.matmul(gyt, cols.transpose(0, 2, 1), out=gweight if n0 == 0 else partial)
-                if n0:
-                    gweight += partial
+            if x is not None:
+                self._add_weight_gradient(xp, col.reshape(g, -1, k * m), gyt, gweight.reshape(g, o // g, -1),
+                                          partial, first=n0 == 0)
             if gx is None:
                 continue
             if self._is_pointwise():  # the column gradient is the input gradient
                 xp.matmul(weight_t, gyt, out=gx[n0].reshape(g, c // g, m))
                 continue
-            xp.matmul(weight_t, gyt, out=cols)  # column gradient, over col
+            xp.matmul(weight_t, gyt, out=col.reshape(g, -1, k * m))  # column gradient, over col
             gx[n0:n1] = 0
             self._col2im(col, gx[n0:n1], (ho, wo), (0, ho))
         ctx.release_scratch()
+
+    def _add_weight_gradient(self, xp, cols, gyt, gweight, partial, first):
+        """gweight (G, Og, Cg*kh*kw) = (first chunk) or += gyt (G, Og, M) @ cols (G, Cg*kh*kw, M)^T."""
+        if self._weight_grad_transposed():  # partial (G, Cg*kh*kw, Og)
+            xp.matmul(cols, gyt.transpose(0, 2, 1), out=partial)
+            if first:
+                xp.copyto(gweight, partial.transpose(0, 2, 1))
+            else:
+                gweight += partial.transpose(0, 2, 1)
+        else:
+            xp.matmul(gyt, cols.transpose(0, 2, 1), out=gweight if first else partial)
+            if not first:
+                gweight += partial
+
+
+@register
+@dataclass(frozen=True)
+class ConvTranspose2d(Layer):
+    """The transposed convolution (torch.nn.ConvTranspose2d): the input gradient of a Conv2d,
+    used as a layer. x (N, C, H, W), W (C, O/groups, kh, kw), b (O,), y (N, O, Ho, Wo) with
+    Ho = (H - 1)*sh - 2*ph + dh*(kh - 1) + oph + 1 (likewise Wo).
+
+    It is computed by `adjoint`, the Conv2d from y's shape to x's with the same kernel,
+    stride, padding, dilation and groups: y = adjoint^T(x) (col2im of W^T x), and in backward
+    gx = adjoint(gy) (its forward), gW = adjoint's weight gradient with gy as its input and x
+    as its output gradient, gb = sum gy. Backward reads the input and the weight.
+    `output_padding` (< stride) adds rows and columns at the bottom and right, as torch's
+    does, to pick one of the output sizes a strided Conv2d maps to the same input size.
+    """
+
+    type_name = "ConvTranspose2d"
+    recompute_cost = EXPENSIVE
+    saves = Saves(inputs=(0,))
+    out_channels: int  # required
+    kernel: int | tuple = 3
+    stride: int | tuple = 1
+    padding: int | tuple = 0
+    output_padding: int | tuple = 0
+    dilation: int | tuple = 1
+    groups: int = 1
+    bias: bool = True
+
+    def __post_init__(self):
+        _check_options(self)
+        _non_negative_pair(self, "padding")
+        _non_negative_pair(self, "output_padding")
+        if any(op >= s for op, s in zip(self.output_padding, self.stride)):
+            raise ValueError(f"option 'output_padding' must be smaller than the stride {list(self.stride)}, "
+                             f"got {list(self.output_padding)}")
+
+    def adjoint_conv(self, in_shapes):
+        """(the Conv2d from y's shape to x's, y's shape), after validating x's shape."""
+        self.require_rank(in_shapes, 4)
+        n, c, h, w = in_shapes[0]
+        if c % self.groups:
+            raise ShapeError(f"input channels {c} are not divisible by groups {self.groups}")
+        if self.out_channels % self.groups:
+            raise ShapeError(f"out_channels {self.out_channels} is not divisible by groups {self.groups}")
+        out = tuple((size - 1) * s - 2 * p + d * (k - 1) + op + 1 for size, k, s, p, op, d in zip(
+            (h, w), self.kernel, self.stride, self.padding, self.output_padding, self.dilation))
+        if min(out) < 1:
+            raise ShapeError(f"output spatial size {out[0]}x{out[1]} < 1: input {h}x{w} with padding "
+                             f"{list(self.padding)} and kernel {list(self.kernel)}")
+        conv = _adjoint_conv(c, self.kernel, self.stride, self.padding, self.dilation, self.groups)
+        return conv, (n, self.out_channels, *out)
+
+    def infer_shape(self, in_shapes):
+        return self.adjoint_conv(in_shapes)[1]
+
+    def param_specs(self, in_shapes):
+        c = in_shapes[0][1]
+        self.adjoint_conv(in_shapes)
+        (kh, kw), (sh, sw), g = self.kernel, self.stride, self.groups
+        # an output sums C/g channels over about ceil(kh/sh)*ceil(kw/sw) taps
+        fan_in = c // g * -(-kh // sh) * -(-kw // sw)
+        fan_out = self.out_channels // g * kh * kw
+        specs = {"weight": ParamSpec((c, self.out_channels // g, kh, kw), "he_normal", fan_in, fan_out)}
+        if self.bias:
+            specs["bias"] = ParamSpec((self.out_channels,), "zeros", fan_in, fan_out, decay=False)
+        return specs
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        """Forward: the adjoint's backward without a weight gradient; backward: the larger of
+        the adjoint's forward (gx) and its weight gradient (they run one after the other)."""
+        conv, y_shape = self.adjoint_conv(in_shapes)
+        shapes = [y_shape]
+        if phase == FORWARD:
+            return scratch_bytes(*(numel(s) * itemsize for s in conv._scratch_shapes(shapes, BACKWARD, False)))
+        return max(conv.workspace_bytes(shapes, FORWARD, itemsize), conv.workspace_bytes(shapes, BACKWARD, itemsize))
+
+    def cost(self, in_shapes, phase):
+        """The adjoint's cost with the roles of x and y exchanged (same GEMMs, same bytes)."""
+        conv, y_shape = self.adjoint_conv(in_shapes)
+        cost = conv.cost([y_shape], phase)
+        bias = numel(y_shape) if self.bias else 0
+        return Cost(cost.flops + bias, cost.bytes)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        conv, _ = self.adjoint_conv([x.shape])
+        conv.adjoint(ctx, x, params["weight"], gx=y)
+        if self.bias:
+            y += params["bias"].reshape(-1, 1, 1)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        x, gx = saved.xs[0], gxs[0]
+        conv, _ = self.adjoint_conv([x.shape])
+        if self.bias:
+            ctx.xp.sum(gy.reshape(gy.shape[0], gy.shape[1], -1), axis=(0, 2), out=gparams["bias"])
+        if gx is not None:
+            conv.forward(ctx, [gy], {"weight": params["weight"]}, None, gx, None)
+        conv.adjoint(ctx, x, params["weight"], x=gy, gweight=gparams["weight"])
+
+
+@functools.lru_cache(maxsize=1024)
+def _adjoint_conv(channels, kernel, stride, padding, dilation, groups):
+    """The bias-free Conv2d with `channels` outputs whose input gradient a ConvTranspose2d is."""
+    return Conv2d(out_channels=channels, kernel=kernel, stride=stride, padding=padding, dilation=dilation,
+                  groups=groups, bias=False)

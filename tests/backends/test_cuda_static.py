@@ -26,11 +26,11 @@ import snrt
 from snrt.backends import backend_class, cuda_available, cuda_unavailable_reason, default_backend
 from snrt.backends import cuda_layers, cuda_source
 from snrt.backends.cuda_kernels import REGISTRY
-from snrt.backends.cuda_layers import NUMPY_ONLY, ConvGeometry, CublasLinear, GemmConv2d
+from snrt.backends.cuda_layers import NUMPY_ONLY, ConvGeometry, CublasLinear, CudaConvTranspose2d, GemmConv2d
 from snrt.errors import SnrtError
 from snrt.layers import LAYERS
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
-from snrt.layers.conv import Conv2d
+from snrt.layers.conv import Conv2d, ConvTranspose2d
 from snrt.layers.linear import Linear
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -172,6 +172,21 @@ def host_pointers(monkeypatch):
     monkeypatch.setattr(cuda_layers, "device_pointer", lambda array: array.ctypes.data)
 
 
+def _numpy_run(layer, shape, rng):
+    """(x, params, y, gy, gx, gparams) of the layer's NumPy kernels on random float32 data."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    in_shapes = [x.shape]
+    params = {k: rng.standard_normal(s.shape).astype(np.float32) for k, s in layer.param_specs(in_shapes).items()}
+    y = np.zeros(layer.infer_shape(in_shapes), np.float32)
+    layer.forward(KernelContext(np, workspace=np.zeros(layer.workspace_bytes(in_shapes, FORWARD), np.uint8)),
+                  [x], params, {}, y, {})
+    gy = rng.standard_normal(y.shape).astype(np.float32)
+    gparams, gx = {k: np.zeros_like(v) for k, v in params.items()}, np.zeros_like(x)
+    layer.backward(KernelContext(np, workspace=np.zeros(layer.workspace_bytes(in_shapes, BACKWARD), np.uint8)),
+                   gy, Saved((x,)), params, {}, [gx], gparams)
+    return x, params, y, gy, gx, gparams
+
+
 CONVS = [
     dict(out_channels=6, kernel=3, padding=1),
     dict(out_channels=4, kernel=3, stride=2, padding=1, bias=False),
@@ -186,19 +201,9 @@ CONVS = [
 @pytest.mark.parametrize("options", CONVS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("workspace_rows", [1, 3, None])
 def test_gemm_convolution_matches_the_numpy_kernel(options, workspace_rows, host_pointers):
-    rng = np.random.default_rng(0)
     layer = Conv2d(**options)
-    x = rng.standard_normal((2, 6, 9, 8)).astype(np.float32)
+    x, params, y_ref, gy, gx_ref, grads_ref = _numpy_run(layer, (2, 6, 9, 8), np.random.default_rng(0))
     in_shapes = [x.shape]
-    params = {k: rng.standard_normal(s.shape).astype(np.float32) for k, s in layer.param_specs(in_shapes).items()}
-    y_ref = np.zeros(layer.infer_shape(in_shapes), np.float32)
-    layer.forward(KernelContext(np, workspace=np.zeros(layer.workspace_bytes(in_shapes, FORWARD), np.uint8)),
-                  [x], params, {}, y_ref, {})
-    gy = rng.standard_normal(y_ref.shape).astype(np.float32)
-    grads_ref = {k: np.zeros_like(v) for k, v in params.items()}
-    gx_ref = np.zeros_like(x)
-    layer.backward(KernelContext(np, workspace=np.zeros(layer.workspace_bytes(in_shapes, BACKWARD), np.uint8)),
-                   gy, Saved((x,)), params, {}, [gx_ref], grads_ref)
 
     kernel = GemmConv2d(layer, in_shapes, HostModule())
     g = ConvGeometry.of(layer, in_shapes)
@@ -218,6 +223,38 @@ def test_gemm_convolution_matches_the_numpy_kernel(options, workspace_rows, host
     kernel.backward_parts(KernelContext(np, workspace=np.zeros(nbytes, np.uint8) if nbytes else None),
                           gy, x, gx_only, params, grads, weight_grad=False, bias_grad=False)
     np.testing.assert_allclose(gx_only, gx_ref, rtol=1e-4, atol=1e-4)
+
+
+TRANSPOSED = [
+    dict(out_channels=4, kernel=2, stride=2),
+    dict(out_channels=6, kernel=3, stride=2, padding=1, output_padding=1, groups=3, bias=False),
+    dict(out_channels=5, kernel=(3, 2), padding=(1, 0), dilation=(1, 2)),
+    dict(out_channels=4, kernel=1),
+]
+
+
+@pytest.mark.parametrize("options", TRANSPOSED, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("workspace_rows", [1, None])
+def test_gemm_transposed_convolution_matches_the_numpy_kernel(options, workspace_rows, host_pointers):
+    layer = ConvTranspose2d(**options)
+    x, params, y_ref, gy, gx_ref, grads_ref = _numpy_run(layer, (2, 6, 5, 4), np.random.default_rng(2))
+    kernel = CudaConvTranspose2d(layer, [x.shape], HostModule())
+    # the adjoint convolution runs forward over gy and backward over y's shape: bands of its rows
+    g = ConvGeometry.of(kernel.conv.layer, [y_ref.shape])
+    rows = g.ho if workspace_rows is None else workspace_rows
+    nbytes = 0 if g.pointwise else rows * g.col_rows * g.wo * 4 + 60
+
+    def context():
+        return KernelContext(np, workspace=np.zeros(nbytes, np.uint8) if nbytes else None)
+
+    y = np.full_like(y_ref, np.nan)
+    kernel.forward(context(), [x], params, {}, y, {})
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
+    grads, gx = {k: np.full_like(v, np.nan) for k, v in params.items()}, np.full_like(x, np.nan)
+    kernel.backward(context(), gy, Saved((x,)), params, {}, [gx], grads)
+    np.testing.assert_allclose(gx, gx_ref, rtol=1e-4, atol=1e-4)
+    for k in params:
+        np.testing.assert_allclose(grads[k], grads_ref[k], rtol=1e-4, atol=1e-3)
 
 
 def test_gemm_convolution_refuses_a_workspace_smaller_than_one_row(host_pointers):

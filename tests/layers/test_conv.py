@@ -4,7 +4,7 @@ import torch
 
 from snrt.errors import ShapeError
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved, scratch_bytes
-from snrt.layers.conv import Conv2d
+from snrt.layers.conv import Conv2d, ConvTranspose2d
 from tests.layers.harness import check_layer
 
 
@@ -265,3 +265,60 @@ def test_padding_same_keeps_the_size_and_matches_pytorch(kernel, dilation):
 def test_padding_same_refuses_what_it_cannot_do_symmetrically(options, words):
     with pytest.raises(ValueError, match=words):
         Conv2d(out_channels=1, padding="same", **options)
+
+
+def _transposed_reference(layer):
+    def reference(xs, p):
+        return torch.nn.functional.conv_transpose2d(xs[0], p["weight"], p.get("bias"), layer.stride, layer.padding,
+                                                    layer.output_padding, layer.groups, layer.dilation)
+    return reference
+
+
+@pytest.mark.parametrize("gemm_columns", [10, 1024], ids=["chunks", "one-chunk"])
+@pytest.mark.parametrize("shape, options", [
+    ((2, 3, 4, 5), dict(out_channels=4, kernel=3)),
+    ((2, 3, 4, 4), dict(out_channels=2, kernel=2, stride=2)),  # U-Net's 2x upsampling
+    ((2, 3, 4, 5), dict(out_channels=4, kernel=3, stride=2, padding=1, output_padding=1)),
+    ((1, 4, 3, 3), dict(out_channels=6, kernel=(2, 3), stride=(2, 1), padding=(0, 1), dilation=(1, 2))),
+    ((2, 4, 3, 4), dict(out_channels=6, kernel=3, padding=1, groups=2, bias=False)),
+    ((3, 4, 3, 3), dict(out_channels=4, kernel=3, stride=2, groups=4)),  # depthwise
+    ((2, 5, 3, 4), dict(out_channels=3, kernel=1)),  # pointwise: no column matrix
+])
+def test_conv_transpose2d_matches_pytorch(monkeypatch, gemm_columns, shape, options):
+    monkeypatch.setattr(Conv2d, "gemm_columns", gemm_columns)
+    monkeypatch.setattr(Conv2d, "tap_elements", 1)
+    layer = ConvTranspose2d(**options)
+    x = np.random.default_rng(3).standard_normal(shape)
+    check_layer(layer, [x], _transposed_reference(layer))
+
+
+def test_conv_transpose2d_shapes_and_params():
+    layer = ConvTranspose2d(out_channels=8, kernel=4, stride=2, padding=1)
+    assert layer.infer_shape([(2, 16, 7, 9)]) == (2, 8, 14, 18)
+    specs = layer.param_specs([(2, 16, 7, 9)])
+    assert specs["weight"].shape == (16, 8, 4, 4) and specs["bias"].shape == (8,) and not specs["bias"].decay
+    assert specs["weight"].fan_in == 16 * 2 * 2
+    assert layer.saves.inputs == (0,) and layer.recompute_cost == "expensive"
+    assert layer.cost([(2, 16, 7, 9)], BACKWARD).flops > layer.cost([(2, 16, 7, 9)], FORWARD).flops > 0
+
+
+@pytest.mark.parametrize("options, name", [
+    (dict(out_channels=2, output_padding=1), "output_padding"),  # not below the stride 1
+    (dict(out_channels=2, stride=2, output_padding=-1), "output_padding"),
+    (dict(out_channels=2, padding="same"), "padding"),
+    (dict(out_channels=0), "out_channels"),
+    (dict(out_channels=2, bias="yes"), "bias"),
+])
+def test_conv_transpose2d_option_validation(options, name):
+    with pytest.raises(ValueError, match=f"option '{name}'"):
+        ConvTranspose2d(**options)
+
+
+@pytest.mark.parametrize("in_shape, options, words", [
+    ((2, 3, 4), dict(out_channels=2), "NCHW"),
+    ((2, 3, 4, 4), dict(out_channels=2, groups=2), "not divisible by groups"),
+    ((2, 3, 1, 1), dict(out_channels=2, kernel=1, padding=1), "< 1"),
+])
+def test_conv_transpose2d_shape_errors(in_shape, options, words):
+    with pytest.raises(ShapeError, match=words):
+        ConvTranspose2d(**options).infer_shape([in_shape])

@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 
 from snrt.graph import Graph
 from snrt.layers.activation import ELU, GELU, Identity, ReLU, Sigmoid, SiLU, Softmax, Tanh
-from snrt.layers.conv import Conv2d
+from snrt.layers.conv import Conv2d, ConvTranspose2d
 from snrt.layers.dropout import Dropout, Dropout2d
 from snrt.layers.input import Input
 from snrt.layers.join import Add, Concat, Mul
@@ -17,7 +17,7 @@ CHANNELS, SIZE, CLASSES = 3, 6, 4
 
 OPS = ("conv", "conv1", "bn", "relu", "tanh", "pool", "dropout", "add", "concat", "silu", "gelu", "elu",
        "softmax", "identity", "mul", "gate", "dropout2d", "same5", "adaptive", "groupnorm", "layernorm",
-       "upsample")
+       "upsample", "deconv", "bn_plain")
 ELEMENTWISE = {"relu": ReLU, "tanh": Tanh, "silu": SiLU, "gelu": GELU, "elu": ELU, "softmax": Softmax,
                "identity": Identity}
 
@@ -50,6 +50,12 @@ def build(recipe):
             nodes.append(g.add(Conv2d(out_channels=CHANNELS, kernel=1), inputs=[x], name=name))
         elif op == "bn":
             nodes.append(g.add(BatchNorm(), inputs=[x], name=name))
+        elif op == "bn_plain":
+            nodes.append(g.add(BatchNorm(affine=False), inputs=[x], name=name))
+        elif op == "deconv":  # a strided conv down and a transposed conv back up
+            down = g.add(Conv2d(out_channels=CHANNELS, kernel=3, stride=2, padding=1), inputs=[x], name=f"{name}_down")
+            nodes.append(g.add(ConvTranspose2d(out_channels=CHANNELS, kernel=3, stride=2, padding=1, output_padding=1),
+                               inputs=[down], name=name))
         elif op in ELEMENTWISE:
             nodes.append(g.add(ELEMENTWISE[op](), inputs=[x], name=name))
         elif op == "pool":

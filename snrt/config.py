@@ -10,6 +10,7 @@ topologically (a cycle is reported with its path); the Graph is built node by no
 import copy
 import dataclasses
 import difflib
+import fnmatch
 import heapq
 import math
 import re
@@ -46,10 +47,26 @@ class InputConfig:
     classes: int
 
 
+class ParamGroups(tuple):
+    """Annotation of train.optimizer.groups: a tuple of ParamGroup."""
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Optimizer settings for the parameters whose "node:param" name matches one of `params`,
+    shell-style patterns ("*:bias", "fc:*", "stage3.*"). weight_decay None keeps the
+    optimizer's (which skips the parameters their layer does not decay: biases, norm scales)."""
+
+    params: tuple = ()
+    weight_decay: float = None
+    lr_scale: float = 1.0
+
+
 @dataclass
 class OptimizerConfig:
     """sgd (momentum, nesterov), adam or adamw (beta1, beta2, eps); weight_decay for all
-    (L2 in the gradient for sgd and adam, decoupled for adamw); clip_value for all."""
+    (L2 in the gradient for sgd and adam, decoupled for adamw); clip_value for all; groups:
+    per-parameter weight decay and learning-rate factors, the first matching group wins."""
 
     type: str = "sgd"
     lr: float = 0.1
@@ -60,6 +77,7 @@ class OptimizerConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     clip_value: float = 0.0  # > 0: every gradient element clipped to [-clip_value, clip_value]
+    groups: ParamGroups = ParamGroups()
 
 
 @dataclass
@@ -126,7 +144,7 @@ CHOICES = {
     (TrainConfig, "init"): ("default", "he", "xavier"),
     (MemoryConfig, "policy"): policies.CHOICES,
 }
-POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "iterations"), (OptimizerConfig, "lr"),
+POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "iterations"), (OptimizerConfig, "lr"), (ParamGroup, "lr_scale"),
             (DataConfig, "samples"), (DataConfig, "holdout"), (OptimizerConfig, "eps")}
 BELOW_ONE = {(DataConfig, "holdout"), (OptimizerConfig, "beta1"), (OptimizerConfig, "beta2")}  # fractions
 
@@ -151,9 +169,21 @@ def with_settings(config, train=None, memory=None):
     sections = {}
     for key, cls, changes in (("train", TrainConfig, train), ("memory", MemoryConfig, memory)):
         if changes:
-            current = dataclasses.asdict(getattr(config, key))
+            current = settings_dict(getattr(config, key))
             sections[key] = parse_section(config.source, key, cls, _merged(current, changes))
     return dataclasses.replace(config, **sections)
+
+
+def settings_dict(section):
+    """A settings dataclass (TrainConfig, MemoryConfig) as plain data that parses back to it:
+    tuples as lists, a parameter group's unset weight_decay left out."""
+    def plain(value):
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items() if not (k == "weight_decay" and v is None)}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+    return plain(dataclasses.asdict(section))
 
 
 def _merged(base, changes):
@@ -253,6 +283,7 @@ def parse_config(doc, source, default_name="net"):
     graph = build_graph(source, name, input_cfg, entries)
     _check_loss(source, graph, input_cfg.classes)
     train = parse_section(source, "train", TrainConfig, doc.get("train", {}))
+    _check_groups(source, graph, train.optimizer.groups)
     memory = parse_section(source, "memory", MemoryConfig, doc.get("memory", {}))
     return Config(name, graph, input_cfg, train, memory, source)
 
@@ -326,6 +357,8 @@ def parse_section(source, key, cls, section):
 
 
 def _check_setting(source, key, cls, name, annotation, value):
+    if annotation is ParamGroups:
+        return _parse_groups(source, key, value)
     if annotation is Bytes:
         if value is None:
             return None
@@ -358,6 +391,38 @@ def _check_setting(source, key, cls, name, annotation, value):
     if annotation in (int, float) and value < 0:
         raise ConfigError(source, key, f"expected a non-negative value, got {value!r}")
     return value
+
+
+def _parse_groups(source, key, value):
+    """train.optimizer.groups: a list of mappings, each with `params` (a pattern or a list of
+    them) and optionally weight_decay and lr_scale."""
+    if not isinstance(value, list):
+        raise ConfigError(source, key, f"expected a list of parameter groups, got {_kind(value)}")
+    groups = []
+    for i, item in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(item, dict) or "params" not in item:
+            raise ConfigError(source, where, "expected a mapping with 'params' (name patterns such as '*:bias') "
+                                             f"and weight_decay or lr_scale, got {_kind(item)}")
+        patterns = item["params"]
+        patterns = [patterns] if isinstance(patterns, str) else patterns
+        if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) and p for p in patterns):
+            raise ConfigError(source, f"{where}.params", "expected a name pattern or a list of them "
+                                                          f"('node:param', '*' matches anything), got {_kind(item['params'])}")
+        rest = parse_section(source, where, ParamGroup, {k: v for k, v in item.items() if k != "params"})
+        groups.append(dataclasses.replace(rest, params=tuple(patterns)))
+    return ParamGroups(groups)
+
+
+def _check_groups(source, graph, groups):
+    """Every parameter group matches at least one parameter of the network (a typo otherwise)."""
+    names = [f"{node}:{p}" for node, specs in graph.param_specs().items() for p in specs]
+    for i, group in enumerate(groups):
+        for pattern in group.params:
+            if not fnmatch.filter(names, pattern):
+                example = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+                raise ConfigError(source, f"train.optimizer.groups[{i}].params",
+                                  f"pattern {pattern!r} matches no parameter (names are node:param, e.g. {example})")
 
 
 # ---- blocks and expansion -----------------------------------------------------------------
@@ -645,19 +710,18 @@ def build_graph(source, name, input_cfg, entries):
 
 
 def _check_loss(source, graph, classes):
-    """A training network has one loss layer, reading `classes` scores per sample (the layer
-    itself checks that it reads one label per sample)."""
+    """A training network has at least one loss layer (several are summed with their weights),
+    each reading `classes` scores per sample (the layer itself checks that it reads one label
+    per sample)."""
     losses = [n for n in graph.nodes.values() if n.layer.type_name in LOSSES]
-    if len(losses) != 1:
-        found = ", ".join(f"'{n.name}'" for n in losses) or "none"
-        raise ConfigError(source, "network", f"expected exactly one loss layer ({', '.join(sorted(LOSSES))}), "
-                                             f"found {found}")
-    loss = losses[0]
-    logits = graph[loss.inputs[0]]
-    if tuple(logits.shape) != (classes,):
-        raise ConfigError(source, loss.key or "network", f"the loss '{loss.name}' reads '{logits.name}' of shape "
-                                                         f"{list(logits.shape)} per sample; it needs [{classes}] "
-                                                         "(input.classes scores)")
+    if not losses:
+        raise ConfigError(source, "network", f"expected a loss layer ({', '.join(sorted(LOSSES))}), found none")
+    for loss in losses:
+        logits = graph[loss.inputs[0]]
+        if tuple(logits.shape) != (classes,):
+            raise ConfigError(source, loss.key or "network",
+                              f"the loss '{loss.name}' reads '{logits.name}' of shape {list(logits.shape)} per "
+                              f"sample; it needs [{classes}] (input.classes scores)")
 
 
 def make_layer(source, entry):
@@ -720,6 +784,6 @@ def graph_to_dict(graph, input_cfg):
 def config_to_yaml(config):
     """The Config as YAML text: the flat network plus its train and memory sections."""
     doc = graph_to_dict(config.graph, config.input)
-    doc["train"] = dataclasses.asdict(config.train)
-    doc["memory"] = dataclasses.asdict(config.memory)
+    doc["train"] = settings_dict(config.train)
+    doc["memory"] = settings_dict(config.memory)
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)

@@ -96,18 +96,24 @@ class Executor:
         return outputs
 
     def _outputs(self):
-        if not self.plan.loss:
+        """(per-sample loss: the weighted sum over loss layers, per-sample correctness by the last
+        loss layer's probabilities), on the host; None without a loss layer."""
+        if not self.plan.losses:
             return None
-        out, _, probs, labels = self.plan.loss
         v, to_host = self.views, self.backend.to_host
-        correct = self.xp.argmax(v[probs], axis=1) == v[labels]
-        return to_host(v[out]), to_host(correct)
+        total = None
+        for out, _, _, _, weight in self.plan.losses:
+            term = to_host(v[out]) if weight == 1 else weight * to_host(v[out])
+            total = term if total is None else total + term
+        _, _, probs, labels, _ = self.plan.losses[-1]
+        return total, to_host(self.xp.argmax(v[probs], axis=1) == v[labels])
 
     def _feed(self, feed):
         for name, b in self.plan.inputs:
             self.backend.upload(self.views[b], feed[name])
-        if self.plan.loss and self.plan.loss[1] >= 0:
-            self.views[self.plan.loss[1]].fill(1.0 / self.plan.batch)
+        for _, seed, _, _, weight in self.plan.losses:
+            if seed >= 0:
+                self.views[seed].fill(weight / self.plan.batch)
 
     # ---- binding: one closure per step ------------------------------------------------
     def _context(self, step, node_index):
@@ -148,16 +154,23 @@ class Executor:
         return run
 
     def _bind_update(self, step, node_index):
-        v, xp = self.views, self.xp
-        slots = tuple((v[param], v[grad], tuple(v[s] for s in states), decay) for param, grad, states, decay in step.slots)
+        v, xp, buffers = self.views, self.xp, self.plan.buffers
+        slots = tuple((v[param], v[grad], tuple(v[s] for s in states), buffers[param].name, decay)
+                      for param, grad, states, decay in step.slots)
         workspace = v[step.workspace]
+        settings = {}  # (optimizer, parameter) -> (weight decay, learning-rate factor)
 
         def run():
-            if self.optimizer is None:
+            optimizer = self.optimizer
+            if optimizer is None:
                 raise RuntimeError("a training plan needs an optimizer")
-            update, lr, count = self.optimizer.update, self.lr, self.iteration + 1
-            for param, grad, states, decay in slots:
-                update(xp, param, grad, states, decay, lr, count, workspace)
+            update, lr, count = optimizer.update, self.lr, self.iteration + 1
+            for param, grad, states, name, decay in slots:
+                key = (optimizer, name)
+                if key not in settings:
+                    settings[key] = optimizer.settings(name, decay)
+                weight_decay, lr_scale = settings[key]
+                update(xp, param, grad, states, weight_decay, lr * lr_scale, count, workspace)
         return run
 
     def _bind_offload(self, step, node_index):

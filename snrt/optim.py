@@ -3,12 +3,14 @@
 An optimizer names the buffers it keeps per parameter (`state_names`: the planner gives each
 parameter one buffer per name, zero at the start, saved in checkpoints as "node:param:name")
 and updates one parameter at a time, as soon as its gradient is complete (the plan's fused
-per-layer update): `update(xp, w, g, states, decay, lr, count, workspace)` with `g` the
-gradient (overwritten), `states` the parameter's buffers in `state_names` order, `decay`
-whether weight decay applies to it, `count` the 1-based number of updates so far (Adam's bias
-correction) and `workspace` a uint8 buffer of at least w.nbytes.
+per-layer update): `update(xp, w, g, states, weight_decay, lr, count, workspace)` with `g`
+the gradient (overwritten), `states` the parameter's buffers in `state_names` order,
+`weight_decay` and `lr` the parameter's own (`settings` applies the parameter groups),
+`count` the 1-based number of updates so far (Adam's bias correction) and `workspace` a uint8
+buffer of at least w.nbytes.
 """
 
+import fnmatch
 import math
 from dataclasses import dataclass
 
@@ -19,14 +21,26 @@ def _temporary(workspace, w):
 
 class Optimizer:
     """Base: `update` clips the gradient to [-clip_value, clip_value] when clip_value > 0 (as
-    torch.nn.utils.clip_grad_value_ before the step), then applies the subclass's `apply`."""
+    torch.nn.utils.clip_grad_value_ before the step), then applies the subclass's `apply`.
+    `groups` (config.ParamGroup) give parameters their own weight decay and learning rate."""
 
     clip_value = 0.0
+    groups = ()
 
-    def update(self, xp, w, g, states, decay, lr, count, workspace):
+    def settings(self, name, decay):
+        """(weight decay, learning-rate factor) of parameter `name` ("node:param"): the first
+        group whose patterns match it, else the optimizer's; `decay` False (the layer's
+        default for biases and norm scales) means no weight decay unless a group sets one."""
+        default = self.weight_decay if decay else 0.0
+        for group in self.groups:
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in group.params):
+                return (default if group.weight_decay is None else group.weight_decay), group.lr_scale
+        return default, 1.0
+
+    def update(self, xp, w, g, states, weight_decay, lr, count, workspace):
         if self.clip_value:
             xp.clip(g, -self.clip_value, self.clip_value, out=g)
-        self.apply(xp, w, g, states, decay, lr, count, workspace)
+        self.apply(xp, w, g, states, weight_decay, lr, count, workspace)
 
 
 @dataclass(frozen=True)
@@ -38,15 +52,16 @@ class SGD(Optimizer):
     nesterov: bool = False
     weight_decay: float = 0.0
     clip_value: float = 0.0
+    groups: tuple = ()
 
     @property
     def state_names(self):
         return ("momentum",) if self.momentum else ()
 
-    def apply(self, xp, w, g, states, decay, lr, count, workspace):
+    def apply(self, xp, w, g, states, weight_decay, lr, count, workspace):
         tmp = _temporary(workspace, w)
-        if decay and self.weight_decay:
-            xp.multiply(w, self.weight_decay, out=tmp)
+        if weight_decay:
+            xp.multiply(w, weight_decay, out=tmp)
             g += tmp
         direction = g
         if states:
@@ -74,17 +89,18 @@ class Adam(Optimizer):
     weight_decay: float = 0.0
     decoupled: bool = False
     clip_value: float = 0.0
+    groups: tuple = ()
 
     state_names = ("exp_avg", "exp_avg_sq")
 
-    def apply(self, xp, w, g, states, decay, lr, count, workspace):
+    def apply(self, xp, w, g, states, weight_decay, lr, count, workspace):
         m, v = states
         tmp = _temporary(workspace, w)
-        if decay and self.weight_decay:
+        if weight_decay:
             if self.decoupled:
-                w *= 1 - lr * self.weight_decay
+                w *= 1 - lr * weight_decay
             else:
-                xp.multiply(w, self.weight_decay, out=tmp)
+                xp.multiply(w, weight_decay, out=tmp)
                 g += tmp
         m *= self.beta1
         xp.multiply(g, 1 - self.beta1, out=tmp)
@@ -105,9 +121,9 @@ def make_optimizer(config):
     """The optimizer of OptimizerConfig `config` (train.optimizer)."""
     if config.type == "sgd":
         return SGD(momentum=config.momentum, nesterov=config.nesterov, weight_decay=config.weight_decay,
-                   clip_value=config.clip_value)
+                   clip_value=config.clip_value, groups=tuple(config.groups))
     return Adam(beta1=config.beta1, beta2=config.beta2, eps=config.eps, weight_decay=config.weight_decay,
-                decoupled=config.type == "adamw", clip_value=config.clip_value)
+                decoupled=config.type == "adamw", clip_value=config.clip_value, groups=tuple(config.groups))
 
 
 def learning_rate(schedule, base_lr, iteration, total):

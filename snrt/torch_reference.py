@@ -10,6 +10,8 @@ torch.optim.SGD.
 import torch
 import torch.nn.functional as F
 
+from snrt.optim import make_optimizer
+
 
 def _pool_args(layer):
     return dict(kernel_size=layer.kernel, stride=layer.stride, padding=layer.padding, ceil_mode=layer.ceil_mode)
@@ -72,8 +74,8 @@ class TorchNet(torch.nn.Module):
         self.state = {(n, k): torch.tensor(v) for (n, k), v in state.items()}
 
     def forward(self, feed):
-        """Per-sample losses of the loss node, given {"data": x, "label": y}."""
-        values = {}
+        """Per-sample losses (the weighted sum over the loss nodes), given {"data": x, "label": y}."""
+        values, total = {}, 0
         for node in self.graph.nodes.values():
             if node.layer.type_name == "Input":
                 values[node.name] = torch.as_tensor(feed[node.name])
@@ -85,7 +87,9 @@ class TorchNet(torch.nn.Module):
                 self.graph.in_shapes(node.name, 1))}
             s = {k: v for (n, k), v in self.state.items() if n == node.name}
             values[node.name] = OPS[layer.type_name](layer, [values[i] for i in node.inputs], p, s, self.training)
-        return values[node.name]
+            if layer.type_name == "SoftmaxCrossEntropy":
+                total = total + layer.weight * values[node.name]
+        return total
 
     def param(self, node, name):
         return self.params[f"{node}:{name}".replace(".", "/")]
@@ -93,12 +97,16 @@ class TorchNet(torch.nn.Module):
 
 def torch_sgd(net, graph, optimizer):
     """The torch.optim optimizer over `net`'s parameters with snrt's semantics of `optimizer` (a
-    config's train.optimizer: SGD, Adam or AdamW): weight decay on every parameter except those
-    whose spec says no decay (BatchNorm's and biases)."""
-    specs = graph.param_specs()
-    no_decay = [net.param(n, k) for n in specs for k in specs[n] if not specs[n][k].decay]
-    decay = [p for p in net.parameters() if all(p is not q for q in no_decay)]
-    groups = [{"params": decay, "weight_decay": optimizer.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    config's train.optimizer: SGD, Adam or AdamW): one torch parameter group per (weight decay,
+    learning rate) that snrt's parameter groups give (by default no decay for the parameters
+    whose spec says so: biases and norm scales)."""
+    settings = make_optimizer(optimizer).settings
+    by_setting = {}
+    for node, specs in graph.param_specs().items():
+        for name, spec in specs.items():
+            by_setting.setdefault(settings(f"{node}:{name}", spec.decay), []).append(net.param(node, name))
+    groups = [{"params": params, "weight_decay": decay, "lr": optimizer.lr * scale}
+              for (decay, scale), params in by_setting.items()]
     if optimizer.type == "sgd":
         return torch.optim.SGD(groups, lr=optimizer.lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov)
     adam = torch.optim.Adam if optimizer.type == "adam" else torch.optim.AdamW

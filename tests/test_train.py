@@ -68,7 +68,11 @@ MODERN = {
         {"type": "Conv2d", "out_channels": 6, "kernel": 3, "padding": 1},
         {"type": "BatchNorm"},
         {"type": "SiLU", "name": "act"},
-        {"block": "gated", "args": {"channels": 6}},
+        # an auxiliary head: its weighted loss is added to the main one
+        {"type": "GlobalAvgPool", "name": "aux_pool"},
+        {"type": "Linear", "out_features": "$classes"},
+        {"type": "SoftmaxCrossEntropy", "name": "aux_loss", "weight": 0.4},
+        {"block": "gated", "inputs": ["act"], "args": {"channels": 6}},
         {"type": "ELU", "alpha": 0.5},
         {"type": "BatchNorm", "affine": False, "momentum": 0.2},
         {"type": "Identity", "name": "skip"},
@@ -144,6 +148,11 @@ NO_NOISE_BIAS = [{**SMALL_RESNET["network"][0], "bias": False}, *SMALL_RESNET["n
     {**SMALL_RESNET, "name": "plain_sgd", "train": {**SMALL_RESNET["train"], "optimizer": {"lr": 0.05, "momentum": 0}}},
     {**SMALL_RESNET, "name": "clipped_sgd", "train": {**SMALL_RESNET["train"], "optimizer": {
         **SMALL_RESNET["train"]["optimizer"], "lr": 0.5, "clip_value": 0.01}}},
+    {**SMALL_RESNET, "name": "param_groups", "train": {**SMALL_RESNET["train"], "optimizer": {
+        "lr": 0.05, "weight_decay": 0.01, "groups": [
+            {"params": "linear0:*", "lr_scale": 0.5},  # the head at half the rate, decay as usual
+            {"params": ["*:bias", "*batchnorm0:weight"], "weight_decay": 0.1},  # decay where it is off by default
+            {"params": "basic0.conv2d?:*", "weight_decay": 0, "lr_scale": 2.0}]}}},
     {**SMALL_RESNET, "name": "clipped_adamw", "network": NO_NOISE_BIAS,
      "train": {**SMALL_RESNET["train"], "optimizer": {**ADAM, "type": "adamw", "clip_value": 0.002}}},
 ], ids=lambda doc: doc["name"])

@@ -1,5 +1,6 @@
 """Softmax cross-entropy loss with accuracy."""
 
+import math
 from dataclasses import dataclass
 
 from snrt.errors import ShapeError
@@ -13,8 +14,10 @@ class SoftmaxCrossEntropy(Layer):
     """Inputs: logits (N, K) and integer labels (N,). Output: per-sample loss (N,).
 
     loss_n = logsumexp(x_n) - x_n[label_n]; aux `probs` = softmax(x) (N, K).
-    The training loss is the mean, so the executor seeds gy = 1/N; backward:
-    gx = (probs - onehot(label)) * gy[:, None]. Reads the labels and `probs`.
+    The training loss is the mean times `weight`, summed over the network's loss layers
+    (auxiliary heads, deep supervision), so the executor seeds gy = weight/N; backward:
+    gx = (probs - onehot(label)) * gy[:, None]. Reads the labels and `probs`. The last loss
+    layer of the network gives the accuracy.
     """
 
     type_name = "SoftmaxCrossEntropy"
@@ -22,6 +25,12 @@ class SoftmaxCrossEntropy(Layer):
     max_inputs = 2
     saves = Saves(inputs=(1,))
     differentiable_inputs = (0,)
+    weight: float = 1.0
+
+    def __post_init__(self):
+        ok = isinstance(self.weight, (int, float)) and not isinstance(self.weight, bool)
+        if not ok or not math.isfinite(self.weight) or self.weight <= 0:
+            raise ValueError(f"option 'weight' must be a finite number > 0, got {self.weight!r}")
 
     def infer_shape(self, in_shapes):
         logits, labels = (tuple(s) for s in in_shapes)

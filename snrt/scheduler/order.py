@@ -22,7 +22,7 @@ class Iteration:
     buffers: list
     steps: list
     inputs: tuple  # ((input node, buffer id), ...)
-    loss: tuple  # (loss output, loss gradient seed or -1, probs, labels) or ()
+    losses: tuple  # per loss node: (output, gradient seed or -1, probs, labels, weight)
     output: dict  # node -> activation buffer id
 
 
@@ -170,13 +170,11 @@ class _StepBuilder:
         return Update(node.name, tuple(slots), workspace)
 
     def loss_buffers(self):
-        """(loss output, its gradient seed or -1, softmax probs, labels) of the graph's loss node;
-        () for a graph without one that is only evaluated."""
+        """Per loss node, in graph order: (output, its gradient seed or -1, softmax probs, labels,
+        weight). The training loss is the sum of the weighted means; a graph that is only
+        evaluated may have none."""
         losses = [n for n in self.graph.nodes.values() if n.layer.type_name == "SoftmaxCrossEntropy"]
-        if len(losses) != 1:
-            if self.grad:
-                raise ValueError(f"training needs exactly one SoftmaxCrossEntropy node, the graph has {len(losses)}")
-            return ()
-        node = losses[0]
-        probs = dict(self.aux[node.name])["probs"]
-        return (self.output[node.name], self.grad.get(node.name, -1), probs, self.output[node.inputs[1]])
+        if not losses and self.grad:
+            raise ValueError("training needs a SoftmaxCrossEntropy node, the graph has none")
+        return tuple((self.output[n.name], self.grad.get(n.name, -1), dict(self.aux[n.name])["probs"],
+                      self.output[n.inputs[1]], n.layer.weight) for n in losses)

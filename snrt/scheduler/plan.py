@@ -169,7 +169,9 @@ class Plan:
     host_bytes: int = 0  # host store for offloaded buffers
     allocations: tuple = ()  # per step: ids of the buffers that come alive just before it
     inputs: tuple = ()  # ((input node name, buffer id), ...) fed from the data pipeline
-    loss: tuple = ()  # (loss output id, loss grad id, probs aux id, labels id) or ()
+    # per loss layer, in graph order: (output id, gradient seed id or -1, probs aux id, labels id,
+    # weight); the last one's probabilities give the accuracy
+    losses: tuple = ()
     predicted_s: float = 0.0  # iteration time by the cost model, copies on their streams
     stall_s: float = 0.0  # of which the compute stream waits for copies
     recompute_flops: int = 0

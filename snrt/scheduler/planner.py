@@ -145,7 +145,7 @@ def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_s
     table = BufferTable()
     table.buffers = list(it.buffers)
     steps = list(it.steps)
-    keep = set(it.loss[:1] + it.loss[2:]) if it.loss else set()
+    keep = {b for out, _, probs, labels, _ in it.losses for b in (out, probs, labels)}
     slots, host_bytes, segments = {}, 0, {}
     if policy.recomputes and training:
         steps, segments = plan_recomputation(graph, steps, table.buffers, speed_segments, kept_segments)
@@ -157,7 +157,7 @@ def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_s
     if policy.frees:
         steps = insert_frees(steps, table.buffers, keep)
     buffers = with_host_slots(table.buffers, slots)
-    fed = tuple(b for _, b in it.inputs) + ((it.loss[1],) if it.loss and it.loss[1] >= 0 else ())
+    fed = tuple(b for _, b in it.inputs) + tuple(loss[1] for loss in it.losses if loss[1] >= 0)
     allocations = allocation_points(buffers, steps, fed)
     device_bytes = predict_device_bytes(buffers, steps, allocations)
     buffers, arena_bytes = assign_offsets(buffers, steps, allocations)
@@ -166,7 +166,7 @@ def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_s
     recompute_flops = sum(graph[s.node].layer.cost(graph.in_shapes(s.node, batch), "forward").flops
                           for s in steps if s.kind == "recompute")
     plan = Plan(batch, policy.name, training, tuple(buffers), tuple(steps), tuple(device_bytes), arena_bytes,
-                host_bytes, tuple(allocations), tuple(it.inputs), it.loss,
+                host_bytes, tuple(allocations), tuple(it.inputs), it.losses,
                 predicted_s=predicted_s, stall_s=stall_s, recompute_flops=recompute_flops)
     return plan, segments
 

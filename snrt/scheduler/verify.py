@@ -17,7 +17,7 @@ def verify_plan(plan, budget=None):
     """Raise PlanError if `plan` is inconsistent (see the module doc); return None if it holds."""
     buffers = plan.buffers
     persistent = {b.id for b in buffers if b.role in PERSISTENT_ROLES}
-    fed = set(plan.allocations[0]) & ({b for _, b in plan.inputs} | ({plan.loss[1]} if plan.loss else set()))
+    fed = set(plan.allocations[0]) & ({b for _, b in plan.inputs} | {loss[1] for loss in plan.losses})
     alive = set(persistent)
     holding = set(persistent) | fed  # alive and written (or being copied in)
     in_flight = set()

@@ -16,6 +16,7 @@ from rich.text import Text
 from snrt.backends import BACKENDS, default_backend
 from snrt.config import DATASETS, config_to_yaml, load_config
 from snrt.errors import SnrtError
+from snrt.optim import make_optimizer
 from snrt.runfolder import RunFolder
 from snrt.scheduler import BudgetError, policies
 from snrt.summary import human_bytes, summary_table, totals_by_type
@@ -192,14 +193,16 @@ def run_plan(args, console):
 
     config = load_config(args.config, _overrides(args))
     batch, budget = config.train.batch, config.memory.budget
+    optimizer = make_optimizer(config.train.optimizer)  # its buffers and update order are planned as training does
+    update = dict(optimizer_states=optimizer.state_names, deferred_updates=optimizer.defers_updates)
     rows = []
     with console.status("planning...") as status:
         for policy in policies.POLICIES:
             status.update(f"planning {policy}...")
-            rows.append(policy_row(make_plan(config.graph, batch, policy), budget))
+            rows.append(policy_row(make_plan(config.graph, batch, policy, **update), budget))
         chosen = args.policy or config.memory.policy
         status.update(f"planning {chosen}...")
-        detail = make_plan(config.graph, batch, chosen, budget=budget)
+        detail = make_plan(config.graph, batch, chosen, budget=budget, **update)
     if args.json:
         print(json.dumps({"network": config.name, "batch": batch, "budget_bytes": budget, "policies": rows,
                           "chosen": policy_row(detail, budget)}, indent=2))

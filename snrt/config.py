@@ -77,6 +77,7 @@ class OptimizerConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     clip_value: float = 0.0  # > 0: every gradient element clipped to [-clip_value, clip_value]
+    clip_norm: float = 0.0  # > 0: all gradients scaled so that their global L2 norm is at most this
     groups: ParamGroups = ParamGroups()
 
 

@@ -46,6 +46,10 @@ class Executor:
         self.measured_bytes = [0] * len(plan.steps)  # live arena bytes seen at each step
         self.copy_stats = {"copy_s": 0.0, "stalled_s": 0.0}  # copy time, and how much the compute waited
         self.optimizer = None
+        self.grad_squares = 0.0  # sum of the squares of this iteration's parameter gradients (clip_norm)
+        kinds = [s.kind for s in plan.steps]
+        self.updates_deferred = "update" not in kinds or kinds.index("update") > max(
+            (i for i, k in enumerate(kinds) if k == "backward"), default=-1)
         self.lr = 0.0
         self.iteration = 0  # of the run in progress; the update count is iteration + 1
         node_index = {name: i for i, name in enumerate(graph.nodes)}
@@ -72,7 +76,11 @@ class Executor:
         Returns (per-sample losses, per-sample correct flags) as host arrays, read before the
         iteration's buffers are released, or None when the graph has no loss.
         """
+        if optimizer is not None and optimizer.defers_updates and not self.updates_deferred:
+            raise RuntimeError("this optimizer clips by the global gradient norm, but the plan updates each layer "
+                               "during the backward pass: plan it with deferred_updates=True")
         self.optimizer, self.lr, self.iteration = optimizer, lr, iteration
+        self.grad_squares = 0.0
         for ctx in self.contexts:
             ctx.iteration, ctx.seed = iteration, seed
         arena, steps, measured = self.backend.arena, self.plan.steps, self.measured_bytes
@@ -145,12 +153,16 @@ class Executor:
                 self._named(step.grad_params))
         sums = tuple((v[g[0]], v[g[1]]) for g in step.grad_inputs if g is not None and g[1] >= 0)
         release, accumulate = ctx.release_scratch, self.backend.accumulate
+        grads, vdot = tuple(v[g] for _, g in step.grad_params), self.xp.vdot
 
         def run():
             release()
             backward(*args)
             for total, part in sums:  # a gradient with several contributions: add this one
                 accumulate(total, part)
+            if grads and self.optimizer is not None and self.optimizer.clip_norm:  # complete here: square it
+                for g in grads:
+                    self.grad_squares += float(vdot(g, g))
         return run
 
     def _bind_update(self, step, node_index):
@@ -165,12 +177,13 @@ class Executor:
             if optimizer is None:
                 raise RuntimeError("a training plan needs an optimizer")
             update, lr, count = optimizer.update, self.lr, self.iteration + 1
+            grad_scale = optimizer.grad_scale(self.grad_squares)
             for param, grad, states, name, decay in slots:
                 key = (optimizer, name)
                 if key not in settings:
                     settings[key] = optimizer.settings(name, decay)
                 weight_decay, lr_scale = settings[key]
-                update(xp, param, grad, states, weight_decay, lr * lr_scale, count, workspace)
+                update(xp, param, grad, states, weight_decay, lr * lr_scale, count, workspace, grad_scale)
         return run
 
     def _bind_offload(self, step, node_index):

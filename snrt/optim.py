@@ -20,12 +20,34 @@ def _temporary(workspace, w):
 
 
 class Optimizer:
-    """Base: `update` clips the gradient to [-clip_value, clip_value] when clip_value > 0 (as
-    torch.nn.utils.clip_grad_value_ before the step), then applies the subclass's `apply`.
-    `groups` (config.ParamGroup) give parameters their own weight decay and learning rate."""
+    """Base: `update` scales the gradient by `grad_scale` (clipping by the global norm), clips
+    it to [-clip_value, clip_value] when clip_value > 0 (as torch.nn.utils.clip_grad_value_
+    before the step), then applies the subclass's `apply`. `groups` (config.ParamGroup) give
+    parameters their own weight decay and learning rate.
+
+    Clipping by the global norm (clip_norm > 0, as torch.nn.utils.clip_grad_norm_): every
+    gradient is scaled by min(1, clip_norm / (norm + 1e-6)), norm the L2 norm of all parameter
+    gradients together. No update may run before the last gradient is complete, so such an
+    optimizer `defers_updates`: the plan puts every update after the whole backward pass and
+    keeps all parameter gradients alive until then (the plan's peak counts them), and the
+    executor sums the squares of each layer's gradients as its backward step writes them.
+    """
 
     clip_value = 0.0
+    clip_norm = 0.0
     groups = ()
+
+    @property
+    def defers_updates(self):
+        """True when no update may run before the whole backward pass is done."""
+        return self.clip_norm > 0
+
+    def grad_scale(self, squares):
+        """The factor of every gradient given the sum of all their squares (1 without clip_norm)."""
+        if not self.clip_norm:
+            return 1.0
+        scale = self.clip_norm / (math.sqrt(squares) + 1e-6)
+        return 1.0 if scale >= 1.0 else scale  # a NaN norm gives NaN gradients, as torch's does
 
     def settings(self, name, decay):
         """(weight decay, learning-rate factor) of parameter `name` ("node:param"): the first
@@ -37,7 +59,9 @@ class Optimizer:
                 return (default if group.weight_decay is None else group.weight_decay), group.lr_scale
         return default, 1.0
 
-    def update(self, xp, w, g, states, weight_decay, lr, count, workspace):
+    def update(self, xp, w, g, states, weight_decay, lr, count, workspace, grad_scale=1.0):
+        if grad_scale != 1.0:
+            g *= grad_scale
         if self.clip_value:
             xp.clip(g, -self.clip_value, self.clip_value, out=g)
         self.apply(xp, w, g, states, weight_decay, lr, count, workspace)
@@ -52,6 +76,7 @@ class SGD(Optimizer):
     nesterov: bool = False
     weight_decay: float = 0.0
     clip_value: float = 0.0
+    clip_norm: float = 0.0
     groups: tuple = ()
 
     @property
@@ -89,6 +114,7 @@ class Adam(Optimizer):
     weight_decay: float = 0.0
     decoupled: bool = False
     clip_value: float = 0.0
+    clip_norm: float = 0.0
     groups: tuple = ()
 
     state_names = ("exp_avg", "exp_avg_sq")
@@ -121,9 +147,10 @@ def make_optimizer(config):
     """The optimizer of OptimizerConfig `config` (train.optimizer)."""
     if config.type == "sgd":
         return SGD(momentum=config.momentum, nesterov=config.nesterov, weight_decay=config.weight_decay,
-                   clip_value=config.clip_value, groups=tuple(config.groups))
+                   clip_value=config.clip_value, clip_norm=config.clip_norm, groups=tuple(config.groups))
     return Adam(beta1=config.beta1, beta2=config.beta2, eps=config.eps, weight_decay=config.weight_decay,
-                decoupled=config.type == "adamw", clip_value=config.clip_value, groups=tuple(config.groups))
+                decoupled=config.type == "adamw", clip_value=config.clip_value, clip_norm=config.clip_norm,
+                groups=tuple(config.groups))
 
 
 def learning_rate(schedule, base_lr, iteration, total):

@@ -56,21 +56,22 @@ def check_trainable(graph, batch):
 
 
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
-            check=False, values=None):
+            check=False, values=None, deferred_updates=False):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
     backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
     such pairs) loaded.
 
     `training` False plans the forward pass only; `optimizer_states` names the optimizer's
-    buffers of every parameter (snrt.optim: `optimizer.state_names`); `check` is the debug
-    mode (poisoned memory, every step verified against the plan).
+    buffers of every parameter (snrt.optim: `optimizer.state_names`) and `deferred_updates`
+    whether the updates wait for the whole backward pass (`optimizer.defers_updates`); `check`
+    is the debug mode (poisoned memory, every step verified against the plan).
     """
     if training:
         check_trainable(graph, batch)
     device_class = backend_class(backend)
     kernels = device_class.kernel_choice()
     plan = make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
-                     cost_model=device_class.cost_model, kernels=kernels)
+                     cost_model=device_class.cost_model, kernels=kernels, deferred_updates=deferred_updates)
     device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)
     runtime = Runtime(plan, device, Executor(graph, plan, device))
     runtime.load(values or {})

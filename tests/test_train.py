@@ -153,13 +153,17 @@ NO_NOISE_BIAS = [{**SMALL_RESNET["network"][0], "bias": False}, *SMALL_RESNET["n
             {"params": "linear0:*", "lr_scale": 0.5},  # the head at half the rate, decay as usual
             {"params": ["*:bias", "*batchnorm0:weight"], "weight_decay": 0.1},  # decay where it is off by default
             {"params": "basic0.conv2d?:*", "weight_decay": 0, "lr_scale": 2.0}]}}},
+    {**SMALL_RESNET, "name": "clip_norm_sgd", "train": {**SMALL_RESNET["train"], "optimizer": {
+        **SMALL_RESNET["train"]["optimizer"], "clip_norm": 0.2}}},
+    {**SMALL_RESNET, "name": "clip_norm_and_value_adam", "network": NO_NOISE_BIAS,
+     "train": {**SMALL_RESNET["train"], "optimizer": {**ADAM, "clip_norm": 0.1, "clip_value": 0.01}}},
     {**SMALL_RESNET, "name": "clipped_adamw", "network": NO_NOISE_BIAS,
      "train": {**SMALL_RESNET["train"], "optimizer": {**ADAM, "type": "adamw", "clip_value": 0.002}}},
 ], ids=lambda doc: doc["name"])
 def test_losses_and_parameters_match_pytorch(doc):
     """Four steps of snrt and of torch.optim (SGD with and without momentum, Adam, AdamW, with
-    torch.nn.utils.clip_grad_value_ where clip_value is set) from the same start: the same
-    losses and parameters."""
+    torch.nn.utils.clip_grad_norm_ and clip_grad_value_ where clip_norm and clip_value are set,
+    in that order) from the same start: the same losses and parameters."""
     config = snrt.load_config(doc)
     trainer = Trainer(config)
     params = {k: v.copy() for k, v in trainer.host_arrays(("parameter",)).items()}
@@ -172,6 +176,9 @@ def test_losses_and_parameters_match_pytorch(doc):
         sgd.zero_grad()
         loss = net({"data": torch.tensor(x), "label": torch.tensor(y)}).mean()
         loss.backward()
+        if config.train.optimizer.clip_norm:
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), config.train.optimizer.clip_norm)
+            assert norm > config.train.optimizer.clip_norm  # it clips
         if config.train.optimizer.clip_value:
             assert max(p.grad.abs().max() for p in net.parameters()) > config.train.optimizer.clip_value  # it clips
             torch.nn.utils.clip_grad_value_(net.parameters(), config.train.optimizer.clip_value)

@@ -26,17 +26,19 @@ class Iteration:
     output: dict  # node -> activation buffer id
 
 
-def build_iteration(graph, batch, training=True, optimizer_states=("momentum",), dtype="float32", kernels=LAYER_KERNELS):
+def build_iteration(graph, batch, training=True, optimizer_states=("momentum",), dtype="float32", kernels=LAYER_KERNELS,
+                    deferred_updates=False):
     """Buffers and compute steps of one iteration (forward only when not `training`).
 
     `kernels` (a kernel choice, see snrt.layers.base.LayerKernels) sizes the workspaces for
-    the kernels a backend will run.
+    the kernels a backend will run. Each layer's update follows its backward step, or, with
+    `deferred_updates`, all updates follow the last backward step (in the same order).
     """
     table = BufferTable()
     builder = _StepBuilder(graph, batch, table, dtype, kernels)
     steps = builder.forward_steps()
     if training:
-        steps += builder.backward_steps(optimizer_states)
+        steps += builder.backward_steps(optimizer_states, deferred_updates)
     return Iteration(table.buffers, steps, tuple(builder.input_buffers), builder.loss_buffers(), builder.output)
 
 
@@ -116,14 +118,14 @@ class _StepBuilder:
             needs[node.name] = upstream and node.name in feeds_loss
         return needs
 
-    def backward_steps(self, optimizer_states):
+    def backward_steps(self, optimizer_states, deferred_updates=False):
         needs = self._needs_grad()
         add = self.table.add
         for node in self.graph.nodes.values():
             if needs[node.name]:
                 self.grad[node.name] = add(f"{node.name}:grad", node.full_shape(self.batch), self.dtype, "gradient")
         written = set()
-        steps = []
+        steps, updates = [], []
         for node in reversed(list(self.graph.nodes.values())):
             if not needs[node.name] or isinstance(node.layer, Input):
                 continue
@@ -152,8 +154,8 @@ class _StepBuilder:
                 self._workspace(node.name, BACKWARD),
             ))
             if grad_params:
-                steps.append(self._update(node, grad_params, optimizer_states))
-        return steps
+                (updates if deferred_updates else steps).append(self._update(node, grad_params, optimizer_states))
+        return steps + updates
 
     def _update(self, node, grad_params, optimizer_states):
         """The node's optimizer step, with one buffer per parameter and name in `optimizer_states`

@@ -33,6 +33,7 @@ class PlanOptions:
 
     training: bool = True
     optimizer_states: tuple = ("momentum",)
+    deferred_updates: bool = False
     cost_model: CostModel = cost_models.CPU
     dtype: str = "float32"
     kernels: object = LAYER_KERNELS
@@ -47,19 +48,22 @@ class BudgetError(SnrtError):
 
 
 def make_plan(graph, batch, policy="none", budget=None, training=True, optimizer_states=("momentum",),
-              cost_model=cost_models.CPU, dtype="float32", kernels=LAYER_KERNELS, hide_copies=True):
+              cost_model=cost_models.CPU, dtype="float32", kernels=LAYER_KERNELS, hide_copies=True,
+              deferred_updates=False):
     """The Plan of one iteration of `graph` at `batch` under `policy` (a name of
     snrt/scheduler/policies.py, or "auto").
 
     `budget` (bytes) is checked against the arena; `training` False gives a forward-only
     plan; `optimizer_states` names the optimizer's buffers of each parameter (one planned buffer
     per parameter and name: SGD's ("momentum",), () without momentum, Adam's ("exp_avg",
-    "exp_avg_sq")); `kernels` see
+    "exp_avg_sq")); `deferred_updates` runs every update after the whole backward pass (what
+    clipping by the global gradient norm needs: all parameter gradients stay alive to the end,
+    and the plan counts them) instead of each right after its layer's backward; `kernels` see
     PlanOptions. A copying policy prefetches early enough to hide its copies behind compute,
     and, when that plan exceeds the budget, just in time (smaller, slower); `hide_copies`
     False asks for the just-in-time plan directly.
     """
-    opts = PlanOptions(training, tuple(optimizer_states), cost_model, dtype, kernels)
+    opts = PlanOptions(training, tuple(optimizer_states), deferred_updates, cost_model, dtype, kernels)
     if policy == AUTO:
         return _auto(graph, batch, budget, opts)
     policy = policy_named(policy)
@@ -141,7 +145,7 @@ def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_s
     """(plan, replayed segments) of Policy `policy` with the given speed-centric and kept (not
     dropped) segments."""
     training, cost_model = opts.training, opts.cost_model
-    it = build_iteration(graph, batch, training, opts.optimizer_states, opts.dtype, opts.kernels)
+    it = build_iteration(graph, batch, training, opts.optimizer_states, opts.dtype, opts.kernels, opts.deferred_updates)
     table = BufferTable()
     table.buffers = list(it.buffers)
     steps = list(it.steps)

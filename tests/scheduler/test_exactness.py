@@ -82,7 +82,11 @@ def test_zoo_networks_are_bit_identical_under_every_policy(name, size):
     assert_policies_agree(config, iterations=2)
 
 
-@pytest.mark.parametrize("doc", [MODERN, UNET], ids=lambda doc: doc["name"])
+CLIP_NORM = {**MODERN, "name": "clip_norm", "train": {**MODERN["train"], "optimizer": {
+    "type": "adamw", "lr": 0.01, "weight_decay": 0.01, "clip_norm": 0.05}}}
+
+
+@pytest.mark.parametrize("doc", [MODERN, UNET, CLIP_NORM], ids=lambda doc: doc["name"])
 def test_newer_layers_and_two_input_blocks_are_bit_identical_under_every_policy(doc):
     assert_policies_agree(snrt.load_config(doc), iterations=3)
 

@@ -127,3 +127,41 @@ def test_device_bytes_are_nonnegative_and_peak_is_their_max():
     plan = make_plan(build([("conv", 0, 0), ("add", 1, 0)]), 2, "superneurons")
     assert min(plan.device_bytes) > 0
     assert plan.peak_bytes == max(plan.device_bytes) == int(np.max(plan.device_bytes))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_deferred_updates_follow_the_whole_backward_pass_and_their_gradients_are_counted(policy):
+    graph = snrt.load_config("configs/lenet.yaml").graph
+    fused = make_plan(graph, 4, policy)
+    deferred = make_plan(graph, 4, policy, deferred_updates=True)
+    verify_plan(deferred)
+    kinds = [s.kind for s in deferred.steps]
+    last_backward = max(i for i, k in enumerate(kinds) if k == "backward")
+    updates = [i for i, k in enumerate(kinds) if k == "update"]
+    assert updates and min(updates) > last_backward
+    assert [s.node for s in deferred.steps if s.kind == "update"] == [s.node for s in fused.steps if s.kind == "update"]
+    # when the first update runs, every parameter gradient is alive on the device (or copied out)
+    grads = {b.id for b in deferred.buffers if b.role == "parameter_gradient"}
+    alive = set()
+    for step, fresh in zip(deferred.steps[:min(updates)], deferred.allocations):
+        alive |= set(fresh)
+        if step.kind == "free":
+            alive -= set(step.buffers)
+    offloaded = {s.buffer for s in deferred.steps if s.kind == "offload"}
+    assert grads <= alive | offloaded
+    assert deferred.peak_bytes >= fused.peak_bytes
+    if policy == "none":  # nothing is freed: the same buffers, a different order
+        assert deferred.peak_bytes == fused.peak_bytes
+
+
+def test_an_optimizer_that_clips_by_the_global_norm_refuses_a_plan_with_fused_updates():
+    from snrt.backends.numpy_backend import NumpyBackend
+    from snrt.executor import Executor
+    from snrt.optim import SGD
+
+    graph = snrt.load_config("configs/lenet.yaml").graph
+    plan = make_plan(graph, 2, "liveness")
+    executor = Executor(graph, plan, NumpyBackend(plan.arena_bytes))
+    x = np.zeros((2, *graph["data"].shape), np.float32)
+    with pytest.raises(RuntimeError, match="plan it with deferred_updates=True"):
+        executor.run({"data": x, "label": np.zeros(2, np.int64)}, 0, 0, SGD(clip_norm=1.0), 0.1)

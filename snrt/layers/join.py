@@ -102,7 +102,8 @@ class Mul(Layer):
 class Scale(Layer):
     """y = x * weight[c], a learned factor per channel (axis 1) of (N, C, ...): ConvNeXt's layer
     scale, `init` its starting value (1e-6 there). gx = gy * weight, gweight = sum gy x over
-    every axis but the channels; backward reads the input. Not weight-decayed."""
+    every axis but the channels (the product in a workspace of x's size); backward reads the
+    input. Not weight-decayed."""
 
     type_name = "Scale"
     saves = Saves(inputs=(0,))
@@ -120,12 +121,18 @@ class Scale(Layer):
     def param_specs(self, in_shapes):
         return {"weight": ParamSpec((in_shapes[0][1],), "constant", decay=False, fill=float(self.init))}
 
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return numel(in_shapes[0]) * itemsize if phase == BACKWARD else 0
+
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         ctx.xp.multiply(by_channel(xs[0]), params["weight"][:, None], out=by_channel(y))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         gy3, x3 = by_channel(gy), by_channel(saved.xs[0])
-        gparams["weight"][...] = ctx.xp.einsum("nck,nck->c", gy3, x3)
+        product = ctx.scratch(x3.shape, x3.dtype)
+        ctx.xp.multiply(gy3, x3, out=product)
+        ctx.xp.sum(product, axis=(0, 2), out=gparams["weight"])
+        ctx.release_scratch()
         if gxs[0] is not None:
             ctx.xp.multiply(gy3, params["weight"][:, None], out=by_channel(gxs[0]))
 

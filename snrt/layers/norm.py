@@ -338,13 +338,16 @@ class _Normalize(Layer):
         work *= inv_std  # xhat
         gy_c, weight = by_channel(gy), params["weight"][:, None]
         xp.sum(gy_c, axis=(0, 2), out=gparams["bias"])
-        gparams["weight"][...] = xp.einsum("nck,nck->c", gy_c, work.reshape(gy_c.shape))
+        gx3 = None if gx is None else gx.reshape(view)
+        if gx3 is not None:
+            gx3[...] = work  # gx holds xhat from here on
+        work_c = work.reshape(gy_c.shape)
+        work_c *= gy_c
+        xp.sum(work_c, axis=(0, 2), out=gparams["weight"])  # sum gy xhat
         if gx is None:
             ctx.release_scratch()
             return
-        gx3 = gx.reshape(view)
-        gx3[...] = work  # gx holds xhat from here on
-        xp.multiply(gy_c, weight, out=work.reshape(gy_c.shape))  # work holds gh = gy * weight
+        xp.multiply(gy_c, weight, out=work_c)  # work holds gh = gy * weight
         xp.sum(work, axis=1, keepdims=True, out=s1)
         work *= gx3  # gh * xhat
         xp.sum(work, axis=1, keepdims=True, out=s2)

@@ -149,7 +149,8 @@ def test_deferred_updates_follow_the_whole_backward_pass_and_their_gradients_are
             alive -= set(step.buffers)
     offloaded = {s.buffer for s in deferred.steps if s.kind == "offload"}
     assert grads <= alive | offloaded
-    assert deferred.peak_bytes >= fused.peak_bytes
+    # (the peak may move either way: gradients live longer, but the updates' workspaces no
+    # longer meet the backward pass's activations)
     if policy == "none":  # nothing is freed: the same buffers, a different order
         assert deferred.peak_bytes == fused.peak_bytes
 

@@ -41,10 +41,12 @@ MAX_YAML_VALUES = 2_000_000  # values in the loaded document, YAML aliases expan
 # ---- settings sections ------------------------------------------------------------------
 @dataclass
 class InputConfig:
-    """Per-sample image shape (C, H, W) and number of classes."""
+    """Per-sample image shape (C, H, W), number of classes, and whether the labels give a class
+    per pixel (segmentation: labels (H, W) per sample) rather than per image."""
 
     shape: list
     classes: int
+    per_pixel: bool = False
 
 
 class ParamGroups(tuple):
@@ -155,7 +157,7 @@ def config_from_graph(graph, classes, train=None, memory=None, name=None):
     """A Config for a graph built in Python (its images come in through the node "data")."""
     if "data" not in graph.nodes or "label" not in graph.nodes:
         raise ConfigError(name or graph.name, "", "a trainable graph needs Input nodes named 'data' and 'label'")
-    input_cfg = InputConfig(list(graph["data"].shape), classes)
+    input_cfg = InputConfig(list(graph["data"].shape), classes, per_pixel=bool(graph["label"].shape))
     return Config(name or graph.name, graph, input_cfg, train or TrainConfig(), memory or MemoryConfig(),
                   f"<graph {graph.name}>")
 
@@ -321,13 +323,17 @@ def _is_int(value):
 def _parse_input(source, section):
     if not isinstance(section, dict):
         raise ConfigError(source, "input", f"expected a mapping with 'shape' and 'classes', got {_kind(section)}")
-    _reject_unknown(source, "input", section, ("shape", "classes"))
-    shape, classes = section.get("shape"), section.get("classes")
+    _reject_unknown(source, "input", section, ("shape", "classes", "per_pixel"))
+    shape, classes, per_pixel = section.get("shape"), section.get("classes"), section.get("per_pixel", False)
     if not isinstance(shape, list) or not shape or not all(_is_int(d) and d > 0 for d in shape):
         raise ConfigError(source, "input.shape", f"expected a list of positive ints such as [3, 224, 224], got {_kind(shape)}")
     if not _is_int(classes) or classes < 2:
         raise ConfigError(source, "input.classes", f"expected an int >= 2, got {_kind(classes)}")
-    return InputConfig(shape, classes)
+    if not isinstance(per_pixel, bool):
+        raise ConfigError(source, "input.per_pixel", f"expected true or false, got {_kind(per_pixel)}")
+    if per_pixel and len(shape) != 3:
+        raise ConfigError(source, "input.per_pixel", f"per-pixel labels need images (C, H, W), input.shape is {shape}")
+    return InputConfig(shape, classes, per_pixel)
 
 
 def _parse_vars(source, section):
@@ -700,7 +706,8 @@ def build_graph(source, name, input_cfg, entries):
     """The Graph of the expanded entries, with the `data` and `label` input nodes."""
     graph = Graph(name)
     graph.add(Input(shape=tuple(input_cfg.shape)), name="data", key="input.shape")
-    graph.add(Input(shape=(), dtype="int64"), name="label", key="input.classes")
+    label_shape = tuple(input_cfg.shape[1:]) if input_cfg.per_pixel else ()
+    graph.add(Input(shape=label_shape, dtype="int64"), name="label", key="input.classes")
     for entry in _sort_topologically(source, entries):
         layer = make_layer(source, entry)
         try:
@@ -712,17 +719,19 @@ def build_graph(source, name, input_cfg, entries):
 
 def _check_loss(source, graph, classes):
     """A training network has at least one loss layer (several are summed with their weights),
-    each reading `classes` scores per sample (the layer itself checks that it reads one label
-    per sample)."""
+    each reading `classes` scores per sample, or per pixel when the labels are per pixel (the
+    layer itself checks that it reads the labels)."""
     losses = [n for n in graph.nodes.values() if n.layer.type_name in LOSSES]
     if not losses:
         raise ConfigError(source, "network", f"expected a loss layer ({', '.join(sorted(LOSSES))}), found none")
+    wanted = (classes, *graph["label"].shape)
+    what = "input.classes scores per pixel" if len(wanted) > 1 else "input.classes scores"
     for loss in losses:
         logits = graph[loss.inputs[0]]
-        if tuple(logits.shape) != (classes,):
+        if tuple(logits.shape) != wanted:
             raise ConfigError(source, loss.key or "network",
                               f"the loss '{loss.name}' reads '{logits.name}' of shape {list(logits.shape)} per "
-                              f"sample; it needs [{classes}] (input.classes scores)")
+                              f"sample; it needs {list(wanted)} ({what})")
 
 
 def make_layer(source, entry):
@@ -777,7 +786,8 @@ def graph_to_dict(graph, input_cfg):
         network.append(entry)
     return {
         "name": graph.name,
-        "input": {"shape": list(input_cfg.shape), "classes": input_cfg.classes},
+        "input": {"shape": list(input_cfg.shape), "classes": input_cfg.classes,
+                  **({"per_pixel": True} if input_cfg.per_pixel else {})},
         "network": network,
     }
 

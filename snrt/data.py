@@ -35,7 +35,8 @@ _STATS_CHUNK = 1024  # samples per chunk when computing channel statistics
 
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """One split, in memory: x (N, C, H, W) float32, not normalised; y (N,) int64 in [0, classes)."""
+    """One split, in memory: x (N, C, H, W) float32, not normalised; y int64 in [0, classes),
+    (N,) for one class per image or (N, H, W) for one per pixel."""
 
     x: np.ndarray
     y: np.ndarray
@@ -52,26 +53,39 @@ class Dataset:
 
 
 # ---- loading -------------------------------------------------------------------------------
-def load_datasets(data, input_shape, classes, seed):
+def load_datasets(data, input_shape, classes, seed, per_pixel=False):
     """(train, held-out) Datasets for DataConfig `data`, checked against the network's input.
 
-    `input_shape` is the per-sample (C, H, W) of the network file, `classes` its class count.
-    Sets without a test split (synthetic, npz without x_test, digits) hold out a stratified,
-    seeded fraction `data.holdout` of their samples.
+    `input_shape` is the per-sample (C, H, W) of the network file, `classes` its class count,
+    `per_pixel` whether it takes a class per pixel (labels (N, H, W); synthetic and npz data).
+    Sets without a test split (synthetic, npz without x_test, digits) hold out a stratified
+    (by class, for per-image labels), seeded fraction `data.holdout` of their samples.
     """
     input_shape = tuple(int(s) for s in input_shape)
     loaders = {"synthetic": _load_synthetic, "npz": _load_npz, "cifar10": _load_cifar,
                "cifar100": _load_cifar, "digits": _load_digits}
     if data.type not in loaders:
         raise ConfigError("<data>", TYPE_KEY, f"unknown data set type {data.type!r}; known: {', '.join(loaders)}")
+    if per_pixel and data.type not in ("synthetic", "npz"):
+        raise ConfigError("<data>", TYPE_KEY, f"{data.type} has one class per image, but the network takes one per "
+                                              "pixel (input.per_pixel); use synthetic or npz data")
+    if per_pixel and data.crop_padding:
+        raise ConfigError("<data>", "train.data.crop_padding", "random crops are not offered with per-pixel labels "
+                                                               "(input.per_pixel); flip is; set crop_padding: 0")
+    if data.type in ("synthetic", "npz"):
+        return loaders[data.type](data, input_shape, classes, seed, per_pixel)
     return loaders[data.type](data, input_shape, classes, seed)
 
 
-def _load_synthetic(data, input_shape, classes, seed):
-    """Learnable class-dependent images: a smooth random prototype per class plus noise."""
+def _load_synthetic(data, input_shape, classes, seed, per_pixel=False):
+    """Learnable class-dependent images: a smooth random prototype per class plus noise; with
+    `per_pixel`, label maps of random class blocks and each pixel the colour of its class."""
     if data.samples < 2:
         raise ConfigError("<data>", "train.data.samples", f"the synthetic set needs at least 2 samples, got {data.samples}")
     rng = np.random.default_rng([seed, 7])
+    if per_pixel:
+        return _split_holdout(*_synthetic_label_maps(rng, data.samples, input_shape, classes), classes,
+                              "synthetic", data, seed)
     c, h, w = input_shape
     low_h, low_w = _low_resolution(h), _low_resolution(w)
     low = 0.25 * rng.standard_normal((classes, c, low_h, low_w)).astype(np.float32)
@@ -84,6 +98,21 @@ def _load_synthetic(data, input_shape, classes, seed):
         x[chunk] += np.einsum("hi,bcij,wj->bchw", up_h, low[y[chunk]], up_w, optimize=True)
     x += 0.5
     return _split_holdout(x, y, classes, "synthetic", data, seed)
+
+
+def _synthetic_label_maps(rng, samples, input_shape, classes):
+    """(x, y): y (N, H, W) a random class per cell of a coarse grid, blown up to whole pixels;
+    x the class's random colour (C,) at each pixel, plus noise."""
+    c, h, w = input_shape
+    cells = rng.integers(0, classes, size=(samples, _low_resolution(h), _low_resolution(w)))
+    rows = np.arange(h) * cells.shape[1] // h
+    cols = np.arange(w) * cells.shape[2] // w
+    y = cells[:, rows][:, :, cols].astype(np.int64)
+    colours = rng.standard_normal((classes, c)).astype(np.float32)
+    x = rng.standard_normal((samples, c, h, w), dtype=np.float32)
+    x *= 0.25
+    x += colours[y].transpose(0, 3, 1, 2)
+    return x, y
 
 
 def _low_resolution(size):
@@ -104,10 +133,13 @@ def _interpolation_matrix(size, low):
     return m
 
 
-def _load_npz(data, input_shape, classes, seed):
-    """An .npz with x (N,C,H,W), (N,H,W,C) or (N,H,W) and y (N,); optional x_test / y_test."""
-    expected = ("a .npz file with arrays 'x' (N, C, H, W) or (N, H, W, C) and 'y' (N,) of class "
-                "indices, optionally 'x_test' and 'y_test'")
+def _load_npz(data, input_shape, classes, seed, per_pixel=False):
+    """An .npz with x (N,C,H,W), (N,H,W,C) or (N,H,W) and y (N,) (per pixel: (N, H, W));
+    optional x_test / y_test."""
+    labels = "(N, H, W) of class indices per pixel" if per_pixel else "(N,) of class indices"
+    expected = (f"a .npz file with arrays 'x' (N, C, H, W) or (N, H, W, C) and 'y' {labels}, optionally "
+                "'x_test' and 'y_test'")
+    label_shape = tuple(input_shape[1:]) if per_pixel else ()
     path = _existing_path(data, "npz", expected, want_dir=False)
     source = str(path)
     try:
@@ -124,24 +156,26 @@ def _load_npz(data, input_shape, classes, seed):
             raise ConfigError(source, PATH_KEY, f"no array '{name}' in the file (found: {found}); expected {expected}")
     if ("x_test" in arrays) != ("y_test" in arrays):
         raise ConfigError(source, PATH_KEY, "the file has only one of 'x_test' and 'y_test'; give both or neither")
-    x, y = _npz_split(source, arrays["x"], arrays["y"], "x", "y", input_shape, classes)
+    x, y = _npz_split(source, arrays["x"], arrays["y"], "x", "y", input_shape, classes, label_shape)
     if not len(y):
         raise ConfigError(source, PATH_KEY, f"array 'x' holds no samples to train on; expected {expected}")
     if "x_test" not in arrays:
         return _split_holdout(x, y, classes, "npz", data, seed, source=source)
-    x_test, y_test = _npz_split(source, arrays["x_test"], arrays["y_test"], "x_test", "y_test", input_shape, classes)
+    x_test, y_test = _npz_split(source, arrays["x_test"], arrays["y_test"], "x_test", "y_test", input_shape, classes,
+                                label_shape)
     if not len(y_test):
         raise ConfigError(source, PATH_KEY, "array 'x_test' holds no samples to evaluate on; leave 'x_test' and "
                                             "'y_test' out to hold out part of 'x' instead")
     return Dataset(x, y, classes, "npz/train"), Dataset(x_test, y_test, classes, "npz/test")
 
 
-def _npz_split(source, x, y, x_name, y_name, input_shape, classes):
-    """Check one (x, y) pair from an npz and return it as float32 NCHW and int64 labels."""
+def _npz_split(source, x, y, x_name, y_name, input_shape, classes, label_shape=()):
+    """Check one (x, y) pair from an npz and return it as float32 NCHW and int64 labels of
+    per-sample shape `label_shape`."""
     if x.dtype.kind not in "uifb":
         raise ConfigError(source, PATH_KEY, f"array '{x_name}' holds {x.dtype}, expected numbers")
     x = _to_nchw(source, x, x_name, input_shape)
-    y = _labels(source, y, y_name, len(x))
+    y = _labels(source, y, y_name, len(x), label_shape)
     _check_labels(source, PATH_KEY, y, classes, y_name)
     x = _to_float(x)
     bad = np.size(x) - np.count_nonzero(np.isfinite(x))
@@ -184,13 +218,14 @@ def _shape_mismatch(source, key, found, input_shape, what):
     raise ConfigError(source, key, message)
 
 
-def _labels(source, y, name, n):
-    """y as (n,) int64; integral floats are accepted, anything else is an error."""
+def _labels(source, y, name, n, label_shape=()):
+    """y as (n, *label_shape) int64; integral floats are accepted, anything else is an error."""
     y = np.asarray(y)
-    if y.ndim == 2 and y.shape[1] == 1:
+    if not label_shape and y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
-    if y.ndim != 1 or len(y) != n:
-        raise ConfigError(source, PATH_KEY, f"array '{name}' has shape {y.shape}; expected ({n},), one class index per image")
+    if y.shape != (n, *label_shape):
+        what = "one class index per image" if not label_shape else "one class index per pixel"
+        raise ConfigError(source, PATH_KEY, f"array '{name}' has shape {y.shape}; expected {(n, *label_shape)}, {what}")
     if y.dtype.kind == "f" and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
         y = y.astype(np.int64)
     if y.dtype.kind not in "ui":
@@ -339,7 +374,8 @@ def _load_digits(data, input_shape, classes, seed):
 
 # ---- splits and statistics ------------------------------------------------------------------
 def _split_holdout(x, y, classes, name, data, seed, source="<data>"):
-    """(train, held-out): a seeded, stratified fraction `data.holdout` of every class is held out.
+    """(train, held-out): a seeded, stratified fraction `data.holdout` of every class is held out
+    (of the whole set, for per-pixel labels, which give a sample no single class).
 
     Both splits keep the samples' original order.
     """
@@ -352,6 +388,7 @@ def _split_holdout(x, y, classes, name, data, seed, source="<data>"):
                                                f"train on and {target} to evaluate; both must be non-empty")
     rng = np.random.default_rng([seed, 3])
     shuffled = rng.permutation(n)
+    y_all, y = y, (y if y.ndim == 1 else np.zeros(n, np.int64))  # the strata
     by_class = shuffled[np.argsort(y[shuffled], kind="stable")]  # random order within each class
     counts = np.bincount(y, minlength=classes)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -363,8 +400,8 @@ def _split_holdout(x, y, classes, name, data, seed, source="<data>"):
     tiebreak[shuffled] = np.arange(n)
     held = np.zeros(n, bool)
     held[np.lexsort((tiebreak, rank / counts[y]))[:target]] = True
-    return (Dataset(x[~held], y[~held], classes, f"{name}/train"),
-            Dataset(x[held], y[held], classes, f"{name}/holdout"))
+    return (Dataset(x[~held], y_all[~held], classes, f"{name}/train"),
+            Dataset(x[held], y_all[held], classes, f"{name}/holdout"))
 
 
 def channel_stats(dataset):
@@ -412,12 +449,16 @@ def eval_batches(dataset, batch, mean, std):
 
 
 # ---- augmentation ---------------------------------------------------------------------------
-def augment(x, rng, crop_padding=0, flip=False):
+def augment(x, rng, crop_padding=0, flip=False, labels=None):
     """Random crop after zero padding by `crop_padding` pixels, then random horizontal flip.
 
     Per sample: offsets (B, 2) in [0, 2*crop_padding] are drawn from `rng` first (when
-    crop_padding > 0), then flips (B,) (when `flip`). Returns a new contiguous (B, C, H, W) array.
+    crop_padding > 0), then flips (B,) (when `flip`). Returns a new contiguous (B, C, H, W)
+    array, or (that array, labels) when per-pixel `labels` (B, H, W) are given: they flip with
+    their images (crops are not offered for them).
     """
+    if labels is not None and crop_padding:
+        raise ValueError("random crops are not offered with per-pixel labels")
     b, c, h, w = x.shape
     out = x
     if crop_padding > 0:
@@ -432,7 +473,10 @@ def augment(x, rng, crop_padding=0, flip=False):
         if out is x:
             out = x.copy()
         out[flipped] = out[flipped][..., ::-1]
-    return np.ascontiguousarray(out)
+        if labels is not None:
+            labels = labels.copy()
+            labels[flipped] = labels[flipped][..., ::-1]
+    return np.ascontiguousarray(out) if labels is None else (np.ascontiguousarray(out), labels)
 
 
 # ---- training batches ---------------------------------------------------------------------------
@@ -442,7 +486,7 @@ class Batches:
     Batch i holds stream positions [i*batch, (i+1)*batch); position q is sample
     ``perm(q // N)[q % N]`` with ``perm(e) = default_rng([seed, e]).permutation(N)``.
     Augmentation of batch i uses ``default_rng([seed, i, 1])``. Iterating yields
-    (x float32 (B, C, H, W) normalised and augmented, contiguous; y int64 (B,)) from batch
+    (x float32 (B, C, H, W) normalised and augmented, contiguous; y int64 (B,) or (B, H, W)) from batch
     `start` on. With `prefetch`, a daemon thread prepares the next two batches while the
     current one trains; `close()` (or leaving a `with` block) stops it.
     """
@@ -489,11 +533,15 @@ class Batches:
     def get(self, i):
         """Batch i: (x, y), normalised and augmented."""
         idx = self.indices(i)
-        x = self.dataset.x[idx]
+        x, y = self.dataset.x[idx], self.dataset.y[idx].astype(np.int64)
         if self.crop_padding or self.flip:
-            x = augment(x, np.random.default_rng([self.seed, i, 1]), self.crop_padding, self.flip)
+            rng = np.random.default_rng([self.seed, i, 1])
+            if y.ndim > 1:  # per-pixel labels move with their pixels
+                x, y = augment(x, rng, self.crop_padding, self.flip, labels=y)
+            else:
+                x = augment(x, rng, self.crop_padding, self.flip)
         x = np.ascontiguousarray(x, dtype=np.float32)
-        return _normalize(x, self.mean, self.std), self.dataset.y[idx].astype(np.int64)
+        return _normalize(x, self.mean, self.std), np.ascontiguousarray(y)
 
     # -- the stream
     def __iter__(self):

@@ -104,8 +104,9 @@ class Executor:
         return outputs
 
     def _outputs(self):
-        """(per-sample loss: the weighted sum over loss layers, per-sample correctness by the last
-        loss layer's probabilities), on the host; None without a loss layer."""
+        """(per-sample loss: the weighted sum over loss layers, per-sample accuracy by the last
+        loss layer's probabilities: 0 or 1, or the fraction of pixels right for per-pixel
+        labels), on the host; None without a loss layer."""
         if not self.plan.losses:
             return None
         v, to_host = self.views, self.backend.to_host
@@ -114,7 +115,8 @@ class Executor:
             term = to_host(v[out]) if weight == 1 else weight * to_host(v[out])
             total = term if total is None else total + term
         _, _, probs, labels, _ = self.plan.losses[-1]
-        return total, to_host(self.xp.argmax(v[probs], axis=1) == v[labels])
+        right = to_host(self.xp.argmax(v[probs], axis=1) == v[labels])
+        return total, (right if right.ndim == 1 else right.reshape(len(right), -1).mean(axis=1))
 
     def _feed(self, feed):
         for name, b in self.plan.inputs:

@@ -59,7 +59,8 @@ OPS = {
     "Add": lambda l, xs, p, s, t: sum(xs[1:], xs[0]),
     "Concat": lambda l, xs, p, s, t: torch.cat(xs, dim=l.axis),
     "LRN": lambda l, xs, p, s, t: F.local_response_norm(xs[0], l.size, l.alpha, l.beta, l.k),
-    "SoftmaxCrossEntropy": lambda l, xs, p, s, t: F.cross_entropy(xs[0], xs[1], reduction="none"),
+    "SoftmaxCrossEntropy": lambda l, xs, p, s, t: F.cross_entropy(xs[0], xs[1], reduction="none").reshape(
+        len(xs[0]), -1).mean(dim=1),
 }
 
 

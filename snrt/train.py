@@ -58,7 +58,8 @@ class Trainer:
         self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor
         self._backend_name, self._check = backend, check
         self.iteration = 0
-        self.train_set, self.heldout_set = load_datasets(train.data, tuple(config.input.shape), config.input.classes, train.seed)
+        self.train_set, self.heldout_set = load_datasets(train.data, tuple(config.input.shape), config.input.classes,
+                                                         train.seed, config.input.per_pixel)
         self.mean, self.std = normalization(train.data, self.train_set)
         self.stop_reason = None  # what asked fit to stop: a signal (SIGINT, SIGTERM) or a caller's reason
 
@@ -147,16 +148,16 @@ class Trainer:
         dataset = dataset if dataset is not None else self.heldout_set
         forward = prepare(self.graph, self.batch, "liveness", backend=self._backend_name, training=False,
                           check=self._check, values=self.host_arrays(("parameter", "state")))
-        loss_sum, correct, seen = 0.0, 0, 0
+        loss_sum, correct, seen = 0.0, 0.0, 0
         try:
             for x, y in eval_batches(dataset, self.batch, self.mean, self.std):
                 valid = len(y)
                 if valid < self.batch:  # pad the last batch; only the real samples count
                     x = np.concatenate([x, np.repeat(x[-1:], self.batch - valid, axis=0)])
-                    y = np.concatenate([y, np.repeat(y[-1:], self.batch - valid)])
+                    y = np.concatenate([y, np.repeat(y[-1:], self.batch - valid, axis=0)])
                 losses, right = forward.executor.run({"data": x, "label": y}, self.iteration, self.config.train.seed)
                 loss_sum += float(losses[:valid].sum())
-                correct += int(right[:valid].sum())
+                correct += float(right[:valid].sum())  # per-sample accuracies (per-pixel: fractions)
                 seen += valid
         finally:
             forward.close()

@@ -85,6 +85,12 @@ CASES = [
      "train.optimizer.groups[0].lr_scale", "expected a positive value"),
     ("group-unknown-key", ("optimizer: {lr: 0.1}", "optimizer: {lr: 0.1, groups: [{params: '*', weight_decy: 0}]}"),
      "train.optimizer.groups[0].weight_decy", "did you mean 'weight_decay'"),
+    ("per-pixel-flag", ("classes: 10}", "classes: 10, per_pixel: 1}"), "input.per_pixel", "expected true or false"),
+    ("per-pixel-classifier-head", ("classes: 10}", "classes: 10, per_pixel: true}"), "network[4]",
+     "the labels give a class per position ([16, 16] per sample) but the logits are [10] per sample"),
+    ("per-pixel-head-wrong-size", VALID.replace("classes: 10}", "classes: 10, per_pixel: true}").replace(
+        "  - {type: GlobalAvgPool}\n  - {type: Linear, out_features: $classes}\n",
+        "  - {type: Conv2d, out_channels: 7, kernel: 1}\n"), "network[3]", "it needs [10, 16, 16] (input.classes scores per pixel)"),
     ("loss-weight", ("{type: SoftmaxCrossEntropy}", "{type: SoftmaxCrossEntropy, weight: 0}"), "network[4].weight",
      "option 'weight' must be a finite number > 0"),
     ("narrow-head", ("out_features: $classes", "out_features: 9"), "network[4]", "it needs [10]"),

@@ -444,3 +444,44 @@ def test_unknown_type_and_bad_holdout():
     assert e.key == "train.data.type" and "cifar10" in e.message
     e = error(Data(samples=10, holdout=0.01), (1, 4, 4))
     assert e.key == "train.data.holdout" and "both must be non-empty" in e.message
+
+
+# ---- per-pixel labels ---------------------------------------------------------------------------
+def test_per_pixel_labels_flip_with_their_images():
+    rng = np.random.default_rng(4)
+    y = rng.integers(0, 5, (12, 4, 6))
+    ds = Dataset(np.stack([y, -y]).transpose(1, 0, 2, 3).astype(np.float32), y, 5, "maps")  # channel 0 is the label
+    b = Batches(ds, 6, 2, np.zeros(2), np.ones(2), flip=True, prefetch=False)
+    flipped = 0
+    for i in range(4):
+        x, labels = b.get(i)
+        assert labels.shape == (6, 4, 6) and labels.dtype == np.int64
+        np.testing.assert_array_equal(x[:, 0], labels)
+        flipped += int((labels != ds.y[b.indices(i)]).any(axis=(1, 2)).sum())
+    assert flipped > 0
+    with pytest.raises(ValueError, match="crops are not offered"):
+        augment(ds.x[:2], rng, crop_padding=1, labels=y[:2])
+
+
+def test_synthetic_label_maps_are_seeded_and_learnable_per_pixel():
+    train, held = load_datasets(Data(samples=50, holdout=0.2), (3, 16, 12), 4, seed=1, per_pixel=True)
+    assert (len(train), len(held)) == (40, 10) and train.y.shape == (40, 16, 12) and train.y.dtype == np.int64
+    assert set(np.unique(train.y)) == {0, 1, 2, 3}
+    again, _ = load_datasets(Data(samples=50, holdout=0.2), (3, 16, 12), 4, seed=1, per_pixel=True)
+    np.testing.assert_array_equal(train.y, again.y)
+    colours = np.stack([train.x.transpose(0, 2, 3, 1)[train.y == c].mean(axis=0) for c in range(4)])
+    guess = ((held.x.transpose(0, 2, 3, 1)[..., None, :] - colours) ** 2).sum(axis=-1).argmin(axis=-1)
+    assert (guess == held.y).mean() > 0.9  # nearest class colour, pixel by pixel
+
+
+def test_per_pixel_labels_from_npz_and_what_is_refused(tmp_path):
+    x = np.random.default_rng(0).random((8, 1, 4, 4)).astype(np.float32)
+    path = write_npz(tmp_path, x=x, y=np.zeros((8, 4, 4), np.int64))
+    train, held = load_datasets(Data("npz", path, holdout=0.25), (1, 4, 4), 2, seed=0, per_pixel=True)
+    assert train.y.shape == (6, 4, 4) and held.y.shape == (2, 4, 4)
+    with pytest.raises(ConfigError, match="expected \\(8, 4, 4\\), one class index per pixel"):
+        load_datasets(Data("npz", write_npz(tmp_path, x=x, y=np.zeros(8, np.int64))), (1, 4, 4), 2, 0, per_pixel=True)
+    with pytest.raises(ConfigError, match="one class per image, but the network takes one per pixel"):
+        load_datasets(Data("digits"), (1, 8, 8), 10, 0, per_pixel=True)
+    with pytest.raises(ConfigError, match="crop_padding"):
+        load_datasets(Data(crop_padding=2), (1, 8, 8), 2, 0, per_pixel=True)

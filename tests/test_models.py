@@ -35,6 +35,7 @@ YAML_ONLY = {
     "mobilenet_v2": 3_504_872,  # torchvision's
     "convnext_tiny": 28_589_128,  # timm's
     "efficientnet_b0": 5_288_548,  # torchvision's
+    "unet": 31_037_698,  # milesial/Pytorch-UNet's UNet(3, 2, bilinear=False)
 }
 
 # He et al. 2016, table 6 (option-A shortcuts); our projections add a few thousand parameters.

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from snrt.backends.cuda_source import device_pointer, grid_for, int64_args
+from snrt.errors import SnrtError
 from snrt.layers.base import FLOAT32_BYTES, numel
 from snrt.layers.random import stream_key
 
@@ -128,9 +129,17 @@ class CudaBatchNorm(Float32Kernel):
 
 
 class CudaSoftmaxCrossEntropy(Float32Kernel):
-    """Loss and softmax by snrt_xent_* (one block per row); labels int32 or int64."""
+    """Loss and softmax by snrt_xent_* (one block per row); labels int32 or int64. Per-pixel
+    labels (logits (N, K, H, W)) have no CUDA kernel yet: refused when the kernel is chosen,
+    before anything runs."""
 
     name = "cuda"
+
+    def __init__(self, layer, in_shapes, module):
+        if len(in_shapes[0]) != 2:
+            raise SnrtError(f"SoftmaxCrossEntropy over {list(in_shapes[0][1:])} scores per sample (per-pixel labels) "
+                            "has no CUDA kernel yet; train this network with --backend cpu")
+        super().__init__(layer, in_shapes, module)
 
     @staticmethod
     def _suffix(labels):

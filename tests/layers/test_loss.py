@@ -32,3 +32,28 @@ def test_loss_shapes():
         SoftmaxCrossEntropy().infer_shape([(2, 10, 1, 1), (2,)])
     with pytest.raises(ShapeError, match="one integer per sample"):
         SoftmaxCrossEntropy().infer_shape([(2, 10), (3,)])
+
+
+@pytest.mark.parametrize("spatial", [(4, 5), (6,), (1, 1)])
+def test_per_pixel_softmax_cross_entropy_is_the_mean_over_positions(spatial):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 4, *spatial)) * 2
+    labels = rng.integers(0, 4, size=(3, *spatial)).astype(np.int64)
+    dims = tuple(range(1, 1 + len(spatial)))
+    check_layer(
+        SoftmaxCrossEntropy(), [x, labels],
+        lambda t, p: torch.nn.functional.cross_entropy(t[0], t[1], reduction="none").mean(dim=dims),
+    )
+
+
+def test_per_pixel_loss_shapes():
+    layer = SoftmaxCrossEntropy()
+    assert layer.infer_shape([(2, 3, 8, 8), (2, 8, 8)]) == (2,)
+    with pytest.raises(ShapeError, match="need labels of \\[8, 8\\] per sample"):
+        layer.infer_shape([(2, 3, 8, 8), (2, 8, 4)])
+
+
+@pytest.mark.parametrize("weight", [0, -1, float("inf"), "1", True])
+def test_loss_weight_must_be_a_positive_number(weight):
+    with pytest.raises(ValueError, match="option 'weight'"):
+        SoftmaxCrossEntropy(weight=weight)

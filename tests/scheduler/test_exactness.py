@@ -10,7 +10,7 @@ from snrt.config import DataConfig, TrainConfig, config_from_graph, with_setting
 from snrt.scheduler.policies import POLICIES
 from snrt.train import Trainer
 from tests.scheduler.graphs import CLASSES, build, graph_recipes
-from tests.test_train import MODERN, SMALL_RESNET, UNET
+from tests.test_train import MODERN, SEGMENT, SMALL_RESNET, UNET
 
 CONCAT_NET = {
     "name": "concat_net",
@@ -72,11 +72,12 @@ def test_concat_branches_are_bit_identical_under_every_policy():
 
 
 @pytest.mark.parametrize("name, size", [("alexnet", 67), ("se_resnet50", 32), ("mobilenet_v2", 32),
-                                        ("convnext_tiny", 32), ("efficientnet_b0", 32)])
+                                        ("convnext_tiny", 32), ("efficientnet_b0", 32), ("unet", 32)])
 def test_zoo_networks_are_bit_identical_under_every_policy(name, size):
     """AlexNet (dropout, LRN), SE-ResNet-50 (squeeze-and-excitation gates), MobileNetV2
-    (depthwise convolutions, ReLU6), ConvNeXt-T (LayerNorm, GELU, layer scale) and
-    EfficientNet-B0 (SiLU, gates inside depthwise blocks), small images, batch 2."""
+    (depthwise convolutions, ReLU6), ConvNeXt-T (LayerNorm, GELU, layer scale),
+    EfficientNet-B0 (SiLU, gates inside depthwise blocks) and U-Net (transposed convolutions,
+    two-input blocks, a per-pixel loss, flipped label maps), small images, batch 2."""
     config = snrt.load_config(f"configs/{name}.yaml", {
         "input.shape": [3, size, size], "train.batch": 2, "train.data": {"samples": 8}})
     assert_policies_agree(config, iterations=2)
@@ -86,7 +87,7 @@ CLIP_NORM = {**MODERN, "name": "clip_norm", "train": {**MODERN["train"], "optimi
     "type": "adamw", "lr": 0.01, "weight_decay": 0.01, "clip_norm": 0.05}}}
 
 
-@pytest.mark.parametrize("doc", [MODERN, UNET, CLIP_NORM], ids=lambda doc: doc["name"])
+@pytest.mark.parametrize("doc", [MODERN, UNET, CLIP_NORM, SEGMENT], ids=lambda doc: doc["name"])
 def test_newer_layers_and_two_input_blocks_are_bit_identical_under_every_policy(doc):
     assert_policies_agree(snrt.load_config(doc), iterations=3)
 

@@ -2,7 +2,7 @@
 
 Part 1, plans (exact for any device size): AlexNet (227), VGG-16 (224), ResNet-50/101/152 (224),
 Inception-v4 (299), DenseNet-121 (224) and the YAML-only zoo entries (SE-ResNet-50, MobileNetV2,
-EfficientNet-B0, ConvNeXt-T at 224) at the batch sizes below; the peak device bytes
+EfficientNet-B0, ConvNeXt-T at 224, U-Net at 256) at the batch sizes below; the peak device bytes
 under none / liveness / recompute / offload / superneurons next to the floor (resident bytes
 plus the largest single step's working set, `floor_bytes` of scripts/bench_memory.py).
 
@@ -28,13 +28,14 @@ from snrt.train import Trainer
 NETWORKS = [("alexnet", 227, 64), ("vgg16", 224, 64), ("resnet50", 224, 32), ("resnet101", 224, 32),
             ("resnet152", 224, 32), ("inceptionv4", 299, 32), ("densenet121", 224, 32),
             ("se_resnet50", 224, 32), ("mobilenet_v2", 224, 32), ("efficientnet_b0", 224, 32),
-            ("convnext_tiny", 224, 32)]
+            ("convnext_tiny", 224, 32), ("unet", 256, 16)]
 QUICK_NETWORKS = [("alexnet", 227, 8), ("vgg16", 224, 8), ("resnet50", 224, 8), ("densenet121", 224, 8)]
 # (config, image size, batch, iterations) of the measured runs
 MEASURED = [("alexnet", 67, 4, 2), ("vgg16", 32, 4, 2), ("resnet50", 64, 2, 2), ("resnet101", 64, 1, 2),
             ("resnet152", 64, 1, 2), ("inceptionv4", 75, 2, 2), ("densenet121", 64, 2, 2),
             ("cifar_resnet20", 32, 8, 2), ("cifar_resnet110", 32, 4, 2), ("se_resnet50", 64, 2, 2),
-            ("mobilenet_v2", 64, 2, 2), ("efficientnet_b0", 64, 2, 2), ("convnext_tiny", 64, 2, 2)]
+            ("mobilenet_v2", 64, 2, 2), ("efficientnet_b0", 64, 2, 2), ("convnext_tiny", 64, 2, 2),
+            ("unet", 64, 2, 2)]
 QUICK_MEASURED = [("cifar_resnet20", 32, 8, 2), ("resnet50", 64, 2, 2)]
 
 

@@ -37,6 +37,7 @@ REGISTRY = {
     "Linear": _plain(CublasLinear),
     "SoftmaxCrossEntropy": _plain(CudaSoftmaxCrossEntropy),
     "Dropout": _plain(CudaDropout),
+    "Dropout2d": _plain(CudaDropout),
     "AvgPool": _plain(CudaAvgPool),
 }
 

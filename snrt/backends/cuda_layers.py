@@ -5,9 +5,10 @@ CuPy unchanged, but some of them create temporaries that CuPy takes from its own
 pool, outside the planned arena (see `NUMPY_ONLY` for the list and the reason per layer).
 On CUDA those layers get a kernel here that uses only its buffers and the planned
 workspace, so the backend's allocation guard (snrt/backends/cupy_backend.py) can refuse
-every other allocation while kernels run. The other layers (ReLU, LeakyReLU, Sigmoid, Tanh,
-Add, Concat, Flatten, MaxPool, GlobalAvgPool, LRN) and the optimizer run their shared `xp`
-code on CuPy: the CPU tests exercise the same logic.
+every other allocation while kernels run. The other layers and the optimizer run their shared
+`xp` code on CuPy: the CPU tests exercise the same logic, and tests/backends/test_xp_allocation.py
+checks on the CPU that each such layer's forward and backward create no array outside their
+buffers and workspace.
 
 A kernel here is "layer-like": it has the layer's `forward`, `backward` and
 `workspace_bytes` signatures and delegates everything else to the layer. Each one fits in
@@ -45,6 +46,7 @@ NUMPY_ONLY = {
     "Linear": "matmul with a transposed operand may stage a contiguous copy",
     "SoftmaxCrossEntropy": "arange and fancy indexing (probs[rows, labels], gx[rows, labels] -= 1)",
     "Dropout": "arange of the whole tensor for the hash counters",
+    "Dropout2d": "arange of the (N, C) mask's hash counters",
     "AvgPool": "the (Ho, Wo) divisor table from arange/minimum/maximum",
 }
 # CuPy's CUB reductions take temporary storage from the memory pool; the backend turns the
@@ -166,7 +168,8 @@ class CudaSoftmaxCrossEntropy(Float32Kernel):
 
 
 class CudaDropout(Float32Kernel):
-    """Dropout by snrt_dropout: the same mask as the NumPy kernel, without workspace."""
+    """Dropout and Dropout2d by snrt_dropout: the same mask as the NumPy kernels (per element,
+    or per (sample, channel) for Dropout2d), without workspace."""
 
     name = "cuda"
 
@@ -174,8 +177,10 @@ class CudaDropout(Float32Kernel):
         p = self.layer.p
         threshold = self.layer.threshold
         key = stream_key(ctx.seed, ctx.iteration, ctx.node_index)
+        group = numel(target.shape[2:]) if self.layer.type_name == "Dropout2d" else 1
         self.module.launch("snrt_dropout", grid_for(target.size), (
-            source, target, np.int64(target.size), np.uint32(key), np.uint32(threshold), np.float32(1.0 / (1.0 - p))))
+            source, target, np.int64(target.size), np.int64(group), np.uint32(key), np.uint32(threshold),
+            np.float32(1.0 / (1.0 - p))))
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         if not self.is_float32(y) or not ctx.training or self.layer.p == 0:

@@ -187,11 +187,12 @@ SNRT_XENT(i32, int)
 SNRT_XENT(i64, long long)
 
 // Dropout: the counter-based hash of snrt/layers/random.py (murmur3 finaliser of
-// i * 0x9E3779B1 + key, uint32 arithmetic), y = ((h >= threshold) * scale) * x.
-extern "C" __global__ void snrt_dropout(const float* x, float* y, long long total, unsigned int key,
+// j * 0x9E3779B1 + key, uint32 arithmetic), y = ((h >= threshold) * scale) * x, with one mask
+// entry j = i / group per `group` consecutive elements (1 for Dropout, H*W for Dropout2d).
+extern "C" __global__ void snrt_dropout(const float* x, float* y, long long total, long long group, unsigned int key,
                                          unsigned int threshold, float scale) {
     SNRT_GRID_LOOP(i, total) {
-        unsigned int h = (unsigned int)i * 0x9E3779B1u + key;
+        unsigned int h = (unsigned int)(i / group) * 0x9E3779B1u + key;
         h ^= h >> 16; h *= 0x85EBCA6Bu;
         h ^= h >> 13; h *= 0xC2B2AE35u;
         h ^= h >> 16;

@@ -143,6 +143,16 @@ class KernelContext:
         self._used_bytes = start + nbytes
         return self.workspace[start : start + nbytes].view(dtype).reshape(shape)
 
+    @staticmethod
+    def upload(target, host):
+        """Copy the host (NumPy) array `host` into `target`, a buffer or scratch view of the same
+        shape and dtype: a plain copy on the CPU, a host-to-device copy on CuPy (`set`, which
+        allocates nothing on the device, where `xp.asarray(host)` would)."""
+        if hasattr(target, "set"):
+            target.set(host)
+        else:
+            target[...] = host
+
     def release_scratch(self):
         """Forget every scratch view handed out so far (the next call starts at offset 0)."""
         self._used_bytes = 0

@@ -366,8 +366,8 @@ class Upsample(Layer):
         h, w = shape[2:]
         rows = ctx.scratch((h * self.scale[0], h), dtype)
         cols = ctx.scratch((w * self.scale[1], w), dtype)
-        rows[...] = ctx.xp.asarray(_bilinear_weights(h, rows.shape[0]), dtype=dtype)
-        cols[...] = ctx.xp.asarray(_bilinear_weights(w, cols.shape[0]), dtype=dtype)
+        ctx.upload(rows, _bilinear_weights(h, rows.shape[0]).astype(dtype))
+        ctx.upload(cols, _bilinear_weights(w, cols.shape[0]).astype(dtype))
         return rows, cols
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):

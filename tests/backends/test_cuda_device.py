@@ -10,10 +10,10 @@ import pytest
 
 import snrt
 from snrt.backends import cuda_unavailable_reason
-from snrt.layers.activation import ELU, GELU, Identity, LeakyReLU, ReLU, Sigmoid, SiLU, Softmax, Tanh
+from snrt.layers.activation import ELU, GELU, Identity, LeakyReLU, ReLU, ReLU6, Sigmoid, SiLU, Softmax, Tanh
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
-from snrt.layers.conv import Conv2d
-from snrt.layers.dropout import Dropout
+from snrt.layers.conv import Conv2d, ConvTranspose2d
+from snrt.layers.dropout import Dropout, Dropout2d
 from snrt.layers.join import Add, Concat, Mul, Scale
 from snrt.layers.linear import Flatten, Linear, Reshape
 from snrt.layers.loss import SoftmaxCrossEntropy
@@ -35,16 +35,20 @@ LAYERS = [
     (Conv2d(out_channels=16, kernel=7, stride=2, padding=3), [(2, 3, 32, 32)]),
     (BatchNorm(), [(4, 8, 6, 6)]),
     (BatchNorm(momentum=0.3), [(16, 12)]),
+    (BatchNorm(affine=False), [(4, 8, 6, 6)]),
+    (ConvTranspose2d(out_channels=4, kernel=3, stride=2, padding=1, output_padding=1), [(2, 6, 5, 5)]),
     (Linear(out_features=7), [(5, 3, 2, 2)]),
     (Linear(out_features=7, bias=False), [(5, 11)]),
     (SoftmaxCrossEntropy(), [(6, 10), (6,)]),
     (Dropout(p=0.3), [(4, 5, 6)]),
+    (Dropout2d(p=0.3), [(2, 4, 3, 3)]),
     (AvgPool(kernel=3, stride=2, padding=1), [(2, 3, 9, 9)]),
     (AvgPool(kernel=3, stride=2, padding=1, count_include_pad=False, ceil_mode=True), [(2, 3, 8, 8)]),
     (MaxPool(kernel=3, stride=2, padding=1), [(2, 3, 9, 9)]),
     (GlobalAvgPool(), [(2, 5, 4, 4)]),
     (LRN(size=5), [(2, 7, 4, 4)]),
     (ReLU(), [(3, 4, 5)]),
+    (ReLU6(), [(3, 4, 5)]),
     (LeakyReLU(slope=0.1), [(3, 4, 5)]),
     (Sigmoid(), [(3, 4, 5)]),
     (Tanh(), [(3, 4, 5)]),

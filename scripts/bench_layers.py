@@ -1,4 +1,4 @@
-"""Time every layer family snrt trains ResNets with, as the CPU backend runs it, next to PyTorch.
+"""Time the layer families of the zoo, as the CPU backend runs them, next to PyTorch.
 
 Not a test. For each (layer, input shape): forward and backward of the kernel the CPU backend
 runs for it (`NumpyBackend.kernel_choice().kernel_for(layer, in_shapes)`: the layer's own
@@ -9,8 +9,10 @@ as many threads as cores. Timing as in bench_conv.py (one warm-up, then `--repea
 best time kept, median in the JSON, each framework in a phase of its own), but kernels run
 back to back as in training: no wait for idle CPUs before a round by default (after an idle
 pause every call starts with parked threads and cold caches, which inflates small kernels
-several times). Shapes: CIFAR ResNet layers at batch 32 and ResNet-50 layers at
-batch 8. Writes results/bench_layers.{json,md}.
+several times). Shapes: CIFAR ResNet layers at batch 32, ResNet-50 layers at batch 8, and the
+newer layers as MobileNetV2, SE-ResNet-50, ConvNeXt-T (batch 8, 224x224 input) and U-Net
+(batch 4, 256x256) use them. PyTorch's side is snrt.torch_reference's function of each layer.
+Writes results/bench_layers.{json,md}.
 
     python scripts/bench_layers.py [--repeats 7] [--out results/bench_layers]
 """
@@ -29,19 +31,19 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_conv import time_rounds  # noqa: E402
 from reproduce_common import machine, table  # noqa: E402
 
 from snrt.backends.numpy_backend import NumpyBackend  # noqa: E402
-from snrt.layers.activation import ReLU  # noqa: E402
+from snrt.layers.activation import ELU, GELU, ReLU, ReLU6, SiLU, Softmax  # noqa: E402
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved  # noqa: E402
-from snrt.layers.conv import Conv2d  # noqa: E402
-from snrt.layers.join import Add  # noqa: E402
-from snrt.layers.norm import BatchNorm  # noqa: E402
-from snrt.layers.pool import MaxPool  # noqa: E402
+from snrt.layers.conv import Conv2d, ConvTranspose2d  # noqa: E402
+from snrt.layers.join import Add, Mul, Scale  # noqa: E402
+from snrt.layers.norm import BatchNorm, GroupNorm, LayerNorm  # noqa: E402
+from snrt.layers.pool import AdaptiveAvgPool, MaxPool, Upsample  # noqa: E402
+from snrt.torch_reference import OPS  # noqa: E402
 
 
 def conv(**options):
@@ -69,6 +71,25 @@ CASES = [
     ("relu 256 @56 b8", ReLU(), [(8, 256, 56, 56)]),
     ("add 16 @32 b32", Add(), [(32, 16, 32, 32)] * 2),
     ("add 256 @56 b8", Add(), [(8, 256, 56, 56)] * 2),
+    # the newer layers, at the sizes of the zoo networks that use them
+    ("depthwise 3x3 144 @56 b8", conv(out_channels=144, kernel=3, padding=1, groups=144), [(8, 144, 56, 56)]),
+    ("depthwise 7x7 96 @56 b8", conv(out_channels=96, kernel=7, padding=3, groups=96), [(8, 96, 56, 56)]),
+    ("convtranspose 2x2/2 128->64 @128 b4", ConvTranspose2d(out_channels=64, kernel=2, stride=2, bias=False),
+     [(4, 128, 128, 128)]),
+    ("batchnorm affine false 64 @112 b8", BatchNorm(affine=False), [(8, 64, 112, 112)]),
+    ("groupnorm 32 groups 256 @56 b8", GroupNorm(groups=32), [(8, 256, 56, 56)]),
+    ("layernorm 96 @56 b8", LayerNorm(), [(8, 96, 56, 56)]),
+    ("relu6 144 @56 b8", ReLU6(), [(8, 144, 56, 56)]),
+    ("silu 144 @56 b8", SiLU(), [(8, 144, 56, 56)]),
+    ("gelu 384 @56 b8", GELU(), [(8, 384, 56, 56)]),
+    ("gelu tanh 384 @56 b8", GELU(approximate="tanh"), [(8, 384, 56, 56)]),
+    ("elu 144 @56 b8", ELU(), [(8, 144, 56, 56)]),
+    ("softmax channels 64 @56 b8", Softmax(), [(8, 64, 56, 56)]),
+    ("mul gate 256 @56 b8", Mul(), [(8, 256, 56, 56), (8, 256)]),
+    ("scale 96 @56 b8", Scale(), [(8, 96, 56, 56)]),
+    ("upsample nearest 2x 128 @64 b4", Upsample(scale=2), [(4, 128, 64, 64)]),
+    ("upsample bilinear 2x 128 @64 b4", Upsample(scale=2, mode="bilinear"), [(4, 128, 64, 64)]),
+    ("adaptiveavgpool 7 512 @14 b8", AdaptiveAvgPool(output=7), [(8, 512, 14, 14)]),
 ]
 
 
@@ -98,25 +119,17 @@ def snrt_kernels(layer, xs, params, rng):
     return forward, backward, getattr(kernel, "name", "numpy")
 
 
-def torch_function(layer):
-    """The PyTorch function of `layer`: f(inputs, params) -> output."""
-    if isinstance(layer, Conv2d):
-        return lambda xs, p: F.conv2d(xs[0], p["weight"], None, layer.stride, layer.padding, layer.dilation,
-                                      layer.groups)
-    if isinstance(layer, BatchNorm):
-        return lambda xs, p: F.batch_norm(xs[0], None, None, p["weight"], p["bias"], True, layer.momentum, layer.eps)
-    if isinstance(layer, MaxPool):
-        return lambda xs, p: F.max_pool2d(xs[0], layer.kernel, layer.stride, layer.padding)
-    if isinstance(layer, ReLU):
-        return lambda xs, p: F.relu(xs[0])
-    if isinstance(layer, Add):
-        return lambda xs, p: xs[0] + xs[1]
-    raise ValueError(f"no PyTorch function for {layer.type_name}")
+def torch_function(layer, in_shapes):
+    """The PyTorch function of `layer` in training mode (snrt.torch_reference.OPS):
+    f(inputs, params) -> output; BatchNorm's running statistics are torch tensors of its own."""
+    state = {k: torch.full(s.shape, s.fill) for k, s in layer.state_specs(in_shapes).items()}
+    op = OPS[layer.type_name]
+    return lambda xs, p: op(layer, xs, p, state, True)
 
 
 def torch_kernels(layer, xs, params, rng):
     """(forward, backward) closures of PyTorch on the same values."""
-    f = torch_function(layer)
+    f = torch_function(layer, [x.shape for x in xs])
     txs = [torch.from_numpy(x).requires_grad_() for x in xs]
     tps = {k: torch.from_numpy(v).requires_grad_() for k, v in params.items()}
     leaves = txs + list(tps.values())
@@ -147,8 +160,8 @@ def main(argv=None):
     for name, layer, in_shapes in CASES:
         rng = np.random.default_rng(0)
         xs = [rng.standard_normal(shape).astype(np.float32) for shape in in_shapes]
-        params = {k: (rng.standard_normal(s.shape) * 0.05 + (1 if k == "weight" and isinstance(layer, BatchNorm) else 0))
-                  .astype(np.float32) for k, s in layer.param_specs(in_shapes).items()}
+        params = {k: (rng.standard_normal(s.shape) * 0.05 + (1 if s.init in ("ones", "constant") else 0))
+                  .astype(np.float32) for k, s in layer.param_specs(in_shapes).items()}  # norm scales near 1
         snrt_f, snrt_b, kernel = snrt_kernels(layer, xs, params, rng)
         torch_f, torch_b = torch_kernels(layer, xs, params, rng)
         timed, others = time_rounds([{"snrt_forward": snrt_f, "snrt_backward": snrt_b},

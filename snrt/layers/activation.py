@@ -33,8 +33,9 @@ class ReLU(Layer):
 @register
 @dataclass(frozen=True)
 class ReLU6(Layer):
-    """y = min(max(x, 0), 6) (MobileNet's); gx = gy * [0 < y < 6], the mask as sign(y (6 - y)).
-    Any shape."""
+    """y = min(max(x, 0), 6) (MobileNet's); gx = gy * [0 < y < 6], the mask as y (6 - y) > 0.
+    Any shape. (Masks come from comparisons written out as 1.0 / 0.0: NumPy's sign in place,
+    out=its input, runs about 15x slower than a comparison.)"""
 
     type_name = "ReLU6"
     saves = Saves(output=True)
@@ -47,7 +48,7 @@ class ReLU6(Layer):
         if gx is not None:
             ctx.xp.subtract(6, saved.y, out=gx)
             gx *= saved.y
-            ctx.xp.sign(gx, out=gx)
+            ctx.xp.greater(gx, 0, out=gx)
             gx *= gy
 
 
@@ -197,8 +198,7 @@ class ELU(_OneScratch):
         if gx is None:
             return
         positive = self._scratch(ctx, y)
-        xp.maximum(y, 0, out=positive)
-        xp.sign(positive, out=positive)  # 1 where y > 0, else 0
+        xp.greater(y, 0, out=positive)  # 1 where y > 0, else 0
         xp.minimum(y, 0, out=gx)
         gx += self.alpha  # y + alpha where y <= 0, alpha where y > 0 ...
         positive *= 1 - self.alpha

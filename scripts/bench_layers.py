@@ -177,7 +177,8 @@ def main(argv=None):
     meta.update({"repeats": args.repeats, "settle": args.settle, "threads": CORES, "seconds": time.perf_counter() - start})
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = ["# Layers on this CPU: snrt's CPU kernels against PyTorch", "",
-             f"Generated {meta['date']} on {meta['platform']} ({meta['cores']} cores), NumPy {meta['numpy']}, "
+             f"Generated {meta['date']} on {meta['platform']} ({meta['cpu_model']}, {meta['cores']} cores), "
+             f"NumPy {meta['numpy']}, "
              f"PyTorch {meta['torch']}; load average {meta['load_average'][0]:.2f} when it started. "
              f"`python scripts/bench_layers.py` (best of {args.repeats} after a warm-up, ms; "
              "speed = PyTorch ms / snrt ms, above 1 snrt is faster; kernel = what the CPU backend runs: "

@@ -11,10 +11,8 @@ The pass inserts steps naming the original buffer; `version_buffers` then gives 
 prefetched tensor a buffer id of its own. Host slots are assigned here.
 """
 
-from dataclasses import replace
-
 from snrt.scheduler.offsets import aligned
-from snrt.scheduler.plan import Offload, Prefetch, Wait
+from snrt.scheduler.plan import Offload, Prefetch, Wait, evolve
 from snrt.scheduler.recompute import backward_start
 
 
@@ -87,4 +85,4 @@ def _hide_backward(seconds, use, earliest, copy_s):
 
 def with_host_slots(buffers, slots):
     """Buffers with their host slot offsets filled in."""
-    return [replace(b, host_slot=slots[b.id]) if b.id in slots else b for b in buffers]
+    return [evolve(b, host_slot=slots[b.id]) if b.id in slots else b for b in buffers]

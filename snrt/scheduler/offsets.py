@@ -10,9 +10,8 @@ the peak step is the lower bound any assignment must reach.
 """
 
 import bisect
-from dataclasses import replace
 
-from snrt.scheduler.plan import PERSISTENT_ROLES
+from snrt.scheduler.plan import PERSISTENT_ROLES, evolve
 
 ALIGN_BYTES = 256
 GREEDY_MAX_BUFFERS = 8000
@@ -80,7 +79,7 @@ def assign_offsets(buffers, steps, allocations):
         if greedy_top < top:
             best, top = greedy, greedy_top
     offsets.update({b: bottom + off for b, off in best.items()})
-    placed = [replace(b, offset=offsets.get(b.id, -1)) for b in buffers]
+    placed = [evolve(b, offset=offsets.get(b.id, -1)) for b in buffers]
     return placed, bottom + top
 
 

@@ -141,11 +141,43 @@ def _segments_replayed_over(plan, segments, limit):
     return over
 
 
+_LAST_ITERATION = {}  # the one iteration built last, by _iteration_key: rebuilds of a plan reuse it
+
+
+def _iteration(graph, batch, opts):
+    """The Iteration of `graph` at `batch` with `opts`: built once for the several plans one
+    make_plan (or `snrt plan`, policy after policy) assembles from it. Iterations are never
+    changed by the passes, which copy its lists."""
+    inputs = tuple(tuple(n.layer.shape) for n in graph.nodes.values() if not n.inputs)
+    key = (graph.fingerprint(), inputs, batch, opts)
+    if key not in _LAST_ITERATION:
+        _LAST_ITERATION.clear()
+        _LAST_ITERATION[key] = build_iteration(graph, batch, opts.training, opts.optimizer_states, opts.dtype,
+                                               opts.kernels, opts.deferred_updates)
+    return _LAST_ITERATION[key]
+
+
+def _seconds_of(graph, batch, cost_model):
+    """steps -> their predicted compute seconds, each (kind, node) computed once."""
+    known = {}
+
+    def seconds(steps):
+        out = []
+        for s in steps:
+            key = (s.kind, getattr(s, "node", None))
+            if key not in known:
+                known[key] = cost_models.step_seconds(s, graph, batch, cost_model)
+            out.append(known[key])
+        return out
+    return seconds
+
+
 def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_segments=()):
     """(plan, replayed segments) of Policy `policy` with the given speed-centric and kept (not
     dropped) segments."""
     training, cost_model = opts.training, opts.cost_model
-    it = build_iteration(graph, batch, training, opts.optimizer_states, opts.dtype, opts.kernels, opts.deferred_updates)
+    it = _iteration(graph, batch, opts)
+    step_seconds = _seconds_of(graph, batch, cost_model)
     table = BufferTable()
     table.buffers = list(it.buffers)
     steps = list(it.steps)
@@ -155,7 +187,7 @@ def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_s
         steps, segments = plan_recomputation(graph, steps, table.buffers, speed_segments, kept_segments)
         steps = version_buffers(steps, table)
     if policy.offloads and training:
-        seconds = [cost_models.step_seconds(s, graph, batch, cost_model) for s in steps]
+        seconds = step_seconds(steps)
         steps, slots, host_bytes = plan_offload(steps, table.buffers, seconds, cost_model, keep, hide_copies)
         steps = version_buffers(steps, table)
     if policy.frees:
@@ -165,8 +197,7 @@ def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_s
     allocations = allocation_points(buffers, steps, fed)
     device_bytes = predict_device_bytes(buffers, steps, allocations)
     buffers, arena_bytes = assign_offsets(buffers, steps, allocations)
-    seconds = [cost_models.step_seconds(s, graph, batch, cost_model) for s in steps]
-    predicted_s, stall_s = cost_models.simulate(steps, buffers, seconds, cost_model)
+    predicted_s, stall_s = cost_models.simulate(steps, buffers, step_seconds(steps), cost_model)
     recompute_flops = sum(graph[s.node].layer.cost(graph.in_shapes(s.node, batch), "forward").flops
                           for s in steps if s.kind == "recompute")
     plan = Plan(batch, policy.name, training, tuple(buffers), tuple(steps), tuple(device_bytes), arena_bytes,

@@ -19,7 +19,7 @@ gives every replayed tensor a buffer id of its own.
 from dataclasses import replace
 
 from snrt.layers.base import CHEAP
-from snrt.scheduler.plan import PERSISTENT_ROLES, remap
+from snrt.scheduler.plan import PERSISTENT_ROLES, evolve, remap
 
 SPEED, MEMORY = "speed", "memory"
 
@@ -192,7 +192,7 @@ def version_buffers(steps, table):
 def _rewrite_outputs(step, fresh):
     """The recompute/prefetch `step` writing the `fresh` ids instead (its reads stay)."""
     if step.kind == "prefetch":
-        return replace(step, buffer=fresh.get(step.buffer, step.buffer))
+        return evolve(step, buffer=fresh.get(step.buffer, step.buffer))
     aux = tuple((name, fresh.get(b, b)) for name, b in step.aux)
-    return replace(step, output=fresh.get(step.output, step.output), aux=aux,
+    return evolve(step, output=fresh.get(step.output, step.output), aux=aux,
                    workspace=fresh.get(step.workspace, step.workspace))

@@ -195,14 +195,17 @@ def run_plan(args, console):
     batch, budget = config.train.batch, config.memory.budget
     optimizer = make_optimizer(config.train.optimizer)  # its buffers and update order are planned as training does
     update = dict(optimizer_states=optimizer.state_names, deferred_updates=optimizer.defers_updates)
-    rows = []
+    rows, plans = [], {}
     with console.status("planning...") as status:
         for policy in policies.POLICIES:
             status.update(f"planning {policy}...")
-            rows.append(policy_row(make_plan(config.graph, batch, policy, **update), budget))
+            plans[policy] = make_plan(config.graph, batch, policy, **update)
+            rows.append(policy_row(plans[policy], budget))
         chosen = args.policy or config.memory.policy
-        status.update(f"planning {chosen}...")
-        detail = make_plan(config.graph, batch, chosen, budget=budget, **update)
+        detail = plans.get(chosen)
+        if detail is None or (budget is not None and detail.arena_bytes > budget):  # auto, or a just-in-time retry
+            status.update(f"planning {chosen}...")
+            detail = make_plan(config.graph, batch, chosen, budget=budget, **update)
     if args.json:
         print(json.dumps({"network": config.name, "batch": batch, "budget_bytes": budget, "policies": rows,
                           "chosen": policy_row(detail, budget)}, indent=2))

@@ -166,7 +166,7 @@ class _Assembled:
 
     @classmethod
     def iteration_for(cls, graph, batch, opts):
-        inputs = tuple(tuple(n.layer.shape) for n in graph.nodes.values() if not n.inputs)
+        inputs = tuple(repr(n.layer) for n in graph.nodes.values() if not n.inputs)  # shapes and dtypes
         key = (graph.fingerprint(), inputs, batch, opts)
         if key != cls.key:
             cls.key, cls.plans = key, {}

@@ -166,3 +166,22 @@ def test_an_optimizer_that_clips_by_the_global_norm_refuses_a_plan_with_fused_up
     x = np.zeros((2, *graph["data"].shape), np.float32)
     with pytest.raises(RuntimeError, match="plan it with deferred_updates=True"):
         executor.run({"data": x, "label": np.zeros(2, np.int64)}, 0, 0, SGD(clip_norm=1.0), 0.1)
+
+
+def test_plans_made_one_after_another_follow_the_graph_batch_and_options():
+    """make_plan reuses the iteration it built last: a plan for another image size, batch,
+    label dtype or optimizer is still that one's own, equal to a plan made afresh."""
+    from snrt.scheduler import planner
+
+    def config(size):
+        return snrt.load_config("configs/lenet.yaml", {"input.shape": [1, size, size]})
+
+    first = make_plan(config(8).graph, 2, "superneurons")
+    cases = [(config(12).graph, 2, {}), (config(8).graph, 3, {}),
+             (config(8).graph, 2, {"optimizer_states": ("exp_avg", "exp_avg_sq")}),
+             (config(8).graph, 2, {"deferred_updates": True})]
+    for graph, batch, options in cases:
+        reused = make_plan(graph, batch, "superneurons", **options)
+        planner._Assembled.key = None  # forget the iteration: a plan made afresh
+        assert reused == make_plan(graph, batch, "superneurons", **options)
+        assert reused != first

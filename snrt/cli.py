@@ -1,6 +1,7 @@
 """The `snrt` command: inspect, train and eval a network file."""
 
 import argparse
+import collections
 import dataclasses
 import json
 import signal
@@ -76,6 +77,8 @@ def build_parser():
     plan.add_argument("--budget", help="device-memory budget such as 12GiB (overrides memory.budget)")
     plan.add_argument("--json", action="store_true", help="print the per-policy summary as JSON")
     plan.add_argument("--steps", action="store_true", help="print every step of the detailed plan")
+    plan.add_argument("--layers", action="store_true",
+                      help="list what the detailed plan does with each layer's output: keep, recompute, offload")
     plan.add_argument("--png", help="write the memory timeline of the detailed plan to this PNG file")
     plan.add_argument("--save", help="write the detailed plan as JSON to this file")
     plan.set_defaults(run=run_plan, data=None)
@@ -169,7 +172,25 @@ def plan_headline(plan):
     table.add_row("peak on device", human_bytes(plan.peak_bytes), "")
     table.add_row("arena", human_bytes(plan.arena_bytes), "")
     if plan.host_bytes:
+        to_host, to_device = plan.copied_bytes()
         table.add_row("host store", human_bytes(plan.host_bytes), "")
+        table.add_row("copied per iteration", f"{human_bytes(to_host)} out", f"{human_bytes(to_device)} back")
+    table.add_row("predicted iteration", f"{plan.predicted_s:.3f} s", f"{plan.stall_s:.3f} s waiting on copies")
+    return table
+
+
+def layers_table(plan, graph):
+    """Every node's fate in `plan` (Plan.node_decisions) with its output's bytes."""
+    table = Table(title=f"what {plan.policy} does with each layer's output, batch {plan.batch}")
+    for header in ("node", "type", "output", "decision"):
+        table.add_column(header, justify="right" if header == "output" else "left", no_wrap=True)
+    output = {node: plan.buffers[b].nbytes for node, b in plan.inputs}
+    output.update((s.node, plan.buffers[s.output].nbytes) for s in plan.steps if s.kind == "forward")
+    decisions = plan.node_decisions()
+    for node, decision in decisions.items():
+        table.add_row(node, graph[node].layer.type_name, human_bytes(output[node]), decision)
+    counts = collections.Counter(decisions.values())
+    table.caption = ", ".join(f"{counts[d]} {d}" for d in ("keep", "recompute", "offload", "unsaved") if counts[d])
     return table
 
 
@@ -182,6 +203,8 @@ def policy_row(plan, budget):
         "peak_by_role": {r: b for r, b in plan.peak_by_role().items() if b},
         "offloaded_bytes": plan.host_bytes,
         "recomputed_flops": plan.recompute_flops,
+        "copied_to_host_bytes": plan.copied_bytes()[0],
+        "copied_to_device_bytes": plan.copied_bytes()[1],
         "predicted_s": plan.predicted_s,
         "exposed_copy_s": plan.stall_s,
         "fits_budget": None if budget is None else plan.arena_bytes <= budget,
@@ -207,11 +230,16 @@ def run_plan(args, console):
             status.update(f"planning {chosen}...")
             detail = make_plan(config.graph, batch, chosen, budget=budget, **update)
     if args.json:
+        chosen_row = policy_row(detail, budget)
+        if args.layers:
+            chosen_row["layers"] = detail.node_decisions()
         print(json.dumps({"network": config.name, "batch": batch, "budget_bytes": budget, "policies": rows,
-                          "chosen": policy_row(detail, budget)}, indent=2))
+                          "chosen": chosen_row}, indent=2))
     else:
         console.print(_policy_table(config, batch, budget, rows))
         console.print(plan_headline(detail))
+        if args.layers:
+            console.print(layers_table(detail, config.graph))
     if args.steps:
         for i in range(len(detail.steps)):
             console.print(detail.describe_step(i), highlight=False, markup=False)

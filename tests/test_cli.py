@@ -25,10 +25,13 @@ def test_inspect_json_reports_the_published_parameter_count(capsys):
 def test_plan_prints_every_policy_and_writes_a_timeline(tmp_path, capsys):
     png = tmp_path / "timeline.png"
     assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--policy", "superneurons",
-                 "--png", str(png), "--json"]) == 0
+                 "--png", str(png), "--json", "--layers"]) == 0
     report = json.loads(capsys.readouterr().out.split("timeline written")[0])
     assert [r["policy"] for r in report["policies"]] == ["none", "liveness", "recompute", "offload", "superneurons"]
-    assert report["chosen"]["policy"] == "superneurons"
+    chosen = report["chosen"]
+    assert chosen["policy"] == "superneurons" and chosen["copied_to_host_bytes"] > 0
+    assert {"recompute", "offload", "unsaved"} <= set(chosen["layers"].values()) <= {"keep", "recompute", "offload",
+                                                                                      "unsaved"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

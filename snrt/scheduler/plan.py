@@ -210,6 +210,32 @@ class Plan:
         per_step = self.bytes_by_role_per_step()
         return per_step[self.device_bytes.index(self.peak_bytes)]
 
+    def copied_bytes(self):
+        """(bytes copied device to host, host to device) in one iteration: the offload and
+        prefetch steps' buffers."""
+        return tuple(sum(self.buffers[s.buffer].nbytes for s in self.steps if s.kind == kind)
+                     for kind in ("offload", "prefetch"))
+
+    def node_decisions(self):
+        """{node: what the plan does with its output between its forward (or, for an input,
+        being fed) and the backward pass}, inputs first, then in forward order: "recompute"
+        (dropped, replayed in backward), "offload" (copied to the host, prefetched back), "keep"
+        (stays on the device until backward reads it) or "unsaved" (backward does not read it;
+        a freeing policy frees it after its last use)."""
+        recomputed = {s.node for s in self.steps if s.kind == "recompute"}
+        offloaded = {s.buffer for s in self.steps if s.kind == "offload"}
+        saved = {b for s in self.steps if s.kind == "backward" for b in (*s.saved_inputs, s.saved_output)}
+        outputs = [*self.inputs, *((s.node, s.output) for s in self.steps if s.kind == "forward")]
+        decisions = {}
+        for node, b in outputs:
+            if node in recomputed:
+                decisions[node] = "recompute"
+            elif b in offloaded:
+                decisions[node] = "offload"
+            else:
+                decisions[node] = "keep" if b in saved else "unsaved"
+        return decisions
+
     def describe_step(self, i):
         """One line of text for step i, e.g. '12 backward conv1  reads 3 writes 2  1.2 MiB'."""
         step = self.steps[i]

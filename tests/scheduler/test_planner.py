@@ -185,3 +185,25 @@ def test_plans_made_one_after_another_follow_the_graph_batch_and_options():
         planner._Assembled.key = None  # forget the iteration: a plan made afresh
         assert reused == make_plan(graph, batch, "superneurons", **options)
         assert reused != first
+
+
+def test_node_decisions_and_copied_bytes_say_what_each_policy_does():
+    graph = snrt.load_config("configs/cifar_resnet20.yaml").graph
+    by_policy = {p: make_plan(graph, 8, p) for p in POLICIES}
+    for policy, plan in by_policy.items():
+        decisions = plan.node_decisions()
+        assert sorted(decisions) == sorted(graph.nodes)  # every node: inputs first, then in forward order
+        assert list(decisions)[:2] == [name for name, _ in plan.inputs]
+        counts = {d: sum(v == d for v in decisions.values()) for d in ("keep", "recompute", "offload", "unsaved")}
+        assert sum(counts.values()) == len(graph.nodes)
+        out, back = plan.copied_bytes()
+        if not plan.host_bytes:
+            assert (out, back, counts["offload"]) == (0, 0, 0)
+        else:  # every offloaded output goes out once and comes back at least once
+            output = dict(plan.inputs)
+            output.update((s.node, s.output) for s in plan.steps if s.kind == "forward")
+            offloaded = [output[n] for n, d in decisions.items() if d == "offload"]
+            assert out == sum(plan.buffers[b].nbytes for b in offloaded) and back >= out
+        assert (counts["recompute"] > 0) == (policy in ("recompute", "superneurons"))
+    assert by_policy["none"].node_decisions() == by_policy["liveness"].node_decisions()  # freeing moves nothing
+    assert by_policy["offload"].node_decisions()["conv2d0"] == "offload"

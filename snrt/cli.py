@@ -83,6 +83,22 @@ def build_parser():
     plan.add_argument("--save", help="write the detailed plan as JSON to this file")
     plan.set_defaults(run=run_plan, data=None)
 
+    tune = commands.add_parser("tune", help="the largest batch each policy fits in a budget, predicted images/s, "
+                                             "and the batch, policy and learning rate to train with")
+    tune.add_argument("config", help="network YAML file, e.g. configs/resnet50.yaml")
+    tune.add_argument("--budget", help="device-memory budget such as 12GiB (default: memory.budget)")
+    tune.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
+    tune.add_argument("--max-batch", type=_positive_int, default=4096, help="largest batch to consider (default 4096)")
+    tune.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                      help="whose cost model predicts the time (default cpu; plans are exact for any device)")
+    tune.add_argument("--measure", action="store_true",
+                      help="also train 3 iterations at the recommended batch (synthetic data) and report images/s")
+    tune.add_argument("--out", help="where to write the tuned config (default NAME.tuned.yaml)")
+    tune.add_argument("--overwrite", action="store_true", help="replace the --out file if it exists")
+    tune.add_argument("--png", help="write predicted images/s against batch to this PNG file")
+    tune.add_argument("--json", action="store_true", help="print the results as JSON")
+    tune.set_defaults(run=run_tune)
+
     evaluate = commands.add_parser("eval", help="loss and accuracy of a checkpoint on the held-out split")
     _add_run_options(evaluate)
     evaluate.add_argument("--checkpoint", required=True, help="checkpoint file written by snrt train")
@@ -103,14 +119,15 @@ def _add_run_options(parser):
 
 
 def _overrides(args):
-    """The dotted-key overrides that the command-line flags ask for."""
+    """The dotted-key overrides that the command-line flags ask for (a command may have only
+    some of the flags)."""
     out = {}
-    if args.batch:
+    if getattr(args, "batch", None):
         out["train.batch"] = args.batch
-    if args.image_size:
+    if getattr(args, "image_size", None):
         size = args.image_size
         out["input.shape"] = lambda shape: [shape[0], size, size] if isinstance(shape, list) and shape else shape
-    if args.data:
+    if getattr(args, "data", None):
         for key, value in args.data.items():
             out[f"train.data.{key}"] = value
     for flag, key in (("iterations", "train.iterations"), ("lr", "train.optimizer.lr"), ("policy", "memory.policy"),
@@ -369,6 +386,81 @@ def _progress(console, disabled):
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
         TextColumn("{task.fields[status]}"), console=console, disable=disabled,
     )
+
+
+def run_tune(args, console):
+    from snrt import tune
+    from snrt.scheduler import cost
+
+    config = load_config(args.config, _overrides(args))
+    budget = config.memory.budget
+    if budget is None:
+        raise SnrtError(f"{args.config}: memory.budget: snrt tune needs a budget: pass --budget, e.g. --budget 12GiB")
+    optimizer = make_optimizer(config.train.optimizer)
+    options = dict(optimizer_states=optimizer.state_names, deferred_updates=optimizer.defers_updates,
+                   cost_model={"cpu": cost.CPU, "cuda": cost.CUDA}[args.device])
+    points = []
+    with console.status("planning...") as status:
+        def planning(policy, batch):
+            status.update(f"planning {policy} at batch {batch}...")
+        for policy in policies.POLICIES:
+            points += tune.sweep(config.graph, policy, budget, args.max_batch, on_plan=planning, **options)
+    if not points:
+        raise SnrtError(f"{args.config}: memory.budget: no policy fits batch 1 in {human_bytes(budget)}; "
+                        f"`snrt plan {args.config} --batch 1` shows what each needs")
+    best = tune.recommend(points)
+    tuned = tune.tuned_config(config, best, budget)
+    measured = _measure(args, tuned) if args.measure else None
+    path = tune.write_config(tuned, args.out or f"{config.name}.tuned.yaml", args.overwrite)
+    if args.png:
+        tune.draw_throughput(points, args.png, f"{config.name}: predicted images/s in {human_bytes(budget)}")
+    report = {"network": config.name, "budget_bytes": budget, "device_cost_model": args.device,
+              "largest_batch": tune.largest(points),
+              "points": [{**dataclasses.asdict(p), "images_per_s": p.images_per_s} for p in points],
+              "recommended": {"policy": best.policy, "batch": best.batch, "lr": tuned.train.optimizer.lr,
+                              "warmup": tuned.train.schedule.warmup, "predicted_images_per_s": best.images_per_s,
+                              "measured_images_per_s": measured},
+              "config": str(path)}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    console.print(_tune_table(config, budget, points))
+    lr_note = f"lr {tuned.train.optimizer.lr:g} (from {config.train.optimizer.lr:g} at batch {config.train.batch}, " \
+              f"linear scaling), warm-up {tuned.train.schedule.warmup} iterations"
+    console.print(Text(f"recommended: {best.policy} at batch {best.batch}, {best.images_per_s:.1f} images/s predicted"
+                       + (f", {measured:.1f} measured" if measured else "") + f"; {lr_note}"))
+    console.print(Text(f"tuned config written to {path}: snrt train {path}"))
+    return 0
+
+
+def _measure(args, config):
+    """Mean images/s of 3 iterations of `config` on synthetic data (the first left out)."""
+    from snrt.config import with_settings
+
+    config = with_settings(config, train={"iterations": 3, "data": {"type": "synthetic",
+                                                                    "samples": 2 * config.train.batch}})
+    trainer = _make_trainer(argparse.Namespace(threads=None, backend=None, check=False), config)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.backend.close()
+    timed = history[1:] or history
+    return sum(m.images_per_s for m in timed) / len(timed)
+
+
+def _tune_table(config, budget, points):
+    table = Table(title=f"{config.name}: batches that fit {human_bytes(budget)}, predicted images/s")
+    for header in ("policy", "largest batch", "arena there", "best images/s", "at batch"):
+        table.add_column(header, justify="left" if header == "policy" else "right", no_wrap=True)
+    for policy in policies.POLICIES:
+        mine = [p for p in points if p.policy == policy]
+        if not mine:
+            table.add_row(policy, "none fits", "", "", "")
+            continue
+        top, fastest = max(mine, key=lambda p: p.batch), max(mine, key=lambda p: p.images_per_s)
+        table.add_row(policy, str(top.batch), human_bytes(top.arena_bytes), f"{fastest.images_per_s:.1f}",
+                      str(fastest.batch))
+    return table
 
 
 def run_eval(args, console):

@@ -1,0 +1,145 @@
+"""`snrt tune`: how large a batch each memory policy fits in a device budget, found from the
+static plans (no out-of-memory trials), the images/s the cost model predicts at each batch,
+and the batch, policy and learning rate to train with.
+
+The learning rate follows the linear scaling rule with gradual warm-up (Goyal et al. 2017,
+"Accurate, Large Minibatch SGD"): k times the config's batch trains with k times its learning
+rate, reached linearly over the first iterations.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from snrt.config import config_to_yaml, with_settings
+from snrt.scheduler.planner import BudgetError, make_plan
+from snrt.scheduler.policies import POLICIES
+
+WARMUP_FRACTION = 0.05  # of the iterations, when the learning rate is scaled up (Goyal et al.: 5 epochs of 90)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One plan that fits: `policy` at `batch`, its arena and predicted iteration seconds."""
+
+    policy: str
+    batch: int
+    arena_bytes: int
+    predicted_s: float
+
+    @property
+    def images_per_s(self):
+        return self.batch / self.predicted_s if self.predicted_s > 0 else math.inf
+
+
+def fitting_plan(graph, batch, policy, budget, **plan_options):
+    """The plan of `policy` at `batch` within `budget` bytes, or None when none fits."""
+    try:
+        return make_plan(graph, batch, policy, budget=budget, **plan_options)
+    except BudgetError:
+        return None
+
+
+def sweep(graph, policy, budget, limit, on_plan=None, **plan_options):
+    """The Points of `policy` that fit `budget`: batches 1, 2, 4, ... while they fit (up to
+    `limit`), then the largest batch that fits, by bisection between the last power of two
+    that fits and the first that does not. [] when batch 1 does not fit. `on_plan(policy,
+    batch)` is told of every plan before it is made (a progress display)."""
+    points = {}
+
+    def fits(batch):
+        if on_plan:
+            on_plan(policy, batch)
+        plan = fitting_plan(graph, batch, policy, budget, **plan_options)
+        if plan is not None:
+            points[batch] = Point(policy, batch, plan.arena_bytes, plan.predicted_s)
+        return plan is not None
+
+    low, high = 0, None  # low fits (0: nothing yet), high does not
+    batch = 1
+    while batch <= limit:
+        if not fits(batch):
+            high = batch
+            break
+        low, batch = batch, batch * 2
+    if high is None:  # every power of two up to `limit` fits: try `limit` itself
+        high = limit + 1
+        if low < limit:
+            if fits(limit):
+                low = limit
+            else:
+                high = limit
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return [points[b] for b in sorted(points)]
+
+
+def largest(points):
+    """{policy: its largest batch that fits}."""
+    out = {}
+    for p in points:
+        out[p.policy] = max(out.get(p.policy, 0), p.batch)
+    return out
+
+
+def recommend(points):
+    """The Point with the most predicted images/s (the larger batch, then the earlier policy, on a tie)."""
+    order = {name: i for i, name in enumerate(POLICIES)}
+    return max(points, key=lambda p: (p.images_per_s, p.batch, -order[p.policy]))
+
+
+def scaled_train(train, batch):
+    """{"batch", "optimizer": {"lr"}, "schedule": {"warmup"}} for `batch`: the learning rate
+    scaled linearly from `train`'s (a TrainConfig), with a warm-up of WARMUP_FRACTION of the
+    iterations (at least the config's own) when it grows."""
+    factor = batch / train.batch
+    warmup = train.schedule.warmup
+    if factor > 1:
+        warmup = max(warmup, math.ceil(WARMUP_FRACTION * train.iterations))
+    return {"batch": batch, "optimizer": {"lr": train.optimizer.lr * factor}, "schedule": {"warmup": warmup}}
+
+
+def tuned_config(config, point, budget):
+    """`config` with the batch, learning rate, warm-up and memory policy of `point` in `budget`."""
+    return with_settings(config, train=scaled_train(config.train, point.batch),
+                         memory={"policy": point.policy, "budget": budget})
+
+
+def write_config(config, path, overwrite=False):
+    """Write `config` as YAML to `path` atomically; an existing file is kept unless `overwrite`."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass --overwrite to replace it, or --out another file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(config_to_yaml(config))
+    os.replace(tmp, path)
+    return path
+
+
+def draw_throughput(points, path, title):
+    """Predicted images/s against batch, a line per policy, to a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for policy in POLICIES:
+        mine = [p for p in points if p.policy == policy]
+        if mine:
+            ax.plot([p.batch for p in mine], [p.images_per_s for p in mine], marker="o", label=policy)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.set_ylabel("predicted images/s")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -172,19 +172,17 @@ class Executor:
         slots = tuple((v[param], v[grad], tuple(v[s] for s in states), buffers[param].name, decay)
                       for param, grad, states, decay in step.slots)
         workspace = v[step.workspace]
-        settings = {}  # (optimizer, parameter) -> (weight decay, learning-rate factor)
+        resolved = [None, ()]  # the optimizer last run with, and its (weight decay, lr factor) per slot
 
         def run():
             optimizer = self.optimizer
             if optimizer is None:
                 raise RuntimeError("a training plan needs an optimizer")
+            if resolved[0] is not optimizer:
+                resolved[:] = [optimizer, tuple(optimizer.settings(name, decay) for *_, name, decay in slots)]
             update, lr, count = optimizer.update, self.lr, self.iteration + 1
             grad_scale = optimizer.grad_scale(self.grad_squares)
-            for param, grad, states, name, decay in slots:
-                key = (optimizer, name)
-                if key not in settings:
-                    settings[key] = optimizer.settings(name, decay)
-                weight_decay, lr_scale = settings[key]
+            for (param, grad, states, _, _), (weight_decay, lr_scale) in zip(slots, resolved[1]):
                 update(xp, param, grad, states, weight_decay, lr * lr_scale, count, workspace, grad_scale)
         return run
 

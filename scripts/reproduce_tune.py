@@ -23,9 +23,8 @@ BUDGET = 12 * GIB
 
 def tune_network(name, device, limit):
     config = snrt.load_config(ROOT / "configs" / f"{name}.yaml")
-    optimizer = make_optimizer(config.train.optimizer)
-    options = dict(optimizer_states=optimizer.state_names, deferred_updates=optimizer.defers_updates,
-                   cost_model={"cpu": cost.CPU, "cuda": cost.CUDA}[device])
+    options = {**make_optimizer(config.train.optimizer).plan_options,
+               "cost_model": {"cpu": cost.CPU, "cuda": cost.CUDA}[device]}
     start = time.perf_counter()
     points = [p for policy in POLICIES for p in tune.sweep(config.graph, policy, BUDGET, limit, **options)]
     best = tune.recommend(points)

@@ -213,6 +213,7 @@ def layers_table(plan, graph):
 
 def policy_row(plan, budget):
     """The numbers `snrt plan` shows for one plan."""
+    to_host, to_device = plan.copied_bytes()
     return {
         "policy": plan.policy,
         "peak_bytes": plan.peak_bytes,
@@ -220,8 +221,8 @@ def policy_row(plan, budget):
         "peak_by_role": {r: b for r, b in plan.peak_by_role().items() if b},
         "offloaded_bytes": plan.host_bytes,
         "recomputed_flops": plan.recompute_flops,
-        "copied_to_host_bytes": plan.copied_bytes()[0],
-        "copied_to_device_bytes": plan.copied_bytes()[1],
+        "copied_to_host_bytes": to_host,
+        "copied_to_device_bytes": to_device,
         "predicted_s": plan.predicted_s,
         "exposed_copy_s": plan.stall_s,
         "fits_budget": None if budget is None else plan.arena_bytes <= budget,
@@ -233,8 +234,7 @@ def run_plan(args, console):
 
     config = load_config(args.config, _overrides(args))
     batch, budget = config.train.batch, config.memory.budget
-    optimizer = make_optimizer(config.train.optimizer)  # its buffers and update order are planned as training does
-    update = dict(optimizer_states=optimizer.state_names, deferred_updates=optimizer.defers_updates)
+    update = make_optimizer(config.train.optimizer).plan_options  # planned as training plans it
     rows, plans = [], {}
     with console.status("planning...") as status:
         for policy in policies.POLICIES:
@@ -396,9 +396,8 @@ def run_tune(args, console):
     budget = config.memory.budget
     if budget is None:
         raise SnrtError(f"{args.config}: memory.budget: snrt tune needs a budget: pass --budget, e.g. --budget 12GiB")
-    optimizer = make_optimizer(config.train.optimizer)
-    options = dict(optimizer_states=optimizer.state_names, deferred_updates=optimizer.defers_updates,
-                   cost_model={"cpu": cost.CPU, "cuda": cost.CUDA}[args.device])
+    options = {**make_optimizer(config.train.optimizer).plan_options,
+               "cost_model": {"cpu": cost.CPU, "cuda": cost.CUDA}[args.device]}
     points = []
     with console.status("planning...") as status:
         def planning(policy, batch):

@@ -42,6 +42,12 @@ class Optimizer:
         """True when no update may run before the whole backward pass is done."""
         return self.clip_norm > 0
 
+    @property
+    def plan_options(self):
+        """What the planner must know of this optimizer (make_plan's and prepare's keywords):
+        the buffers it keeps per parameter and whether its updates wait for the backward pass."""
+        return {"optimizer_states": self.state_names, "deferred_updates": self.defers_updates}
+
     def grad_scale(self, squares):
         """The factor of every gradient given the sum of all their squares (1 without clip_norm)."""
         if not self.clip_norm:

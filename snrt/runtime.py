@@ -62,9 +62,9 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     such pairs) loaded.
 
     `training` False plans the forward pass only; `optimizer_states` names the optimizer's
-    buffers of every parameter (snrt.optim: `optimizer.state_names`) and `deferred_updates`
-    whether the updates wait for the whole backward pass (`optimizer.defers_updates`); `check`
-    is the debug mode (poisoned memory, every step verified against the plan).
+    buffers of every parameter and `deferred_updates` whether the updates wait for the whole
+    backward pass (snrt.optim: `optimizer.plan_options` gives both); `check` is the debug mode
+    (poisoned memory, every step verified against the plan).
     """
     if training:
         check_trainable(graph, batch)

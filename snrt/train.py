@@ -51,8 +51,7 @@ class Trainer:
         self.batch = train.batch
         self.optimizer = make_optimizer(train.optimizer)
         self.runtime = prepare(self.graph, self.batch, memory.policy, memory.budget, backend, training=True,
-                               optimizer_states=self.optimizer.state_names,
-                               deferred_updates=self.optimizer.defers_updates, check=check,
+                               **self.optimizer.plan_options, check=check,
                                values=itertools.chain(each_initial_parameter(self.graph, train.seed, train.init),
                                                       initial_state(self.graph).items()))
         self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor

@@ -116,8 +116,8 @@ class CudaBatchNorm(Float32Kernel):
                 np.int32(0 if recompute else 1)))
         else:
             self.module.launch("snrt_bn_forward_eval", grid_for(x.size), (
-                x, y, params.get("weight", self.NULL), params.get("bias", self.NULL), state["running_mean"], state["running_var"],
-                aux["mean"], aux["inv_std"], *int64_args(x.size, c, hw), np.float32(self.layer.eps)))
+                x, y, params.get("weight", self.NULL), params.get("bias", self.NULL), state["running_mean"],
+                state["running_var"], aux["mean"], aux["inv_std"], *int64_args(x.size, c, hw), np.float32(self.layer.eps)))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         x = saved.xs[0]
@@ -127,7 +127,8 @@ class CudaBatchNorm(Float32Kernel):
         gx = gxs[0]
         self.module.launch("snrt_bn_backward", c, (
             x, gy, params.get("weight", self.NULL), aux["mean"], aux["inv_std"], self.NULL if gx is None else gx,
-            gparams.get("weight", self.NULL), gparams.get("bias", self.NULL), *int64_args(n, c, numel(x.shape[2:])), np.int32(bool(ctx.training))))
+            gparams.get("weight", self.NULL), gparams.get("bias", self.NULL), *int64_args(n, c, numel(x.shape[2:])),
+            np.int32(bool(ctx.training))))
 
 
 class CudaSoftmaxCrossEntropy(Float32Kernel):
@@ -177,10 +178,9 @@ class CudaDropout(Float32Kernel):
         p = self.layer.p
         threshold = self.layer.threshold
         key = stream_key(ctx.seed, ctx.iteration, ctx.node_index)
-        group = numel(target.shape[2:]) if self.layer.type_name == "Dropout2d" else 1
         self.module.launch("snrt_dropout", grid_for(target.size), (
-            source, target, np.int64(target.size), np.int64(group), np.uint32(key), np.uint32(threshold),
-            np.float32(1.0 / (1.0 - p))))
+            source, target, np.int64(target.size), np.int64(self.layer.mask_group(target.shape)), np.uint32(key),
+            np.uint32(threshold), np.float32(1.0 / (1.0 - p))))
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         if not self.is_float32(y) or not ctx.training or self.layer.p == 0:

@@ -59,14 +59,15 @@ TRANSPOSED_WEIGHT_GRAD_MAX_OUT = 64
 TAP_ELEMENTS = 1 << 16  # elements per tap copy, at least: amortises a numpy call's overhead
 
 
-def _positive_pair(value, name):
-    """`pair(value, name)`, also requiring both entries to be >= 1."""
-    message = f"option '{name}' must be a positive int or pair of positive ints, got {value!r}"
+def _pair_at_least(value, name, low, expected):
+    """`pair(value, name)` with both entries >= `low`; else a ValueError saying the option must
+    be `expected`."""
+    message = f"option '{name}' must be {expected}, got {value!r}"
     try:
         result = pair(value, name)
     except ValueError:
         raise ValueError(message) from None
-    if min(result) < 1:
+    if min(result) < low:
         raise ValueError(message)
     return result
 
@@ -84,21 +85,15 @@ def _check_options(layer):
     if not isinstance(layer.bias, bool):
         raise ValueError(f"option 'bias' must be true or false, got {layer.bias!r}")
     for name in ("kernel", "stride", "dilation"):
-        object.__setattr__(layer, name, _positive_pair(getattr(layer, name), name))
+        value = _pair_at_least(getattr(layer, name), name, 1, "a positive int or pair of positive ints")
+        object.__setattr__(layer, name, value)
 
 
 def _non_negative_pair(layer, name, alternatives=""):
     """Option `name` of `layer` becomes a pair of non-negative ints (`alternatives` names the
     other values the message should offer)."""
-    value = getattr(layer, name)
-    message = f"option '{name}' must be a non-negative int, a pair of non-negative ints{alternatives}, got {value!r}"
-    try:
-        result = pair(value, name)
-    except ValueError:
-        raise ValueError(message) from None
-    if min(result) < 0:
-        raise ValueError(message)
-    object.__setattr__(layer, name, result)
+    expected = f"a non-negative int, a pair of non-negative ints{alternatives}"
+    object.__setattr__(layer, name, _pair_at_least(getattr(layer, name), name, 0, expected))
 
 
 def _tap_range(size, out_size, offset, stride):

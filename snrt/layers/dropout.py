@@ -24,6 +24,11 @@ class Dropout(Layer):
         if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not 0 <= self.p < 1:
             raise ValueError(f"option 'p' must be a number in [0, 1), got {self.p!r}")
 
+    @staticmethod
+    def mask_group(shape):
+        """Consecutive elements of an x of `shape` that share one mask entry (one per element)."""
+        return 1
+
     @property
     def threshold(self):
         """An element is kept when its 32 random bits are >= this (probability 1 - p)."""
@@ -74,6 +79,11 @@ class Dropout2d(Dropout):
     def infer_shape(self, in_shapes):
         self.require_rank(in_shapes, 4)
         return tuple(in_shapes[0])
+
+    @staticmethod
+    def mask_group(shape):
+        """A whole feature map, H*W elements, shares its channel's mask entry."""
+        return numel(shape[2:])
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         channels = numel(in_shapes[0][:2])

@@ -16,8 +16,9 @@ from rich.text import Text
 
 from snrt.backends import BACKENDS, default_backend
 from snrt.config import DATASETS, config_to_yaml, load_config
-from snrt.errors import SnrtError
+from snrt.errors import DivergenceError, SnrtError
 from snrt.optim import make_optimizer
+from snrt.parallel import Solo, first_failing_rank, launcher_rank, launcher_size, world
 from snrt.runfolder import RunFolder
 from snrt.scheduler import BudgetError, policies
 from snrt.summary import human_bytes, summary_table, totals_by_type
@@ -289,28 +290,49 @@ def _make_trainer(args, config):
     from snrt.train import Trainer  # the trainer pulls in the data pipeline; inspect doesn't need it
 
     limit_threads(args.threads or usable_cores())
-    return Trainer(config, backend=args.backend or default_backend(), check=getattr(args, "check", False))
+    return Trainer(config, backend=args.backend or default_backend(), check=getattr(args, "check", False),
+                   group=getattr(args, "group", None))
+
+
+class PeerFailed(SnrtError):
+    """Another rank could not start the run (it reports why); this one stops without a word."""
 
 
 def run_train(args, console):
+    """Train; with several ranks (mpiexec), rank 0 owns the output folder and prints, and
+    every rank's set-up is agreed on before the first iteration (see first_failing_rank)."""
+    group = args.group
     config = load_config(args.config, _overrides(args))
-    with RunFolder(args.out or Path("runs") / config.name) as folder:
+    out = Path(args.out) if args.out else Path("runs") / config.name
+    if group.rank != 0:
+        return _train_in(None, out / "checkpoint.npz", args, config, console)
+    with RunFolder(out) as folder:
         folder.prepare(resume=args.resume is not None, overwrite=args.overwrite)
-        return _train_in(folder, args, config, console)
+        return _train_in(folder, folder.checkpoint, args, config, console)
 
 
-def _train_in(folder, args, config, console):
-    """The run of `config` in the locked `folder`; the exit status."""
-    out, checkpoint = folder.path, folder.checkpoint
+def _train_in(folder, checkpoint, args, config, console):
+    """The run of `config` in the locked `folder` (None on ranks other than 0, which write
+    nothing) with its `checkpoint` path; the exit status."""
     console.print(summary_table(config.graph, config.train.batch))
     trainer = _make_trainer(args, config)
     console.print(plan_headline(trainer.plan))
-    console.print(f"thread pools: {describe_pools(thread_pools())} ({usable_cores()} usable cores)")
+    ranks = f"; {trainer.group.size} ranks, batch {trainer.plan.batch} each" if trainer.group.size > 1 else ""
+    console.print(f"thread pools: {describe_pools(thread_pools())} ({usable_cores()} usable cores){ranks}")
     if args.resume is not None:
         source = Path(args.resume) if args.resume else checkpoint
         note = trainer.restore(source)
-        folder.truncate_metrics(trainer.iteration)
         console.print(f"resumed from {source} at iteration {trainer.iteration}" + (f"; note: {note}" if note else ""))
+    if trainer.group.size > 1:
+        args.started = True  # from here on, a failure of one rank ends the job (see main)
+        if first_failing_rank(trainer.group, False) is not None:
+            raise PeerFailed("another rank could not start")
+    if folder is None:
+        trainer.fit(checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
+        return 128 + int(trainer.stop_reason) if isinstance(trainer.stop_reason, int) else 0
+    if args.resume is not None:
+        folder.truncate_metrics(trainer.iteration)
+    out = folder.path
     (out / "config.yaml").write_text(config_to_yaml(config))
     total = config.train.iterations
     failure = []  # the metrics file's write error: the run stops, its checkpoint is still saved
@@ -482,39 +504,75 @@ def _terminate(signum, frame):
 def main(argv=None):
     """The `snrt` command; returns the exit status: 0, 2 for an error the user can fix, 128 +
     the signal's number when SIGINT or SIGTERM stopped it (a training run saves its checkpoint
-    first). User text (paths, names) is never read as console markup."""
+    first). User text (paths, names) is never read as console markup.
+
+    Started by mpiexec as one of several processes, `train` trains data parallel (every rank
+    one part of each batch; rank 0 prints and writes); the other commands run on rank 0 only.
+    """
     args = build_parser().parse_args(argv)
-    console = Console(markup=False)
+    args.group, args.started = Solo(), False
+    leader = launcher_rank() == 0
+    if launcher_size() > 1 and args.command != "train" and not leader:
+        return 0
+    console = Console(markup=False, quiet=not leader)
     if not console.is_terminal:  # logs and pipes: wide enough for the tables
-        console = Console(width=120, markup=False)
+        console = Console(width=120, markup=False, quiet=not leader)
     previous = {}
     if threading.current_thread() is threading.main_thread():  # the training loop installs its own meanwhile
         previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
                     signal.SIGTERM: signal.signal(signal.SIGTERM, _terminate)}
     try:
+        if args.command == "train":
+            args.group = world()
         return args.run(args, console) or 0
-    except BudgetError as e:  # the planner knows no file: name the one whose budget it is
-        _error(f"{args.config}: memory.budget: {e}")
-        return 2
-    except SnrtError as e:
-        _error(str(e))
-        return 2
-    except OSError as e:  # a file the run needs or writes: named, with the system's reason
-        _error(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
-        return 2
-    except MemoryError:
-        _error("not enough memory for this run: lower --batch or --image-size, or shrink the device footprint "
-               "with --policy and --budget (snrt plan shows each policy's peak)")
-        return 2
-    except KeyboardInterrupt:
-        _error("interrupted")
-        return 128 + signal.SIGINT
-    except Terminated:
-        _error("terminated")
-        return 128 + signal.SIGTERM
+    except (SnrtError, OSError, MemoryError, KeyboardInterrupt, Terminated) as e:
+        message, status = _describe(e, args)
+        _report(args, e, message, status, leader)
+        return status
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _describe(error, args):
+    """(message, exit status) for an error that ends the command."""
+    if isinstance(error, BudgetError):  # the planner knows no file: name the one whose budget it is
+        return f"{args.config}: memory.budget: {error}", 2
+    if isinstance(error, OSError):  # a file the run needs or writes: named, with the system's reason
+        return f"{error.filename + ': ' if error.filename else ''}{error.strerror or error}", 2
+    if isinstance(error, MemoryError):
+        return ("not enough memory for this run: lower --batch or --image-size, or shrink the device footprint "
+                "with --policy and --budget (snrt plan shows each policy's peak)"), 2
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted", 128 + signal.SIGINT
+    if isinstance(error, Terminated):
+        return "terminated", 128 + signal.SIGTERM
+    return str(error), 2
+
+
+def _report(args, error, message, status, leader):
+    """Print `message` once for the whole job. Alone: print it. With several ranks: a failed
+    set-up is agreed on first and told by the lowest failing rank; a divergence (every rank
+    sees the same loss) by rank 0; any other failure once training started by the rank it
+    happened on, which then ends every rank (MPI_Abort) so that none waits for it forever."""
+    group = args.group
+    if group.size == 1:
+        if leader or launcher_size() == 1:
+            _error(message)
+        return
+    if isinstance(error, PeerFailed):
+        return
+    if not args.started:
+        if first_failing_rank(group, True) == group.rank:
+            _error(message if group.rank == 0 else f"rank {group.rank}: {message}")
+        return
+    if isinstance(error, DivergenceError):
+        if group.rank == 0:
+            _error(message)
+        return
+    _error(f"rank {group.rank} of {group.size}: {message}; ending every rank")
+    sys.stderr.flush()
+    group.abort(status)
 
 
 def _error(message):

@@ -449,27 +449,30 @@ def eval_batches(dataset, batch, mean, std):
 
 
 # ---- augmentation ---------------------------------------------------------------------------
-def augment(x, rng, crop_padding=0, flip=False, labels=None):
+def augment(x, rng, crop_padding=0, flip=False, labels=None, within=None):
     """Random crop after zero padding by `crop_padding` pixels, then random horizontal flip.
 
     Per sample: offsets (B, 2) in [0, 2*crop_padding] are drawn from `rng` first (when
     crop_padding > 0), then flips (B,) (when `flip`). Returns a new contiguous (B, C, H, W)
     array, or (that array, labels) when per-pixel `labels` (B, H, W) are given: they flip with
-    their images (crops are not offered for them).
+    their images (crops are not offered for them). `within` = (start, total) says that `x`
+    holds rows [start, start + B) of a batch of `total`: the draws are made for the whole
+    batch and these rows' used, so the parts of a batch are augmented as the batch would be.
     """
     if labels is not None and crop_padding:
         raise ValueError("random crops are not offered with per-pixel labels")
     b, c, h, w = x.shape
+    start, total = within or (0, b)
     out = x
     if crop_padding > 0:
         p = crop_padding
-        offsets = rng.integers(0, 2 * p + 1, size=(b, 2))
+        offsets = rng.integers(0, 2 * p + 1, size=(total, 2))[start:start + b]
         padded = np.zeros((b, c, h + 2 * p, w + 2 * p), x.dtype)
         padded[:, :, p:p + h, p:p + w] = x
         windows = np.lib.stride_tricks.sliding_window_view(padded, (h, w), axis=(2, 3))  # (B, C, 2p+1, 2p+1, H, W)
         out = windows[np.arange(b), :, offsets[:, 0], offsets[:, 1]]  # advanced indices around a slice: (B, C, H, W)
     if flip:
-        flipped = rng.random(b) < 0.5
+        flipped = (rng.random(total) < 0.5)[start:start + b]
         if out is x:
             out = x.copy()
         out[flipped] = out[flipped][..., ::-1]
@@ -489,14 +492,23 @@ class Batches:
     (x float32 (B, C, H, W) normalised and augmented, contiguous; y int64 (B,) or (B, H, W)) from batch
     `start` on. With `prefetch`, a daemon thread prepares the next two batches while the
     current one trains; `close()` (or leaving a `with` block) stops it.
+
+    With `ranks` > 1 (data parallel) `batch` is the global batch and this stream yields
+    rank `rank`'s part of each: rows [rank*b, (rank+1)*b) with b = batch / ranks, augmented
+    as they are within the whole batch; the ranks' parts are disjoint and together are the
+    batch one process would train on.
     """
 
     _POLL_S = 0.05  # how often a blocked producer or consumer looks at the stop flag
 
-    def __init__(self, dataset, batch, seed, mean, std, crop_padding=0, flip=False, start=0, prefetch=True):
+    def __init__(self, dataset, batch, seed, mean, std, crop_padding=0, flip=False, start=0, prefetch=True, rank=0,
+                 ranks=1):
         if batch < 1 or start < 0 or crop_padding < 0 or seed < 0:
             raise ValueError(f"need batch >= 1, start >= 0, crop_padding >= 0 and seed >= 0; got "
                              f"batch={batch}, start={start}, crop_padding={crop_padding}, seed={seed}")
+        if batch % ranks or not 0 <= rank < ranks:
+            raise ValueError(f"batch {batch} does not split into {ranks} equal parts (rank {rank})")
+        self.rank, self.ranks = rank, ranks
         if len(dataset) == 0:
             raise ValueError(f"data set {dataset.name} is empty")
         c = dataset.x.shape[1]
@@ -531,15 +543,17 @@ class Batches:
         return np.concatenate(parts)
 
     def get(self, i):
-        """Batch i: (x, y), normalised and augmented."""
-        idx = self.indices(i)
+        """Batch i (this rank's part of it): (x, y), normalised and augmented."""
+        part = self.batch // self.ranks
+        start = self.rank * part
+        idx = self.indices(i)[start:start + part]
         x, y = self.dataset.x[idx], self.dataset.y[idx].astype(np.int64)
         if self.crop_padding or self.flip:
-            rng = np.random.default_rng([self.seed, i, 1])
+            rng, within = np.random.default_rng([self.seed, i, 1]), (start, self.batch)
             if y.ndim > 1:  # per-pixel labels move with their pixels
-                x, y = augment(x, rng, self.crop_padding, self.flip, labels=y)
+                x, y = augment(x, rng, self.crop_padding, self.flip, labels=y, within=within)
             else:
-                x = augment(x, rng, self.crop_padding, self.flip)
+                x = augment(x, rng, self.crop_padding, self.flip, within=within)
         x = np.ascontiguousarray(x, dtype=np.float32)
         return _normalize(x, self.mean, self.std), np.ascontiguousarray(y)
 

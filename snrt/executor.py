@@ -24,8 +24,12 @@ class Executor:
     (results/bench_executor.md measures what is left).
     """
 
-    def __init__(self, graph, plan, backend):
+    def __init__(self, graph, plan, backend, group=None):
         self.graph, self.plan, self.backend = graph, plan, backend
+        self.group = group  # the ranks the gradients are summed over (snrt.parallel), for plan.ranks > 1
+        if plan.ranks > 1 and (group is None or group.size != plan.ranks):
+            raise ValueError(f"the plan sums gradients over {plan.ranks} ranks; this process's group has "
+                             f"{getattr(group, 'size', 1)}")
         self.xp = backend.xp
         arena = backend.arena
         self.views = [arena.view(b) if b.offset >= 0 else None for b in plan.buffers]
@@ -44,7 +48,8 @@ class Executor:
         self.waited = []  # copy events waited for this iteration (their times are read at the end)
         self.pending = {}  # buffer id -> copy event
         self.measured_bytes = [0] * len(plan.steps)  # live arena bytes seen at each step
-        self.copy_stats = {"copy_s": 0.0, "stalled_s": 0.0}  # copy time, and how much the compute waited
+        # copy time and how much the compute waited for copies; how long it waited for gradient exchanges
+        self.copy_stats = {"copy_s": 0.0, "stalled_s": 0.0, "exchange_stalled_s": 0.0}
         self.optimizer = None
         self.grad_squares = 0.0  # sum of the squares of this iteration's parameter gradients (clip_norm)
         kinds = [s.kind for s in plan.steps]
@@ -55,7 +60,8 @@ class Executor:
         node_index = {name: i for i, name in enumerate(graph.nodes)}
         binders = {"forward": self._bind_forward, "recompute": self._bind_forward, "backward": self._bind_backward,
                    "update": self._bind_update, "free": self._bind_free, "offload": self._bind_offload,
-                   "prefetch": self._bind_prefetch, "wait": self._bind_wait}
+                   "prefetch": self._bind_prefetch, "wait": self._bind_wait, "allreduce": self._bind_allreduce,
+                   "allreduce_wait": self._bind_allreduce_wait}
         self.actions = [binders[step.kind](step, node_index) for step in plan.steps]
         self.reservations = [tuple(plan.buffers[b] for b in ids) for ids in plan.allocations]
 
@@ -121,9 +127,10 @@ class Executor:
     def _feed(self, feed):
         for name, b in self.plan.inputs:
             self.backend.upload(self.views[b], feed[name])
+        samples = self.plan.batch * self.plan.ranks  # the loss is the mean over every rank's samples
         for _, seed, _, _, weight in self.plan.losses:
             if seed >= 0:
-                self.views[seed].fill(weight / self.plan.batch)
+                self.views[seed].fill(weight / samples)
 
     # ---- binding: one closure per step ------------------------------------------------
     def _context(self, step, node_index):
@@ -155,7 +162,9 @@ class Executor:
                 self._named(step.grad_params))
         sums = tuple((v[g[0]], v[g[1]]) for g in step.grad_inputs if g is not None and g[1] >= 0)
         release, accumulate = ctx.release_scratch, self.backend.accumulate
-        grads, vdot = tuple(v[g] for _, g in step.grad_params), self.xp.vdot
+        # with several ranks the gradients are complete only once summed (see _bind_allreduce_wait)
+        grads = tuple(v[g] for _, g in step.grad_params) if self.plan.ranks == 1 else ()
+        vdot = self.xp.vdot
 
         def run():
             release()
@@ -212,6 +221,39 @@ class Executor:
             waited.append(event)
         return run
 
+    def _bind_allreduce(self, step, node_index):
+        v, copyto, pending = self.views, self.xp.copyto, self.pending
+        gathered = v[step.gathered]
+        packing = tuple(zip(_row_parts(gathered[self.group.rank], [v[g] for g in step.grads]),
+                            (v[g].reshape(-1) for g in step.grads)))
+        start, group = self.backend.start_exchange, self.group
+
+        def run():
+            for slot, grad in packing:
+                copyto(slot, grad)
+            pending[step.gathered] = start(group, gathered)
+        return run
+
+    def _bind_allreduce_wait(self, step, node_index):
+        v, xp, pending, stats = self.views, self.xp, self.pending, self.copy_stats
+        gathered, sums = v[step.gathered], [v[b] for b in step.sums]
+        rows = [_row_parts(row, sums) for row in gathered]  # rows[r][j]: rank r's part of sum j
+        adding = tuple((s.reshape(-1), tuple(row[j] for row in rows)) for j, s in enumerate(sums))
+        vdot = xp.vdot
+
+        def run():
+            started = time.perf_counter()
+            pending.pop(step.gathered).wait()
+            stats["exchange_stalled_s"] += time.perf_counter() - started
+            for total, parts in adding:  # in rank order: ((rank 0 + rank 1) + rank 2) + ...
+                xp.copyto(total, parts[0])
+                for part in parts[1:]:
+                    xp.add(total, part, out=total)
+            if self.optimizer is not None and self.optimizer.clip_norm:
+                for total, _ in adding:
+                    self.grad_squares += float(vdot(total, total))
+        return run
+
     def _bind_free(self, step, node_index):
         buffers, release = tuple(self.plan.buffers[b] for b in step.buffers), self.backend.arena.release
 
@@ -232,3 +274,12 @@ class Executor:
                 if buffer.dtype.startswith("float") and bool(self.xp.isnan(self.views[b]).any()):
                     raise PlanViolation(f"step {i} ({step.kind} {step.node}) reads {buffer.name}, which holds "
                                         "poison: it was freed, never written, or not yet prefetched")
+
+
+def _row_parts(row, arrays):
+    """Consecutive views of the 1-d `row`, one per array of `arrays`, each of its size."""
+    parts, at = [], 0
+    for a in arrays:
+        parts.append(row[at:at + a.size])
+        at += a.size
+    return parts

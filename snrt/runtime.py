@@ -56,7 +56,7 @@ def check_trainable(graph, batch):
 
 
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
-            check=False, values=None, deferred_updates=False):
+            check=False, values=None, deferred_updates=False, group=None):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
     backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
     such pairs) loaded.
@@ -64,15 +64,19 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     `training` False plans the forward pass only; `optimizer_states` names the optimizer's
     buffers of every parameter and `deferred_updates` whether the updates wait for the whole
     backward pass (snrt.optim: `optimizer.plan_options` gives both); `check` is the debug mode
-    (poisoned memory, every step verified against the plan).
+    (poisoned memory, every step verified against the plan). With a `group` of several ranks
+    (snrt.parallel), `batch` is this rank's part and a training plan sums the gradients over
+    the group.
     """
     if training:
         check_trainable(graph, batch)
     device_class = backend_class(backend)
     kernels = device_class.kernel_choice()
+    ranks = group.size if group is not None and training else 1
     plan = make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
-                     cost_model=device_class.cost_model, kernels=kernels, deferred_updates=deferred_updates)
+                     cost_model=device_class.cost_model, kernels=kernels, deferred_updates=deferred_updates,
+                     ranks=ranks)
     device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)
-    runtime = Runtime(plan, device, Executor(graph, plan, device))
+    runtime = Runtime(plan, device, Executor(graph, plan, device, group))
     runtime.load(values or {})
     return runtime

@@ -17,9 +17,10 @@ import numpy as np
 
 from snrt.checkpoint import CheckpointError, describe_batch_change, load_checkpoint, save_checkpoint
 from snrt.data import Batches, eval_batches, load_datasets, normalization
-from snrt.errors import DivergenceError
+from snrt.errors import DivergenceError, SnrtError
 from snrt.init import each_initial_parameter, initial_state
 from snrt.optim import learning_rate, make_optimizer
+from snrt.parallel import Solo
 from snrt.runtime import prepare
 
 
@@ -42,16 +43,27 @@ class Trainer:
 
     `check` turns on the executor's check mode (poisoned memory, live bytes and reads
     verified against the plan after every step).
+
+    Data parallel: with a `group` of several ranks (snrt.parallel.world() under mpiexec), each
+    process trains on its part of every batch (train.batch is the global batch; each rank
+    plans for batch / ranks), the gradients are summed across the ranks in rank order before
+    the updates, so every rank holds the same parameters; BatchNorm normalises with each
+    rank's own statistics and keeps its own running statistics (rank 0's are saved). The
+    loss and accuracy reported are over the whole batch; only rank 0 writes checkpoints.
     """
 
-    def __init__(self, config, backend="cpu", check=False):
+    def __init__(self, config, backend="cpu", check=False, group=None):
         self.config = config
         self.graph = config.graph
         train, memory = config.train, config.memory
+        self.group = group or Solo()
         self.batch = train.batch
+        if self.batch % self.group.size:
+            raise SnrtError(f"{config.source}: train.batch: the batch {self.batch} must split evenly over the "
+                            f"{self.group.size} ranks (it is the global batch); choose a multiple of {self.group.size}")
         self.optimizer = make_optimizer(train.optimizer)
-        self.runtime = prepare(self.graph, self.batch, memory.policy, memory.budget, backend, training=True,
-                               **self.optimizer.plan_options, check=check,
+        self.runtime = prepare(self.graph, self.batch // self.group.size, memory.policy, memory.budget, backend,
+                               training=True, **self.optimizer.plan_options, check=check, group=self.group,
                                values=itertools.chain(each_initial_parameter(self.graph, train.seed, train.init),
                                                       initial_state(self.graph).items()))
         self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor
@@ -79,11 +91,13 @@ class Trainer:
         with self._interrupt_guard(), Batches(
             self.train_set, self.batch, train.seed, self.mean, self.std,
             crop_padding=train.data.crop_padding, flip=train.data.flip, start=self.iteration,
+            rank=self.group.rank, ranks=self.group.size,
         ) as batches:
             stream = iter(batches)
             while self.iteration < total and not self.stop_requested:
                 x, y = next(stream)
                 metrics = self.step(x, y, total)
+                self._agree_to_stop()
                 history.append(metrics)
                 if on_iteration:
                     on_iteration(metrics)
@@ -92,6 +106,16 @@ class Trainer:
             if checkpoint:  # still guarded: a signal now lets the write finish
                 self.save(checkpoint)
         return history
+
+    def _agree_to_stop(self):
+        """With several ranks, every rank stops after the iteration at which any rank was asked to
+        (a signal reaches the ranks at different moments)."""
+        if self.group.size > 1:
+            reason = self.stop_reason
+            sigint, sigterm, other = self.group.sum([reason == signal.SIGINT, reason == signal.SIGTERM,
+                                                     reason is not None and reason not in _SIGNALS])
+            if reason is None and (sigint or sigterm or other):
+                self.stop_reason = signal.SIGTERM if sigterm else signal.SIGINT if sigint else "another rank stopped"
 
     @property
     def stop_requested(self):
@@ -107,10 +131,14 @@ class Trainer:
             losses, correct = self.executor.run({"data": x, "label": y}, self.iteration, train.seed, self.optimizer, lr)
         self.backend.synchronize()
         seconds = time.perf_counter() - start
-        loss = float(losses.mean())
+        if self.group.size == 1:
+            loss, accuracy = float(losses.mean()), float(correct.mean())
+        else:  # over every rank's samples (the ranks' parts are equal)
+            loss, accuracy = (self.group.sum([losses.sum(dtype=np.float64), correct.sum(dtype=np.float64)])
+                              / self.batch).tolist()
         if not math.isfinite(loss):
             raise DivergenceError(self._divergence_message(loss, lr))
-        metrics = Metrics(self.iteration, loss, float(correct.mean()), lr, seconds, len(y) / seconds,
+        metrics = Metrics(self.iteration, loss, accuracy, lr, seconds, self.batch / seconds,
                           self.backend.arena.peak_bytes)
         self.iteration += 1
         return metrics
@@ -145,15 +173,16 @@ class Trainer:
     def evaluate(self, dataset=None):
         """(mean loss, accuracy) over `dataset` (default: the held-out split), in eval mode."""
         dataset = dataset if dataset is not None else self.heldout_set
-        forward = prepare(self.graph, self.batch, "liveness", backend=self._backend_name, training=False,
+        forward = prepare(self.graph, self.plan.batch, "liveness", backend=self._backend_name, training=False,
                           check=self._check, values=self.host_arrays(("parameter", "state")))
         loss_sum, correct, seen = 0.0, 0.0, 0
         try:
-            for x, y in eval_batches(dataset, self.batch, self.mean, self.std):
+            batch = self.plan.batch  # this rank's part of a training batch
+            for x, y in eval_batches(dataset, batch, self.mean, self.std):
                 valid = len(y)
-                if valid < self.batch:  # pad the last batch; only the real samples count
-                    x = np.concatenate([x, np.repeat(x[-1:], self.batch - valid, axis=0)])
-                    y = np.concatenate([y, np.repeat(y[-1:], self.batch - valid, axis=0)])
+                if valid < batch:  # pad the last batch; only the real samples count
+                    x = np.concatenate([x, np.repeat(x[-1:], batch - valid, axis=0)])
+                    y = np.concatenate([y, np.repeat(y[-1:], batch - valid, axis=0)])
                 losses, right = forward.executor.run({"data": x, "label": y}, self.iteration, self.config.train.seed)
                 loss_sum += float(losses[:valid].sum())
                 correct += float(right[:valid].sum())  # per-sample accuracies (per-pixel: fractions)
@@ -169,7 +198,9 @@ class Trainer:
 
     def save(self, path):
         """Write parameters, optimizer state, BatchNorm statistics and the iteration atomically,
-        one tensor in memory at a time (see snrt/checkpoint.py)."""
+        one tensor in memory at a time (see snrt/checkpoint.py). Only rank 0 writes."""
+        if self.group.rank != 0:
+            return
         tensors = ((f"{node}:{name}", fetch) for node, name, fetch in
                    self.runtime.persistent_tensors(("parameter", "optimizer_state", "state")))
         save_checkpoint(path, tensors, {"iteration": self.iteration, "seed": self.config.train.seed,
@@ -205,3 +236,6 @@ class Trainer:
         self.runtime.load({(node, name): arrays[key] for key, (node, name) in expected.items()})
         self.iteration = int(meta["iteration"])
         return describe_batch_change(meta.get("batch"), self.batch)
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)

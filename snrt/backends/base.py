@@ -23,6 +23,16 @@ class CopyEvent(ABC):
         """Order what the compute stream runs next after the copy (re-raising its error, if any)."""
 
 
+class _Request(CopyEvent):
+    """A non-blocking MPI collective as an event."""
+
+    def __init__(self, request):
+        self.request = request
+
+    def wait(self):
+        self.request.Wait()
+
+
 class Backend(ABC):
     """A device for one plan: `arena_bytes` of device memory, `host_bytes` of host store.
 
@@ -59,6 +69,13 @@ class Backend(ABC):
     def accumulate(self, total, part):
         """total += part on the device: one more contribution to a gradient with several."""
         total += part
+
+    def start_exchange(self, group, gathered):
+        """Start exchanging the rows of the device array `gathered` (ranks, n) among the ranks
+        of `group` (snrt.parallel), in place: row r is rank r's part. Returns an event whose
+        `wait()` orders what the compute stream runs next after the exchange. Here: MPI's
+        non-blocking allgather on host memory."""
+        return _Request(group.start_allgather(gathered))
 
     def upload(self, view, array):
         """Copy host `array` into the device array `view`."""

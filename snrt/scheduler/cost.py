@@ -21,6 +21,8 @@ class CostModel:
     memory_bytes_per_s: float = 11e9
     copy_bytes_per_s: float = 5e9
     step_overhead_s: float = 110e-6
+    link_bytes_per_s: float = 4e9  # what one rank receives per second in a collective
+    collective_latency_s: float = 50e-6
 
     def kernel_s(self, cost):
         """Seconds for one kernel call of Cost `cost`."""
@@ -30,9 +32,15 @@ class CostModel:
         """Seconds to copy `nbytes` between host and device."""
         return nbytes / self.copy_bytes_per_s
 
+    def exchange_s(self, nbytes, ranks):
+        """Seconds to exchange a bucket of `nbytes` per rank among `ranks` ranks (an allgather:
+        each rank receives the other ranks' slots)."""
+        return self.collective_latency_s * (ranks - 1) + (ranks - 1) * nbytes / self.link_bytes_per_s
+
 
 CPU = CostModel()
-CUDA = CostModel(flops_per_s=8e12, memory_bytes_per_s=500e9, copy_bytes_per_s=12e9, step_overhead_s=10e-6)
+CUDA = CostModel(flops_per_s=8e12, memory_bytes_per_s=500e9, copy_bytes_per_s=12e9, step_overhead_s=10e-6,
+                 link_bytes_per_s=20e9, collective_latency_s=20e-6)
 
 
 def step_cost(step, graph, batch):
@@ -44,6 +52,10 @@ def step_cost(step, graph, batch):
         return node.layer.cost(graph.in_shapes(node.name, batch), phase)
     if step.kind == "update":
         return Cost(flops=0, bytes=update_bytes(graph, step.node, len(step.slots[0][2])))
+    if step.kind == "allreduce":  # packing the bucket into this rank's slot
+        return Cost(flops=0, bytes=2 * step.nbytes)
+    if step.kind == "allreduce_wait":  # adding the ranks' slots into the summed gradients
+        return Cost(flops=step.nbytes // FLOAT32_BYTES * (step.ranks - 1), bytes=(step.ranks + 1) * step.nbytes)
     return None
 
 
@@ -64,19 +76,24 @@ def simulate(steps, buffers, seconds, model):
     """(iteration seconds, exposed copy seconds) with copies on their own FIFO streams.
 
     `seconds[i]` is step i's compute time. An offload or prefetch starts when issued (and
-    its stream is free); a wait stalls the compute stream until that copy is done.
+    its stream is free), an allreduce's exchange once its packing is done (and the previous
+    exchange is over); a wait stalls the compute stream until that copy or exchange is done.
     """
     now = 0.0
-    stream_free = {"offload": 0.0, "prefetch": 0.0}
+    stream_free = {"offload": 0.0, "prefetch": 0.0, "allreduce": 0.0}
     done = {}
     stalled = 0.0
     for step, s in zip(steps, seconds):
-        if step.kind in stream_free:
+        if step.kind == "allreduce":
+            start = max(now + s, stream_free["allreduce"])
+            stream_free["allreduce"] = done[step.gathered] = start + model.exchange_s(step.nbytes, step.ranks)
+        elif step.kind in stream_free:
             start = max(now, stream_free[step.kind])
             stream_free[step.kind] = done[step.buffer] = start + model.copy_s(buffers[step.buffer].nbytes)
-        elif step.kind == "wait":
-            if done[step.buffer] > now:
-                stalled += done[step.buffer] - now
-                now = done[step.buffer]
+        elif step.kind in ("wait", "allreduce_wait"):
+            ready = done[step.buffer if step.kind == "wait" else step.gathered]
+            if ready > now:
+                stalled += ready - now
+                now = ready
         now += s
     return now, stalled

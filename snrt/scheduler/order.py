@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from snrt.layers.base import BACKWARD, FORWARD, LAYER_KERNELS, numel
 from snrt.layers.input import Input
 from snrt.scheduler.plan import Backward, Buffer, Forward, Update
+from snrt.scheduler.reduce import BUCKET_BYTES, plan_reduction
 
 ITEMSIZE = {"float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 
@@ -27,18 +28,21 @@ class Iteration:
 
 
 def build_iteration(graph, batch, training=True, optimizer_states=("momentum",), dtype="float32", kernels=LAYER_KERNELS,
-                    deferred_updates=False):
+                    deferred_updates=False, ranks=1, bucket_bytes=BUCKET_BYTES):
     """Buffers and compute steps of one iteration (forward only when not `training`).
 
     `kernels` (a kernel choice, see snrt.layers.base.LayerKernels) sizes the workspaces for
     the kernels a backend will run. Each layer's update follows its backward step, or, with
-    `deferred_updates`, all updates follow the last backward step (in the same order).
+    `deferred_updates`, all updates follow the last backward step (in the same order). With
+    several `ranks` the gradients are summed across them in buckets of about `bucket_bytes`
+    before the (deferred) updates: see snrt/scheduler/reduce.py.
     """
     table = BufferTable()
     builder = _StepBuilder(graph, batch, table, dtype, kernels)
     steps = builder.forward_steps()
     if training:
-        steps += builder.backward_steps(optimizer_states, deferred_updates)
+        steps += builder.backward_steps(optimizer_states, deferred_updates or ranks > 1)
+        steps = plan_reduction(steps, table, ranks, bucket_bytes)
     return Iteration(table.buffers, steps, tuple(builder.input_buffers), builder.loss_buffers(), builder.output)
 
 

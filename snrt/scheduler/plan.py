@@ -10,9 +10,11 @@ Same graph and options give a byte-identical `to_json()`.
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-ROLES = ("activation", "gradient", "parameter", "parameter_gradient", "optimizer_state", "state", "aux", "workspace")
+ROLES = ("activation", "gradient", "parameter", "parameter_gradient", "optimizer_state", "state", "aux", "workspace",
+         "collective")
 PERSISTENT_ROLES = ("parameter", "optimizer_state", "state")
-STEP_KINDS = ("forward", "recompute", "backward", "update", "offload", "prefetch", "wait", "free")
+STEP_KINDS = ("forward", "recompute", "backward", "update", "offload", "prefetch", "wait", "free", "allreduce",
+              "allreduce_wait")
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,45 @@ class Wait:
 
 
 @dataclass(frozen=True)
+class AllReduce:
+    """Start summing one bucket of parameter gradients, `grads`, across the `ranks` processes
+    (non-blocking): this rank packs them, in order, into its slot of `gathered` (`ranks` slots
+    of `nbytes` each, slot r for rank r) and the slots are exchanged (an allgather on the
+    communicator) while the backward pass goes on."""
+
+    grads: tuple
+    gathered: int
+    nbytes: int
+    ranks: int
+    kind: str = field(default="allreduce", init=False)
+
+    def reads(self):
+        return self.grads
+
+    def writes(self):
+        return (self.gathered,)
+
+
+@dataclass(frozen=True)
+class AllReduceWait:
+    """Wait for the exchange of `gathered` (see AllReduce), then write into `sums[j]` the sum of
+    every rank's j-th gradient of the bucket, added in rank order (slot 0 + slot 1 + ...), so
+    the result does not depend on how the engine groups a reduction."""
+
+    gathered: int
+    sums: tuple
+    nbytes: int
+    ranks: int
+    kind: str = field(default="allreduce_wait", init=False)
+
+    def reads(self):
+        return (self.gathered,)
+
+    def writes(self):
+        return self.sums
+
+
+@dataclass(frozen=True)
 class Free:
     """Buffers whose last use has passed; their bytes may be reused."""
 
@@ -175,6 +216,7 @@ class Plan:
     predicted_s: float = 0.0  # iteration time by the cost model, copies on their streams
     stall_s: float = 0.0  # of which the compute stream waits for copies
     recompute_flops: int = 0
+    ranks: int = 1  # data-parallel processes; the loss is the mean over all ranks' samples
 
     @property
     def peak_bytes(self):
@@ -242,6 +284,10 @@ class Plan:
         names = self._names
         if step.kind in ("offload", "prefetch", "wait"):
             what = self.buffers[step.buffer].name
+        elif step.kind == "allreduce":
+            what = f"{self.buffers[step.gathered].name}  from [{names(step.grads)}]"
+        elif step.kind == "allreduce_wait":
+            what = f"{self.buffers[step.gathered].name}  into [{names(step.sums)}]"
         elif step.kind == "free":
             what = names(step.buffers)
         else:
@@ -263,7 +309,8 @@ class Plan:
         doc = json.loads(text)
         doc.pop("peak_bytes")
         step_types = {"forward": Forward, "recompute": Forward, "backward": Backward, "update": Update,
-                      "offload": Offload, "prefetch": Prefetch, "wait": Wait, "free": Free}
+                      "offload": Offload, "prefetch": Prefetch, "wait": Wait, "free": Free, "allreduce": AllReduce,
+                      "allreduce_wait": AllReduceWait}
         steps = []
         for s in doc["steps"]:
             kind = s.pop("kind")
@@ -305,8 +352,9 @@ def _remap_value(value, mapping):
 
 
 # per step type, the fields that hold buffer ids (`source` names a host slot)
-_REMAPPED = {cls: tuple(f.name for f in fields(cls) if f.name not in ("node", "kind", "recompute", "source"))
-             for cls in (Forward, Backward, Update, Offload, Prefetch, Wait, Free)}
+_REMAPPED = {cls: tuple(f.name for f in fields(cls)
+                       if f.name not in ("node", "kind", "recompute", "source", "nbytes", "ranks"))
+             for cls in (Forward, Backward, Update, Offload, Prefetch, Wait, Free, AllReduce, AllReduceWait)}
 
 
 def _some(buffer_id):

@@ -19,6 +19,7 @@ from snrt.scheduler.offsets import assign_offsets
 from snrt.scheduler.order import BufferTable, build_iteration
 from snrt.scheduler.plan import PERSISTENT_ROLES, Plan
 from snrt.scheduler.policies import AUTO, POLICIES, policy_named
+from snrt.scheduler.reduce import BUCKET_BYTES
 from snrt.scheduler.recompute import plan_recomputation, speed_segments_that_fit, version_buffers
 from snrt.summary import human_bytes
 
@@ -38,6 +39,8 @@ class PlanOptions:
     cost_model: CostModel = cost_models.CPU
     dtype: str = "float32"
     kernels: object = LAYER_KERNELS
+    ranks: int = 1
+    bucket_bytes: int = BUCKET_BYTES
 
 
 class BudgetError(SnrtError):
@@ -50,7 +53,7 @@ class BudgetError(SnrtError):
 
 def make_plan(graph, batch, policy="none", budget=None, training=True, optimizer_states=("momentum",),
               cost_model=cost_models.CPU, dtype="float32", kernels=LAYER_KERNELS, hide_copies=True,
-              deferred_updates=False):
+              deferred_updates=False, ranks=1, bucket_bytes=BUCKET_BYTES):
     """The Plan of one iteration of `graph` at `batch` under `policy` (a name of
     snrt/scheduler/policies.py, or "auto").
 
@@ -62,9 +65,12 @@ def make_plan(graph, batch, policy="none", budget=None, training=True, optimizer
     and the plan counts them) instead of each right after its layer's backward; `kernels` see
     PlanOptions. A copying policy prefetches early enough to hide its copies behind compute,
     and, when that plan exceeds the budget, just in time (smaller, slower); `hide_copies`
-    False asks for the just-in-time plan directly.
+    False asks for the just-in-time plan directly. With several `ranks` (data parallel), each
+    rank runs this plan on its `batch` samples and the parameter gradients are summed across
+    the ranks in buckets of about `bucket_bytes` (snrt/scheduler/reduce.py).
     """
-    opts = PlanOptions(training, tuple(optimizer_states), deferred_updates, cost_model, dtype, kernels)
+    opts = PlanOptions(training, tuple(optimizer_states), deferred_updates, cost_model, dtype, kernels, ranks,
+                       bucket_bytes)
     # The passes make hundreds of thousands of small objects that reference counting frees; the
     # cyclic collector, triggered by their sheer number, would walk every live plan object again
     # and again (a third of ResNet-2500's planning time). It runs again when planning is done.
@@ -179,7 +185,7 @@ class _Assembled:
         if key != cls.key:
             cls.key, cls.plans = key, {}
             cls.iteration = build_iteration(graph, batch, opts.training, opts.optimizer_states, opts.dtype,
-                                            opts.kernels, opts.deferred_updates)
+                                            opts.kernels, opts.deferred_updates, opts.ranks, opts.bucket_bytes)
         return cls.iteration
 
 
@@ -190,7 +196,7 @@ def _seconds_of(graph, batch, cost_model):
     def seconds(steps):
         out = []
         for s in steps:
-            key = (s.kind, getattr(s, "node", None))
+            key = (s.kind, getattr(s, "node", None), getattr(s, "nbytes", 0))
             if key not in known:
                 known[key] = cost_models.step_seconds(s, graph, batch, cost_model)
             out.append(known[key])
@@ -237,7 +243,7 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
                           for s in steps if s.kind == "recompute")
     plan = Plan(batch, policy.name, training, tuple(buffers), tuple(steps), tuple(device_bytes), arena_bytes,
                 host_bytes, tuple(allocations), tuple(it.inputs), it.losses,
-                predicted_s=predicted_s, stall_s=stall_s, recompute_flops=recompute_flops)
+                predicted_s=predicted_s, stall_s=stall_s, recompute_flops=recompute_flops, ranks=opts.ranks)
     return plan, segments
 
 

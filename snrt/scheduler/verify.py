@@ -2,7 +2,8 @@
 
 `verify_plan` walks the steps once and raises PlanError when a step reads a buffer that is
 not alive or holds nothing yet, when a buffer is freed twice or never allocated, when a wait
-has no copy to wait for, when two buffers alive at the same time overlap in the arena, when
+has no copy (or gradient exchange) to wait for, when an update reads a gradient that was
+not summed across the ranks of a data-parallel plan, when two buffers alive at the same time overlap in the arena, when
 the predicted bytes disagree with the walk, or when the arena exceeds a budget.
 """
 
@@ -21,6 +22,7 @@ def verify_plan(plan, budget=None):
     alive = set(persistent)
     holding = set(persistent) | fed  # alive and written (or being copied in)
     in_flight = set()
+    summed = set()  # gradients summed across the ranks
     live_bytes = sum(buffers[b].nbytes for b in persistent)
     _check_offsets(buffers, persistent, "persistent buffers")
     for i, step in enumerate(plan.steps):
@@ -46,10 +48,18 @@ def verify_plan(plan, budget=None):
             in_flight.add(step.buffer)
             if step.kind == "prefetch" and buffers[step.source].host_slot < 0:
                 raise PlanError(f"{where}: prefetches from {buffers[step.source].name}, which has no host slot")
-        elif step.kind == "wait":
-            if step.buffer not in in_flight:
-                raise PlanError(f"{where}: waits for {buffers[step.buffer].name}, which has no copy in flight")
-            in_flight.discard(step.buffer)
+        elif step.kind == "allreduce":
+            in_flight.add(step.gathered)
+        elif step.kind in ("wait", "allreduce_wait"):
+            b = step.buffer if step.kind == "wait" else step.gathered
+            if b not in in_flight:
+                raise PlanError(f"{where}: waits for {buffers[b].name}, which has no copy in flight")
+            in_flight.discard(b)
+            summed.update(step.writes())
+        elif step.kind == "update" and plan.ranks > 1:
+            for _, g, _, _ in step.slots:
+                if g not in summed:
+                    raise PlanError(f"{where}: updates with {buffers[g].name}, which was not summed across ranks")
         elif step.kind == "free":
             for b in step.buffers:
                 if b not in alive or b in persistent:

@@ -82,6 +82,8 @@ def build_parser():
                       help="list what the detailed plan does with each layer's output: keep, recompute, offload")
     plan.add_argument("--png", help="write the memory timeline of the detailed plan to this PNG file")
     plan.add_argument("--save", help="write the detailed plan as JSON to this file")
+    plan.add_argument("--ranks", type=_positive_int, default=1,
+                      help="plan one rank of a data-parallel run on this many processes (batch = the global batch)")
     plan.set_defaults(run=run_plan, data=None)
 
     tune = commands.add_parser("tune", help="the largest batch each policy fits in a budget, predicted images/s, "
@@ -178,7 +180,8 @@ def run_inspect(args, console):
 
 def plan_headline(plan):
     """A table of the plan's device bytes by role: at the peak step, and summed over buffers."""
-    table = Table(title=f"memory plan: {plan.policy}, batch {plan.batch}")
+    ranks = f" on each of {plan.ranks} ranks" if plan.ranks > 1 else ""
+    table = Table(title=f"memory plan: {plan.policy}, batch {plan.batch}{ranks}")
     table.add_column("role", no_wrap=True)
     table.add_column("at peak", justify="right", no_wrap=True)
     table.add_column("all buffers", justify="right", no_wrap=True)
@@ -193,6 +196,9 @@ def plan_headline(plan):
         to_host, to_device = plan.copied_bytes()
         table.add_row("host store", human_bytes(plan.host_bytes), "")
         table.add_row("copied per iteration", f"{human_bytes(to_host)} out", f"{human_bytes(to_device)} back")
+    if plan.ranks > 1:
+        buckets = sum(s.kind == "allreduce" for s in plan.steps)
+        table.add_row("gradients exchanged", human_bytes(plan.exchanged_bytes()), f"in {buckets} buckets")
     table.add_row("predicted iteration", f"{plan.predicted_s:.3f} s", f"{plan.stall_s:.3f} s waiting on copies")
     return table
 
@@ -227,6 +233,8 @@ def policy_row(plan, budget):
         "predicted_s": plan.predicted_s,
         "exposed_copy_s": plan.stall_s,
         "fits_budget": None if budget is None else plan.arena_bytes <= budget,
+        "ranks": plan.ranks,
+        "exchanged_bytes": plan.exchanged_bytes(),
     }
 
 
@@ -234,8 +242,12 @@ def run_plan(args, console):
     from snrt.scheduler.planner import make_plan
 
     config = load_config(args.config, _overrides(args))
-    batch, budget = config.train.batch, config.memory.budget
-    update = make_optimizer(config.train.optimizer).plan_options  # planned as training plans it
+    budget, ranks = config.memory.budget, args.ranks
+    if config.train.batch % ranks:
+        raise SnrtError(f"{args.config}: train.batch: the batch {config.train.batch} must split evenly over the "
+                        f"{ranks} ranks (it is the global batch); choose a multiple of {ranks}")
+    batch = config.train.batch // ranks  # each rank's
+    update = {**make_optimizer(config.train.optimizer).plan_options, "ranks": ranks}  # planned as training plans it
     rows, plans = [], {}
     with console.status("planning...") as status:
         for policy in policies.POLICIES:
@@ -251,8 +263,8 @@ def run_plan(args, console):
         chosen_row = policy_row(detail, budget)
         if args.layers:
             chosen_row["layers"] = detail.node_decisions()
-        print(json.dumps({"network": config.name, "batch": batch, "budget_bytes": budget, "policies": rows,
-                          "chosen": chosen_row}, indent=2))
+        print(json.dumps({"network": config.name, "batch": batch, "ranks": ranks, "budget_bytes": budget,
+                          "policies": rows, "chosen": chosen_row}, indent=2))
     else:
         console.print(_policy_table(config, batch, budget, rows))
         console.print(plan_headline(detail))
@@ -271,7 +283,9 @@ def run_plan(args, console):
 
 
 def _policy_table(config, batch, budget, rows):
-    title = f"{config.name}: memory plans at batch {batch}" + (f", budget {human_bytes(budget)}" if budget else "")
+    ranks = rows[0]["ranks"] if rows else 1
+    each = f" on each of {ranks} ranks" if ranks > 1 else ""
+    title = f"{config.name}: memory plans at batch {batch}{each}" + (f", budget {human_bytes(budget)}" if budget else "")
     table = Table(title=title)
     for header in ("policy", "peak", "arena", "act+grad@peak", "offloaded", "recomputed", "predicted", "stalls",
                    "fits"):

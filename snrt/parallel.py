@@ -21,6 +21,7 @@ from snrt.errors import SnrtError
 
 LAUNCHER_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 LAUNCHER_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
+LAUNCHER_LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")  # rank among this host's
 
 
 class Solo:
@@ -78,6 +79,11 @@ def launcher_size():
 def launcher_rank():
     """This process's rank among those an MPI launcher started (0 without a launcher)."""
     return _launcher_value(LAUNCHER_RANK_VARIABLES, 0)
+
+
+def launcher_local_rank():
+    """This process's rank among the processes the launcher started on this host (its GPU)."""
+    return _launcher_value(LAUNCHER_LOCAL_RANK_VARIABLES, 0)
 
 
 def _launcher_value(names, default):

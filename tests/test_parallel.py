@@ -1,6 +1,8 @@
 """Data parallel in one process: ranks as threads (tests/threadgroup.py), so the executor's
 exchange steps, the split of the batch and the agreements run without MPI."""
 
+import json
+
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
@@ -130,3 +132,16 @@ def test_the_ranks_parts_of_a_batch_are_disjoint_and_together_the_batch(ranks):
         parts = [batches(r, ranks).get(i) for r in range(ranks)]
         assert np.array_equal(np.concatenate([p[0] for p in parts]), x)
         assert np.array_equal(np.concatenate([p[1] for p in parts]), y)
+
+
+def test_snrt_plan_shows_one_rank_of_a_data_parallel_run(capsys):
+    from snrt.cli import main
+
+    assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--ranks", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    params = snrt.load_config("configs/cifar_resnet20.yaml").graph.num_params() * 4
+    assert report["batch"] == 4 and report["ranks"] == 2
+    for row in report["policies"]:
+        assert row["ranks"] == 2 and row["exchanged_bytes"] == params
+    assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--ranks", "3"]) == 2
+    assert "must split evenly over the 3 ranks" in " ".join(capsys.readouterr().err.split())

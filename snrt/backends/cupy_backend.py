@@ -21,6 +21,10 @@ cuda_layers.py (the kernels), cudnn_graphs.py and cuda_kernels.py (the per-layer
   before the offload or prefetch step is done), timed by start/end events on its copy
   stream; `wait` makes the compute stream wait on the end event (the host does not block);
 - copies: `cudaMemcpyAsync` between arena offsets and host slots;
+- data parallel: one GPU per rank (the launcher's local rank modulo the GPUs this process
+  sees), the gradient exchange an in-place NCCL allgather (`cupy.cuda.nccl`, the
+  nvidia-nccl-cu12 wheel) on a collective stream of its own, its communicator made on the
+  first exchange from a unique id that rank 0 sends over MPI;
 - the allocator: `cupy.cuda.set_allocator` (see below);
 - kernels: NVRTC-compiled `RawModule` (cuda_source.KERNEL_SOURCE), cuBLAS SGEMM through
   `cupy_backends.cuda.libs.cublas`, cuDNN frontend graphs (cudnn_graphs), and CuPy's own
@@ -59,7 +63,10 @@ from snrt.backends.cuda_kernels import CudaKernels
 from snrt.errors import SnrtError
 from snrt.memory.arena import Arena
 from snrt.memory.host import HostStore
+from snrt.parallel import launcher_local_rank, launcher_size
 from snrt.scheduler import cost
+
+NCCL_TYPES = {"float32": 7, "float64": 8}  # ncclFloat32, ncclFloat64 (nccl.h's ncclDataType_t)
 
 
 class ArenaAllocationError(SnrtError):
@@ -181,6 +188,8 @@ class CupyBackend(Backend):
         return default_kernels()
 
     def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None, profile=False):
+        if launcher_size() > 1:  # one GPU per rank
+            cupy.cuda.Device(launcher_local_rank() % runtime.getDeviceCount()).use()
         super().__init__(arena_bytes, host_bytes, check, kernels)
         self.profile = profile
         self.lazy = check
@@ -190,6 +199,8 @@ class CupyBackend(Backend):
         self.compute_stream, self.guard = self._device.compute_stream, self._device.guard
         self.to_host_stream = cupy.cuda.Stream(non_blocking=True)
         self.to_device_stream = cupy.cuda.Stream(non_blocking=True)
+        self.collective_stream = cupy.cuda.Stream(non_blocking=True)
+        self._nccl = None  # the NCCL communicator, made by the first exchange
         self._baseline_free_bytes = runtime.memGetInfo()[0]
         self._outside_baseline_bytes = self.guard.pool.total_bytes()
         self._arena_pool = cupy.cuda.MemoryPool()
@@ -250,6 +261,31 @@ class CupyBackend(Backend):
         return self._copy(self.to_device_stream, target, self._host_address(source), source.nbytes,
                           runtime.memcpyHostToDevice, f"prefetch {buffer.name}")
 
+    # ---- gradient exchange -----------------------------------------------------------------
+    def start_exchange(self, group, gathered):
+        """NCCL's in-place allgather of the rows of `gathered` (ranks, n) on the collective
+        stream, after what the compute stream queued before (the packing of this rank's row);
+        the event's `wait` makes the compute stream wait for it."""
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(self.compute_stream)
+        event = CudaCopyEvent(self.compute_stream, "gradient exchange")
+        communicator, stream = self._communicator(group), self.collective_stream
+        count = gathered.size // group.size
+        stream.wait_event(ready)
+        event.start.record(stream)
+        communicator.allGather(gathered[group.rank].data.ptr, gathered.data.ptr, count,
+                               NCCL_TYPES[gathered.dtype.name], stream.ptr)
+        event.end.record(stream)
+        return event
+
+    def _communicator(self, group):
+        if self._nccl is None:
+            from cupy.cuda import nccl
+
+            unique_id = group.broadcast(nccl.get_unique_id() if group.rank == 0 else None)
+            self._nccl = nccl.NcclCommunicator(group.size, unique_id, group.rank)
+        return self._nccl
+
     # ---- host side -----------------------------------------------------------------------
     def to_host(self, array):
         """A host (NumPy) copy (waits for the compute stream)."""
@@ -262,7 +298,7 @@ class CupyBackend(Backend):
 
     def synchronize(self):
         """Wait for the compute and both copy streams."""
-        for stream in (self.compute_stream, self.to_host_stream, self.to_device_stream):
+        for stream in (self.compute_stream, self.to_host_stream, self.to_device_stream, self.collective_stream):
             stream.synchronize()
 
     def timeline(self):

@@ -258,6 +258,11 @@ class Plan:
         return tuple(sum(self.buffers[s.buffer].nbytes for s in self.steps if s.kind == kind)
                      for kind in ("offload", "prefetch"))
 
+    def exchanged_bytes(self):
+        """Bytes of parameter gradients each rank sends to the others in one iteration (its
+        slot of every bucket; 0 for one rank)."""
+        return sum(s.nbytes for s in self.steps if s.kind == "allreduce")
+
     def node_decisions(self):
         """{node: what the plan does with its output between its forward (or, for an input,
         being fed) and the backward pass}, inputs first, then in forward order: "recompute"

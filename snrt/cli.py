@@ -247,7 +247,8 @@ def run_plan(args, console):
         raise SnrtError(f"{args.config}: train.batch: the batch {config.train.batch} must split evenly over the "
                         f"{ranks} ranks (it is the global batch); choose a multiple of {ranks}")
     batch = config.train.batch // ranks  # each rank's
-    update = {**make_optimizer(config.train.optimizer).plan_options, "ranks": ranks}  # planned as training plans it
+    update = {**make_optimizer(config.train.optimizer).plan_options, "ranks": ranks,  # planned as training plans it
+              "bucket_bytes": config.train.gradient_bucket}
     rows, plans = [], {}
     with console.status("planning...") as status:
         for policy in policies.POLICIES:

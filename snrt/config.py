@@ -118,6 +118,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint_every: int = 0  # iterations between checkpoints (0: only at the end)
     eval_every: int = 0  # iterations between held-out evaluations (0: only at the end)
+    gradient_bucket: Bytes = 25 * 2**20  # data parallel: gradients exchanged per bucket (snrt/scheduler/reduce.py)
 
 
 @dataclass
@@ -147,7 +148,7 @@ CHOICES = {
     (TrainConfig, "init"): ("default", "he", "xavier"),
     (MemoryConfig, "policy"): policies.CHOICES,
 }
-POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "iterations"), (OptimizerConfig, "lr"), (ParamGroup, "lr_scale"),
+POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "gradient_bucket"), (TrainConfig, "iterations"), (OptimizerConfig, "lr"), (ParamGroup, "lr_scale"),
             (DataConfig, "samples"), (DataConfig, "holdout"), (OptimizerConfig, "eps")}
 BELOW_ONE = {(DataConfig, "holdout"), (OptimizerConfig, "beta1"), (OptimizerConfig, "beta2")}  # fractions
 
@@ -370,9 +371,12 @@ def _check_setting(source, key, cls, name, annotation, value):
         if value is None:
             return None
         try:
-            return parse_bytes(value)
+            value = parse_bytes(value)
         except ValueError as e:
             raise ConfigError(source, key, str(e)) from None
+        if (cls, name) in POSITIVE and value <= 0:
+            raise ConfigError(source, key, f"expected a positive byte size, got {value!r}")
+        return value
     if annotation is str and not (value is None and name == "path"):
         if not isinstance(value, str):
             raise ConfigError(source, key, f"expected a string, got {_kind(value)}")

@@ -12,6 +12,7 @@ from snrt.errors import SnrtError
 from snrt.executor import Executor
 from snrt.scheduler.plan import PERSISTENT_ROLES
 from snrt.scheduler.planner import make_plan
+from snrt.scheduler.reduce import BUCKET_BYTES
 
 
 @dataclass
@@ -56,7 +57,7 @@ def check_trainable(graph, batch):
 
 
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
-            check=False, values=None, deferred_updates=False, group=None):
+            check=False, values=None, deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
     backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
     such pairs) loaded.
@@ -66,7 +67,7 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     backward pass (snrt.optim: `optimizer.plan_options` gives both); `check` is the debug mode
     (poisoned memory, every step verified against the plan). With a `group` of several ranks
     (snrt.parallel), `batch` is this rank's part and a training plan sums the gradients over
-    the group.
+    the group in buckets of about `bucket_bytes`.
     """
     if training:
         check_trainable(graph, batch)
@@ -75,7 +76,7 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     ranks = group.size if group is not None and training else 1
     plan = make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
                      cost_model=device_class.cost_model, kernels=kernels, deferred_updates=deferred_updates,
-                     ranks=ranks)
+                     ranks=ranks, bucket_bytes=bucket_bytes)
     device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)
     runtime = Runtime(plan, device, Executor(graph, plan, device, group))
     runtime.load(values or {})

@@ -145,3 +145,18 @@ def test_snrt_plan_shows_one_rank_of_a_data_parallel_run(capsys):
         assert row["ranks"] == 2 and row["exchanged_bytes"] == params
     assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--ranks", "3"]) == 2
     assert "must split evenly over the 3 ranks" in " ".join(capsys.readouterr().err.split())
+
+
+def test_the_bucket_size_changes_when_gradients_travel_not_the_result():
+    small = with_settings(resnet(), train={"gradient_bucket": "16KiB"})
+
+    def work(group):
+        trainer = Trainer(small, group=group)
+        trainer.fit(iterations=2)
+        return sum(s.kind == "allreduce" for s in trainer.plan.steps), trainer.host_arrays(ROLES)
+    with threadpool_limits(1):
+        (buckets, arrays), _ = run_ranks(2, work)
+    assert buckets > 10
+    (_, reference), _ = train(resnet(), 2, iterations=2)
+    for key, value in reference.items():
+        assert np.array_equal(arrays[key], value), key

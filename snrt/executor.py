@@ -48,8 +48,12 @@ class Executor:
         self.waited = []  # copy events waited for this iteration (their times are read at the end)
         self.pending = {}  # buffer id -> copy event
         self.measured_bytes = [0] * len(plan.steps)  # live arena bytes seen at each step
-        # copy time and how much the compute waited for copies; how long it waited for gradient exchanges
-        self.copy_stats = {"copy_s": 0.0, "stalled_s": 0.0, "exchange_stalled_s": 0.0}
+        # copy time and how much the compute waited for copies; for gradient exchanges: the time
+        # spent starting and polling them (MPI moves data inside these calls), waiting for them, and
+        # the bytes (this rank's part) of all and of those already done when waited for
+        self.copy_stats = {"copy_s": 0.0, "stalled_s": 0.0, "exchange_calls_s": 0.0, "exchange_stalled_s": 0.0,
+                           "exchanged_bytes": 0, "exchanged_early_bytes": 0}
+        self.exchanges = []  # gradient exchanges in flight, polled after each backward step
         self.optimizer = None
         self.grad_squares = 0.0  # sum of the squares of this iteration's parameter gradients (clip_norm)
         kinds = [s.kind for s in plan.steps]
@@ -164,13 +168,18 @@ class Executor:
         release, accumulate = ctx.release_scratch, self.backend.accumulate
         # with several ranks the gradients are complete only once summed (see _bind_allreduce_wait)
         grads = tuple(v[g] for _, g in step.grad_params) if self.plan.ranks == 1 else ()
-        vdot = self.xp.vdot
+        vdot, exchanges, stats = self.xp.vdot, self.exchanges, self.copy_stats
 
         def run():
             release()
             backward(*args)
             for total, part in sums:  # a gradient with several contributions: add this one
                 accumulate(total, part)
+            if exchanges:  # MPI moves a started exchange on only when asked
+                started = time.perf_counter()
+                for exchange in exchanges:
+                    exchange.poll()
+                stats["exchange_calls_s"] += time.perf_counter() - started
             if grads and self.optimizer is not None and self.optimizer.clip_norm:  # complete here: square it
                 for g in grads:
                     self.grad_squares += float(vdot(g, g))
@@ -226,12 +235,15 @@ class Executor:
         gathered = v[step.gathered]
         packing = tuple(zip(_row_parts(gathered[self.group.rank], [v[g] for g in step.grads]),
                             (v[g].reshape(-1) for g in step.grads)))
-        start, group = self.backend.start_exchange, self.group
+        start, group, exchanges, stats = self.backend.start_exchange, self.group, self.exchanges, self.copy_stats
 
         def run():
             for slot, grad in packing:
                 copyto(slot, grad)
-            pending[step.gathered] = start(group, gathered)
+            started = time.perf_counter()
+            pending[step.gathered] = exchange = start(group, gathered)
+            stats["exchange_calls_s"] += time.perf_counter() - started
+            exchanges.append(exchange)
         return run
 
     def _bind_allreduce_wait(self, step, node_index):
@@ -241,9 +253,16 @@ class Executor:
         adding = tuple((s.reshape(-1), tuple(row[j] for row in rows)) for j, s in enumerate(sums))
         vdot = xp.vdot
 
+        exchanges = self.exchanges
+
         def run():
+            exchange = pending.pop(step.gathered)
+            exchanges.remove(exchange)
+            stats["exchanged_bytes"] += step.nbytes
+            if exchange.poll():
+                stats["exchanged_early_bytes"] += step.nbytes
             started = time.perf_counter()
-            pending.pop(step.gathered).wait()
+            exchange.wait()
             stats["exchange_stalled_s"] += time.perf_counter() - started
             for total, parts in adding:  # in rank order: ((rank 0 + rank 1) + rank 2) + ...
                 xp.copyto(total, parts[0])

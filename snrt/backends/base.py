@@ -22,6 +22,11 @@ class CopyEvent(ABC):
     def wait(self):
         """Order what the compute stream runs next after the copy (re-raising its error, if any)."""
 
+    def poll(self):
+        """Let the copy progress where it needs this process's attention (a non-blocking MPI
+        collective advances only inside MPI calls); True once it is known to be done."""
+        return False
+
 
 class _Request(CopyEvent):
     """A non-blocking MPI collective as an event."""
@@ -31,6 +36,9 @@ class _Request(CopyEvent):
 
     def wait(self):
         self.request.Wait()
+
+    def poll(self):
+        return self.request.Test()
 
 
 class Backend(ABC):

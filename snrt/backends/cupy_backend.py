@@ -136,6 +136,9 @@ class CudaCopyEvent(CopyEvent):
             issue()
         self.compute_stream.wait_event(self.end)
 
+    def poll(self):
+        return self._issue is None and self.end.done
+
     @property
     def seconds(self):
         if self._seconds is None:

@@ -6,8 +6,9 @@ the GEMM convolution's bands fit the workspace existing plans give, and its poin
 leading-dimension arithmetic (and cuBLAS Linear's) is right, run against NumPy stand-ins for
 cuBLAS and the im2col/col2im/bias kernels on host memory.
 
-With the gpu extra (CuPy, NVRTC, cuDNN frontend; no device needed): every CUDA kernel
-source compiles with NVRTC for the architectures we target, the backend modules import,
+With the gpu extra (CuPy, NVRTC, cuDNN frontend, NCCL; no device needed): every CUDA kernel
+source compiles with NVRTC for the architectures we target, the backend modules import, NCCL
+loads and its data-type codes are those the gradient exchange uses,
 and a cuDNN frontend graph is described for every convolution (forward, data gradient,
 weight gradient) and BatchNorm (forward, recomputed forward, backward) in configs/ at batch
 1 and 16, with the frontend's own shape inference agreeing with snrt's.
@@ -314,6 +315,21 @@ def test_backend_modules_import_cleanly():
     assert (reason is None) == cuda_available()
     if reason is not None:
         assert "cannot reach a CUDA device" in reason or "finds no CUDA device" in reason
+
+
+def test_nccl_loads_and_its_data_types_are_the_ones_snrt_names():
+    pytest.importorskip("cupy")
+    import pickle
+
+    from cupy.cuda import nccl
+
+    from snrt.backends.cupy_backend import NCCL_TYPES
+
+    assert nccl.available  # the nvidia-nccl-cu12 wheel of the gpu extra
+    assert NCCL_TYPES == {"float32": nccl.NCCL_FLOAT32, "float64": nccl.NCCL_FLOAT64}
+    assert nccl.get_version() >= 21800
+    unique_id = nccl.get_unique_id()  # what rank 0 sends the others over MPI: it must pickle
+    assert pickle.loads(pickle.dumps(unique_id)) == unique_id
 
 
 def _validate_or_need_a_driver(graph):

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from snrt.backends import BACKENDS, default_backend
-from snrt.config import DATASETS, config_to_yaml, load_config
+from snrt.config import DATASETS, config_to_yaml, load_config, with_settings
 from snrt.errors import DivergenceError, SnrtError
 from snrt.optim import make_optimizer
 from snrt.parallel import Solo, first_failing_rank, launcher_rank, launcher_size, world
@@ -96,6 +96,9 @@ def build_parser():
                       help="whose cost model predicts the time (default cpu; plans are exact for any device)")
     tune.add_argument("--measure", action="store_true",
                       help="also train 3 iterations at the recommended batch (synthetic data) and report images/s")
+    tune.add_argument("--lr-range", type=_positive_int, nargs="?", const=30, metavar="ITERATIONS",
+                      help="also run a learning-rate range test of this many iterations (default 30) at the "
+                           "recommended batch, and cap the scaled rate at a tenth of the rate of lowest loss")
     tune.add_argument("--out", help="where to write the tuned config (default NAME.tuned.yaml)")
     tune.add_argument("--overwrite", action="store_true", help="replace the --out file if it exists")
     tune.add_argument("--png", help="write predicted images/s against batch to this PNG file")
@@ -446,33 +449,56 @@ def run_tune(args, console):
                         f"`snrt plan {args.config} --batch 1` shows what each needs")
     best = tune.recommend(points)
     tuned = tune.tuned_config(config, best, budget)
+    scaled_lr, range_test = tuned.train.optimizer.lr, None
+    if args.lr_range:
+        range_test = _range_test(args, tuned, console)
+        tuned = with_settings(tuned, train={"optimizer": {"lr": min(scaled_lr, range_test.suggested_lr)}})
     measured = _measure(args, tuned) if args.measure else None
     path = tune.write_config(tuned, args.out or f"{config.name}.tuned.yaml", args.overwrite)
     if args.png:
         tune.draw_throughput(points, args.png, f"{config.name}: predicted images/s in {human_bytes(budget)}")
+        if range_test:
+            tune.draw_range_test(range_test, Path(args.png).with_suffix(".lr.png"),
+                                 f"{config.name}: learning-rate range test at batch {best.batch}")
     report = {"network": config.name, "budget_bytes": budget, "device_cost_model": args.device,
               "largest_batch": tune.largest(points),
               "points": [{**dataclasses.asdict(p), "images_per_s": p.images_per_s} for p in points],
               "recommended": {"policy": best.policy, "batch": best.batch, "lr": tuned.train.optimizer.lr,
                               "warmup": tuned.train.schedule.warmup, "predicted_images_per_s": best.images_per_s,
-                              "measured_images_per_s": measured},
+                              "measured_images_per_s": measured, "scaled_lr": scaled_lr},
+              "lr_range": None if range_test is None else {
+                  "lrs": range_test.lrs, "losses": range_test.losses, "suggested_lr": range_test.suggested_lr},
               "config": str(path)}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     console.print(_tune_table(config, budget, points))
     lr_note = f"lr {tuned.train.optimizer.lr:g} (from {config.train.optimizer.lr:g} at batch {config.train.batch}, " \
-              f"linear scaling), warm-up {tuned.train.schedule.warmup} iterations"
+              f"linear scaling" + (f" to {scaled_lr:g}, capped by the range test's {range_test.suggested_lr:.3g}"
+                                   if range_test else "") + f"), warm-up {tuned.train.schedule.warmup} iterations"
     console.print(Text(f"recommended: {best.policy} at batch {best.batch}, {best.images_per_s:.1f} images/s predicted"
                        + (f", {measured:.1f} measured" if measured else "") + f"; {lr_note}"))
     console.print(Text(f"tuned config written to {path}: snrt train {path}"))
     return 0
 
 
+def _range_test(args, config, console):
+    """The learning-rate range test of `config` (the tuned one) on its own data."""
+    from snrt import tune
+
+    trainer = _make_trainer(argparse.Namespace(threads=None, backend=None, check=False), config)
+    try:
+        with console.status("learning-rate range test...") as status:
+            def show(m):
+                status.update(f"learning-rate range test: iteration {m.iteration + 1}/{args.lr_range}, "
+                              f"lr {m.lr:.3g}, loss {m.loss:.4f}")
+            return tune.range_test(trainer, config.train.optimizer.lr, args.lr_range, on_iteration=show)
+    finally:
+        trainer.backend.close()
+
+
 def _measure(args, config):
     """Mean images/s of 3 iterations of `config` on synthetic data (the first left out)."""
-    from snrt.config import with_settings
-
     config = with_settings(config, train={"iterations": 3, "data": {"type": "synthetic",
                                                                     "samples": 2 * config.train.batch}})
     trainer = _make_trainer(argparse.Namespace(threads=None, backend=None, check=False), config)

@@ -76,7 +76,7 @@ class Trainer:
         self.stop_reason = None  # what asked fit to stop: a signal (SIGINT, SIGTERM) or a caller's reason
 
     # ---- training ------------------------------------------------------------------------
-    def fit(self, iterations=None, on_iteration=None, checkpoint=None, checkpoint_every=None):
+    def fit(self, iterations=None, on_iteration=None, checkpoint=None, checkpoint_every=None, lr_at=None):
         """Train up to iteration `iterations` (default train.iterations); return the Metrics.
 
         `on_iteration(metrics)` is called after every iteration. With `checkpoint` (a path),
@@ -84,6 +84,7 @@ class Trainer:
         SIGINT (Ctrl-C) or SIGTERM stops the run (the current iteration finishes first; the
         signal is in `stop_reason`), or a caller sets `stop_reason`. A NaN or infinite loss
         raises DivergenceError and writes no checkpoint, so the last good one stays.
+        `lr_at(iteration)` replaces train.schedule's learning rate (a learning-rate range test).
         """
         train = self.config.train
         total = iterations if iterations is not None else train.iterations
@@ -97,7 +98,7 @@ class Trainer:
             stream = iter(batches)
             while self.iteration < total and not self.stop_requested:
                 x, y = next(stream)
-                metrics = self.step(x, y, total)
+                metrics = self.step(x, y, total, None if lr_at is None else lr_at(self.iteration))
                 self._agree_to_stop()
                 history.append(metrics)
                 if on_iteration:
@@ -123,10 +124,12 @@ class Trainer:
         """True once a signal or the caller asked the training loop to stop."""
         return self.stop_reason is not None
 
-    def step(self, x, y, total):
-        """One training iteration on batch (x, y); returns its Metrics."""
+    def step(self, x, y, total, lr=None):
+        """One training iteration on batch (x, y) at learning rate `lr` (default: the
+        schedule's at this iteration of `total`); returns its Metrics."""
         train = self.config.train
-        lr = learning_rate(train.schedule, train.optimizer.lr, self.iteration, total)
+        if lr is None:
+            lr = learning_rate(train.schedule, train.optimizer.lr, self.iteration, total)
         start = time.perf_counter()
         with np.errstate(all="ignore"):  # an overflow is reported once, as divergence, below
             losses, correct = self.executor.run({"data": x, "label": y}, self.iteration, train.seed, self.optimizer, lr)

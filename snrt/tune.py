@@ -4,7 +4,10 @@ and the batch, policy and learning rate to train with.
 
 The learning rate follows the linear scaling rule with gradual warm-up (Goyal et al. 2017,
 "Accurate, Large Minibatch SGD"): k times the config's batch trains with k times its learning
-rate, reached linearly over the first iterations.
+rate, reached linearly over the first iterations. An optional learning-rate range test (Smith
+2017, "Cyclical Learning Rates for Training Neural Networks") trains a few iterations at the
+recommended batch with the rate growing exponentially and caps the scaled rate at a tenth of
+the rate where the loss was lowest.
 """
 
 import math
@@ -17,6 +20,9 @@ from snrt.scheduler.planner import BudgetError, make_plan
 from snrt.scheduler.policies import POLICIES
 
 WARMUP_FRACTION = 0.05  # of the iterations, when the learning rate is scaled up (Goyal et al.: 5 epochs of 90)
+RANGE_DECADES = (-3, 2)  # the range test sweeps the scaled rate times 10**-3 .. 10**2
+SMOOTHING = 0.7  # of the range test's loss (an exponential moving average, bias-corrected)
+DIVERGED = 4.0  # the range test stops once the smoothed loss exceeds this many times its lowest
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,80 @@ def tuned_config(config, point, budget):
     """`config` with the batch, learning rate, warm-up and memory policy of `point` in `budget`."""
     return with_settings(config, train=scaled_train(config.train, point.batch),
                          memory={"policy": point.policy, "budget": budget})
+
+
+@dataclass(frozen=True)
+class RangeTest:
+    """A learning-rate range test: the rate and the (smoothed) loss of each iteration, and the
+    rate it suggests, a tenth of the rate at the lowest smoothed loss."""
+
+    lrs: tuple
+    losses: tuple
+    smoothed: tuple
+
+    @property
+    def suggested_lr(self):
+        lowest = min(range(len(self.smoothed)), key=self.smoothed.__getitem__)
+        return self.lrs[lowest] / 10
+
+
+def range_rates(center, iterations):
+    """`iterations` learning rates growing exponentially over RANGE_DECADES around `center`."""
+    low, high = RANGE_DECADES
+    steps = max(iterations - 1, 1)
+    return [center * 10 ** (low + (high - low) * i / steps) for i in range(iterations)]
+
+
+def range_test(trainer, center, iterations, on_iteration=None):
+    """Train `trainer` (a fresh snrt.Trainer) for up to `iterations` iterations with the rates
+    of `range_rates(center, iterations)`, stopping once the loss diverges; the RangeTest.
+    `on_iteration(metrics)` is told of every iteration (a progress display)."""
+    from snrt.errors import DivergenceError
+
+    rates = range_rates(center, iterations)
+    lrs, losses, smoothed, average = [], [], [], 0.0
+
+    def record(m):
+        nonlocal average
+        average = SMOOTHING * average + (1 - SMOOTHING) * m.loss
+        lrs.append(m.lr)
+        losses.append(m.loss)
+        smoothed.append(average / (1 - SMOOTHING ** len(losses)))
+        if smoothed[-1] > DIVERGED * min(smoothed):
+            trainer.stop_reason = "the loss diverged"
+        if on_iteration:
+            on_iteration(m)
+
+    try:
+        trainer.fit(iterations=iterations, on_iteration=record, lr_at=lambda i: rates[i])
+    except DivergenceError:  # a non-finite loss ends the test; what came before stands
+        pass
+    if not lrs:
+        raise ValueError(f"the learning-rate range test diverged at its first rate, {rates[0]:g}")
+    return RangeTest(tuple(lrs), tuple(losses), tuple(smoothed))
+
+
+def draw_range_test(test, path, title):
+    """Loss against learning rate (log scale), with the suggested rate marked, to a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(test.lrs, test.losses, marker=".", alpha=0.4, label="loss")
+    ax.plot(test.lrs, test.smoothed, label="smoothed")
+    ax.axvline(test.suggested_lr, color="red", linewidth=1, label=f"suggested {test.suggested_lr:.3g}")
+    ax.set_xscale("log")
+    ax.set_ylim(0.9 * min(test.losses), 1.5 * max(test.losses[0], test.smoothed[0]))  # not the divergence's height
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write_config(config, path, overwrite=False):

@@ -2,6 +2,7 @@
 learning rate, and the command as a user meets it."""
 
 import json
+import math
 
 import pytest
 
@@ -9,7 +10,7 @@ import snrt
 from snrt.cli import main
 from snrt.scheduler.planner import BudgetError, make_plan
 from snrt.scheduler.policies import POLICIES
-from snrt.tune import Point, recommend, scaled_train, sweep
+from snrt.tune import Point, RangeTest, range_rates, range_test, recommend, scaled_train, sweep
 
 LENET = "configs/lenet.yaml"
 BUDGET = 2 * 2**20
@@ -70,3 +71,37 @@ def test_tune_writes_a_config_that_trains_and_refuses_to_overwrite_it(tmp_path, 
 def test_tune_without_a_workable_budget_says_so(args, words, tmp_path, capsys):
     assert main(["tune", LENET, "--out", str(tmp_path / "t.yaml"), *args]) == 2
     assert words in " ".join(capsys.readouterr().err.split())
+
+
+def test_range_rates_grow_exponentially_over_five_decades():
+    rates = range_rates(0.1, 11)
+    assert rates[0] == pytest.approx(1e-4) and rates[-1] == pytest.approx(10.0)
+    ratios = [b / a for a, b in zip(rates, rates[1:])]
+    assert all(r == pytest.approx(10 ** 0.5) for r in ratios)
+
+
+def test_the_range_test_suggests_a_tenth_of_the_rate_of_lowest_smoothed_loss():
+    test = RangeTest(lrs=(0.01, 0.1, 1.0, 10.0), losses=(2.0, 1.0, 0.5, 9.0), smoothed=(2.0, 1.5, 0.9, 3.0))
+    assert test.suggested_lr == pytest.approx(0.1)
+
+
+def test_the_range_test_trains_at_its_rates_and_stops_when_the_loss_diverges():
+    config = snrt.load_config(LENET, {"train.batch": 16, "train.data.type": "synthetic"})
+    trainer = snrt.Trainer(config)
+    seen = []
+    test = range_test(trainer, 10.0, 40, on_iteration=lambda m: seen.append(m.lr))  # up to 1000: it diverges
+    assert list(test.lrs) == seen == range_rates(10.0, 40)[:len(seen)]
+    assert 3 <= len(seen) < 40  # stopped early: the loss ran away (or went non-finite) well before 1000
+    assert all(map(math.isfinite, test.losses))
+
+
+def test_tune_with_a_range_test_caps_the_scaled_rate(tmp_path, capsys):
+    out, png = tmp_path / "tuned.yaml", tmp_path / "tput.png"
+    assert main(["tune", LENET, "--budget", "1GiB", "--max-batch", "64", "--lr-range", "16", "--json", "--out",
+                 str(out), "--png", str(png)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    scan, recommended = report["lr_range"], report["recommended"]
+    assert len(scan["lrs"]) == len(scan["losses"]) <= 16
+    assert recommended["lr"] == pytest.approx(min(recommended["scaled_lr"], scan["suggested_lr"]))
+    assert snrt.load_config(str(out)).train.optimizer.lr == pytest.approx(recommended["lr"])
+    assert png.with_suffix(".lr.png").read_bytes()[:4] == b"\x89PNG"

@@ -10,6 +10,7 @@ recommended batch with the rate growing exponentially and caps the scaled rate a
 the rate where the loss was lowest.
 """
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -169,25 +170,12 @@ def range_test(trainer, center, iterations, on_iteration=None):
 
 def draw_range_test(test, path, title):
     """Loss against learning rate (log scale), with the suggested rate marked, to a PNG at `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(test.lrs, test.losses, marker=".", alpha=0.4, label="loss")
-    ax.plot(test.lrs, test.smoothed, label="smoothed")
-    ax.axvline(test.suggested_lr, color="red", linewidth=1, label=f"suggested {test.suggested_lr:.3g}")
-    ax.set_xscale("log")
-    ax.set_ylim(0.9 * min(test.losses), 1.5 * max(test.losses[0], test.smoothed[0]))  # not the divergence's height
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with _figure(path, title, "learning rate", "training loss") as ax:
+        ax.plot(test.lrs, test.losses, marker=".", alpha=0.4, label="loss")
+        ax.plot(test.lrs, test.smoothed, label="smoothed")
+        ax.axvline(test.suggested_lr, color="red", linewidth=1, label=f"suggested {test.suggested_lr:.3g}")
+        ax.set_xscale("log")
+        ax.set_ylim(0.9 * min(test.losses), 1.5 * max(test.losses[0], test.smoothed[0]))  # not the divergence's height
 
 
 def write_config(config, path, overwrite=False):
@@ -204,19 +192,26 @@ def write_config(config, path, overwrite=False):
 
 def draw_throughput(points, path, title):
     """Predicted images/s against batch, a line per policy, to a PNG at `path`."""
+    with _figure(path, title, "batch", "predicted images/s") as ax:
+        for policy in POLICIES:
+            mine = [p for p in points if p.policy == policy]
+            if mine:
+                ax.plot([p.batch for p in mine], [p.images_per_s for p in mine], marker="o", label=policy)
+        ax.set_xscale("log", base=2)
+
+
+@contextlib.contextmanager
+def _figure(path, title, xlabel, ylabel):
+    """The axes of one plot, saved as a PNG at `path` when the block ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for policy in POLICIES:
-        mine = [p for p in points if p.policy == policy]
-        if mine:
-            ax.plot([p.batch for p in mine], [p.images_per_s for p in mine], marker="o", label=policy)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch")
-    ax.set_ylabel("predicted images/s")
+    yield ax
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()

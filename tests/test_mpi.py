@@ -122,6 +122,21 @@ def test_sigint_stops_every_rank_at_the_same_iteration_with_a_checkpoint(tmp_pat
     assert meta["iteration"] == len(losses_of(out))
 
 
+def test_sigterm_to_one_rank_stops_them_all_after_the_same_iteration(tmp_path):
+    out = tmp_path / "run"
+    job = subprocess.Popen([str(MPIEXEC), "-n", "2", sys.executable, "-m", "snrt", "train", CONFIG, *FLAGS, "--out",
+                            str(out), "--iterations", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, cwd=REPO)
+    _wait_for_metrics(out, job)
+    rank1 = next(pid for pid in _processes_with(str(out)) if _environment(pid).get("PMI_RANK") == "1")
+    os.kill(rank1, signal.SIGTERM)  # as a batch system may stop one process
+    stdout, _ = job.communicate(timeout=60)
+    assert job.returncode == 128 + signal.SIGTERM
+    assert "interrupted at iteration" in stdout
+    _, meta = checkpoint_of(out)
+    assert meta["iteration"] == len(losses_of(out))
+
+
 def test_a_killed_rank_ends_the_whole_job_instead_of_hanging(tmp_path):
     out = tmp_path / "run"
     job = subprocess.Popen([str(MPIEXEC), "-n", "2", sys.executable, "-m", "snrt", "train", CONFIG, *FLAGS, "--out",

@@ -1,6 +1,7 @@
 """Data parallel in one process: ranks as threads (tests/threadgroup.py), so the executor's
 exchange steps, the split of the batch and the agreements run without MPI."""
 
+import argparse
 import json
 
 import numpy as np
@@ -10,7 +11,7 @@ from threadpoolctl import threadpool_limits
 import snrt
 from snrt.config import TrainConfig, config_from_graph, with_settings
 from snrt.data import Batches, load_datasets
-from snrt.errors import SnrtError
+from snrt.errors import DivergenceError, SnrtError
 from snrt.graph import Graph
 from snrt.layers.activation import ReLU
 from snrt.layers.conv import Conv2d
@@ -160,3 +161,32 @@ def test_the_bucket_size_changes_when_gradients_travel_not_the_result():
     (_, reference), _ = train(resnet(), 2, iterations=2)
     for key, value in reference.items():
         assert np.array_equal(arrays[key], value), key
+
+
+class FakeGroup:
+    """Two ranks; records an abort instead of ending the process."""
+
+    def __init__(self, rank):
+        self.rank, self.size, self.aborted = rank, 2, None
+
+    def abort(self, code):
+        self.aborted = code
+
+
+def test_a_failure_of_one_rank_during_training_is_told_by_it_and_ends_every_rank(capsys):
+    from snrt.cli import _report
+
+    group = FakeGroup(rank=1)
+    _report(argparse.Namespace(group=group, started=True), OSError(), "ckpt.npz: No space left on device", 2, False)
+    assert group.aborted == 2
+    assert "error: rank 1 of 2: ckpt.npz: No space left on device; ending every rank" in capsys.readouterr().err
+
+
+def test_a_divergence_is_told_once_by_rank_0_and_ends_no_rank_by_force(capsys):
+    from snrt.cli import _report
+
+    for rank in (0, 1):
+        group = FakeGroup(rank)
+        _report(argparse.Namespace(group=group, started=True), DivergenceError("diverged"), "diverged", 2, rank == 0)
+        assert group.aborted is None
+    assert capsys.readouterr().err.count("error: diverged") == 1

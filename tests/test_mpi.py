@@ -1,6 +1,6 @@
-"""`mpiexec -n 2 snrt train`: two processes on MPI (the `mpi` extra; the test extra installs it).
+"""`mpiexec -n 2 snrt train`: processes on MPI (the `mpi` extra; the test extra installs it).
 
-Exactness: the two ranks' run equals, bit for bit, one process that runs the two micro-batches
+Exactness: N ranks' run equals, bit for bit, one process that runs the N micro-batches
 (each with its own BatchNorm statistics, one thread each) and sums their gradients in rank
 order (tests/threadgroup.py), and two runs are bit-identical.
 """
@@ -46,7 +46,7 @@ def losses_of(out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def reference(iterations):
+def reference(iterations, ranks=2):
     """Rank 0's (losses, tensors) of the same run, the ranks being threads of this process."""
     args = build_parser().parse_args(["train", CONFIG, *FLAGS, "--iterations", str(iterations)])
     config = load_config(CONFIG, _overrides(args))
@@ -58,17 +58,18 @@ def reference(iterations):
                    trainer.runtime.persistent_tensors(("parameter", "optimizer_state", "state"))}
         return [m.loss for m in history], tensors
     with threadpool_limits(1):
-        return run_ranks(2, work)[0]
+        return run_ranks(ranks, work)[0]
 
 
-def test_two_ranks_equal_the_rank_order_reference_bit_for_bit_and_repeat_exactly(tmp_path):
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_ranks_equal_the_rank_order_reference_bit_for_bit_and_repeat_exactly(ranks, tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     for out in (first, second):
-        done = mpi_train(2, out, "--iterations", "3")
+        done = mpi_train(ranks, out, "--iterations", "3")
         assert done.returncode == 0, done.stderr
-    assert "2 ranks, batch 4 each" in done.stdout
+    assert f"{ranks} ranks, batch {8 // ranks} each" in done.stdout
     assert done.stdout.count("summary") == 1  # rank 0 alone prints
-    losses, tensors = reference(3)
+    losses, tensors = reference(3, ranks)
     arrays, meta = checkpoint_of(first)
     again, _ = checkpoint_of(second)
     assert meta["iteration"] == 3 and meta["batch"] == 8

@@ -59,6 +59,9 @@ def build_parser():
     train.add_argument("--lr", type=float, help="base learning rate (overrides train.optimizer.lr)")
     train.add_argument("--policy", choices=policies.CHOICES, help="memory policy (overrides memory.policy)")
     train.add_argument("--budget", help="device-memory budget such as 12GiB (overrides memory.budget)")
+    train.add_argument("--stream-parameters", action="store_true", default=None,
+                       help="keep parameters and optimizer state in host memory, on the device only while used "
+                            "(sets memory.stream_parameters)")
     train.add_argument("--seed", type=int, help="seed for initialisation, data and dropout (overrides train.seed)")
     train.add_argument("--out", help="output folder for metrics, checkpoint and summary (default runs/NAME)")
     train.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
@@ -76,6 +79,8 @@ def build_parser():
     plan.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
     plan.add_argument("--policy", choices=policies.CHOICES, help="the policy to detail (default: memory.policy)")
     plan.add_argument("--budget", help="device-memory budget such as 12GiB (overrides memory.budget)")
+    plan.add_argument("--stream-parameters", action="store_true", default=None,
+                      help="plan parameters and optimizer state streamed from host memory (memory.stream_parameters)")
     plan.add_argument("--json", action="store_true", help="print the per-policy summary as JSON")
     plan.add_argument("--steps", action="store_true", help="print every step of the detailed plan")
     plan.add_argument("--layers", action="store_true",
@@ -137,7 +142,8 @@ def _overrides(args):
         for key, value in args.data.items():
             out[f"train.data.{key}"] = value
     for flag, key in (("iterations", "train.iterations"), ("lr", "train.optimizer.lr"), ("policy", "memory.policy"),
-                      ("budget", "memory.budget"), ("seed", "train.seed")):
+                      ("budget", "memory.budget"), ("seed", "train.seed"),
+                      ("stream_parameters", "memory.stream_parameters")):
         if getattr(args, flag, None) is not None:
             out[key] = getattr(args, flag)
     return out
@@ -251,7 +257,7 @@ def run_plan(args, console):
                         f"{ranks} ranks (it is the global batch); choose a multiple of {ranks}")
     batch = config.train.batch // ranks  # each rank's
     update = {**make_optimizer(config.train.optimizer).plan_options, "ranks": ranks,  # planned as training plans it
-              "bucket_bytes": config.train.gradient_bucket}
+              "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters}
     rows, plans = [], {}
     with console.status("planning...") as status:
         for policy in policies.POLICIES:

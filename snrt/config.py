@@ -127,6 +127,7 @@ class MemoryConfig:
 
     policy: str = "none"
     budget: Bytes = None  # written as 12GiB etc.; None: no budget
+    stream_parameters: bool = False  # parameters and optimizer state live in host memory (snrt/scheduler/stream.py)
 
 
 @dataclass

@@ -35,11 +35,12 @@ class Executor:
         self.views = [arena.view(b) if b.offset >= 0 else None for b in plan.buffers]
         self.persistent = {}  # (node, "weight" / "weight:momentum" / ...) -> buffer id
         for b in plan.buffers:
-            if b.role in PERSISTENT_ROLES:
+            if b.role in PERSISTENT_ROLES and not b.is_copy:
                 node, _, rest = b.name.partition(":")
                 self.persistent[(node, rest)] = b.id
-                arena.reserve(b)
-                self.views[b.id].fill(0)  # optimizer state starts at zero; the rest is loaded
+                if b.resident:
+                    arena.reserve(b)
+                self.view_of(node, rest).fill(0)  # optimizer state starts at zero; the rest is loaded
         self.kernels = {  # the backend's kernel choice: the layer itself, or a faster kernel for it
             name: backend.kernel_for(node.layer, graph.in_shapes(name, plan.batch))
             for name, node in graph.nodes.items() if node.inputs
@@ -70,8 +71,26 @@ class Executor:
         self.reservations = [tuple(plan.buffers[b] for b in ids) for ids in plan.allocations]
 
     def view_of(self, node, name):
-        """The array of a persistent buffer, e.g. view_of("conv1", "weight")."""
-        return self.views[self.persistent[(node, name)]]
+        """The array of a persistent buffer, e.g. view_of("conv1", "weight"): its device view,
+        or, when the plan streams it, its home in the host store (a host array)."""
+        b = self.plan.buffers[self.persistent[(node, name)]]
+        if b.resident:
+            return self.views[b.id]
+        return self.backend.host.slot(b).view(b.dtype).reshape(b.shape)
+
+    def load(self, node, name, value):
+        """Write host array `value` into persistent buffer (node, name), wherever it lives."""
+        view = self.view_of(node, name)
+        if self.plan.buffers[self.persistent[(node, name)]].resident:
+            self.backend.upload(view, value)
+        else:
+            view[...] = value
+
+    def fetch(self, node, name):
+        """A host copy of persistent buffer (node, name)."""
+        view = self.view_of(node, name)
+        return self.backend.to_host(view) if self.plan.buffers[self.persistent[(node, name)]].resident \
+            else view.copy()
 
     def wrap_steps(self, kinds, wrapper):
         """Replace the action of every step whose kind is in `kinds` by `wrapper(step, action)`
@@ -109,7 +128,7 @@ class Executor:
             self.copy_stats["copy_s"] += event.seconds
         self.waited.clear()
         for b in list(arena.live.values()):
-            if b.role not in PERSISTENT_ROLES:
+            if not b.resident:
                 arena.release(b)
         return outputs
 

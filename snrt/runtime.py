@@ -27,7 +27,7 @@ class Runtime:
         """Write `values` ({(node, name): host array}, e.g. ("conv1", "weight"), or an iterable
         of such pairs, consumed one at a time) into their persistent buffers."""
         for key, value in (values.items() if isinstance(values, dict) else values):
-            self.backend.upload(self.executor.view_of(*key), value)
+            self.executor.load(*key, value)
 
     def host_arrays(self, roles=PERSISTENT_ROLES):
         """{(node, name): host copy} of the persistent buffers with the given roles."""
@@ -36,11 +36,11 @@ class Runtime:
     def persistent_tensors(self, roles=PERSISTENT_ROLES):
         """(node, name, fetch) of every persistent buffer with the given roles, `fetch()` giving
         a host copy of it: one tensor at a time, for writes that must not copy them all at once."""
-        to_host, views = self.backend.to_host, self.executor.views
+        fetch = self.executor.fetch
         for b in self.plan.buffers:
-            if b.role in roles:
+            if b.role in roles and not b.is_copy:
                 node, _, name = b.name.partition(":")
-                yield node, name, lambda view=views[b.id]: to_host(view)
+                yield node, name, lambda node=node, name=name: fetch(node, name)
 
     def close(self):
         self.backend.close()
@@ -57,7 +57,8 @@ def check_trainable(graph, batch):
 
 
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
-            check=False, values=None, deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES):
+            check=False, values=None, deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES,
+            stream_parameters=False):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
     backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
     such pairs) loaded.
@@ -67,7 +68,8 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     backward pass (snrt.optim: `optimizer.plan_options` gives both); `check` is the debug mode
     (poisoned memory, every step verified against the plan). With a `group` of several ranks
     (snrt.parallel), `batch` is this rank's part and a training plan sums the gradients over
-    the group in buckets of about `bucket_bytes`.
+    the group in buckets of about `bucket_bytes`. `stream_parameters` keeps parameters and
+    optimizer state in the host store, on the device only while steps use them.
     """
     if training:
         check_trainable(graph, batch)
@@ -76,7 +78,7 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     ranks = group.size if group is not None and training else 1
     plan = make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
                      cost_model=device_class.cost_model, kernels=kernels, deferred_updates=deferred_updates,
-                     ranks=ranks, bucket_bytes=bucket_bytes)
+                     ranks=ranks, bucket_bytes=bucket_bytes, stream_parameters=stream_parameters)
     device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)
     runtime = Runtime(plan, device, Executor(graph, plan, device, group))
     runtime.load(values or {})

@@ -64,7 +64,7 @@ class Trainer:
         self.optimizer = make_optimizer(train.optimizer)
         self.runtime = prepare(self.graph, self.batch // self.group.size, memory.policy, memory.budget, backend,
                                training=True, **self.optimizer.plan_options, check=check, group=self.group,
-                               bucket_bytes=train.gradient_bucket,
+                               bucket_bytes=train.gradient_bucket, stream_parameters=memory.stream_parameters,
                                values=itertools.chain(each_initial_parameter(self.graph, train.seed, train.init),
                                                       initial_state(self.graph).items()))
         self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor
@@ -150,8 +150,8 @@ class Trainer:
     def _divergence_message(self, loss, lr):
         """What went non-finite at this iteration: the loss, and the first parameter (in graph
         order) that the iteration's update left non-finite, if any."""
-        culprit = next((f"{node}:{name}" for node, name, _ in self.runtime.persistent_tensors(("parameter",))
-                        if not self.backend.xp.isfinite(self.executor.view_of(node, name)).all()), None)
+        culprit = next((f"{node}:{name}" for node, name, fetch in self.runtime.persistent_tensors(("parameter",))
+                        if not np.isfinite(fetch()).all()), None)
         where = (f"; the first parameter it left non-finite is {culprit}" if culprit
                  else "; the parameters are still finite (non-finite inputs or an overflow in the forward pass?)")
         return (f"training diverged at iteration {self.iteration}: the loss is {loss} at learning rate {lr:g}{where}. "

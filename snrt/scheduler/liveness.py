@@ -3,10 +3,10 @@
 Every buffer id has one live interval: from the first step that uses it (or the start of the
 iteration for fed inputs) to its last use. Recomputed and prefetched tensors are new buffer
 ids (versions), so a tensor that is dropped and brought back is two intervals, two ids.
-Persistent buffers (parameters, optimizer and BatchNorm state) are alive throughout.
+Resident buffers (parameters, optimizer and BatchNorm state, unless streamed) are alive throughout.
 """
 
-from snrt.scheduler.plan import PERSISTENT_ROLES, Free
+from snrt.scheduler.plan import Free
 
 
 def last_uses(steps):
@@ -21,10 +21,10 @@ def last_uses(steps):
 def insert_frees(steps, buffers, keep=()):
     """`steps` with a Free after each step for the buffers whose last use it is.
 
-    Persistent buffers and those in `keep` (read by the executor after the iteration:
+    Resident buffers and those in `keep` (read by the executor after the iteration:
     the loss, its probabilities, the labels) are never freed.
     """
-    never = set(keep) | {b.id for b in buffers if b.role in PERSISTENT_ROLES}
+    never = set(keep) | {b.id for b in buffers if b.resident}
     dying = {}
     for b, i in last_uses(steps).items():
         if b not in never:
@@ -40,10 +40,10 @@ def insert_frees(steps, buffers, keep=()):
 def allocation_points(buffers, steps, fed):
     """Per step, the buffers that come alive just before it: those it uses first.
 
-    Persistent buffers are alive from the start; `fed` (inputs, the loss seed) are written
+    Resident buffers are alive from the start; `fed` (inputs, the loss seed) are written
     by the executor before the first step, so they come alive with it.
     """
-    seen = {b.id for b in buffers if b.role in PERSISTENT_ROLES}
+    seen = {b.id for b in buffers if b.resident}
     points = []
     for i, step in enumerate(steps):
         first = fed if i == 0 else ()
@@ -55,7 +55,7 @@ def allocation_points(buffers, steps, fed):
 
 def predict_device_bytes(buffers, steps, allocations):
     """Bytes on the device while each step runs: resident + alive (allocated, not yet freed)."""
-    live = sum(b.nbytes for b in buffers if b.role in PERSISTENT_ROLES)
+    live = sum(b.nbytes for b in buffers if b.resident)
     out = []
     for step, fresh in zip(steps, allocations):
         live += sum(buffers[b].nbytes for b in fresh)

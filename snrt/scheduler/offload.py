@@ -49,9 +49,9 @@ def plan_offload(steps, buffers, seconds, model, keep=(), hide_copies=True):
         copy_s = model.copy_s(buffers[b].nbytes)
         last, use = last_before[b], first_after[b]
         after.setdefault(last, []).append(Offload(b))
-        wait_at = _hide_forward(seconds, last + 1, start, copy_s if hide_copies else 0.0)
+        wait_at = hide_forward(seconds, last + 1, start, copy_s if hide_copies else 0.0)
         before.setdefault(wait_at, []).append(Wait(b))
-        fetch_at = _hide_backward(seconds, use, max(wait_at, start), copy_s if hide_copies else 0.0)
+        fetch_at = hide_backward(seconds, use, max(wait_at, start), copy_s if hide_copies else 0.0)
         before.setdefault(fetch_at, []).append(Prefetch(b, b))
         before.setdefault(use, []).append(Wait(b))
     out = []
@@ -63,7 +63,7 @@ def plan_offload(steps, buffers, seconds, model, keep=(), hide_copies=True):
     return out, slots, host_bytes
 
 
-def _hide_forward(seconds, first, limit, copy_s):
+def hide_forward(seconds, first, limit, copy_s):
     """The step index before which to wait for an offload issued before step `first`:
     after enough compute to hide `copy_s`, and no later than `limit`."""
     elapsed, i = 0.0, first
@@ -73,7 +73,7 @@ def _hide_forward(seconds, first, limit, copy_s):
     return i
 
 
-def _hide_backward(seconds, use, earliest, copy_s):
+def hide_backward(seconds, use, earliest, copy_s):
     """The step index at which to issue a prefetch needed at `use`: far enough back that
     the compute between hides `copy_s`, never before `earliest`."""
     elapsed, i = 0.0, use

@@ -11,7 +11,7 @@ the peak step is the lower bound any assignment must reach.
 
 import bisect
 
-from snrt.scheduler.plan import PERSISTENT_ROLES, evolve
+from snrt.scheduler.plan import evolve
 
 ALIGN_BYTES = 256
 GREEDY_MAX_BUFFERS = 8000
@@ -67,7 +67,7 @@ class _Holes:
 
 def assign_offsets(buffers, steps, allocations):
     """(buffers with offsets, arena bytes) for buffers alive as `allocations` and Free steps say."""
-    resident = [b.id for b in buffers if b.role in PERSISTENT_ROLES]
+    resident = [b.id for b in buffers if b.resident]
     offsets, bottom = {}, 0
     for b in resident:
         offsets[b] = bottom

@@ -52,9 +52,9 @@ class BufferTable:
     def __init__(self):
         self.buffers = []
 
-    def add(self, name, shape, dtype, role):
+    def add(self, name, shape, dtype, role, host_slot=-1):
         nbytes = numel(shape) * ITEMSIZE[dtype]
-        self.buffers.append(Buffer(len(self.buffers), name, tuple(shape), dtype, nbytes, role))
+        self.buffers.append(Buffer(len(self.buffers), name, tuple(shape), dtype, nbytes, role, host_slot=host_slot))
         return len(self.buffers) - 1
 
 

@@ -1,8 +1,9 @@
 """The Plan: pure data that says everything an executor does in one training iteration.
 
 A Plan is a buffer table and a list of steps. Each buffer has a fixed offset in one device
-arena; persistent buffers (parameters, optimizer state, BatchNorm state) are resident for the
-whole run, the others come alive at the first step that writes them and die at a `free` step.
+arena; resident buffers (parameters, optimizer state, BatchNorm state, unless streamed from a
+home in the host store) stay for the whole run, the others come alive at the first step that
+writes them and die at a `free` step.
 `device_bytes[i]` is the bytes on the device while step i runs; `peak_bytes` their maximum.
 Same graph and options give a byte-identical `to_json()`.
 """
@@ -30,6 +31,19 @@ class Buffer:
     role: str
     offset: int = -1
     host_slot: int = -1
+
+    @property
+    def resident(self):
+        """True for a tensor that lives on the device for the whole run: a parameter, optimizer
+        state or BatchNorm state without a home in the host store. (A streamed one has its home
+        there and comes to the device, as a copy, only while steps use it.)"""
+        return self.role in PERSISTENT_ROLES and self.host_slot < 0
+
+    @property
+    def is_copy(self):
+        """True for a later version of a tensor ("name@k"): the same tensor brought back by a
+        recompute or a prefetch, or a gradient summed over the ranks."""
+        return "@" in self.name
 
 
 @dataclass(frozen=True)
@@ -233,7 +247,7 @@ class Plan:
         """[{role: bytes alive while step i runs}] for every step (the memory timeline)."""
         live = {role: 0 for role in ROLES}
         for b in self.buffers:
-            if b.role in PERSISTENT_ROLES:
+            if b.resident:
                 live[b.role] += b.nbytes
         out = []
         for step, fresh in zip(self.steps, self.allocations):

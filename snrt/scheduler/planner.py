@@ -17,9 +17,10 @@ from snrt.scheduler.liveness import allocation_points, insert_frees, predict_dev
 from snrt.scheduler.offload import plan_offload, with_host_slots
 from snrt.scheduler.offsets import assign_offsets
 from snrt.scheduler.order import BufferTable, build_iteration
-from snrt.scheduler.plan import PERSISTENT_ROLES, Plan
+from snrt.scheduler.plan import Plan
 from snrt.scheduler.policies import AUTO, POLICIES, policy_named
 from snrt.scheduler.reduce import BUCKET_BYTES
+from snrt.scheduler.stream import plan_streaming
 from snrt.scheduler.recompute import plan_recomputation, speed_segments_that_fit, version_buffers
 from snrt.summary import human_bytes
 
@@ -41,6 +42,7 @@ class PlanOptions:
     kernels: object = LAYER_KERNELS
     ranks: int = 1
     bucket_bytes: int = BUCKET_BYTES
+    stream_parameters: bool = False
 
 
 class BudgetError(SnrtError):
@@ -53,7 +55,7 @@ class BudgetError(SnrtError):
 
 def make_plan(graph, batch, policy="none", budget=None, training=True, optimizer_states=("momentum",),
               cost_model=cost_models.CPU, dtype="float32", kernels=LAYER_KERNELS, hide_copies=True,
-              deferred_updates=False, ranks=1, bucket_bytes=BUCKET_BYTES):
+              deferred_updates=False, ranks=1, bucket_bytes=BUCKET_BYTES, stream_parameters=False):
     """The Plan of one iteration of `graph` at `batch` under `policy` (a name of
     snrt/scheduler/policies.py, or "auto").
 
@@ -67,10 +69,13 @@ def make_plan(graph, batch, policy="none", budget=None, training=True, optimizer
     and, when that plan exceeds the budget, just in time (smaller, slower); `hide_copies`
     False asks for the just-in-time plan directly. With several `ranks` (data parallel), each
     rank runs this plan on its `batch` samples and the parameter gradients are summed across
-    the ranks in buckets of about `bucket_bytes` (snrt/scheduler/reduce.py).
+    the ranks in buckets of about `bucket_bytes` (snrt/scheduler/reduce.py). With
+    `stream_parameters`, a training plan of a freeing policy keeps parameters and optimizer
+    state in the host store and brings each to the device only while steps use it
+    (snrt/scheduler/stream.py).
     """
     opts = PlanOptions(training, tuple(optimizer_states), deferred_updates, cost_model, dtype, kernels, ranks,
-                       bucket_bytes)
+                       bucket_bytes, stream_parameters)
     # The passes make hundreds of thousands of small objects that reference counting frees; the
     # cyclic collector, triggered by their sheer number, would walk every live plan object again
     # and again (a third of ResNet-2500's planning time). It runs again when planning is done.
@@ -89,7 +94,7 @@ def _plan(graph, batch, policy, budget, opts, hide_copies):
         return _auto(graph, batch, budget, opts)
     policy = policy_named(policy)
     plan = _build(graph, batch, policy, opts, hide_copies)
-    if budget is not None and plan.arena_bytes > budget and policy.offloads and hide_copies:
+    if budget is not None and plan.arena_bytes > budget and _copies(policy, opts) and hide_copies:
         plan = _build(graph, batch, policy, opts, hide_copies=False)
     if budget is not None and plan.arena_bytes > budget:
         raise _infeasible(graph, batch, budget, (policy,), opts)
@@ -231,6 +236,9 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
         seconds = step_seconds(steps)
         steps, slots, host_bytes = plan_offload(steps, table.buffers, seconds, cost_model, keep, hide_copies)
         steps = version_buffers(steps, table)
+    if opts.stream_parameters and training and policy.frees:
+        steps, host_bytes = plan_streaming(steps, table, step_seconds(steps), cost_model, host_bytes, hide_copies)
+        steps = version_buffers(steps, table)
     if policy.frees:
         steps = insert_frees(steps, table.buffers, keep)
     buffers = with_host_slots(table.buffers, slots)
@@ -250,7 +258,13 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
 def _candidates(graph, batch, policies, opts):
     """[(plan, hide_copies)] for Policy rows `policies`, the copying ones also with just-in-time prefetch."""
     return [(_build(graph, batch, p, opts, hide), hide)
-            for p in policies for hide in ((True, False) if p.offloads else (True,))]
+            for p in policies for hide in ((True, False) if _copies(p, opts) else (True,))]
+
+
+def _copies(policy, opts):
+    """Whether plans of Policy `policy` copy tensors between host and device (and so have a
+    just-in-time variant)."""
+    return policy.offloads or (opts.stream_parameters and opts.training and policy.frees)
 
 
 def _auto(graph, batch, budget, opts):
@@ -276,7 +290,7 @@ def _infeasible(graph, batch, budget, policies, opts, candidates=None):
         return _build(graph, b, POLICIES[frugal.policy], opts, hide).arena_bytes <= budget
 
     low, high = 0, batch - 1  # the largest batch in [1, batch) that fits, by bisection
-    persistent = sum(b.nbytes for b in frugal.buffers if b.role in PERSISTENT_ROLES)  # the same at every batch
+    persistent = sum(b.nbytes for b in frugal.buffers if b.resident)  # the same at every batch
     if high >= 1 and (persistent > budget or not fits(1)):  # often nothing fits: say so without a bisection
         high = 0
     while low < high:

@@ -19,7 +19,7 @@ gives every replayed tensor a buffer id of its own.
 from dataclasses import replace
 
 from snrt.layers.base import CHEAP
-from snrt.scheduler.plan import PERSISTENT_ROLES, evolve, remap
+from snrt.scheduler.plan import evolve, remap
 
 SPEED, MEMORY = "speed", "memory"
 
@@ -63,7 +63,7 @@ def largest_step_bytes(steps, buffers):
     resident bytes, the floor no schedule goes below; see scripts/bench_memory.py)."""
     def own(step):
         ids = set(step.reads()) | set(step.writes())
-        return sum(buffers[b].nbytes for b in ids if buffers[b].role not in PERSISTENT_ROLES)
+        return sum(buffers[b].nbytes for b in ids if not buffers[b].resident)
 
     return max((own(s) for s in steps), default=0)
 
@@ -166,7 +166,8 @@ def version_buffers(steps, table):
     """Give every tensor written again by a recompute or prefetch step a new buffer id.
 
     Later steps read the newest version. `table` (a BufferTable) receives the new buffers,
-    named like the original with "@k". Workspaces of recompute steps are versioned too.
+    named like the original with "@k" (and with its home in the host store, if it has one).
+    Workspaces of recompute steps are versioned too.
     """
     written, versions, count = set(), _Versions(), {}
     out = []
@@ -180,7 +181,8 @@ def version_buffers(steps, table):
                     original = table.buffers[b]
                     base = original.name.split("@")[0]
                     count[base] = count.get(base, 0) + 1
-                    fresh[b] = table.add(f"{base}@{count[base]}", original.shape, original.dtype, original.role)
+                    fresh[b] = table.add(f"{base}@{count[base]}", original.shape, original.dtype, original.role,
+                                         original.host_slot)  # a streamed tensor's copies share its home
             if fresh:
                 step = _rewrite_outputs(step, fresh)
                 versions.update(fresh)

@@ -7,8 +7,6 @@ not summed across the ranks of a data-parallel plan, when two buffers alive at t
 the predicted bytes disagree with the walk, or when the arena exceeds a budget.
 """
 
-from snrt.scheduler.plan import PERSISTENT_ROLES
-
 
 class PlanError(AssertionError):
     """The plan breaks one of its own rules (a planner bug)."""
@@ -17,7 +15,7 @@ class PlanError(AssertionError):
 def verify_plan(plan, budget=None):
     """Raise PlanError if `plan` is inconsistent (see the module doc); return None if it holds."""
     buffers = plan.buffers
-    persistent = {b.id for b in buffers if b.role in PERSISTENT_ROLES}
+    persistent = {b.id for b in buffers if b.resident}
     fed = set(plan.allocations[0]) & ({b for _, b in plan.inputs} | {loss[1] for loss in plan.losses})
     alive = set(persistent)
     holding = set(persistent) | fed  # alive and written (or being copied in)

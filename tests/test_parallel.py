@@ -190,3 +190,13 @@ def test_a_divergence_is_told_once_by_rank_0_and_ends_no_rank_by_force(capsys):
         _report(argparse.Namespace(group=group, started=True), DivergenceError("diverged"), "diverged", 2, rank == 0)
         assert group.aborted is None
     assert capsys.readouterr().err.count("error: diverged") == 1
+
+
+@pytest.mark.parametrize("policy", ["liveness", "superneurons"])
+def test_streamed_parameters_train_two_ranks_as_resident_ones_do(policy):
+    reference = train(resnet(), 2, iterations=2)
+    runs = train(resnet(policy=policy, stream_parameters=True), 2, iterations=2, check=True)
+    for (losses, arrays), (ref_losses, ref_arrays) in zip(runs, reference):
+        assert losses == ref_losses
+        for key, value in arrays.items():
+            assert np.array_equal(value, ref_arrays[key]), key

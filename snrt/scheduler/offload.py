@@ -54,13 +54,19 @@ def plan_offload(steps, buffers, seconds, model, keep=(), hide_copies=True):
         fetch_at = hide_backward(seconds, use, max(wait_at, start), copy_s if hide_copies else 0.0)
         before.setdefault(fetch_at, []).append(Prefetch(b, b))
         before.setdefault(use, []).append(Wait(b))
+    return with_inserted(steps, before, after), slots, host_bytes
+
+
+def with_inserted(steps, before, after):
+    """`steps` with before[i] inserted before step i (before[len(steps)]: at the end) and
+    after[i] after it."""
     out = []
     for i, step in enumerate(steps):
         out.extend(before.get(i, ()))
         out.append(step)
         out.extend(after.get(i, ()))
     out.extend(before.get(len(steps), ()))
-    return out, slots, host_bytes
+    return out
 
 
 def hide_forward(seconds, first, limit, copy_s):

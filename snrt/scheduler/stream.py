@@ -12,7 +12,7 @@ The pass inserts steps that name the tensor's own buffer; `version_buffers` then
 later device copy a buffer id of its own, with the same home. Homes are assigned here.
 """
 
-from snrt.scheduler.offload import hide_backward, hide_forward
+from snrt.scheduler.offload import hide_backward, hide_forward, with_inserted
 from snrt.scheduler.offsets import aligned
 from snrt.scheduler.plan import Offload, Prefetch, Wait, evolve
 
@@ -45,13 +45,7 @@ def plan_streaming(steps, table, seconds, model, host_bytes, hide_copies=True):
                 home_at = hide_forward(seconds, last + 1, len(steps), copy_s)
                 before.setdefault(home_at, []).append(Wait(b))
                 earliest = home_at
-    out = []
-    for i, step in enumerate(steps):
-        out.extend(before.get(i, ()))
-        out.append(step)
-        out.extend(after.get(i, ()))
-    out.extend(before.get(len(steps), ()))
-    return out, host_bytes
+    return with_inserted(steps, before, after), host_bytes
 
 
 def _stays(steps, streamed):

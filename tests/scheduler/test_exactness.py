@@ -44,18 +44,21 @@ CONCAT_NET = {
 }
 
 
-def run_under(config, policy, iterations):
-    """Losses, persistent arrays and (predicted, measured) peaks of a checked run."""
-    trainer = Trainer(with_settings(config, memory={"policy": policy}), check=True)
+def run_under(config, policy, iterations, stream=False):
+    """Losses, persistent arrays and (predicted, measured) peaks of a checked run (`stream`:
+    parameters and optimizer state streamed from the host store)."""
+    trainer = Trainer(with_settings(config, memory={"policy": policy, "stream_parameters": stream}), check=True)
     losses = [m.loss for m in trainer.fit(iterations=iterations)]
     return losses, trainer.host_arrays(), (trainer.plan.peak_bytes, trainer.backend.arena.peak_bytes)
 
 
-def assert_policies_agree(config, iterations):
+def assert_policies_agree(config, iterations, stream=False):
+    """Every freeing policy (streaming parameters, with `stream`) trains as `none` does, bit
+    for bit, and its measured peak is its planned peak."""
     base_losses, base_arrays, peaks = run_under(config, "none", iterations)
     assert peaks[0] == peaks[1]
     for policy in list(POLICIES)[1:]:
-        losses, arrays, (predicted, measured) = run_under(config, policy, iterations)
+        losses, arrays, (predicted, measured) = run_under(config, policy, iterations, stream)
         assert losses == base_losses, policy
         for key, value in arrays.items():
             np.testing.assert_array_equal(value, base_arrays[key], err_msg=f"{policy}: {key}")

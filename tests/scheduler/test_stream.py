@@ -103,3 +103,23 @@ def test_a_streamed_run_checkpoints_and_resumes_exactly_and_either_way(tmp_path)
     assert sorted(expected) == sorted(got)
     for key, value in expected.items():
         assert np.array_equal(got[key], value), key
+
+
+def test_snrt_plan_and_train_take_stream_parameters(tmp_path, capsys):
+    import json
+
+    from snrt.cli import main
+
+    assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "4", "--policy", "liveness", "--stream-parameters",
+                 "--json"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    params = snrt.load_config("configs/cifar_resnet20.yaml").graph.num_params() * 4
+    assert chosen["copied_to_host_bytes"] == 2 * params and chosen["copied_to_device_bytes"] == 3 * params
+    assert "parameter" not in chosen["peak_by_role"] or chosen["peak_by_role"]["parameter"] < params
+    out = tmp_path / "run"
+    assert main(["train", "configs/cifar_resnet20.yaml", "--batch", "4", "--image-size", "16", "--iterations", "2",
+                 "--policy", "superneurons", "--stream-parameters", "--no-progress", "--no-eval", "--out",
+                 str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["measured_peak_device_bytes"] == summary["predicted_peak_device_bytes"]
+    assert "stream_parameters: true" in (out / "config.yaml").read_text()

@@ -9,7 +9,7 @@ Same graph and options give a byte-identical `to_json()`.
 """
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 ROLES = ("activation", "gradient", "parameter", "parameter_gradient", "optimizer_state", "state", "aux", "workspace",
          "collective")
@@ -46,8 +46,25 @@ class Buffer:
         return "@" in self.name
 
 
+class _Step:
+    """What every step kind shares: `reads()` and `writes()`, the buffer ids it reads and writes,
+    computed once per step (every pass asks again and again; `evolve` drops the memo)."""
+
+    def reads(self):
+        memo = self.__dict__.get("_read_ids")
+        if memo is None:
+            memo = self.__dict__["_read_ids"] = tuple(self._reads())
+        return memo
+
+    def writes(self):
+        memo = self.__dict__.get("_written_ids")
+        if memo is None:
+            memo = self.__dict__["_written_ids"] = tuple(self._writes())
+        return memo
+
+
 @dataclass(frozen=True)
-class Forward:
+class Forward(_Step):
     """Run node's forward: read `inputs`, write `output` and `aux`; `recompute` replays it."""
 
     node: str
@@ -64,15 +81,15 @@ class Forward:
         if self.recompute:
             object.__setattr__(self, "kind", "recompute")
 
-    def reads(self):
+    def _reads(self):
         return (*self.inputs, *(b for _, b in self.params), *(b for _, b in self.state))
 
-    def writes(self):
+    def _writes(self):
         return (self.output, *(b for _, b in self.aux), *_some(self.workspace))
 
 
 @dataclass(frozen=True)
-class Backward:
+class Backward(_Step):
     """Run node's backward. `grad_inputs[i]` is (buffer id, partial id) or None: the kernel
     writes the gradient of input i into the buffer, or, when `partial` is not -1, into the
     partial buffer which is then added to the gradient buffer (fan-out)."""
@@ -88,17 +105,17 @@ class Backward:
     workspace: int = -1
     kind: str = field(default="backward", init=False)
 
-    def reads(self):
+    def _reads(self):
         saved = (b for b in (*self.saved_inputs, self.saved_output) if b >= 0)
         return (self.grad_output, *saved, *(b for _, b in self.aux), *(b for _, b in self.params))
 
-    def writes(self):
+    def _writes(self):
         grads = (b for g in self.grad_inputs if g is not None for b in g if b >= 0)
         return (*grads, *(b for _, b in self.grad_params), *_some(self.workspace))
 
 
 @dataclass(frozen=True)
-class Update:
+class Update(_Step):
     """Optimizer step for one node's parameters: ((param, grad, (state, ...), decay), ...), the
     states being the optimizer's buffers of that parameter (SGD's momentum, Adam's two moments)."""
 
@@ -107,58 +124,58 @@ class Update:
     workspace: int = -1
     kind: str = field(default="update", init=False)
 
-    def reads(self):
+    def _reads(self):
         return tuple(b for p, g, states, _ in self.slots for b in (p, g, *states))
 
-    def writes(self):
+    def _writes(self):
         return (*(b for p, _, states, _ in self.slots for b in (p, *states)), *_some(self.workspace))
 
 
 @dataclass(frozen=True)
-class Offload:
+class Offload(_Step):
     """Copy `buffer` to its host slot on the device-to-host stream (asynchronous)."""
 
     buffer: int
     kind: str = field(default="offload", init=False)
 
-    def reads(self):
+    def _reads(self):
         return (self.buffer,)
 
-    def writes(self):
+    def _writes(self):
         return ()
 
 
 @dataclass(frozen=True)
-class Prefetch:
+class Prefetch(_Step):
     """Copy the host slot of `source` into `buffer` on the host-to-device stream (asynchronous)."""
 
     buffer: int
     source: int
     kind: str = field(default="prefetch", init=False)
 
-    def reads(self):
+    def _reads(self):
         return ()
 
-    def writes(self):
+    def _writes(self):
         return (self.buffer,)
 
 
 @dataclass(frozen=True)
-class Wait:
+class Wait(_Step):
     """The compute stream waits until the copy of `buffer` (an offload or a prefetch) is done."""
 
     buffer: int
     kind: str = field(default="wait", init=False)
 
-    def reads(self):
+    def _reads(self):
         return (self.buffer,)
 
-    def writes(self):
+    def _writes(self):
         return ()
 
 
 @dataclass(frozen=True)
-class AllReduce:
+class AllReduce(_Step):
     """Start summing one bucket of parameter gradients, `grads`, across the `ranks` processes
     (non-blocking): this rank packs them, in order, into its slot of `gathered` (`ranks` slots
     of `nbytes` each, slot r for rank r) and the slots are exchanged (an allgather on the
@@ -170,15 +187,15 @@ class AllReduce:
     ranks: int
     kind: str = field(default="allreduce", init=False)
 
-    def reads(self):
+    def _reads(self):
         return self.grads
 
-    def writes(self):
+    def _writes(self):
         return (self.gathered,)
 
 
 @dataclass(frozen=True)
-class AllReduceWait:
+class AllReduceWait(_Step):
     """Wait for the exchange of `gathered` (see AllReduce), then write into `sums[j]` the sum of
     every rank's j-th gradient of the bucket, added in rank order (slot 0 + slot 1 + ...), so
     the result does not depend on how the engine groups a reduction."""
@@ -189,24 +206,24 @@ class AllReduceWait:
     ranks: int
     kind: str = field(default="allreduce_wait", init=False)
 
-    def reads(self):
+    def _reads(self):
         return (self.gathered,)
 
-    def writes(self):
+    def _writes(self):
         return self.sums
 
 
 @dataclass(frozen=True)
-class Free:
+class Free(_Step):
     """Buffers whose last use has passed; their bytes may be reused."""
 
     buffers: tuple
     kind: str = field(default="free", init=False)
 
-    def reads(self):
+    def _reads(self):
         return ()
 
-    def writes(self):
+    def _writes(self):
         return ()
 
 
@@ -245,26 +262,31 @@ class Plan:
 
     def bytes_by_role_per_step(self):
         """[{role: bytes alive while step i runs}] for every step (the memory timeline)."""
-        live = {role: 0 for role in ROLES}
-        for b in self.buffers:
-            if b.resident:
-                live[b.role] += b.nbytes
-        out = []
-        for step, fresh in zip(self.steps, self.allocations):
-            for b in fresh:
-                live[self.buffers[b].role] += self.buffers[b].nbytes
-            out.append(dict(live))
-            if step.kind == "free":
-                for b in step.buffers:
-                    live[self.buffers[b].role] -= self.buffers[b].nbytes
-        return out
+        return [dict(live) for live in self._live_by_role()]
 
     def peak_by_role(self):
         """{role: bytes} alive at the peak step."""
         if not self.steps:
             return {}
-        per_step = self.bytes_by_role_per_step()
-        return per_step[self.device_bytes.index(self.peak_bytes)]
+        peak = self.device_bytes.index(self.peak_bytes)
+        for i, live in enumerate(self._live_by_role()):
+            if i == peak:
+                return dict(live)
+
+    def _live_by_role(self):
+        """For each step in turn, {role: bytes alive while it runs} (one dict, updated in place)."""
+        live = {role: 0 for role in ROLES}
+        for b in self.buffers:
+            if b.resident:
+                live[b.role] += b.nbytes
+        buffers = self.buffers
+        for step, fresh in zip(self.steps, self.allocations):
+            for b in fresh:
+                live[buffers[b].role] += buffers[b].nbytes
+            yield live
+            if step.kind == "free":
+                for b in step.buffers:
+                    live[buffers[b].role] -= buffers[b].nbytes
 
     def copied_bytes(self):
         """(bytes copied device to host, host to device) in one iteration: the offload and
@@ -345,35 +367,61 @@ def evolve(record, **changes):
     as it does not run __init__ again. So `changes` must not touch a field that __post_init__
     derives from (Forward's `recompute`)."""
     copy = object.__new__(type(record))
-    copy.__dict__.update(record.__dict__, **changes)
+    state = copy.__dict__
+    state.update(record.__dict__, **changes)
+    state.pop("_read_ids", None)  # a step's memo of its reads and writes (see _Step)
+    state.pop("_written_ids", None)
     return copy
 
 
 def remap(step, mapping):
     """`step` with every buffer id replaced through `mapping` (ids not in it stay)."""
     changes = {}
-    for name in _REMAPPED[type(step)]:
+    for name, remapped in _REMAPPED[type(step)]:
         value = getattr(step, name)
-        new = _remap_value(value, mapping)
+        new = remapped(value, mapping)
         if new != value:
             changes[name] = new
     return evolve(step, **changes) if changes else step
 
 
-def _remap_value(value, mapping):
-    if isinstance(value, bool) or isinstance(value, str):
-        return value
-    if isinstance(value, int):
-        return mapping.get(value, value)
-    if isinstance(value, tuple):
-        return tuple(_remap_value(v, mapping) for v in value)
-    return value
+def _id(b, m):
+    return m.get(b, b)
 
 
-# per step type, the fields that hold buffer ids (`source` names a host slot)
-_REMAPPED = {cls: tuple(f.name for f in fields(cls)
-                       if f.name not in ("node", "kind", "recompute", "source", "nbytes", "ranks"))
-             for cls in (Forward, Backward, Update, Offload, Prefetch, Wait, Free, AllReduce, AllReduceWait)}
+def _ids(ids, m):
+    return tuple([m.get(b, b) for b in ids])
+
+
+def _named(pairs, m):
+    return tuple([(name, m.get(b, b)) for name, b in pairs])
+
+
+def _grad_inputs(grads, m):
+    return tuple([None if g is None else (m.get(g[0], g[0]), m.get(g[1], g[1])) for g in grads])
+
+
+def _slots(slots, m):
+    return tuple([(m.get(p, p), m.get(g, g), tuple([m.get(s, s) for s in states]), decay)
+                  for p, g, states, decay in slots])
+
+
+# per step type, the fields that hold buffer ids and how to remap each (`source` names a host
+# slot; NOT_IDS are the fields that hold no id)
+NOT_IDS = ("node", "kind", "recompute", "source", "nbytes", "ranks")
+_REMAPPED = {
+    Forward: (("inputs", _ids), ("output", _id), ("aux", _named), ("params", _named), ("state", _named),
+              ("workspace", _id)),
+    Backward: (("grad_output", _id), ("saved_inputs", _ids), ("saved_output", _id), ("aux", _named),
+               ("params", _named), ("grad_inputs", _grad_inputs), ("grad_params", _named), ("workspace", _id)),
+    Update: (("slots", _slots), ("workspace", _id)),
+    Offload: (("buffer", _id),),
+    Prefetch: (("buffer", _id),),
+    Wait: (("buffer", _id),),
+    Free: (("buffers", _ids),),
+    AllReduce: (("grads", _ids), ("gathered", _id)),
+    AllReduceWait: (("gathered", _id), ("sums", _ids)),
+}
 
 
 def _some(buffer_id):

@@ -178,6 +178,7 @@ class _Assembled:
     key = None
     iteration = None
     plans = {}
+    step_seconds = {}  # (kind, node, bytes) -> predicted seconds, for this iteration's graph, batch and cost model
 
     @classmethod
     def forget(cls):
@@ -188,15 +189,16 @@ class _Assembled:
         inputs = tuple(repr(n.layer) for n in graph.nodes.values() if not n.inputs)  # shapes and dtypes
         key = (graph.fingerprint(), inputs, batch, opts)
         if key != cls.key:
-            cls.key, cls.plans = key, {}
+            cls.key, cls.plans, cls.step_seconds = key, {}, {}
             cls.iteration = build_iteration(graph, batch, opts.training, opts.optimizer_states, opts.dtype,
                                             opts.kernels, opts.deferred_updates, opts.ranks, opts.bucket_bytes)
         return cls.iteration
 
 
 def _seconds_of(graph, batch, cost_model):
-    """steps -> their predicted compute seconds, each (kind, node) computed once."""
-    known = {}
+    """steps -> their predicted compute seconds, each (kind, node) computed once for all the
+    plans of one iteration (see _Assembled)."""
+    known = _Assembled.step_seconds
 
     def seconds(steps):
         out = []

@@ -207,3 +207,12 @@ def test_node_decisions_and_copied_bytes_say_what_each_policy_does():
         assert (counts["recompute"] > 0) == (policy in ("recompute", "superneurons"))
     assert by_policy["none"].node_decisions() == by_policy["liveness"].node_decisions()  # freeing moves nothing
     assert by_policy["offload"].node_decisions()["conv2d0"] == "offload"
+
+
+def test_every_buffer_id_field_of_every_step_type_is_remapped():
+    from dataclasses import fields
+
+    from snrt.scheduler.plan import _REMAPPED, NOT_IDS
+
+    for cls, remapped in _REMAPPED.items():
+        assert {f.name for f in fields(cls)} - set(NOT_IDS) == {name for name, _ in remapped}, cls.__name__

@@ -4,6 +4,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import multiprocessing
 import signal
 import sys
 import threading
@@ -248,7 +249,7 @@ def policy_row(plan, budget):
 
 
 def run_plan(args, console):
-    from snrt.scheduler.planner import make_plan
+    from snrt.scheduler.planner import each_plan, make_plan
 
     config = load_config(args.config, _overrides(args))
     budget, ranks = config.memory.budget, args.ranks
@@ -258,13 +259,21 @@ def run_plan(args, console):
     batch = config.train.batch // ranks  # each rank's
     update = {**make_optimizer(config.train.optimizer).plan_options, "ranks": ranks,  # planned as training plans it
               "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters}
-    rows, plans = [], {}
+    chosen = args.policy or config.memory.policy
+    here = _planned_with(chosen) if usable_cores() > 1 else set(policies.POLICIES)
+    elsewhere = [p for p in policies.POLICIES if p not in here]  # their rows come from a second process
+    rows_of, plans = {}, {}
     with console.status("planning...") as status:
-        for policy in policies.POLICIES:
-            status.update(f"planning {policy}...")
-            plans[policy] = make_plan(config.graph, batch, policy, **update)
-            rows.append(policy_row(plans[policy], budget))
-        chosen = args.policy or config.memory.policy
+        if elsewhere:
+            status.update(f"planning {', '.join(here)} here and {', '.join(elsewhere)} in a second process...")
+            theirs = in_a_child(lambda: {policy: policy_row(plan, budget) for policy, plan
+                                         in each_plan(config.graph, batch, elsewhere, **update)})
+        for policy, plan in each_plan(config.graph, batch, [p for p in policies.POLICIES if p in here], **update):
+            plans[policy] = plan
+            rows_of[policy] = policy_row(plan, budget)
+        if elsewhere:
+            rows_of.update(theirs())
+        rows = [rows_of[p] for p in policies.POLICIES]
         detail = plans.get(chosen)
         if detail is None or (budget is not None and detail.arena_bytes > budget):  # auto, or a just-in-time retry
             status.update(f"planning {chosen}...")
@@ -290,6 +299,43 @@ def run_plan(args, console):
 
         draw_timeline(detail, args.png, budget=budget, title=f"{config.name}: {detail.policy}, batch {batch}")
         console.print(f"timeline written to {args.png}")
+
+
+def _planned_with(chosen):
+    """The policies whose plans `snrt plan` keeps when detailing `chosen`: it and the one it is
+    capped by (they share that plan); every policy for `auto`."""
+    if chosen not in policies.POLICIES:
+        return set(policies.POLICIES)
+    return {chosen} | ({policies.POLICIES[chosen].capped_by} - {None})
+
+
+def in_a_child(work):
+    """Run `work()` (its result must pickle) in a forked process while this one goes on; returns
+    a function that waits for the result and returns it (or raises the child's error)."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child():
+        try:
+            send.send(("result", work()))
+        except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
+            send.send(("error", e))
+
+    process = context.Process(target=child, daemon=True)
+    process.start()
+    send.close()
+
+    def result():
+        try:
+            kind, value = receive.recv()
+        except EOFError:
+            raise SnrtError("planning in a second process failed: it ended without a result (out of memory?)") from None
+        finally:
+            process.join()
+        if kind == "error":
+            raise value
+        return value
+    return result
 
 
 def _policy_table(config, batch, budget, rows):

@@ -98,3 +98,22 @@ def test_train_reports_its_thread_pools_capped_at_threads(tmp_path):
     pools = json.loads((out / "summary.json").read_text())["thread_pools"]
     assert pools.startswith("openblas 1 thread") and "2 threads" not in pools  # numpy's, and scipy's if loaded
     assert "thread pools: openblas 1 thread (" in proc.stdout
+
+
+def test_plan_rows_planned_in_a_second_process_equal_those_planned_in_one(capsys, monkeypatch):
+    from snrt import cli
+
+    args = ["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--policy", "superneurons", "--json"]
+    assert main(args) == 0  # superneurons and offload here, the others in a forked process
+    split = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(cli, "usable_cores", lambda: 1)
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out) == split
+
+
+def test_an_error_in_the_second_process_is_raised_in_the_first():
+    from snrt.cli import in_a_child
+
+    with pytest.raises(ZeroDivisionError):
+        in_a_child(lambda: 1 / 0)()
+    assert in_a_child(lambda: {"rows": [1, 2]})() == {"rows": [1, 2]}

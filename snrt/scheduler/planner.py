@@ -6,6 +6,7 @@ that states the smallest budget that works and the largest batch that fits.
 """
 
 import bisect
+import contextlib
 import gc
 from dataclasses import dataclass, replace
 
@@ -76,15 +77,35 @@ def make_plan(graph, batch, policy="none", budget=None, training=True, optimizer
     """
     opts = PlanOptions(training, tuple(optimizer_states), deferred_updates, cost_model, dtype, kernels, ranks,
                        bucket_bytes, stream_parameters)
-    # The passes make hundreds of thousands of small objects that reference counting frees; the
-    # cyclic collector, triggered by their sheer number, would walk every live plan object again
-    # and again (a third of ResNet-2500's planning time). It runs again when planning is done.
+    with _planning():
+        return _plan(graph, batch, policy, budget, opts, hide_copies)
+
+
+def each_plan(graph, batch, policies, **options):
+    """(policy, Plan) for each name in `policies`, as make_plan(graph, batch, policy, **options)
+    gives it, made in one go: a plan one policy builds on (superneurons on offload's) is
+    assembled once for all of them."""
+    opts = PlanOptions(**{k: tuple(v) if k == "optimizer_states" else v
+                          for k, v in options.items() if k != "hide_copies"})
+    with _planning():
+        for policy in policies:
+            yield policy, _plan(graph, batch, policy, None, opts, options.get("hide_copies", True))
+
+
+@contextlib.contextmanager
+def _planning():
+    """One planning session: the plans assembled in it are shared (see _Assembled) and let go
+    at its end.
+
+    The passes make hundreds of thousands of small objects that reference counting frees; the
+    cyclic collector, triggered by their sheer number, would walk every live plan object again
+    and again (a third of ResNet-2500's planning time), so it is paused meanwhile."""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _plan(graph, batch, policy, budget, opts, hide_copies)
+        yield
     finally:
-        _Assembled.forget()  # the plans this call made are not kept alive
+        _Assembled.forget()  # the plans this session made are not kept alive
         if collecting:
             gc.enable()
 

@@ -151,17 +151,6 @@ def speed_segments_that_fit(plan, segments):
     return chosen
 
 
-class _Versions(dict):
-    """old id -> newer id, followed to the newest (what `remap` looks ids up in)."""
-
-    def get(self, key, default=None):
-        if key not in self:
-            return default
-        while key in self:
-            key = self[key]
-        return key
-
-
 def version_buffers(steps, table):
     """Give every tensor written again by a recompute or prefetch step a new buffer id.
 
@@ -169,11 +158,12 @@ def version_buffers(steps, table):
     named like the original with "@k" (and with its home in the host store, if it has one).
     Workspaces of recompute steps are versioned too.
     """
-    written, versions, count = set(), _Versions(), {}
+    written, count = set(), {}
+    newest, older = {}, {}  # old id -> its newest version; newest version -> the old ids
     out = []
     for step in steps:
-        if versions and any(b in versions for b in (*step.reads(), *step.writes())):
-            step = remap(step, versions)
+        if newest and not (newest.keys().isdisjoint(step.reads()) and newest.keys().isdisjoint(step.writes())):
+            step = remap(step, newest)
         if step.kind in ("recompute", "prefetch"):
             fresh = {}
             for b in step.writes():
@@ -185,7 +175,12 @@ def version_buffers(steps, table):
                                          original.host_slot)  # a streamed tensor's copies share its home
             if fresh:
                 step = _rewrite_outputs(step, fresh)
-                versions.update(fresh)
+                for b, new in fresh.items():
+                    olds = older.pop(b, [])
+                    olds.append(b)
+                    for old in olds:
+                        newest[old] = new
+                    older[new] = olds
         written.update(step.writes())
         out.append(step)
     return out

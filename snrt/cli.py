@@ -63,6 +63,8 @@ def build_parser():
     train.add_argument("--stream-parameters", action="store_true", default=None,
                        help="keep parameters and optimizer state in host memory, on the device only while used "
                             "(sets memory.stream_parameters)")
+    train.add_argument("--host-store", metavar="DIR",
+                       help="CPU: keep the host store in a file in DIR instead of memory (sets memory.host_store)")
     train.add_argument("--seed", type=int, help="seed for initialisation, data and dropout (overrides train.seed)")
     train.add_argument("--out", help="output folder for metrics, checkpoint and summary (default runs/NAME)")
     train.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
@@ -144,7 +146,7 @@ def _overrides(args):
             out[f"train.data.{key}"] = value
     for flag, key in (("iterations", "train.iterations"), ("lr", "train.optimizer.lr"), ("policy", "memory.policy"),
                       ("budget", "memory.budget"), ("seed", "train.seed"),
-                      ("stream_parameters", "memory.stream_parameters")):
+                      ("stream_parameters", "memory.stream_parameters"), ("host_store", "memory.host_store")):
         if getattr(args, flag, None) is not None:
             out[key] = getattr(args, flag)
     return out

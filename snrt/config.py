@@ -128,6 +128,7 @@ class MemoryConfig:
     policy: str = "none"
     budget: Bytes = None  # written as 12GiB etc.; None: no budget
     stream_parameters: bool = False  # parameters and optimizer state live in host memory (snrt/scheduler/stream.py)
+    host_store: str = None  # CPU: a folder for the host store as a file on disk (None: in memory)
 
 
 @dataclass
@@ -149,6 +150,7 @@ CHOICES = {
     (TrainConfig, "init"): ("default", "he", "xavier"),
     (MemoryConfig, "policy"): policies.CHOICES,
 }
+OPTIONAL_STRINGS = ("path", "host_store")  # string settings that may be null
 POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "gradient_bucket"), (TrainConfig, "iterations"), (OptimizerConfig, "lr"), (ParamGroup, "lr_scale"),
             (DataConfig, "samples"), (DataConfig, "holdout"), (OptimizerConfig, "eps")}
 BELOW_ONE = {(DataConfig, "holdout"), (OptimizerConfig, "beta1"), (OptimizerConfig, "beta2")}  # fractions
@@ -378,7 +380,7 @@ def _check_setting(source, key, cls, name, annotation, value):
         if (cls, name) in POSITIVE and value <= 0:
             raise ConfigError(source, key, f"expected a positive byte size, got {value!r}")
         return value
-    if annotation is str and not (value is None and name == "path"):
+    if annotation is str and not (value is None and name in OPTIONAL_STRINGS):
         if not isinstance(value, str):
             raise ConfigError(source, key, f"expected a string, got {_kind(value)}")
         choices = CHOICES.get((cls, name))

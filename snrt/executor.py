@@ -38,9 +38,9 @@ class Executor:
             if b.role in PERSISTENT_ROLES and not b.is_copy:
                 node, _, rest = b.name.partition(":")
                 self.persistent[(node, rest)] = b.id
-                if b.resident:
+                if b.resident:  # optimizer state starts at zero (a home in the host store starts so); the rest is loaded
                     arena.reserve(b)
-                self.view_of(node, rest).fill(0)  # optimizer state starts at zero; the rest is loaded
+                    self.views[b.id].fill(0)
         self.kernels = {  # the backend's kernel choice: the layer itself, or a faster kernel for it
             name: backend.kernel_for(node.layer, graph.in_shapes(name, plan.batch))
             for name, node in graph.nodes.items() if node.inputs
@@ -80,17 +80,21 @@ class Executor:
 
     def load(self, node, name, value):
         """Write host array `value` into persistent buffer (node, name), wherever it lives."""
-        view = self.view_of(node, name)
-        if self.plan.buffers[self.persistent[(node, name)]].resident:
+        view, buffer = self.view_of(node, name), self.plan.buffers[self.persistent[(node, name)]]
+        if buffer.resident:
             self.backend.upload(view, value)
         else:
             view[...] = value
+            self.backend.host.settle(buffer)
 
     def fetch(self, node, name):
         """A host copy of persistent buffer (node, name)."""
-        view = self.view_of(node, name)
-        return self.backend.to_host(view) if self.plan.buffers[self.persistent[(node, name)]].resident \
-            else view.copy()
+        view, buffer = self.view_of(node, name), self.plan.buffers[self.persistent[(node, name)]]
+        if buffer.resident:
+            return self.backend.to_host(view)
+        copy = view.copy()
+        self.backend.host.settle(buffer)
+        return copy
 
     def wrap_steps(self, kinds, wrapper):
         """Replace the action of every step whose kind is in `kinds` by `wrapper(step, action)`

@@ -58,7 +58,7 @@ def check_trainable(graph, batch):
 
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
             check=False, values=None, deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES,
-            stream_parameters=False):
+            stream_parameters=False, host_folder=None):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
     backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
     such pairs) loaded.
@@ -69,7 +69,8 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     (poisoned memory, every step verified against the plan). With a `group` of several ranks
     (snrt.parallel), `batch` is this rank's part and a training plan sums the gradients over
     the group in buckets of about `bucket_bytes`. `stream_parameters` keeps parameters and
-    optimizer state in the host store, on the device only while steps use them.
+    optimizer state in the host store, on the device only while steps use them; `host_folder`
+    (CPU) puts the host store in a file there instead of memory.
     """
     if training:
         check_trainable(graph, batch)
@@ -79,7 +80,8 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     plan = make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
                      cost_model=device_class.cost_model, kernels=kernels, deferred_updates=deferred_updates,
                      ranks=ranks, bucket_bytes=bucket_bytes, stream_parameters=stream_parameters)
-    device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels)
+    on_disk = {"host_folder": host_folder} if host_folder else {}
+    device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels, **on_disk)
     runtime = Runtime(plan, device, Executor(graph, plan, device, group))
     runtime.load(values or {})
     return runtime

@@ -65,6 +65,7 @@ class Trainer:
         self.runtime = prepare(self.graph, self.batch // self.group.size, memory.policy, memory.budget, backend,
                                training=True, **self.optimizer.plan_options, check=check, group=self.group,
                                bucket_bytes=train.gradient_bucket, stream_parameters=memory.stream_parameters,
+                               host_folder=memory.host_store,
                                values=itertools.chain(each_initial_parameter(self.graph, train.seed, train.init),
                                                       initial_state(self.graph).items()))
         self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor

@@ -104,6 +104,7 @@ CASES = [
     ("nan-lr", ("optimizer: {lr: 0.1}", "optimizer: {lr: .nan}"), "train.optimizer.lr", "finite number"),
     ("inf-budget", ("budget: 1GiB", "budget: .inf"), "memory.budget", "byte size"),
     ("huge-budget", ("budget: 1GiB", "budget: 1e400"), "memory.budget", "finite byte size"),
+    ("host-store-type", ("budget: 1GiB", "budget: 1GiB, host_store: 3"), "memory.host_store", "expected a string"),
     ("zero-bucket", ("iterations: 2,", "iterations: 2, gradient_bucket: 0,"), "train.gradient_bucket",
      "positive byte size"),
     ("bucket-format", ("iterations: 2,", "iterations: 2, gradient_bucket: big,"), "train.gradient_bucket",

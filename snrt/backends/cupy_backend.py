@@ -190,7 +190,10 @@ class CupyBackend(Backend):
     def kernel_choice(cls):
         return default_kernels()
 
-    def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None, profile=False):
+    def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None, profile=False, host_folder=None):
+        if host_folder:
+            raise SnrtError("a host store on disk (memory.host_store) is offered on the CPU backend only; on CUDA "
+                            "the host store is pinned memory")
         if launcher_size() > 1:  # one GPU per rank
             cupy.cuda.Device(launcher_local_rank() % runtime.getDeviceCount()).use()
         super().__init__(arena_bytes, host_bytes, check, kernels)

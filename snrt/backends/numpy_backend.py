@@ -1,5 +1,6 @@
 """The CPU backend: the device arena is one NumPy buffer with a hard capacity, the host
-store another, and the device-to-host and host-to-device streams are worker threads."""
+store another (or a memory-mapped file on disk: `host_folder`), and the device-to-host and
+host-to-device streams are worker threads."""
 
 import numpy as np
 
@@ -23,20 +24,29 @@ class NumpyBackend(Backend):
     def kernel_choice(cls):
         return CPU_KERNELS
 
-    def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None):
+    def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None, host_folder=None):
         super().__init__(arena_bytes, host_bytes, check, kernels)
         self.arena = Arena(np, arena_bytes, check=check)
-        self.host = HostStore(np.zeros(host_bytes, dtype=np.uint8))
+        self.host = (HostStore.on_disk(host_bytes, host_folder) if host_folder
+                     else HostStore(np.zeros(host_bytes, dtype=np.uint8)))
         self.to_host_stream = CopyStream("d2h", lazy=check)
         self.to_device_stream = CopyStream("h2d", lazy=check)
 
     def offload(self, buffer):
-        source, target = self.arena.bytes_of(buffer), self.host.slot(buffer)
-        return self.to_host_stream.submit(lambda: np.copyto(target, source))
+        source, target, host = self.arena.bytes_of(buffer), self.host.slot(buffer), self.host
+
+        def copy():
+            np.copyto(target, source)
+            host.settle(buffer)
+        return self.to_host_stream.submit(copy)
 
     def prefetch(self, buffer, source):
-        data, target = self.host.slot(source), self.arena.bytes_of(buffer)
-        return self.to_device_stream.submit(lambda: np.copyto(target, data))
+        data, target, host = self.host.slot(source), self.arena.bytes_of(buffer), self.host
+
+        def copy():
+            np.copyto(target, data)
+            host.settle(source)
+        return self.to_device_stream.submit(copy)
 
     def to_host(self, array):
         return np.array(array, copy=True)

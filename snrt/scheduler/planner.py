@@ -291,16 +291,21 @@ def _copies(policy, opts):
 
 
 def _auto(graph, batch, budget, opts):
-    """The fastest policy whose arena fits `budget` (ties: the smaller arena)."""
+    """The fastest policy whose arena fits `budget` (ties: the smaller arena); when none fits
+    with parameters resident, the fastest with parameters streamed (a training plan)."""
     if budget is None:
         raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
     rows = tuple(POLICIES.values())
     candidates = _candidates(graph, batch, rows, opts)
     fitting = [plan for plan, _ in candidates if plan.arena_bytes <= budget]
+    if not fitting and opts.training and not opts.stream_parameters:
+        opts = replace(opts, stream_parameters=True)
+        candidates = _candidates(graph, batch, rows, opts)
+        fitting = [plan for plan, _ in candidates if plan.arena_bytes <= budget]
     if not fitting:
         raise _infeasible(graph, batch, budget, rows, opts, candidates)
     best = min(fitting, key=lambda p: (p.predicted_s, p.arena_bytes))
-    return replace(best, policy=f"auto:{best.policy}")
+    return replace(best, policy=f"auto:{best.policy}" + (", streamed" if opts.stream_parameters else ""))
 
 
 def _infeasible(graph, batch, budget, policies, opts, candidates=None):
@@ -324,8 +329,13 @@ def _infeasible(graph, batch, budget, policies, opts, candidates=None):
             high = mid - 1
     largest = low
     names = "/".join(p.name for p in policies)
-    where = f"the largest batch that fits is {largest} (policy {frugal.policy})" if largest else \
-        "no batch size fits: the parameters and optimizer state alone are too large"
+    if largest:
+        where = f"the largest batch that fits is {largest} (policy {frugal.policy})"
+    elif opts.training and not opts.stream_parameters:
+        where = ("no batch size fits: the parameters and optimizer state alone are too large to stay on the device; "
+                 "stream them from host memory (--stream-parameters, memory.stream_parameters) or use policy auto")
+    else:
+        where = "no batch size fits: the largest single step does not fit"
     return BudgetError(
         f"budget {human_bytes(budget)} is too small for batch {batch} under {names}: the smallest "
         f"budget that works is {human_bytes(smallest)} ({smallest} bytes, policy {frugal.policy}); {where}",

@@ -123,3 +123,35 @@ def test_snrt_plan_and_train_take_stream_parameters(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["measured_peak_device_bytes"] == summary["predicted_peak_device_bytes"]
     assert "stream_parameters: true" in (out / "config.yaml").read_text()
+
+
+def test_auto_streams_the_parameters_only_when_nothing_fits_with_them_resident():
+    graph = snrt.load_config("configs/vgg16.yaml", {"input.shape": [3, 32, 32]}).graph
+    resident = make_plan(graph, 2, "auto", budget=2**31)
+    assert resident.policy.startswith("auto:") and "streamed" not in resident.policy
+    assert all(b.resident for b in resident.buffers if b.role == "parameter")
+    budget = 300 * 2**20  # fc7's update alone needs 4 x 64 MiB; parameters and momentum are 288 MiB
+    streamed = make_plan(graph, 2, "auto", budget=budget)
+    assert streamed.policy.endswith(", streamed") and streamed.arena_bytes <= budget
+    verify_plan(streamed, budget=budget)
+    with pytest.raises(BudgetError, match="stream them from host memory"):
+        make_plan(graph, 2, "superneurons", budget=budget)
+
+
+def test_a_run_under_auto_streams_when_it_must_and_trains_as_none_does():
+    import numpy as np
+
+    from snrt.config import with_settings
+    from snrt.train import Trainer
+
+    config = snrt.load_config(SMALL_RESNET)
+    reference = Trainer(config)
+    reference.fit(iterations=2)
+    floor = make_plan(config.graph, config.train.batch, "superneurons", stream_parameters=True).arena_bytes
+    tight = Trainer(with_settings(config, memory={"policy": "auto", "budget": floor}), check=True)
+    assert tight.plan.policy.endswith(", streamed")
+    tight.fit(iterations=2)
+    assert tight.backend.arena.peak_bytes == tight.plan.peak_bytes <= floor
+    expected, got = reference.host_arrays(), tight.host_arrays()
+    for key, value in expected.items():
+        assert np.array_equal(got[key], value), key

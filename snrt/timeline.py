@@ -22,7 +22,12 @@ def draw_timeline(plan, path, budget=None, measured=None, title=None):
     per_step = plan.bytes_by_role_per_step()
     steps = range(len(per_step))
     scale, unit = (GIB, "GiB") if max(plan.peak_bytes, budget or 0) >= GIB else (MIB, "MiB")
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    traffic = copy_traffic(plan)
+    if any(traffic.values()):
+        fig, (ax, lower) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+        _draw_traffic(lower, traffic)
+    else:
+        fig, ax = plt.subplots(figsize=(11, 4.5))
     roles = [r for r in ROLES if any(s[r] for s in per_step)]
     ax.stackplot(steps, *[[s[r] / scale for s in per_step] for r in roles],
                  labels=[r.replace("_", " ") for r in roles], alpha=0.85, linewidth=0)
@@ -35,7 +40,7 @@ def draw_timeline(plan, path, budget=None, measured=None, title=None):
     if backward is not None:
         ax.axvline(backward, color="grey", linewidth=0.8, linestyle=":")
         ax.text(backward, ax.get_ylim()[1] * 0.97, " backward", color="grey", va="top", fontsize=8)
-    ax.set_xlabel("step")
+    (lower if any(traffic.values()) else ax).set_xlabel("step")
     ax.set_ylabel(f"device memory ({unit})")
     ax.set_title(title or f"{plan.policy}: peak {plan.peak_bytes / scale:.2f} {unit}, "
                  f"arena {plan.arena_bytes / scale:.2f} {unit}, batch {plan.batch}")
@@ -44,3 +49,31 @@ def draw_timeline(plan, path, budget=None, measured=None, title=None):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def copy_traffic(plan):
+    """{(direction, what): cumulative bytes after each step}: bytes copied to the host ("out")
+    and to the device ("in") so far, of activations and of parameters and optimizer state."""
+    totals = {(d, w): 0 for d in ("out", "in") for w in ("activations", "parameters and optimizer state")}
+    series = {key: [] for key in totals}
+    for step in plan.steps:
+        if step.kind in ("offload", "prefetch"):
+            buffer = plan.buffers[step.buffer]
+            what = "parameters and optimizer state" if buffer.role in ("parameter", "optimizer_state") else "activations"
+            totals[("out" if step.kind == "offload" else "in", what)] += buffer.nbytes
+        for key, total in totals.items():
+            series[key].append(total)
+    return {key: values for key, values in series.items() if values and values[-1]}
+
+
+def _draw_traffic(ax, traffic):
+    """Cumulative host<->device copies per step, one line per direction and kind of tensor."""
+    top = max(values[-1] for values in traffic.values())
+    scale, unit = (GIB, "GiB") if top >= GIB else (MIB, "MiB")
+    styles = {"out": "--", "in": "-"}
+    for (direction, what), values in traffic.items():
+        ax.plot(range(len(values)), [v / scale for v in values], linestyle=styles[direction],
+                label=f"{what} {'to host' if direction == 'out' else 'to device'}")
+    ax.set_ylabel(f"copied so far ({unit})")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.margins(x=0)

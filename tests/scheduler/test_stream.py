@@ -155,3 +155,20 @@ def test_a_run_under_auto_streams_when_it_must_and_trains_as_none_does():
     expected, got = reference.host_arrays(), tight.host_arrays()
     for key, value in expected.items():
         assert np.array_equal(got[key], value), key
+
+
+def test_the_timeline_counts_parameter_traffic_apart_from_activations(tmp_path):
+    from snrt.timeline import copy_traffic, draw_timeline
+
+    graph = snrt.load_config("configs/cifar_resnet20.yaml").graph
+    plan = make_plan(graph, 4, "offload", stream_parameters=True)
+    traffic = copy_traffic(plan)
+    params = sum(b.nbytes for b in plan.buffers if b.role == "parameter" and not b.is_copy)
+    weights = "parameters and optimizer state"
+    assert traffic[("out", weights)][-1] == 2 * params and traffic[("in", weights)][-1] == 3 * params
+    assert (traffic[("out", "activations")][-1] + 2 * params, traffic[("in", "activations")][-1] + 3 * params) == \
+        plan.copied_bytes()
+    assert all(len(values) == len(plan.steps) for values in traffic.values())
+    draw_timeline(plan, tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    assert copy_traffic(make_plan(graph, 4, "liveness")) == {}

@@ -54,6 +54,19 @@ def floor_bytes(graph, batch):
     return _resident(it.buffers) + largest_step_bytes(it.steps, it.buffers)
 
 
+def streamed_floor_bytes(graph, batch):
+    """The floor when parameters and optimizer state stream: BatchNorm state (still resident)
+    plus the largest single step's whole working set, the parameters and optimizer state it
+    reads and writes included (for a fused update: weight, gradient, momentum, workspace)."""
+    it = build_iteration(graph, batch)
+    state = sum(b.nbytes for b in it.buffers if b.role == "state")
+
+    def own(step):
+        return sum(it.buffers[b].nbytes for b in set(step.reads()) | set(step.writes())
+                   if it.buffers[b].role != "state")
+    return state + max((own(s) for s in it.steps), default=0)
+
+
 def resident_bytes(graph):
     """Bytes resident for the whole run: parameters, optimizer state, BatchNorm state."""
     return _resident(build_iteration(graph, 1).buffers)

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402,F401
 import numpy as np  # noqa: E402
 
-from bench_memory import floor_bytes, resident_bytes, synthetic_config  # noqa: E402,F401  (one definition each)
+from bench_memory import floor_bytes, resident_bytes, streamed_floor_bytes, synthetic_config  # noqa: E402,F401  (one definition each)
 import snrt  # noqa: E402
 from snrt import POLICIES  # noqa: E402,F401
 

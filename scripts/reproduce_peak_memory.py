@@ -4,10 +4,12 @@ Part 1, plans (exact for any device size): AlexNet (227), VGG-16 (224), ResNet-5
 Inception-v4 (299), DenseNet-121 (224) and the YAML-only zoo entries (SE-ResNet-50, MobileNetV2,
 EfficientNet-B0, ConvNeXt-T at 224, U-Net at 256) at the batch sizes below; the peak device bytes
 under none / liveness / recompute / offload / superneurons next to the floor (resident bytes
-plus the largest single step's working set, `floor_bytes` of scripts/bench_memory.py).
+plus the largest single step's working set, `floor_bytes` of scripts/bench_memory.py), and
+superneurons with streamed parameters next to its own floor (`streamed_floor_bytes`).
 
-Part 2, measured on this CPU: at small sizes a short Trainer run per policy, whose measured
-arena peak (trainer.backend.arena.peak_bytes) must equal the plan's peak_bytes.
+Part 2, measured on this CPU: at small sizes a short Trainer run per policy (and superneurons
+with streamed parameters), whose measured arena peak (trainer.backend.arena.peak_bytes) must
+equal the plan's peak_bytes.
 
 Writes results/peak_memory.{md,json,png}.
 
@@ -17,7 +19,9 @@ Writes results/peak_memory.{md,json,png}.
 import time
 
 from reproduce_common import (GIB, POLICIES, floor_bytes, gib, grouped_bars, machine, meta_line,
-                              parse_args, save_json, save_markdown, synthetic_config, table)
+                              parse_args, save_json, save_markdown, streamed_floor_bytes, synthetic_config, table)
+
+from snrt.config import with_settings
 
 from snrt.models import MODELS
 from snrt.scheduler.planner import make_plan
@@ -37,6 +41,7 @@ MEASURED = [("alexnet", 67, 4, 2), ("vgg16", 32, 4, 2), ("resnet50", 64, 2, 2), 
             ("mobilenet_v2", 64, 2, 2), ("efficientnet_b0", 64, 2, 2), ("convnext_tiny", 64, 2, 2),
             ("unet", 64, 2, 2)]
 QUICK_MEASURED = [("cifar_resnet20", 32, 8, 2), ("resnet50", 64, 2, 2)]
+STREAMED = "superneurons, streamed"  # parameters and optimizer state streamed from the host store
 
 
 def planned(networks):
@@ -44,13 +49,15 @@ def planned(networks):
     for name, size, batch in networks:
         graph = MODELS[name](image_size=size) if name in MODELS else synthetic_config(name, size, batch).graph
         row = {"network": name, "image": size, "batch": batch, "layers": len(graph),
-               "floor_bytes": floor_bytes(graph, batch), "policies": {}}
+               "floor_bytes": floor_bytes(graph, batch), "streamed_floor_bytes": streamed_floor_bytes(graph, batch),
+               "policies": {}}
         for policy in POLICIES:
             start = time.perf_counter()
             plan = make_plan(graph, batch, policy)
             row["policies"][policy] = {"peak_bytes": plan.peak_bytes, "arena_bytes": plan.arena_bytes,
                                        "offloaded_bytes": plan.host_bytes, "predicted_s": plan.predicted_s,
                                        "plan_s": time.perf_counter() - start}
+        row["streamed_peak_bytes"] = make_plan(graph, batch, "superneurons", stream_parameters=True).peak_bytes
         print(f"planned {name} at {size}, batch {batch}: " + ", ".join(
             f"{p} {gib(v['peak_bytes'])}" for p, v in row["policies"].items()) + f" GiB; floor {gib(row['floor_bytes'])}",
             flush=True)
@@ -61,8 +68,9 @@ def planned(networks):
 def measured(cases):
     rows = []
     for name, size, batch, iterations in cases:
-        for policy in POLICIES:
-            trainer = Trainer(synthetic_config(name, size, batch, policy))
+        for policy in (*POLICIES, STREAMED):
+            config = synthetic_config(name, size, batch, "superneurons" if policy == STREAMED else policy)
+            trainer = Trainer(with_settings(config, memory={"stream_parameters": policy == STREAMED}))
             history = trainer.fit(iterations=iterations)
             row = {"network": name, "image": size, "batch": batch, "policy": policy, "iterations": len(history),
                    "planned_peak_bytes": trainer.plan.peak_bytes,
@@ -92,11 +100,18 @@ def main():
     lines = ["# Peak device memory by technique", "", meta_line(meta, args.quick), "",
              "From plans (`make_plan`, exact for any device). GiB; floor = resident bytes (parameters, "
              "momentum, BatchNorm state) + the largest single step's working set; `sn / floor` is "
-             "superneurons' peak over the floor; `none / sn` the saving over the naive run.", ""]
-    lines += table(["network", "image", "batch", "layers", *POLICIES, "floor", "sn / floor", "none / sn"], [
+             "superneurons' peak over the floor; `none / sn` the saving over the naive run. `sn streamed`: "
+             "superneurons with parameters and momentum streamed from the host store; its floor no longer "
+             "counts them as resident: BatchNorm state + the largest single step's whole working set (the "
+             "parameters and momentum it touches included; for a fused update, weight, gradient, momentum "
+             "and workspace).", ""]
+    lines += table(["network", "image", "batch", "layers", *POLICIES, "floor", "sn / floor", "none / sn",
+                    "sn streamed", "streamed floor", "sn streamed / streamed floor"], [
         [r["network"], r["image"], r["batch"], r["layers"], *(gib(r["policies"][p]["peak_bytes"]) for p in POLICIES),
          gib(r["floor_bytes"]), f"{r['policies']['superneurons']['peak_bytes'] / r['floor_bytes']:.2f}",
-         f"{r['policies']['none']['peak_bytes'] / r['policies']['superneurons']['peak_bytes']:.1f}x"] for r in plans])
+         f"{r['policies']['none']['peak_bytes'] / r['policies']['superneurons']['peak_bytes']:.1f}x",
+         gib(r["streamed_peak_bytes"]), gib(r["streamed_floor_bytes"]),
+         f"{r['streamed_peak_bytes'] / r['streamed_floor_bytes']:.2f}"] for r in plans])
     lines += ["", "![peak memory](peak_memory.png)", "",
               "## Confirmed by measurement", "",
               "A short `Trainer` run per policy on this CPU (synthetic data): the arena's measured peak "

@@ -98,6 +98,8 @@ def build_parser():
                                              "and the batch, policy and learning rate to train with")
     tune.add_argument("config", help="network YAML file, e.g. configs/resnet50.yaml")
     tune.add_argument("--budget", help="device-memory budget such as 12GiB (default: memory.budget)")
+    tune.add_argument("--stream-parameters", action="store_true", default=None,
+                      help="plan parameters and optimizer state streamed from host memory (memory.stream_parameters)")
     tune.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
     tune.add_argument("--max-batch", type=_positive_int, default=4096, help="largest batch to consider (default 4096)")
     tune.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -490,7 +492,7 @@ def run_tune(args, console):
     budget = config.memory.budget
     if budget is None:
         raise SnrtError(f"{args.config}: memory.budget: snrt tune needs a budget: pass --budget, e.g. --budget 12GiB")
-    options = {**make_optimizer(config.train.optimizer).plan_options,
+    options = {**make_optimizer(config.train.optimizer).plan_options, "stream_parameters": config.memory.stream_parameters,
                "cost_model": {"cpu": cost.CPU, "cuda": cost.CUDA}[args.device]}
     points = []
     with console.status("planning...") as status:

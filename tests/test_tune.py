@@ -105,3 +105,13 @@ def test_tune_with_a_range_test_caps_the_scaled_rate(tmp_path, capsys):
     assert recommended["lr"] == pytest.approx(min(recommended["scaled_lr"], scan["suggested_lr"]))
     assert snrt.load_config(str(out)).train.optimizer.lr == pytest.approx(recommended["lr"])
     assert png.with_suffix(".lr.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tune_plans_streamed_parameters_when_asked(tmp_path, capsys):
+    config, out = "configs/cifar_resnet20.yaml", str(tmp_path / "tuned.yaml")
+    assert main(["tune", config, "--budget", "2MiB", "--max-batch", "64", "--out", out]) == 2  # 2.2 MB resident
+    assert "no policy fits batch 1" in " ".join(capsys.readouterr().err.split())
+    assert main(["tune", config, "--budget", "2MiB", "--max-batch", "64", "--out", out, "--stream-parameters",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["largest_batch"] and snrt.load_config(out).memory.stream_parameters

@@ -109,30 +109,14 @@ def test_bad_input_is_reported_once_by_rank_0(tmp_path):
     assert "must split evenly over the 2 ranks" in " ".join(uneven.stderr.split())  # as wrapped for the terminal
 
 
-def test_sigint_stops_every_rank_at_the_same_iteration_with_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("whom, signum", [("mpiexec", signal.SIGINT), ("rank 1", signal.SIGTERM)])
+def test_a_signal_stops_every_rank_after_the_same_iteration_with_a_checkpoint(whom, signum, tmp_path):
     out = tmp_path / "run"
-    job = subprocess.Popen([str(MPIEXEC), "-n", "2", sys.executable, "-m", "snrt", "train", CONFIG, *FLAGS, "--out",
-                            str(out), "--iterations", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, cwd=REPO)
-    _wait_for_metrics(out, job)
-    job.send_signal(signal.SIGINT)  # mpiexec forwards it to both ranks
+    job = _training_for_long(out)
+    # mpiexec forwards a signal to every rank; a batch system may also stop just one process
+    os.kill(job.pid if whom == "mpiexec" else _rank_pid(out, 1), signum)
     stdout, _ = job.communicate(timeout=60)
-    assert job.returncode == 128 + signal.SIGINT
-    assert "interrupted at iteration" in stdout
-    _, meta = checkpoint_of(out)
-    assert meta["iteration"] == len(losses_of(out))
-
-
-def test_sigterm_to_one_rank_stops_them_all_after_the_same_iteration(tmp_path):
-    out = tmp_path / "run"
-    job = subprocess.Popen([str(MPIEXEC), "-n", "2", sys.executable, "-m", "snrt", "train", CONFIG, *FLAGS, "--out",
-                            str(out), "--iterations", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, cwd=REPO)
-    _wait_for_metrics(out, job)
-    rank1 = next(pid for pid in _processes_with(str(out)) if _environment(pid).get("PMI_RANK") == "1")
-    os.kill(rank1, signal.SIGTERM)  # as a batch system may stop one process
-    stdout, _ = job.communicate(timeout=60)
-    assert job.returncode == 128 + signal.SIGTERM
+    assert job.returncode == 128 + signum
     assert "interrupted at iteration" in stdout
     _, meta = checkpoint_of(out)
     assert meta["iteration"] == len(losses_of(out))
@@ -140,14 +124,24 @@ def test_sigterm_to_one_rank_stops_them_all_after_the_same_iteration(tmp_path):
 
 def test_a_killed_rank_ends_the_whole_job_instead_of_hanging(tmp_path):
     out = tmp_path / "run"
+    job = _training_for_long(out)
+    os.kill(_rank_pid(out, 1), signal.SIGKILL)
+    job.communicate(timeout=60)  # a hang would time out here
+    assert job.returncode != 0
+
+
+def _training_for_long(out):
+    """`mpiexec -n 2 snrt train` into `out` for many iterations, started and past its first one."""
     job = subprocess.Popen([str(MPIEXEC), "-n", "2", sys.executable, "-m", "snrt", "train", CONFIG, *FLAGS, "--out",
                             str(out), "--iterations", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, cwd=REPO)
     _wait_for_metrics(out, job)
-    victim = next(pid for pid in _processes_with(str(out)) if _environment(pid).get("PMI_RANK") == "1")
-    os.kill(victim, signal.SIGKILL)
-    job.communicate(timeout=60)  # a hang would time out here
-    assert job.returncode != 0
+    return job
+
+
+def _rank_pid(out, rank):
+    """The process id of rank `rank` of the run writing into `out`."""
+    return next(pid for pid in _processes_with(str(out)) if _environment(pid).get("PMI_RANK") == str(rank))
 
 
 def _wait_for_metrics(out, job, timeout=120):

@@ -5,6 +5,7 @@ import collections
 import dataclasses
 import json
 import multiprocessing
+import os
 import signal
 import sys
 import threading
@@ -324,6 +325,8 @@ def in_a_child(work):
             send.send(("result", work()))
         except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
             send.send(("error", e))
+        finally:  # no exit handlers or stream flushes: a lock another thread held at the fork would hang them
+            os._exit(0)
 
     process = context.Process(target=child, daemon=True)
     process.start()

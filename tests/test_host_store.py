@@ -42,3 +42,13 @@ def test_streamed_training_through_a_store_on_disk_is_bit_identical(tmp_path):
     for key, value in expected.items():
         assert np.array_equal(got[key], value), key
     assert os.listdir(tmp_path / "store") == []
+
+
+def test_a_disk_too_small_for_the_store_is_an_error_naming_the_folder(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="cannot hold a host store of 8192 bytes") as caught:
+        HostStore.on_disk(8192, tmp_path)
+    assert caught.value.filename == str(tmp_path)
+    assert os.listdir(tmp_path) == []

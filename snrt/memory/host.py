@@ -8,6 +8,7 @@ given back (`settle`): their data stays in the file (through the kernel's page c
 writes it back and reclaims it when memory runs short), not in the process's memory.
 """
 
+import errno
 import mmap
 import os
 import tempfile
@@ -30,7 +31,7 @@ class HostStore:
         fd, path = tempfile.mkstemp(prefix="snrt-host-store-", suffix=".bin", dir=folder)
         try:
             os.unlink(path)
-            os.posix_fallocate(fd, 0, max(nbytes, 1))  # the space now, or ENOSPC now (not a crash mid-run)
+            _reserve(fd, max(nbytes, 1), folder)
             mapping = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -51,3 +52,15 @@ class HostStore:
         end = (buffer.host_slot + buffer.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:
             self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def _reserve(fd, nbytes, folder):
+    """Give the file `fd` its `nbytes` on disk now: a full disk is an error naming `folder` at the
+    start, not a crash when a copy first touches a page that has no room (a file system that
+    cannot reserve space gets a sparse file instead)."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise OSError(e.errno, f"cannot hold a host store of {nbytes} bytes ({e.strerror})", str(folder)) from None
+        os.ftruncate(fd, nbytes)

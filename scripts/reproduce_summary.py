@@ -103,6 +103,13 @@ def section_deepest(d):
                   f"{SUPERNEURONS_BATCH} snrt's superneurons plans ResNet2500 in "
                   f"{sn['resnet2500_arena_bytes'] / GIB:.2f} GiB and fits up to {sn['depth']} layers in 12 GiB "
                   f"against the paper's {SUPERNEURONS_DEPTH} (planned with the CPU kernels' workspaces, not cuDNN's; not trained on a GPU here)."]
+    streamed = [r for r in d.get("streamed", []) if r["arena_bytes"] <= d["budget_bytes"]]
+    if streamed:
+        deepest = max(streamed, key=lambda r: r["depth"])
+        lines += ["", f"With parameters and momentum streamed from the host store: up to {deepest['depth']:,} layers "
+                  f"planned at batch 16 in {deepest['arena_bytes'] / GIB:.2f} GiB ({deepest['policy']}), with a "
+                  f"{deepest['host_bytes'] / GIB:.0f} GiB host store; the device no longer bounds depth, the host "
+                  "store and planning time do."]
     chen = d.get("chen_1000_layer")
     if chen:
         p = chen["policies"]

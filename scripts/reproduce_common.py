@@ -72,16 +72,18 @@ def gib(nbytes):
     return f"{nbytes / GIB:.2f}"
 
 
-def arena_in_budget(graph, batch, policy, budget=BUDGET):
-    """The arena `make_plan(graph, batch, policy, budget=budget)` ends with, without its error.
+def arena_in_budget(graph, batch, policy, budget=BUDGET, stream_parameters=False):
+    """The arena `make_plan(graph, batch, policy, budget=budget, stream_parameters=...)` ends
+    with, without its error.
 
     As make_plan does: a copying policy whose plan (prefetches hidden behind compute) exceeds
     the budget is rebuilt with just-in-time prefetches (smaller, slower); the smaller arena of
     the two is returned, so a value > budget means make_plan would raise BudgetError.
     """
-    arena = snrt.plan(graph, batch, policy).arena_bytes
-    if arena > budget and POLICIES[policy].offloads:
-        arena = min(arena, snrt.plan(graph, batch, policy, hide_copies=False).arena_bytes)
+    arena = snrt.plan(graph, batch, policy, stream_parameters=stream_parameters).arena_bytes
+    if arena > budget and (POLICIES[policy].offloads or stream_parameters):
+        arena = min(arena, snrt.plan(graph, batch, policy, hide_copies=False,
+                                     stream_parameters=stream_parameters).arena_bytes)
     return arena
 
 

@@ -24,6 +24,7 @@ NETWORKS = [("alexnet", 227), ("vgg16", 224), ("resnet50", 224), ("resnet101", 2
             ("inceptionv4", 299), ("densenet121", 224)]
 QUICK_NETWORKS = [("alexnet", 227), ("vgg16", 224), ("resnet50", 224)]
 VDNN_BATCH = 256
+STREAMED = "superneurons, streamed"  # parameters and momentum streamed from the host store
 
 
 def largest(networks, policies):
@@ -33,7 +34,9 @@ def largest(networks, policies):
         row = {"network": name, "image": size, "policies": {}}
         for policy in policies:
             start = time.perf_counter()
-            batch, probes = largest_fitting(lambda b: arena_in_budget(graph, b, policy, BUDGET), BUDGET, start=(16, 32))
+            plan_as, stream = ("superneurons", True) if policy == STREAMED else (policy, False)
+            batch, probes = largest_fitting(lambda b: arena_in_budget(graph, b, plan_as, BUDGET, stream), BUDGET,
+                                            start=(16, 32))
             row["policies"][policy] = {"batch": batch, "arena_bytes": probes.get(batch), "plans": len(probes),
                                        "plan_seconds": time.perf_counter() - start}
             print(f"{name} {policy}: largest batch {batch} ({len(probes)} plans, "
@@ -64,7 +67,7 @@ def main():
     args = parse_args(__doc__).parse_args()
     meta = machine()
     vdnn = vdnn_case()
-    rows = largest(QUICK_NETWORKS if args.quick else NETWORKS, POLICIES)
+    rows = largest(QUICK_NETWORKS if args.quick else NETWORKS, (*POLICIES, STREAMED))
     save_json(args.out, "largest_batch", {"meta": meta, "quick": args.quick, "budget_bytes": BUDGET,
                                           "rows": rows, "vdnn_vgg16_256": vdnn})
     groups = [r["network"] for r in rows]
@@ -73,11 +76,15 @@ def main():
                  "Largest batch that fits 12 GiB (from plans)", log=True)
     lines = ["# Largest batch in 12 GiB", "", meta_line(meta, args.quick), "",
              "The largest batch whose planned arena fits 12 GiB, per network (at its paper image size) "
-             "and policy, found by `largest_fitting` (reproduce_common.py), every probe a full `make_plan`.", ""]
-    lines += table(["network", "image", *POLICIES, "superneurons / none"], [
-        [r["network"], r["image"], *(r["policies"][p]["batch"] for p in POLICIES),
+             "and policy, found by `largest_fitting` (reproduce_common.py), every probe a full `make_plan`. "
+             f"`{STREAMED}`: superneurons with parameters and momentum streamed from the host store "
+             "(`stream_parameters`); `auto` picks the fastest of all these that fits, so its largest batch is the "
+             "largest of the row.", ""]
+    lines += table(["network", "image", *POLICIES, STREAMED, "superneurons / none", "streamed / offload"], [
+        [r["network"], r["image"], *(r["policies"][p]["batch"] for p in (*POLICIES, STREAMED)),
          f"{r['policies']['superneurons']['batch'] / r['policies']['none']['batch']:.1f}x"
-         if r["policies"]["none"]["batch"] else "-"] for r in rows])
+         if r["policies"]["none"]["batch"] else "-",
+         f"{r['policies'][STREAMED]['batch'] / r['policies']['offload']['batch']:.2f}x"] for r in rows])
     lines += ["", "![largest batch](largest_batch.png)", "",
               f"## vDNN's case: VGG-16 at batch {VDNN_BATCH}", "",
               "Peak device bytes and arena per policy without a budget (1 GB = 10^9 B, the vDNN paper's unit; "

@@ -63,16 +63,21 @@ def main():
         plan = trainer.plan
         to_host, to_device = plan.copied_bytes()
         per_iteration = statistics.median(seconds[1:] or seconds)
+        stats = trainer.executor.copy_stats
+        stalled = stats["stalled_s"] / iterations  # the compute stream waiting for copies, per iteration
         entry = {"case": label, "peak_bytes": plan.peak_bytes, "measured_peak_bytes": trainer.backend.arena.peak_bytes,
                  "budget_bytes": config.memory.budget, "host_bytes": plan.host_bytes,
                  "copied_to_host_bytes": to_host, "copied_to_device_bytes": to_device,
-                 "seconds_per_iteration": per_iteration, "identical_to_none": identical, "losses": losses}
+                 "seconds_per_iteration": per_iteration, "stalled_s_per_iteration": stalled,
+                 "copy_s_per_iteration": stats["copy_s"] / iterations, "identical_to_none": identical,
+                 "losses": losses}
         data.append(entry)
         rows.append([label, human_bytes(entry["peak_bytes"]),
                      "yes" if entry["measured_peak_bytes"] == entry["peak_bytes"] else "NO",
                      human_bytes(config.memory.budget) if config.memory.budget else "-",
                      human_bytes(plan.host_bytes), f"{human_bytes(to_host)} / {human_bytes(to_device)}",
                      f"{per_iteration:.2f}", f"{per_iteration / statistics.median(ref_seconds[1:] or ref_seconds):.2f}x",
+                     f"{stats['copy_s'] / iterations:.2f} / {stalled:.2f}",
                      "yes" if identical else "NO"])
         trainer.backend.close()
     lines = [
@@ -82,9 +87,11 @@ def main():
         f"{human_bytes(params)} ({gib(params)} GiB), and as much momentum. The streamed run's budget is "
         f"{human_bytes(budget)}, three quarters of the parameters alone. Identical: the losses and every "
         "parameter, momentum and BatchNorm statistic after the last iteration equal `none`'s bit for bit. "
-        "Seconds per iteration: the median after the first; overhead against `none`.", "",
+        "Seconds per iteration: the median after the first; overhead against `none`. Copying: seconds the "
+        "copy threads spent copying, per iteration (they run beside the compute); waited: seconds the compute "
+        "stream stood still for copies, per iteration.", "",
         *table(["case", "planned peak", "measured = planned", "budget", "host store", "copied out / in per iteration",
-                "s / iteration", "vs none", "identical"], rows),
+                "s / iteration", "vs none", "copying / waited for copies (s / iteration)", "identical"], rows),
         "", f"`python scripts/reproduce_streaming.py{' --quick' if args.quick else ''}`",
     ]
     save_markdown(args.out, "streaming", lines)

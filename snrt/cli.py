@@ -220,14 +220,14 @@ def plan_headline(plan):
 
 def layers_table(plan, graph):
     """Every node's fate in `plan` (Plan.node_decisions) with its output's bytes."""
-    table = Table(title=f"what {plan.policy} does with each layer's output, batch {plan.batch}")
-    for header in ("node", "type", "output", "decision"):
+    table = Table(title=f"what {plan.policy} does with each layer's output and parameters, batch {plan.batch}")
+    for header in ("node", "type", "output", "decision", "parameters"):
         table.add_column(header, justify="right" if header == "output" else "left", no_wrap=True)
     output = {node: plan.buffers[b].nbytes for node, b in plan.inputs}
     output.update((s.node, plan.buffers[s.output].nbytes) for s in plan.steps if s.kind == "forward")
-    decisions = plan.node_decisions()
+    decisions, homes = plan.node_decisions(), plan.parameter_homes()
     for node, decision in decisions.items():
-        table.add_row(node, graph[node].layer.type_name, human_bytes(output[node]), decision)
+        table.add_row(node, graph[node].layer.type_name, human_bytes(output[node]), decision, homes.get(node, "-"))
     counts = collections.Counter(decisions.values())
     table.caption = ", ".join(f"{counts[d]} {d}" for d in ("keep", "recompute", "offload", "unsaved") if counts[d])
     return table
@@ -287,6 +287,7 @@ def run_plan(args, console):
         chosen_row = policy_row(detail, budget)
         if args.layers:
             chosen_row["layers"] = detail.node_decisions()
+            chosen_row["parameters"] = detail.parameter_homes()
         print(json.dumps({"network": config.name, "batch": batch, "ranks": ranks, "budget_bytes": budget,
                           "policies": rows, "chosen": chosen_row}, indent=2))
     else:

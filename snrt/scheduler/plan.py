@@ -299,6 +299,15 @@ class Plan:
         slot of every bucket; 0 for one rank)."""
         return sum(s.nbytes for s in self.steps if s.kind == "allreduce")
 
+    def parameter_homes(self):
+        """{node: "streamed" or "resident"} for every node with parameters: whether they live in
+        the host store and come to the device only while used, or stay on the device."""
+        homes = {}
+        for b in self.buffers:
+            if b.role == "parameter" and not b.is_copy:
+                homes[b.name.partition(":")[0]] = "resident" if b.resident else "streamed"
+        return homes
+
     def node_decisions(self):
         """{node: what the plan does with its output between its forward (or, for an input,
         being fed) and the backward pass}, inputs first, then in forward order: "recompute"

@@ -172,3 +172,19 @@ def test_the_timeline_counts_parameter_traffic_apart_from_activations(tmp_path):
     draw_timeline(plan, tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     assert copy_traffic(make_plan(graph, 4, "liveness")) == {}
+
+
+def test_snrt_plan_layers_says_where_each_layers_parameters_live(capsys):
+    import json
+
+    from snrt.cli import main
+
+    args = ["plan", "configs/cifar_resnet20.yaml", "--batch", "4", "--policy", "superneurons", "--json", "--layers"]
+    assert main(args) == 0
+    assert set(json.loads(capsys.readouterr().out)["chosen"]["parameters"].values()) == {"resident"}
+    assert main([*args, "--stream-parameters"]) == 0
+    homes = json.loads(capsys.readouterr().out)["chosen"]["parameters"]
+    graph = snrt.load_config("configs/cifar_resnet20.yaml").graph
+    with_params = {name for name, node in graph.nodes.items()
+                   if node.inputs and node.layer.param_specs(graph.in_shapes(name, 4))}
+    assert set(homes) == with_params and set(homes.values()) == {"streamed"}

@@ -21,7 +21,7 @@ from snrt.config import DATASETS, config_to_yaml, load_config, with_settings
 from snrt.errors import DivergenceError, SnrtError
 from snrt.optim import make_optimizer
 from snrt.parallel import Solo, first_failing_rank, launcher_rank, launcher_size, world
-from snrt.runfolder import RunFolder
+from snrt.runfolder import CHECKPOINT, RunFolder
 from snrt.scheduler import BudgetError, policies
 from snrt.summary import human_bytes, summary_table, totals_by_type
 from snrt.threads import describe_pools, limit_threads, thread_pools, usable_cores
@@ -383,7 +383,7 @@ def run_train(args, console):
     config = load_config(args.config, _overrides(args))
     out = Path(args.out) if args.out else Path("runs") / config.name
     if group.rank != 0:
-        return _train_in(None, out / "checkpoint.npz", args, config, console)
+        return _train_in(None, out / CHECKPOINT, args, config, console)
     with RunFolder(out) as folder:
         folder.prepare(resume=args.resume is not None, overwrite=args.overwrite)
         return _train_in(folder, folder.checkpoint, args, config, console)

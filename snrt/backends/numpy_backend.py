@@ -12,6 +12,9 @@ from snrt.memory.host import HostStore
 from snrt.scheduler import cost
 
 
+INLINE_COPY_BYTES = 64 * 1024  # copies this small run on the compute thread (see CopyStream.submit)
+
+
 class NumpyBackend(Backend):
     """NumPy arrays stand in for device memory; kernels (the layers' own, or a compiled one
     from cpu_kernels.py) run on the calling thread."""
@@ -38,7 +41,7 @@ class NumpyBackend(Backend):
         def copy():
             np.copyto(target, source)
             host.settle(buffer)
-        return self.to_host_stream.submit(copy)
+        return self.to_host_stream.submit(copy, inline=buffer.nbytes <= INLINE_COPY_BYTES)
 
     def prefetch(self, buffer, source):
         data, target, host = self.host.slot(source), self.arena.bytes_of(buffer), self.host
@@ -46,7 +49,7 @@ class NumpyBackend(Backend):
         def copy():
             np.copyto(target, data)
             host.settle(source)
-        return self.to_device_stream.submit(copy)
+        return self.to_device_stream.submit(copy, inline=source.nbytes <= INLINE_COPY_BYTES)
 
     def to_host(self, array):
         return np.array(array, copy=True)

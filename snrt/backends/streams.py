@@ -50,10 +50,16 @@ class CopyStream:
         self._queue = queue.Queue()
         self._thread = None
 
-    def submit(self, copy):
-        """Queue `copy` (a no-argument callable); returns its ThreadCopyEvent."""
+    def submit(self, copy, inline=False):
+        """Queue `copy` (a no-argument callable); returns its ThreadCopyEvent. With `inline`, run
+        it now on the calling thread instead (a small copy takes less time than the queue's round
+        trip; every copy has its own event, so one may overtake queued ones)."""
         if self.lazy:
             return ThreadCopyEvent(copy)
+        if inline:
+            event = ThreadCopyEvent()
+            event._run(copy)
+            return event
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=f"snrt-{self.name}", daemon=True)
             self._thread.start()

@@ -72,8 +72,9 @@ def step_seconds(step, graph, batch, model):
     return 0.0 if cost is None else model.kernel_s(cost)
 
 
-def simulate(steps, buffers, seconds, model):
-    """(iteration seconds, exposed copy seconds) with copies on their own FIFO streams.
+def simulate(steps, buffers, seconds, model, stalls=None):
+    """(iteration seconds, exposed copy seconds) with copies on their own FIFO streams; a dict
+    `stalls` receives the seconds stalled at the waits for each buffer (or gathered bucket).
 
     `seconds[i]` is step i's compute time. An offload or prefetch starts when issued (and
     its stream is free), an allreduce's exchange once its packing is done (and the previous
@@ -91,9 +92,12 @@ def simulate(steps, buffers, seconds, model):
             start = max(now, stream_free[step.kind])
             stream_free[step.kind] = done[step.buffer] = start + model.copy_s(buffers[step.buffer].nbytes)
         elif step.kind in ("wait", "allreduce_wait"):
-            ready = done[step.buffer if step.kind == "wait" else step.gathered]
+            waited = step.buffer if step.kind == "wait" else step.gathered
+            ready = done[waited]
             if ready > now:
                 stalled += ready - now
+                if stalls is not None:
+                    stalls[waited] = stalls.get(waited, 0.0) + ready - now
                 now = ready
         now += s
     return now, stalled

@@ -19,6 +19,7 @@ from snrt.scheduler.offload import plan_offload, with_host_slots
 from snrt.scheduler.offsets import assign_offsets
 from snrt.scheduler.order import BufferTable, build_iteration
 from snrt.scheduler.plan import Plan
+from snrt.scheduler.optimal import choose, frugal_decisions
 from snrt.scheduler.policies import AUTO, POLICIES, policy_named
 from snrt.scheduler.reduce import BUCKET_BYTES
 from snrt.scheduler.stream import plan_streaming
@@ -123,7 +124,28 @@ def _plan(graph, batch, policy, budget, opts, hide_copies):
 
 
 def _build(graph, batch, policy, opts, hide_copies=True):
-    """The plan of Policy `policy`; `hide_copies` False prefetches just in time (see plan_offload).
+    """The plan of Policy `policy`; `hide_copies` False prefetches just in time (see plan_offload)."""
+    return _built(graph, batch, policy, opts, hide_copies).plan
+
+
+@dataclass(frozen=True)
+class _Built:
+    """A policy's plan and how it was assembled: `_assemble(graph, batch, row, opts, hide_copies,
+    speed, kept)` gives it (`row` is the policy's, or its cap's when that is what it fell back
+    to) and `segments` ({checkpoint: [nodes]}) are the segments it replays; `resident`, the
+    activations it keeps on the device that the row would offload (see _optimal)."""
+
+    plan: Plan
+    row: object
+    hide_copies: bool
+    segments: dict
+    speed: tuple
+    kept: tuple
+    resident: tuple = ()
+
+
+def _built(graph, batch, policy, opts, hide_copies=True):
+    """The _Built plan of Policy `policy`.
 
     With recomputation, the all-memory-centric plan is built first (under a capped policy,
     with the segments that cost more memory than the cap's plan kept, see `_recompute_within_cap`);
@@ -131,24 +153,25 @@ def _build(graph, batch, policy, opts, hide_copies=True):
     unless its arena is larger.
     """
     plan, segments = _assemble(graph, batch, policy, opts, hide_copies)
-    kept = ()
+    kept, row = (), policy
     if policy.capped_by and segments:
-        plan, segments, kept = _recompute_within_cap(graph, batch, policy, opts, hide_copies, plan, segments)
+        plan, segments, kept, row = _recompute_within_cap(graph, batch, policy, opts, hide_copies, plan, segments)
     if segments:
         speed = speed_segments_that_fit(plan, segments)
         if speed:
             faster, _ = _assemble(graph, batch, policy, opts, hide_copies, speed, kept)
             if faster.arena_bytes <= plan.arena_bytes:
-                plan = faster
-    return plan
+                return _Built(faster, row, hide_copies, segments, tuple(speed), kept)
+    return _Built(plan, row, hide_copies, segments, (), kept)
 
 
 REPLAY_ROUNDS = 4  # rebuilds of a capped plan while segments are moved to offloading
 
 
 def _recompute_within_cap(graph, batch, policy, opts, hide_copies, plan, segments):
-    """(plan, replayed segments, kept segment roots) whose arena is at most the plan of
-    `policy.capped_by` (offload: superneurons never needs more memory than offloading alone).
+    """(plan, replayed segments, kept segment roots, the Policy assembled) whose arena is at
+    most the plan of `policy.capped_by` (offload: superneurons never needs more memory than
+    offloading alone).
 
     Replaying a segment holds its checkpoint and the replayed chain on the device at once,
     where offloading holds only the one prefetched tensor the backward step reads. So while
@@ -156,19 +179,20 @@ def _recompute_within_cap(graph, batch, policy, opts, hide_copies, plan, segment
     peak are kept (offloaded, not dropped) and the plan is rebuilt; if that does not get
     there within REPLAY_ROUNDS, every segment is kept (the cap's plan under this name).
     """
-    cap, _ = _assemble(graph, batch, policy_named(policy.capped_by), opts, hide_copies)
+    capped_by = policy_named(policy.capped_by)
+    cap, _ = _assemble(graph, batch, capped_by, opts, hide_copies)
     kept = set()
     for _ in range(REPLAY_ROUNDS):
         if plan.arena_bytes <= cap.arena_bytes:
-            return plan, segments, tuple(sorted(kept))
+            return plan, segments, tuple(sorted(kept)), policy
         over = _segments_replayed_over(plan, segments, cap.peak_bytes)
         if not over:
             break
         kept |= over
         plan, segments = _assemble(graph, batch, policy, opts, hide_copies, (), tuple(sorted(kept)))
     if plan.arena_bytes <= cap.arena_bytes:
-        return plan, segments, tuple(sorted(kept))
-    return replace(cap, policy=policy.name), {}, ()
+        return plan, segments, tuple(sorted(kept)), policy
+    return replace(cap, policy=policy.name), {}, (), capped_by
 
 
 def _segments_replayed_over(plan, segments, limit):
@@ -232,18 +256,19 @@ def _seconds_of(graph, batch, cost_model):
     return seconds
 
 
-def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_segments=()):
+def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_segments=(), resident=()):
     """(plan, replayed segments) of Policy `policy` with the given speed-centric and kept (not
-    dropped) segments, each made once (see _Assembled)."""
+    dropped) segments, and the activation buffer ids in `resident` never offloaded, each made
+    once (see _Assembled)."""
     it = _Assembled.iteration_for(graph, batch, opts)
-    key = (policy.name, hide_copies, tuple(speed_segments), tuple(kept_segments))
+    key = (policy.name, hide_copies, tuple(speed_segments), tuple(kept_segments), tuple(resident))
     if key not in _Assembled.plans:
         _Assembled.plans[key] = _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments,
-                                               kept_segments)
+                                               kept_segments, resident)
     return _Assembled.plans[key]
 
 
-def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, kept_segments):
+def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, kept_segments, resident):
     """_assemble's plan, from Iteration `it`."""
     training, cost_model = opts.training, opts.cost_model
     step_seconds = _seconds_of(graph, batch, cost_model)
@@ -257,7 +282,8 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
         steps = version_buffers(steps, table)
     if policy.offloads and training:
         seconds = step_seconds(steps)
-        steps, slots, host_bytes = plan_offload(steps, table.buffers, seconds, cost_model, keep, hide_copies)
+        steps, slots, host_bytes = plan_offload(steps, table.buffers, seconds, cost_model, keep | set(resident),
+                                                hide_copies)
         steps = version_buffers(steps, table)
     if opts.stream_parameters and training and policy.frees:
         steps, host_bytes = plan_streaming(steps, table, step_seconds(steps), cost_model, host_bytes, hide_copies)
@@ -279,8 +305,8 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
 
 
 def _candidates(graph, batch, policies, opts):
-    """[(plan, hide_copies)] for Policy rows `policies`, the copying ones also with just-in-time prefetch."""
-    return [(_build(graph, batch, p, opts, hide), hide)
+    """[_Built] for Policy rows `policies`, the copying ones also with just-in-time prefetch."""
+    return [_built(graph, batch, p, opts, hide)
             for p in policies for hide in ((True, False) if _copies(p, opts) else (True,))]
 
 
@@ -291,27 +317,84 @@ def _copies(policy, opts):
 
 
 def _auto(graph, batch, budget, opts):
-    """The fastest policy whose arena fits `budget` (ties: the smaller arena); when none fits
-    with parameters resident, the fastest with parameters streamed (a training plan)."""
+    """The fastest plan whose arena fits `budget` (ties: the smaller arena), of the policies'
+    and of the budget-optimal ones grown from them; when none fits with parameters resident,
+    the fastest with parameters streamed (a training plan)."""
     if budget is None:
         raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
     rows = tuple(POLICIES.values())
     candidates = _candidates(graph, batch, rows, opts)
-    fitting = [plan for plan, _ in candidates if plan.arena_bytes <= budget]
+    fitting = [c for c in candidates if c.plan.arena_bytes <= budget]
     if not fitting and opts.training and not opts.stream_parameters:
         opts = replace(opts, stream_parameters=True)
         candidates = _candidates(graph, batch, rows, opts)
-        fitting = [plan for plan, _ in candidates if plan.arena_bytes <= budget]
+        fitting = [c for c in candidates if c.plan.arena_bytes <= budget]
     if not fitting:
         raise _infeasible(graph, batch, budget, rows, opts, candidates)
-    best = min(fitting, key=lambda p: (p.predicted_s, p.arena_bytes))
+    plans = [c.plan for c in fitting] + [_optimal(graph, batch, budget, opts, c) for c in _bases(fitting)]
+    best = min(plans, key=lambda p: (p.predicted_s, p.arena_bytes))
     return replace(best, policy=f"auto:{best.policy}" + (", streamed" if opts.stream_parameters else ""))
+
+
+def _bases(fitting):
+    """The _Built plans the budget-optimal choice starts from: of each policy that replays or
+    offloads, its fitting plan that hides its copies, else its just-in-time one."""
+    first = {}
+    for c in fitting:
+        if c.row.recomputes or c.row.offloads:
+            first.setdefault(c.plan.policy, c)
+    return list(first.values())
+
+
+ROUNDS = 4  # plans assembled at most while growing a budget-optimal plan
+
+
+def _optimal(graph, batch, budget, opts, base):
+    """The budget-optimal plan grown from _Built `base` (a plan that fits `budget`), named
+    "optimal(<policy>)": the segments it replays and the activations it offloads that are
+    better kept on the device, chosen by snrt/scheduler/optimal.py.
+
+    The choice is made against the base's device bytes and stalls. The arena also counts the
+    gaps between offsets, so it can come out larger than the budget: the room is then cut by
+    that much and the choice made again. Stalls are not additive (a copy stream that no longer
+    carries one tensor carries the next one sooner), so while the grown plan is faster the
+    choice is made again from it."""
+    best, room = base, budget
+    for _ in range(ROUNDS):
+        grown = _grow(graph, batch, opts, best, room)
+        if grown is None:
+            break
+        if grown.plan.arena_bytes > budget:
+            room -= grown.plan.arena_bytes - budget
+        elif grown.plan.predicted_s < best.plan.predicted_s:
+            best, room = grown, budget
+        else:
+            break
+    return replace(best.plan, policy=f"optimal({base.plan.policy})")
+
+
+def _grow(graph, batch, opts, base, room):
+    """The _Built plan with the decisions of _Built `base` that `choose` undoes in `room`
+    bytes, or None when it undoes none."""
+    it = _Assembled.iteration_for(graph, batch, opts)
+    written_by = {s.node: (s.output, *(b for _, b in s.aux)) for s in it.steps if s.kind == "forward"}
+    seconds = _seconds_of(graph, batch, opts.cost_model)(base.plan.steps)
+    stalls = {}
+    cost_models.simulate(base.plan.steps, base.plan.buffers, seconds, opts.cost_model, stalls)
+    decisions = {d.key: d for d in frugal_decisions(base.plan, base.segments, written_by, seconds, stalls)}
+    choice = choose(decisions.values(), base.plan.device_bytes, room)
+    if not choice or not choice.undone:
+        return None
+    kept = tuple(sorted({*base.kept, *(root for kind, root in choice.undone if kind == "segment")}))
+    resident = tuple(sorted({*base.resident, *(b for key in choice.undone for b in decisions[key].keeps)}))
+    plan, segments = _assemble(graph, batch, base.row, opts, base.hide_copies, base.speed, kept, resident)
+    return _Built(plan, base.row, base.hide_copies, segments, base.speed, kept, resident)
 
 
 def _infeasible(graph, batch, budget, policies, opts, candidates=None):
     """The BudgetError for `budget`: the smallest budget that works, the largest batch that fits."""
     candidates = candidates or _candidates(graph, batch, policies, opts)
-    frugal, hide = min(candidates, key=lambda c: c[0].arena_bytes)
+    frugal, hide = min(((c.plan, c.hide_copies) for c in candidates), key=lambda c: c[0].arena_bytes)
     smallest = frugal.arena_bytes
 
     def fits(b):

@@ -10,7 +10,10 @@ read the names; nothing else spells a policy out.
 - superneurons: liveness + recomputation + offload of the remaining checkpoints, never more
   memory than offload alone: a segment whose replay stands at a step over the offload plan's
   peak is kept and offloaded instead of recomputed;
-- auto (not a row): the fastest row, by the cost model, whose arena fits the budget.
+- auto (not a row): the fastest plan, by the cost model, whose arena fits the budget: of the
+  rows, and of the budget-optimal plans grown from the rows that replay or offload, which
+  keep on the device, instead of replaying or offloading, the segments and tensors that save
+  the most time in the room the budget leaves (snrt/scheduler/optimal.py).
 """
 
 from dataclasses import dataclass
@@ -38,7 +41,7 @@ POLICIES = {p.name: p for p in (
     Policy("offload", frees=True, offloads=True),
     Policy("superneurons", frees=True, recomputes=True, offloads=True, capped_by="offload"),
 )}
-AUTO = "auto"  # not a row: the fastest row whose arena fits the budget
+AUTO = "auto"  # not a row: the fastest plan (a row's, or a budget-optimal one) whose arena fits the budget
 CHOICES = (*POLICIES, AUTO)  # every name a user may ask for
 
 

@@ -1,0 +1,231 @@
+"""The budget-optimal choice of what to keep: which decisions of the most frugal plan to undo.
+
+The frugal plan replays every cheap segment (memory-centric) and offloads every other tensor
+the backward pass reads. Each of those decisions can be undone, one at a time:
+
+- a replayed segment kept: its tensors stay on the device from the forward pass to the
+  backward pass, and the replays (their compute) are saved;
+- an offloaded tensor kept: it stays on the device instead of going to the host and back,
+  and the stalls waiting for those copies are saved.
+
+Undoing decision d costs `d.nbytes` at every step of an interval of the frugal plan and saves
+`d.saves_s` predicted seconds. `choose` picks the set of decisions to undo that saves the most
+while the frugal plan's device bytes plus the kept bytes stay within the budget at every step.
+
+Lifetimes of a training iteration nest: a tensor written earlier in the forward pass is read
+later in the backward pass, so the intervals of a chain of blocks form a laminar family (two
+intervals are nested or disjoint), and branches are disjoint siblings. On a laminar family the
+choice is an exact dynamic program over the tree of intervals: a subtree's best saving as a
+function of the headroom (bytes) its ancestors leave, a step function computed once per
+subtree, bottom-up. Intervals that cross (a skip tensor that outlives a block it does not
+contain) are widened until they nest, which only over-counts bytes: the choice stays
+feasible. A step function with more than `limit` steps is thinned (a dropped step's headroom
+gets the saving of the step before: feasible, no longer certainly optimal); `Choice.exact`
+says whether that happened.
+"""
+
+import bisect
+from dataclasses import dataclass
+
+from snrt.scheduler.recompute import backward_start
+
+LIMIT = 64  # steps a subtree's saving-by-headroom function keeps at most
+NONE = float("-inf")  # the saving where nothing fits
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision of the frugal plan that can be undone: `key` names it (("segment", root)
+    or ("tensor", buffer id)); undone, `keeps` (buffer ids) stay on the device, costing
+    `nbytes` more at frugal steps `start..end` (inclusive) and saving `saves_s` seconds."""
+
+    key: tuple
+    keeps: tuple
+    nbytes: int
+    start: int
+    end: int
+    saves_s: float
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The decisions `choose` undid, the seconds they save, and whether no step function was
+    thinned (then the choice is optimal, not only feasible)."""
+
+    undone: tuple
+    saves_s: float
+    exact: bool
+
+
+def frugal_decisions(plan, segments, written_by, seconds, stalls):
+    """The Decisions of the frugal Plan `plan` that can be undone.
+
+    `segments` ({checkpoint: [nodes]}) are the segments it replays, `written_by[node]` the
+    buffer ids a node's forward step writes, `seconds[i]` step i's predicted compute seconds
+    and `stalls` the seconds the compute waits for each buffer's copies (cost.simulate).
+
+    - A segment kept holds its nodes' tensors from their last forward use to the last replay
+      of any of them (from then on the frugal plan holds the replayed copies just as long)
+      and saves the replays' seconds.
+    - An offloaded activation kept holds its bytes from the wait for its offload to its
+      prefetch and saves the stalls at both waits.
+    """
+    steps = plan.steps
+    last_forward_use, replays_of = {}, {}
+    for i, step in enumerate(steps[:backward_start(steps)]):
+        for b in (*step.reads(), *step.writes()):
+            last_forward_use[b] = i
+    for i, step in enumerate(steps):
+        if step.kind == "recompute":
+            replays_of.setdefault(step.node, []).append(i)
+    out = []
+    for root, nodes in segments.items():
+        tensors = tuple(sorted({b for n in nodes for b in written_by[n]}))
+        replays = [i for n in nodes for i in replays_of.get(n, ())]
+        if not replays:
+            continue
+        out.append(Decision(("segment", root), tensors, sum(plan.buffers[b].nbytes for b in tensors),
+                            min(last_forward_use[b] for b in tensors), max(replays),
+                            sum(seconds[i] for i in replays)))
+    offload_wait, prefetch = {}, {}
+    for i, step in enumerate(steps):
+        if step.kind == "wait" and step.buffer not in offload_wait:
+            offload_wait[step.buffer] = i
+        elif step.kind == "prefetch":
+            prefetch[step.source] = (i, step.buffer)
+    for i, step in enumerate(steps):
+        b = step.buffer if step.kind == "offload" else None
+        if b is None or plan.buffers[b].role != "activation" or b not in prefetch:
+            continue
+        at, copy = prefetch[b]
+        out.append(Decision(("tensor", b), (b,), plan.buffers[b].nbytes, offload_wait[b], at,
+                            stalls.get(b, 0.0) + stalls.get(copy, 0.0)))
+    return out
+
+
+def choose(decisions, device_bytes, budget, limit=LIMIT):
+    """The Choice of `decisions` to undo for the largest saving such that, at every step i,
+    `device_bytes[i]` plus the bytes of the undone decisions whose interval holds i is at most
+    `budget`. None when `device_bytes` alone exceed it.
+
+    Decisions saving nothing are never undone (ties go to the smaller arena)."""
+    if max(device_bytes, default=0) > budget:
+        return None
+    useful = [d for d in decisions if d.saves_s > 0 and d.nbytes > 0]
+    tree = _Laminar(useful, len(device_bytes))
+    need = [max((max(device_bytes[a:b + 1]) for a, b in ranges), default=0) for ranges in tree.own_ranges]
+    thinned = []
+    kept, best = [None] * len(useful), [None] * len(useful)
+    for i in reversed(tree.order):  # children before parents
+        kept[i] = _below(_sum(best[c] for c in tree.children[i]), need[i])
+        taken = _shifted(kept[i], useful[i].nbytes, useful[i].saves_s, budget)
+        best[i] = _thin(_max(kept[i], taken), limit, thinned)
+        for c in tree.children[i]:
+            best[c] = None  # no longer needed
+    root = _below(_sum(best[c] for c in tree.roots), need[-1])
+    if _at(root, budget) == NONE:  # cannot happen unthinned: nothing undone fits
+        return Choice((), 0.0, False)
+    undone = []
+    pending = [(r, budget) for r in tree.roots]
+    while pending:
+        i, room = pending.pop()
+        d = useful[i]
+        if d.nbytes <= room and d.saves_s + _at(kept[i], room - d.nbytes) > _at(kept[i], room):
+            undone.append(i)
+            room -= d.nbytes
+        pending.extend((c, room) for c in tree.children[i])
+    undone.sort()
+    return Choice(tuple(useful[i].key for i in undone), float(sum(useful[i].saves_s for i in undone)), not thinned)
+
+
+# A step function of headroom: (bytes, saving) steps, bytes rising and savings rising; its value
+# at headroom h is the saving of the last step at or below h (NONE below the first).
+
+def _at(f, h):
+    i = bisect.bisect_right(f, (h, float("inf")))
+    return f[i - 1][1] if i else NONE
+
+
+def _rising(points):
+    """The steps of sorted (bytes, saving) `points` that raise the saving."""
+    out = []
+    for h, v in points:
+        if v > NONE and (not out or v > out[-1][1]):
+            if out and out[-1][0] == h:
+                out[-1] = (h, v)
+            else:
+                out.append((h, v))
+    return out
+
+
+def _sum(functions):
+    """The sum of step functions (the zero function for none)."""
+    total = [(0, 0.0)]
+    for f in functions:
+        edges = sorted({h for h, _ in total} | {h for h, _ in f})
+        total = _rising([(h, _at(total, h) + _at(f, h)) for h in edges])
+    return total
+
+
+def _max(f, g):
+    return _rising(sorted(f + g))
+
+
+def _below(f, need):
+    """`f` where the headroom is at least `need`, NONE below."""
+    start = _at(f, need)
+    return _rising(([(need, start)] if start > NONE else []) + [(h, v) for h, v in f if h > need])
+
+
+def _shifted(f, nbytes, saving, budget):
+    """The steps of `f` moved up by `nbytes` of headroom and `saving` seconds, within `budget`."""
+    return [(h + nbytes, v + saving) for h, v in f if h + nbytes <= budget]
+
+
+def _thin(f, limit, thinned):
+    """`f` with at most `limit` steps, first and last kept; appends to `thinned` when it drops any."""
+    if len(f) <= limit:
+        return f
+    thinned.append(True)
+    keep = sorted({round(k * (len(f) - 1) / (limit - 1)) for k in range(limit)})
+    return [f[k] for k in keep]
+
+
+class _Laminar:
+    """The decisions' intervals widened until they nest, as a forest: node i (a decision's
+    index) has `children[i]`, in step order; `roots` are the outermost; `own_ranges[i]`
+    (i < n) are the step ranges of i not inside a child, `own_ranges[n]` those outside
+    every decision (the forest's root)."""
+
+    def __init__(self, decisions, steps):
+        n = len(decisions)
+        self.order = sorted(range(n), key=lambda i: (decisions[i].start, -decisions[i].end, i))
+        start = [d.start for d in decisions]
+        end = [d.end for d in decisions]
+        self.children = [[] for _ in range(n)]
+        self.roots, stack = [], []
+        for i in self.order:
+            while stack and end[stack[-1]] < start[i]:
+                stack.pop()
+            for j in reversed(stack):  # open intervals hold start[i]; widen those i outlasts
+                if end[j] >= end[i]:
+                    break
+                end[j] = end[i]
+            (self.children[stack[-1]] if stack else self.roots).append(i)
+            stack.append(i)
+        self.start, self.end = start, end
+        spans = [(start[i], end[i]) for i in range(n)] + [(0, steps - 1)]
+        kids = self.children + [self.roots]
+        self.own_ranges = [_gaps(spans[i], [(start[c], end[c]) for c in kids[i]]) for i in range(n + 1)]
+
+
+def _gaps(span, inner):
+    """The ranges of `span` (first, last) not covered by the sorted, disjoint `inner` ranges."""
+    out, at = [], span[0]
+    for first, last in inner:
+        if first > at:
+            out.append((at, first - 1))
+        at = max(at, last + 1)
+    if at <= span[1]:
+        out.append((at, span[1]))
+    return out

@@ -1,0 +1,135 @@
+"""The budget-optimal choice (snrt/scheduler/optimal.py): exact against exhaustive search where
+lifetimes nest, feasible where they cross, and the plans auto builds from it."""
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from snrt.backends.numpy_backend import NumpyBackend
+from snrt.config import parse_config, with_settings
+from snrt.scheduler import cost
+from snrt.scheduler.optimal import Decision, choose
+from snrt.scheduler.planner import each_plan, make_plan
+from snrt.scheduler.policies import POLICIES
+from snrt.scheduler.verify import verify_plan
+from snrt.train import Trainer
+from tests.scheduler.graphs import build, graph_recipes
+from tests.scheduler.test_exactness import CONCAT_NET, run_under
+from tests.test_train import MODERN, SMALL_RESNET
+
+
+@st.composite
+def problems(draw, laminar):
+    """(decisions, device bytes, budget): sizes in multiples of 64 bytes, as tensors are."""
+    steps = draw(st.integers(1, 24))
+    device = [64 * draw(st.integers(0, 40)) for _ in range(steps)]
+    decisions = []
+    for k in range(draw(st.integers(0, 9))):
+        start = draw(st.integers(0, steps - 1))
+        end = draw(st.integers(start, steps - 1))
+        if laminar and any(a < start <= b < end or start < a <= end < b for a, b in
+                           ((d.start, d.end) for d in decisions)):
+            continue
+        decisions.append(Decision(("tensor", k), (k,), 64 * draw(st.integers(1, 30)), start, end,
+                                  draw(st.sampled_from((0.0, 0.5, 1.0, 1.5, 2.0, 3.25)))))
+    budget = max(device) + 64 * draw(st.integers(0, 60))
+    return decisions, device, budget
+
+
+def kept_bytes_fit(undone, device, budget):
+    extra = np.array(device, dtype=np.int64)
+    for d in undone:
+        extra[d.start:d.end + 1] += d.nbytes
+    return extra.max() <= budget
+
+
+def exhaustive(decisions, device, budget):
+    """The largest saving of any subset that fits, trying them all."""
+    return max(sum(d.saves_s for d in subset) for r in range(len(decisions) + 1)
+               for subset in itertools.combinations(decisions, r) if kept_bytes_fit(subset, device, budget))
+
+
+def checked_choice(problem, **options):
+    """(Choice, the best saving of all subsets) for `problem`, the choice checked to fit and to
+    save no more than that best, and its saving to be the sum of what it undoes."""
+    decisions, device, budget = problem
+    choice = choose(decisions, device, budget, **options)
+    undone = [d for d in decisions if d.key in choice.undone]
+    best = exhaustive(decisions, device, budget)
+    assert kept_bytes_fit(undone, device, budget)
+    assert choice.saves_s == sum(d.saves_s for d in undone) <= best
+    return choice, best
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems(laminar=True))
+def test_on_nested_lifetimes_the_choice_is_the_best_of_all_subsets(problem):
+    choice, best = checked_choice(problem)
+    assert choice.exact and choice.saves_s == best
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems(laminar=False))
+def test_on_crossing_lifetimes_the_choice_fits_and_saves_no_more_than_the_best(problem):
+    checked_choice(problem)
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems(laminar=True), st.integers(2, 4))
+def test_thinned_step_functions_still_give_a_choice_that_fits(problem, limit):
+    choice, best = checked_choice(problem, limit=limit)
+    assert not choice.exact or choice.saves_s == best
+
+
+def test_nothing_fits_when_the_frugal_plan_alone_exceeds_the_budget():
+    assert choose([Decision(("tensor", 0), (0,), 64, 0, 0, 1.0)], [128], 127) is None
+
+
+def test_a_chain_of_nested_tensors_keeps_the_set_that_saves_most_and_fits():
+    # three nested lifetimes over five steps; 256 bytes of room over the frugal plan
+    device = [0, 0, 0, 0, 0]
+    decisions = [Decision(("tensor", 0), (0,), 128, 0, 4, 1.0),
+                 Decision(("tensor", 1), (1,), 128, 1, 3, 3.0),
+                 Decision(("tensor", 2), (2,), 192, 2, 2, 3.5)]
+    assert choose(decisions, device, 256).undone == (("tensor", 0), ("tensor", 1))  # 4.0 beats 3.5 and 1+3.5
+    assert choose(decisions, device, 320).undone == (("tensor", 1), ("tensor", 2))  # 6.5: 128 + 192 at step 2
+
+
+SLOW_COPIES = replace(cost.CPU, copy_bytes_per_s=1e8)  # copies dear against compute: keeping pays
+
+
+@pytest.mark.parametrize("doc, fraction", [(SMALL_RESNET, 0.05), (MODERN, 0.05), (CONCAT_NET, 0.0),
+                                           (CONCAT_NET, 0.05)])
+def test_training_under_a_budget_optimal_plan_is_bit_identical_to_none(monkeypatch, doc, fraction):
+    monkeypatch.setattr(NumpyBackend, "cost_model", SLOW_COPIES)
+    config = parse_config(doc, "<test>")
+    graph, batch = config.graph, config.train.batch
+    plans = dict(each_plan(graph, batch, POLICIES, cost_model=SLOW_COPIES))
+    frugal = min(p.arena_bytes for p in plans.values())
+    budget = int(frugal + fraction * (plans["none"].arena_bytes - frugal))
+    losses, arrays, _ = run_under(config, "none", 2)
+    trainer = Trainer(with_settings(config, memory={"policy": "auto", "budget": budget}), check=True)
+    assert trainer.plan.policy.startswith("auto:optimal(")
+    assert trainer.plan.arena_bytes <= budget
+    fixed = [p.predicted_s for p in plans.values() if p.arena_bytes <= budget]
+    assert trainer.plan.predicted_s < min(fixed)
+    assert [m.loss for m in trainer.fit(iterations=2)] == losses
+    for key, value in trainer.host_arrays().items():
+        np.testing.assert_array_equal(value, arrays[key], err_msg=key)
+    assert trainer.backend.arena.peak_bytes == trainer.plan.peak_bytes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_recipes(max_ops=10), st.floats(0.0, 1.0))
+def test_auto_fits_the_budget_verifies_and_is_never_slower_than_a_policy_that_fits(recipe, fraction):
+    graph = build(recipe)
+    plans = dict(each_plan(graph, 2, POLICIES, cost_model=SLOW_COPIES))
+    frugal = min(p.arena_bytes for p in plans.values())
+    budget = int(frugal + fraction * (plans["none"].arena_bytes - frugal))
+    chosen = make_plan(graph, 2, "auto", budget=budget, cost_model=SLOW_COPIES)
+    verify_plan(chosen, budget)
+    assert chosen.predicted_s <= min(p.predicted_s for p in plans.values() if p.arena_bytes <= budget)

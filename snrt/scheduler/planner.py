@@ -347,6 +347,7 @@ def _bases(fitting):
 
 
 ROUNDS = 4  # plans assembled at most while growing a budget-optimal plan
+WORTHWHILE = 0.01  # the least predicted saving, as a fraction of the iteration, a grown plan must offer
 
 
 def _optimal(graph, batch, budget, opts, base):
@@ -375,7 +376,8 @@ def _optimal(graph, batch, budget, opts, base):
 
 def _grow(graph, batch, opts, base, room):
     """The _Built plan with the decisions of _Built `base` that `choose` undoes in `room`
-    bytes, or None when it undoes none."""
+    bytes, or None when they would save less than WORTHWHILE of its predicted time (not worth
+    the memory they hold, nor the planning time of another assembly)."""
     it = _Assembled.iteration_for(graph, batch, opts)
     written_by = {s.node: (s.output, *(b for _, b in s.aux)) for s in it.steps if s.kind == "forward"}
     seconds = _seconds_of(graph, batch, opts.cost_model)(base.plan.steps)
@@ -383,7 +385,7 @@ def _grow(graph, batch, opts, base, room):
     cost_models.simulate(base.plan.steps, base.plan.buffers, seconds, opts.cost_model, stalls)
     decisions = {d.key: d for d in frugal_decisions(base.plan, base.segments, written_by, seconds, stalls)}
     choice = choose(decisions.values(), base.plan.device_bytes, room)
-    if not choice or not choice.undone:
+    if not choice or choice.saves_s < WORTHWHILE * base.plan.predicted_s:
         return None
     kept = tuple(sorted({*base.kept, *(root for kind, root in choice.undone if kind == "segment")}))
     resident = tuple(sorted({*base.resident, *(b for key in choice.undone for b in decisions[key].keeps)}))

@@ -23,8 +23,8 @@ import matplotlib.ticker  # noqa: E402,F401
 import numpy as np  # noqa: E402
 
 from bench_memory import floor_bytes, resident_bytes, streamed_floor_bytes, synthetic_config  # noqa: E402,F401  (one definition each)
-import snrt  # noqa: E402
 from snrt import POLICIES  # noqa: E402,F401
+from snrt.scheduler.planner import plan_within  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
@@ -74,17 +74,11 @@ def gib(nbytes):
 
 def arena_in_budget(graph, batch, policy, budget=BUDGET, stream_parameters=False):
     """The arena `make_plan(graph, batch, policy, budget=budget, stream_parameters=...)` ends
-    with, without its error.
-
-    As make_plan does: a copying policy whose plan (prefetches hidden behind compute) exceeds
-    the budget is rebuilt with just-in-time prefetches (smaller, slower); the smaller arena of
-    the two is returned, so a value > budget means make_plan would raise BudgetError.
+    with, without its error (`plan_within`): over the budget, a copying policy falls back to
+    just-in-time prefetches and a freeing one spills idle tensors, so a value > budget means
+    make_plan would raise BudgetError.
     """
-    arena = snrt.plan(graph, batch, policy, stream_parameters=stream_parameters).arena_bytes
-    if arena > budget and (POLICIES[policy].offloads or stream_parameters):
-        arena = min(arena, snrt.plan(graph, batch, policy, hide_copies=False,
-                                     stream_parameters=stream_parameters).arena_bytes)
-    return arena
+    return plan_within(graph, batch, policy, budget, stream_parameters=stream_parameters).arena_bytes
 
 
 def largest_fitting(size_of, budget, start=(1, 2), limit=1 << 16, log=None):

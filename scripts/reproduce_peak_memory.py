@@ -5,10 +5,12 @@ Inception-v4 (299), DenseNet-121 (224) and the YAML-only zoo entries (SE-ResNet-
 EfficientNet-B0, ConvNeXt-T at 224, U-Net at 256) at the batch sizes below; the peak device bytes
 under none / liveness / recompute / offload / superneurons next to the floor (resident bytes
 plus the largest single step's working set, `floor_bytes` of scripts/bench_memory.py), and
-superneurons with streamed parameters next to its own floor (`streamed_floor_bytes`).
+superneurons with streamed parameters next to its own floor (`streamed_floor_bytes`); and
+superneurons' plan at the smallest budget it works in (just-in-time copies, idle tensors
+spilled), with parameters resident and streamed, against the same floors.
 
 Part 2, measured on this CPU: at small sizes a short Trainer run per policy (and superneurons
-with streamed parameters), whose measured arena peak (trainer.backend.arena.peak_bytes) must
+with streamed parameters, and at its smallest budget), whose measured arena peak (trainer.backend.arena.peak_bytes) must
 equal the plan's peak_bytes.
 
 Writes results/peak_memory.{md,json,png}.
@@ -24,7 +26,7 @@ from reproduce_common import (GIB, POLICIES, floor_bytes, gib, grouped_bars, mac
 from snrt.config import with_settings
 
 from snrt.models import MODELS
-from snrt.scheduler.planner import make_plan
+from snrt.scheduler.planner import BudgetError, make_plan
 from snrt.train import Trainer
 
 # (network, image size, batch): SuperNeurons' Fig. of peak memory uses batch 32 for the deep
@@ -42,6 +44,7 @@ MEASURED = [("alexnet", 67, 4, 2), ("vgg16", 32, 4, 2), ("resnet50", 64, 2, 2), 
             ("unet", 64, 2, 2)]
 QUICK_MEASURED = [("cifar_resnet20", 32, 8, 2), ("resnet50", 64, 2, 2)]
 STREAMED = "superneurons, streamed"  # parameters and optimizer state streamed from the host store
+SMALLEST = "superneurons, smallest budget"  # at the smallest budget: just-in-time copies, idle tensors spilled
 
 
 def planned(networks):
@@ -58,6 +61,10 @@ def planned(networks):
                                        "offloaded_bytes": plan.host_bytes, "predicted_s": plan.predicted_s,
                                        "plan_s": time.perf_counter() - start}
         row["streamed_peak_bytes"] = make_plan(graph, batch, "superneurons", stream_parameters=True).peak_bytes
+        for key, streamed in (("smallest", False), ("streamed_smallest", True)):
+            plan = smallest_plan(graph, batch, stream_parameters=streamed)
+            row[key] = {"peak_bytes": plan.peak_bytes, "arena_bytes": plan.arena_bytes,
+                        "predicted_s": plan.predicted_s, "copied_bytes": sum(plan.copied_bytes())}
         print(f"planned {name} at {size}, batch {batch}: " + ", ".join(
             f"{p} {gib(v['peak_bytes'])}" for p, v in row["policies"].items()) + f" GiB; floor {gib(row['floor_bytes'])}",
             flush=True)
@@ -65,12 +72,34 @@ def planned(networks):
     return rows
 
 
+def smallest_plan(graph, batch, **options):
+    """superneurons' plan at the smallest budget its BudgetError states: just-in-time copies and
+    the idle tensors spilled."""
+    try:
+        make_plan(graph, batch, "superneurons", budget=1, **options)
+    except BudgetError as error:
+        return make_plan(graph, batch, "superneurons", budget=error.smallest_bytes, **options)
+    raise AssertionError("a budget of one byte fits")
+
+
+def smallest_trainer(config):
+    """A Trainer of `config` at the smallest budget its BudgetError states."""
+    try:
+        Trainer(with_settings(config, memory={"budget": 1}))
+    except BudgetError as error:
+        return Trainer(with_settings(config, memory={"budget": error.smallest_bytes}))
+    raise AssertionError("a budget of one byte fits")
+
+
 def measured(cases):
     rows = []
     for name, size, batch, iterations in cases:
-        for policy in (*POLICIES, STREAMED):
-            config = synthetic_config(name, size, batch, "superneurons" if policy == STREAMED else policy)
-            trainer = Trainer(with_settings(config, memory={"stream_parameters": policy == STREAMED}))
+        for policy in (*POLICIES, STREAMED, SMALLEST):
+            config = synthetic_config(name, size, batch, policy if policy in POLICIES else "superneurons")
+            if policy == SMALLEST:
+                trainer = smallest_trainer(config)
+            else:
+                trainer = Trainer(with_settings(config, memory={"stream_parameters": policy == STREAMED}))
             history = trainer.fit(iterations=iterations)
             row = {"network": name, "image": size, "batch": batch, "policy": policy, "iterations": len(history),
                    "planned_peak_bytes": trainer.plan.peak_bytes,
@@ -112,6 +141,21 @@ def main():
          f"{r['policies']['none']['peak_bytes'] / r['policies']['superneurons']['peak_bytes']:.1f}x",
          gib(r["streamed_peak_bytes"]), gib(r["streamed_floor_bytes"]),
          f"{r['streamed_peak_bytes'] / r['streamed_floor_bytes']:.2f}"] for r in plans])
+    lines += ["", "### At the smallest budget", "",
+              "superneurons' plan at the smallest budget its BudgetError states (`snrt plan --budget` below "
+              "that says it): prefetches just in time and the tensors idle at the fullest steps spilled to "
+              "the host and back (snrt/scheduler/spill.py), with parameters resident and streamed. Peak and "
+              "arena over the floor of the same kind; `copies`: bytes copied between host and device per "
+              "iteration (both ways); `time`: the CPU cost model's prediction against superneurons' "
+              "unbudgeted plan.", ""]
+    lines += table(["network", "batch", "peak / floor", "arena / floor", "copies (GiB)", "time vs superneurons",
+                    "streamed peak / streamed floor", "streamed arena / streamed floor", "streamed copies (GiB)"], [
+        [r["network"], r["batch"], f"{r['smallest']['peak_bytes'] / r['floor_bytes']:.3f}",
+         f"{r['smallest']['arena_bytes'] / r['floor_bytes']:.3f}", gib(r["smallest"]["copied_bytes"]),
+         f"{r['smallest']['predicted_s'] / r['policies']['superneurons']['predicted_s']:.2f}x",
+         f"{r['streamed_smallest']['peak_bytes'] / r['streamed_floor_bytes']:.3f}",
+         f"{r['streamed_smallest']['arena_bytes'] / r['streamed_floor_bytes']:.3f}",
+         gib(r["streamed_smallest"]["copied_bytes"])] for r in plans])
     lines += ["", "![peak memory](peak_memory.png)", "",
               "## Confirmed by measurement", "",
               "A short `Trainer` run per policy on this CPU (synthetic data): the arena's measured peak "

@@ -16,12 +16,13 @@ from snrt.scheduler import cost as cost_models
 from snrt.scheduler.cost import CostModel
 from snrt.scheduler.liveness import allocation_points, insert_frees, predict_device_bytes
 from snrt.scheduler.offload import plan_offload, with_host_slots
-from snrt.scheduler.offsets import assign_offsets
+from snrt.scheduler.offsets import aligned, assign_offsets
 from snrt.scheduler.order import BufferTable, build_iteration
 from snrt.scheduler.plan import Plan
 from snrt.scheduler.optimal import choose, frugal_decisions
 from snrt.scheduler.policies import AUTO, POLICIES, policy_named
 from snrt.scheduler.reduce import BUCKET_BYTES
+from snrt.scheduler.spill import plan_spills, spill_floor
 from snrt.scheduler.stream import plan_streaming
 from snrt.scheduler.recompute import plan_recomputation, speed_segments_that_fit, version_buffers
 from snrt.summary import human_bytes
@@ -111,15 +112,35 @@ def _planning():
             gc.enable()
 
 
+def plan_within(graph, batch, policy, budget, **options):
+    """make_plan(graph, batch, policy, budget=budget, **options) for a policy (not "auto"), but
+    where nothing fits, the last plan it tried (its arena over the budget) instead of the
+    BudgetError and its search for the largest batch: what a search over sizes probes."""
+    opts = PlanOptions(**{k: tuple(v) if k == "optimizer_states" else v for k, v in options.items()})
+    with _planning():
+        return _within(graph, batch, policy_named(policy), budget, opts, hide_copies=True)
+
+
 def _plan(graph, batch, policy, budget, opts, hide_copies):
     if policy == AUTO:
         return _auto(graph, batch, budget, opts)
     policy = policy_named(policy)
+    plan = _within(graph, batch, policy, budget, opts, hide_copies)
+    if budget is not None and plan.arena_bytes > budget:
+        raise _infeasible(graph, batch, budget, (policy,), opts)
+    return plan
+
+
+def _within(graph, batch, policy, budget, opts, hide_copies):
+    """Policy `policy`'s plan; over `budget`, its just-in-time plan (copying policies), then
+    that plan with idle tensors spilled (freeing policies in training); the last one tried
+    when none fits."""
     plan = _build(graph, batch, policy, opts, hide_copies)
     if budget is not None and plan.arena_bytes > budget and _copies(policy, opts) and hide_copies:
         plan = _build(graph, batch, policy, opts, hide_copies=False)
-    if budget is not None and plan.arena_bytes > budget:
-        raise _infeasible(graph, batch, budget, (policy,), opts)
+    if budget is not None and plan.arena_bytes > budget and _spills(policy, opts):
+        spilled = _spilled(graph, batch, budget, opts, _built(graph, batch, policy, opts, hide_copies=False))
+        plan = replace(spilled, policy=policy.name) if spilled else plan
     return plan
 
 
@@ -256,19 +277,21 @@ def _seconds_of(graph, batch, cost_model):
     return seconds
 
 
-def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_segments=(), resident=()):
+def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_segments=(), resident=(),
+              spill=None):
     """(plan, replayed segments) of Policy `policy` with the given speed-centric and kept (not
     dropped) segments, and the activation buffer ids in `resident` never offloaded, each made
-    once (see _Assembled)."""
+    once (see _Assembled). With `spill` (bytes, or SPILL_FLOOR), the tensors idle at steps over
+    that many non-resident bytes are spilled (snrt/scheduler/spill.py)."""
     it = _Assembled.iteration_for(graph, batch, opts)
-    key = (policy.name, hide_copies, tuple(speed_segments), tuple(kept_segments), tuple(resident))
+    key = (policy.name, hide_copies, tuple(speed_segments), tuple(kept_segments), tuple(resident), spill)
     if key not in _Assembled.plans:
         _Assembled.plans[key] = _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments,
-                                               kept_segments, resident)
+                                               kept_segments, resident, spill)
     return _Assembled.plans[key]
 
 
-def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, kept_segments, resident):
+def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, kept_segments, resident, spill):
     """_assemble's plan, from Iteration `it`."""
     training, cost_model = opts.training, opts.cost_model
     step_seconds = _seconds_of(graph, batch, cost_model)
@@ -276,6 +299,7 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
     table.buffers = list(it.buffers)
     steps = list(it.steps)
     keep = {b for out, _, probs, labels, _ in it.losses for b in (out, probs, labels)}
+    fed = tuple(b for _, b in it.inputs) + tuple(loss[1] for loss in it.losses if loss[1] >= 0)
     slots, host_bytes, segments = {}, 0, {}
     if policy.recomputes and training:
         steps, segments = plan_recomputation(graph, steps, table.buffers, speed_segments, kept_segments)
@@ -288,10 +312,13 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
     if opts.stream_parameters and training and policy.frees:
         steps, host_bytes = plan_streaming(steps, table, step_seconds(steps), cost_model, host_bytes, hide_copies)
         steps = version_buffers(steps, table)
+    if spill is not None and training and policy.frees:
+        limit = spill_floor(steps, table.buffers) if spill == SPILL_FLOOR else spill
+        steps, host_bytes, _ = plan_spills(steps, table, slots, limit, host_bytes, keep, fed)
+        steps = version_buffers(steps, table, fed)
     if policy.frees:
         steps = insert_frees(steps, table.buffers, keep)
     buffers = with_host_slots(table.buffers, slots)
-    fed = tuple(b for _, b in it.inputs) + tuple(loss[1] for loss in it.losses if loss[1] >= 0)
     allocations = allocation_points(buffers, steps, fed)
     device_bytes = predict_device_bytes(buffers, steps, allocations)
     buffers, arena_bytes = assign_offsets(buffers, steps, allocations)
@@ -310,6 +337,48 @@ def _candidates(graph, batch, policies, opts):
             for p in policies for hide in ((True, False) if _copies(p, opts) else (True,))]
 
 
+def _spills(policy, opts):
+    """Whether plans of Policy `policy` may spill idle tensors (see snrt/scheduler/spill.py)."""
+    return policy.frees and opts.training
+
+
+SPILL_FLOOR = "floor"  # a spill limit: the largest step's working set (the smallest arena spilling gives)
+SPILL_ROUNDS = 3  # plans assembled with a limit from the budget before the floor's
+
+
+def _spilled(graph, batch, budget, opts, base):
+    """The plan of _Built `base` with the idle tensors spilled that it must lose to fit
+    `budget` (named "spilled(<policy>)"), or None when even spilling down to the floor does not
+    fit (at once when the budget is below the resident bytes and the largest step's working
+    set). The limit starts at the budget less the resident bytes and is cut by the arena's
+    excess (gaps between offsets) while it does not fit; the last try spills to the floor."""
+    limit = budget - _resident_bytes(base.plan)
+    if limit < spill_floor(base.plan.steps, base.plan.buffers):  # no plan goes below the largest step
+        return None
+    for spill in [*(None,) * SPILL_ROUNDS, SPILL_FLOOR]:
+        plan = _spilled_to(graph, batch, opts, base, SPILL_FLOOR if spill else limit)
+        if plan.arena_bytes <= budget:
+            return replace(plan, policy=f"spilled({base.plan.policy})")
+        limit -= plan.arena_bytes - budget
+    return None
+
+
+def _spilled_to(graph, batch, opts, base, spill):
+    """The plan of _Built `base` spilled down to `spill` (bytes, or SPILL_FLOOR)."""
+    return _assemble(graph, batch, base.row, opts, base.hide_copies, base.speed, base.kept, base.resident, spill)[0]
+
+
+def _just_in_time(candidates, opts):
+    """The _Built plans of `candidates` that spilling starts from: each freeing row's
+    just-in-time one (its smallest), in training."""
+    return [c for c in candidates if _spills(c.row, opts) and not (c.hide_copies and _copies(c.row, opts))]
+
+
+def _resident_bytes(plan):
+    """The bottom of `plan`'s arena: its resident buffers, aligned (the same at every batch)."""
+    return sum(aligned(b.nbytes) for b in plan.buffers if b.resident)
+
+
 def _copies(policy, opts):
     """Whether plans of Policy `policy` copy tensors between host and device (and so have a
     just-in-time variant)."""
@@ -323,17 +392,17 @@ def _auto(graph, batch, budget, opts):
     if budget is None:
         raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
     rows = tuple(POLICIES.values())
-    candidates = _candidates(graph, batch, rows, opts)
-    fitting = [c for c in candidates if c.plan.arena_bytes <= budget]
-    if not fitting and opts.training and not opts.stream_parameters:
-        opts = replace(opts, stream_parameters=True)
+    for streamed in (False, True) if opts.training and not opts.stream_parameters else (opts.stream_parameters,):
+        opts = replace(opts, stream_parameters=streamed)
         candidates = _candidates(graph, batch, rows, opts)
         fitting = [c for c in candidates if c.plan.arena_bytes <= budget]
-    if not fitting:
-        raise _infeasible(graph, batch, budget, rows, opts, candidates)
-    plans = [c.plan for c in fitting] + [_optimal(graph, batch, budget, opts, c) for c in _bases(fitting)]
-    best = min(plans, key=lambda p: (p.predicted_s, p.arena_bytes))
-    return replace(best, policy=f"auto:{best.policy}" + (", streamed" if opts.stream_parameters else ""))
+        plans = [c.plan for c in fitting] + [_optimal(graph, batch, budget, opts, c) for c in _bases(fitting)]
+        if not plans:
+            plans = [p for p in (_spilled(graph, batch, budget, opts, c) for c in _just_in_time(candidates, opts)) if p]
+        if plans:
+            best = min(plans, key=lambda p: (p.predicted_s, p.arena_bytes))
+            return replace(best, policy=f"auto:{best.policy}" + (", streamed" if streamed else ""))
+    raise _infeasible(graph, batch, budget, rows, opts, candidates)
 
 
 def _bases(fitting):
@@ -396,11 +465,16 @@ def _grow(graph, batch, opts, base, room):
 def _infeasible(graph, batch, budget, policies, opts, candidates=None):
     """The BudgetError for `budget`: the smallest budget that works, the largest batch that fits."""
     candidates = candidates or _candidates(graph, batch, policies, opts)
-    frugal, hide = min(((c.plan, c.hide_copies) for c in candidates), key=lambda c: c[0].arena_bytes)
+    options = [(c.plan, c.row, c.hide_copies, None) for c in candidates]
+    options += [(_spilled_to(graph, batch, opts, c, SPILL_FLOOR), c.row, c.hide_copies, SPILL_FLOOR)
+                for c in _just_in_time(candidates, opts)]
+    frugal, row, hide, spill = min(options, key=lambda o: o[0].arena_bytes)
     smallest = frugal.arena_bytes
 
     def fits(b):
-        return _build(graph, b, POLICIES[frugal.policy], opts, hide).arena_bytes <= budget
+        built = _built(graph, b, row, opts, hide)
+        plan = _spilled_to(graph, b, opts, built, spill) if spill else built.plan
+        return plan.arena_bytes <= budget
 
     low, high = 0, batch - 1  # the largest batch in [1, batch) that fits, by bisection
     persistent = sum(b.nbytes for b in frugal.buffers if b.resident)  # the same at every batch
@@ -415,7 +489,7 @@ def _infeasible(graph, batch, budget, policies, opts, candidates=None):
     largest = low
     names = "/".join(p.name for p in policies)
     if largest:
-        where = f"the largest batch that fits is {largest} (policy {frugal.policy})"
+        where = f"the largest batch that fits is {largest} (policy {row.name})"
     elif opts.training and not opts.stream_parameters:
         where = ("no batch size fits: the parameters and optimizer state alone are too large to stay on the device; "
                  "stream them from host memory (--stream-parameters, memory.stream_parameters) or use policy auto")
@@ -423,5 +497,5 @@ def _infeasible(graph, batch, budget, policies, opts, candidates=None):
         where = "no batch size fits: the largest single step does not fit"
     return BudgetError(
         f"budget {human_bytes(budget)} is too small for batch {batch} under {names}: the smallest "
-        f"budget that works is {human_bytes(smallest)} ({smallest} bytes, policy {frugal.policy}); {where}",
+        f"budget that works is {human_bytes(smallest)} ({smallest} bytes, policy {row.name}); {where}",
         smallest, largest)

@@ -14,6 +14,9 @@ read the names; nothing else spells a policy out.
   rows, and of the budget-optimal plans grown from the rows that replay or offload, which
   keep on the device, instead of replaying or offloading, the segments and tensors that save
   the most time in the room the budget leaves (snrt/scheduler/optimal.py).
+
+Under a budget below a row's plan, the planner prefetches just in time (rows that copy) and
+then spills the tensors idle at the fullest steps (rows that free; snrt/scheduler/spill.py).
 """
 
 from dataclasses import dataclass

@@ -151,14 +151,15 @@ def speed_segments_that_fit(plan, segments):
     return chosen
 
 
-def version_buffers(steps, table):
+def version_buffers(steps, table, fed=()):
     """Give every tensor written again by a recompute or prefetch step a new buffer id.
 
     Later steps read the newest version. `table` (a BufferTable) receives the new buffers,
     named like the original with "@k" (and with its home in the host store, if it has one).
-    Workspaces of recompute steps are versioned too.
+    Workspaces of recompute steps are versioned too. `fed` buffers count as written before
+    the first step (the executor writes them).
     """
-    written, count = set(), {}
+    written, count = set(fed), {}
     newest, older = {}, {}  # old id -> its newest version; newest version -> the old ids
     out = []
     for step in steps:

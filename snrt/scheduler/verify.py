@@ -46,6 +46,8 @@ def verify_plan(plan, budget=None):
             in_flight.add(step.buffer)
             if step.kind == "prefetch" and buffers[step.source].host_slot < 0:
                 raise PlanError(f"{where}: prefetches from {buffers[step.source].name}, which has no host slot")
+            if step.kind == "prefetch" and step.source in summed:
+                summed.add(step.buffer)  # a summed gradient brought back
         elif step.kind == "allreduce":
             in_flight.add(step.gathered)
         elif step.kind in ("wait", "allreduce_wait"):

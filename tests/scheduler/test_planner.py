@@ -27,8 +27,8 @@ def test_every_policy_gives_a_consistent_plan_that_keeps_its_budget(recipe):
             tight = make_plan(graph, 2, policy, budget=tighter)
         except BudgetError as e:
             assert e.smallest_bytes > tighter
-        else:  # offload policies fall back to just-in-time prefetch, which needs less
-            assert policy in ("offload", "superneurons")
+        else:  # offload policies fall back to just-in-time prefetch, freeing ones spill: both need less
+            assert policy != "none"
             verify_plan(tight, budget=tighter)
     assert arenas["superneurons"] <= arenas["offload"]
 

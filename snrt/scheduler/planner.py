@@ -128,6 +128,18 @@ def _plan(graph, batch, policy, budget, opts, hide_copies):
     plan = _within(graph, batch, policy, budget, opts, hide_copies)
     if budget is not None and plan.arena_bytes > budget:
         raise _infeasible(graph, batch, budget, (policy,), opts)
+    if budget is not None and policy.grows and opts.training:
+        plan = _grown(graph, batch, policy, budget, opts, plan)
+    return plan
+
+
+def _grown(graph, batch, policy, budget, opts, plan):
+    """`plan`, of Policy `policy`, grown into the room `budget` leaves (see _optimal) when it
+    is one of the policy's own plans (a spilled one has no room to give)."""
+    for hide in (True, False):
+        built = _built(graph, batch, policy, opts, hide)
+        if built.plan == plan:
+            return replace(_optimal(graph, batch, budget, opts, built), policy=policy.name)
     return plan
 
 

@@ -9,7 +9,9 @@ read the names; nothing else spells a policy out.
 - offload: liveness + every tensor the backward reads offloaded and prefetched;
 - superneurons: liveness + recomputation + offload of the remaining checkpoints, never more
   memory than offload alone: a segment whose replay stands at a step over the offload plan's
-  peak is kept and offloaded instead of recomputed;
+  peak is kept and offloaded instead of recomputed; with a budget, the segments and tensors
+  that save the most time stay on the device in the room its plan leaves (as auto's
+  budget-optimal plans do);
 - auto (not a row): the fastest plan, by the cost model, whose arena fits the budget: of the
   rows, and of the budget-optimal plans grown from the rows that replay or offload, which
   keep on the device, instead of replaying or offloading, the segments and tensors that save
@@ -28,13 +30,16 @@ from snrt.errors import SnrtError
 class Policy:
     """What a policy may do: free tensors after their last use, drop and replay cheap layers'
     outputs, copy tensors to the host and back; `capped_by` names the policy whose arena
-    this one never exceeds (its replays over that plan's peak are offloaded instead)."""
+    this one never exceeds (its replays over that plan's peak are offloaded instead); with a
+    budget, a row that `grows` keeps on the device, in the room its plan leaves, the replayed
+    segments and offloaded tensors that save the most time (its budget-optimal plan)."""
 
     name: str
     frees: bool = False
     recomputes: bool = False
     offloads: bool = False
     capped_by: str = None
+    grows: bool = False
 
 
 POLICIES = {p.name: p for p in (
@@ -42,7 +47,7 @@ POLICIES = {p.name: p for p in (
     Policy("liveness", frees=True),
     Policy("recompute", frees=True, recomputes=True),
     Policy("offload", frees=True, offloads=True),
-    Policy("superneurons", frees=True, recomputes=True, offloads=True, capped_by="offload"),
+    Policy("superneurons", frees=True, recomputes=True, offloads=True, capped_by="offload", grows=True),
 )}
 AUTO = "auto"  # not a row: the fastest plan (a row's, or a budget-optimal one) whose arena fits the budget
 CHOICES = (*POLICIES, AUTO)  # every name a user may ask for

@@ -133,3 +133,31 @@ def test_auto_fits_the_budget_verifies_and_is_never_slower_than_a_policy_that_fi
     chosen = make_plan(graph, 2, "auto", budget=budget, cost_model=SLOW_COPIES)
     verify_plan(chosen, budget)
     assert chosen.predicted_s <= min(p.predicted_s for p in plans.values() if p.arena_bytes <= budget)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_recipes(max_ops=10), st.floats(0.0, 1.0))
+def test_superneurons_under_a_budget_grows_into_it_and_is_never_slower(recipe, fraction):
+    graph = build(recipe)
+    plain = make_plan(graph, 2, "superneurons", cost_model=SLOW_COPIES)
+    budget = int(plain.arena_bytes * (1 + fraction))
+    grown = make_plan(graph, 2, "superneurons", budget=budget, cost_model=SLOW_COPIES)
+    verify_plan(grown, budget)
+    assert grown.policy == "superneurons"
+    assert grown.predicted_s <= plain.predicted_s
+
+
+@pytest.mark.parametrize("doc", [SMALL_RESNET, CONCAT_NET])
+def test_training_under_superneurons_grown_into_a_budget_is_bit_identical_to_none(monkeypatch, doc):
+    monkeypatch.setattr(NumpyBackend, "cost_model", SLOW_COPIES)
+    config = parse_config(doc, "<test>")
+    plain = make_plan(config.graph, config.train.batch, "superneurons", cost_model=SLOW_COPIES)
+    budget = 2 * plain.arena_bytes
+    losses, arrays, _ = run_under(config, "none", 2)
+    trainer = Trainer(with_settings(config, memory={"policy": "superneurons", "budget": budget}), check=True)
+    assert trainer.plan.arena_bytes <= budget
+    assert trainer.plan.predicted_s < plain.predicted_s
+    assert [m.loss for m in trainer.fit(iterations=2)] == losses
+    for key, value in trainer.host_arrays().items():
+        np.testing.assert_array_equal(value, arrays[key], err_msg=key)
+    assert trainer.backend.arena.peak_bytes == trainer.plan.peak_bytes

@@ -72,13 +72,13 @@ def gib(nbytes):
     return f"{nbytes / GIB:.2f}"
 
 
-def arena_in_budget(graph, batch, policy, budget=BUDGET, stream_parameters=False):
+def arena_in_budget(graph, batch, policy, budget=BUDGET, stream_parameters=False, spill=True):
     """The arena `make_plan(graph, batch, policy, budget=budget, stream_parameters=...)` ends
     with, without its error (`plan_within`): over the budget, a copying policy falls back to
-    just-in-time prefetches and a freeing one spills idle tensors, so a value > budget means
-    make_plan would raise BudgetError.
+    just-in-time prefetches and a freeing one spills idle tensors (unless `spill` is False: the
+    policy's own plans), so a value > budget means make_plan would raise BudgetError.
     """
-    return plan_within(graph, batch, policy, budget, stream_parameters=stream_parameters).arena_bytes
+    return plan_within(graph, batch, policy, budget, spill, stream_parameters=stream_parameters).arena_bytes
 
 
 def largest_fitting(size_of, budget, start=(1, 2), limit=1 << 16, log=None):

@@ -14,8 +14,8 @@ Writes results/largest_batch.{md,json,png}.
 
 import time
 
-from reproduce_common import (BUDGET, POLICIES, arena_in_budget, gib, grouped_bars, largest_fitting, machine,
-                              meta_line, parse_args, save_json, save_markdown, table)
+from reproduce_common import (BUDGET, POLICIES, arena_in_budget, floor_bytes, gib, grouped_bars, largest_fitting,
+                              machine, meta_line, parse_args, save_json, save_markdown, table)
 
 from snrt.models import MODELS
 from snrt.scheduler.planner import BudgetError, make_plan
@@ -24,7 +24,8 @@ NETWORKS = [("alexnet", 227), ("vgg16", 224), ("resnet50", 224), ("resnet101", 2
             ("inceptionv4", 299), ("densenet121", 224)]
 QUICK_NETWORKS = [("alexnet", 227), ("vgg16", 224), ("resnet50", 224)]
 VDNN_BATCH = 256
-STREAMED = "superneurons, streamed"  # parameters and momentum streamed from the host store
+SPILLED = "superneurons, spilled"  # what make_plan does under the budget: idle tensors spilled too
+STREAMED = "superneurons, streamed"  # and parameters and momentum streamed from the host store
 
 
 def largest(networks, policies):
@@ -34,13 +35,15 @@ def largest(networks, policies):
         row = {"network": name, "image": size, "policies": {}}
         for policy in policies:
             start = time.perf_counter()
-            plan_as, stream = ("superneurons", True) if policy == STREAMED else (policy, False)
-            batch, probes = largest_fitting(lambda b: arena_in_budget(graph, b, plan_as, BUDGET, stream), BUDGET,
-                                            start=(16, 32))
+            plan_as = policy if policy in POLICIES else "superneurons"
+            stream, spill = policy == STREAMED, policy not in POLICIES
+            batch, probes = largest_fitting(lambda b: arena_in_budget(graph, b, plan_as, BUDGET, stream, spill),
+                                            BUDGET, start=(16, 32))
             row["policies"][policy] = {"batch": batch, "arena_bytes": probes.get(batch), "plans": len(probes),
                                        "plan_seconds": time.perf_counter() - start}
             print(f"{name} {policy}: largest batch {batch} ({len(probes)} plans, "
                   f"{time.perf_counter() - start:.1f} s)", flush=True)
+        row["floor_batch"], _ = largest_fitting(lambda b: floor_bytes(graph, b), BUDGET, start=(16, 32))
         rows.append(row)
     return rows
 
@@ -67,7 +70,7 @@ def main():
     args = parse_args(__doc__).parse_args()
     meta = machine()
     vdnn = vdnn_case()
-    rows = largest(QUICK_NETWORKS if args.quick else NETWORKS, (*POLICIES, STREAMED))
+    rows = largest(QUICK_NETWORKS if args.quick else NETWORKS, (*POLICIES, SPILLED, STREAMED))
     save_json(args.out, "largest_batch", {"meta": meta, "quick": args.quick, "budget_bytes": BUDGET,
                                           "rows": rows, "vdnn_vgg16_256": vdnn})
     groups = [r["network"] for r in rows]
@@ -77,20 +80,26 @@ def main():
     lines = ["# Largest batch in 12 GiB", "", meta_line(meta, args.quick), "",
              "The largest batch whose planned arena fits 12 GiB, per network (at its paper image size) "
              "and policy, found by `largest_fitting` (reproduce_common.py), every probe a full `make_plan`. "
-             f"`{STREAMED}`: superneurons with parameters and momentum streamed from the host store "
-             "(`stream_parameters`); `auto` picks the fastest of all these that fits, so its largest batch is the "
-             "largest of the row.", ""]
-    lines += table(["network", "image", *POLICIES, STREAMED, "superneurons / none", "streamed / offload"], [
-        [r["network"], r["image"], *(r["policies"][p]["batch"] for p in (*POLICIES, STREAMED)),
-         f"{r['policies']['superneurons']['batch'] / r['policies']['none']['batch']:.1f}x"
+             "The policies' columns are their own plans (prefetches hidden, else just in time); "
+             f"`{SPILLED}` is what `make_plan(..., budget=12 GiB)` does beyond them: the tensors idle at the "
+             "fullest steps spilled to the host and back (snrt/scheduler/spill.py; every freeing policy does "
+             f"it under a budget); `{STREAMED}`: that with parameters and "
+             "momentum streamed from the host store too (`stream_parameters`). `auto` picks the fastest plan "
+             "that fits, so its largest batch is the largest of the row. `floor bound`: the largest batch "
+             "whose floor (resident bytes + the largest step's working set) fits, by the same search.", ""]
+    lines += table(["network", "image", *POLICIES, SPILLED, STREAMED, "floor bound", "superneurons / none",
+                    "streamed / offload"], [
+        [r["network"], r["image"], *(r["policies"][p]["batch"] for p in (*POLICIES, SPILLED, STREAMED)),
+         r["floor_batch"], f"{r['policies']['superneurons']['batch'] / r['policies']['none']['batch']:.1f}x"
          if r["policies"]["none"]["batch"] else "-",
          f"{r['policies'][STREAMED]['batch'] / r['policies']['offload']['batch']:.2f}x"] for r in rows])
     lines += ["", "![largest batch](largest_batch.png)", "",
               f"## vDNN's case: VGG-16 at batch {VDNN_BATCH}", "",
               "Peak device bytes and arena per policy without a budget (1 GB = 10^9 B, the vDNN paper's unit; "
               "GiB = 2^30 B), then `make_plan(..., budget=12 GiB)`: the arena it plans inside the budget "
-              "(copying policies fall back to just-in-time prefetches when the hidden ones do not fit), or "
-              "its BudgetError's smallest budget and largest batch.", ""]
+              "(copying policies fall back to just-in-time prefetches when the hidden ones do not fit, and "
+              "freeing policies then spill idle tensors), or its BudgetError's smallest budget and largest "
+              "batch.", ""]
     lines += table(["policy", "peak (GB)", "arena (GiB)", "offloaded (GiB)", "fits 12 GiB", "arena in budget (GiB)",
                     "predicted s/it (CPU model)", "smallest budget (GiB)", "largest batch in 12 GiB"], [
         [p, f"{v['peak_bytes'] / 1e9:.1f}", gib(v["arena_bytes"]), gib(v["offloaded_bytes"]),

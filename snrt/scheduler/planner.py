@@ -112,13 +112,14 @@ def _planning():
             gc.enable()
 
 
-def plan_within(graph, batch, policy, budget, **options):
+def plan_within(graph, batch, policy, budget, spill=True, **options):
     """make_plan(graph, batch, policy, budget=budget, **options) for a policy (not "auto"), but
     where nothing fits, the last plan it tried (its arena over the budget) instead of the
-    BudgetError and its search for the largest batch: what a search over sizes probes."""
+    BudgetError and its search for the largest batch: what a search over sizes probes.
+    `spill` False leaves idle tensors where the policy puts them (the policy's own plans)."""
     opts = PlanOptions(**{k: tuple(v) if k == "optimizer_states" else v for k, v in options.items()})
     with _planning():
-        return _within(graph, batch, policy_named(policy), budget, opts, hide_copies=True)
+        return _within(graph, batch, policy_named(policy), budget, opts, hide_copies=True, spill=spill)
 
 
 def _plan(graph, batch, policy, budget, opts, hide_copies):
@@ -143,14 +144,14 @@ def _grown(graph, batch, policy, budget, opts, plan):
     return plan
 
 
-def _within(graph, batch, policy, budget, opts, hide_copies):
-    """Policy `policy`'s plan; over `budget`, its just-in-time plan (copying policies), then
-    that plan with idle tensors spilled (freeing policies in training); the last one tried
-    when none fits."""
+def _within(graph, batch, policy, budget, opts, hide_copies, spill=True):
+    """Policy `policy`'s plan; over `budget`, its just-in-time plan (copying policies), then,
+    with `spill`, that plan with idle tensors spilled (freeing policies in training); the last
+    one tried when none fits."""
     plan = _build(graph, batch, policy, opts, hide_copies)
     if budget is not None and plan.arena_bytes > budget and _copies(policy, opts) and hide_copies:
         plan = _build(graph, batch, policy, opts, hide_copies=False)
-    if budget is not None and plan.arena_bytes > budget and _spills(policy, opts):
+    if budget is not None and plan.arena_bytes > budget and spill and _spills(policy, opts):
         spilled = _spilled(graph, batch, budget, opts, _built(graph, batch, policy, opts, hide_copies=False))
         plan = replace(spilled, policy=policy.name) if spilled else plan
     return plan

@@ -360,6 +360,9 @@ def _policy_table(config, batch, budget, rows):
                       human_bytes(r["offloaded_bytes"]), f"{r['recomputed_flops'] / 1e9:.1f} GF",
                       f"{r['predicted_s']:.2f} s", f"{r['exposed_copy_s']:.3f} s",
                       {None: "-", True: "yes", False: "no"}[r["fits_budget"]])
+    if budget:
+        table.caption = ("each policy's own plan; one over the budget gets there with just-in-time copies and "
+                         "idle tensors spilled, when it can (--policy P shows that plan)")
     return table
 
 

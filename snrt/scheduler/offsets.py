@@ -72,10 +72,9 @@ def assign_offsets(buffers, steps, allocations):
     for b in resident:
         offsets[b] = bottom
         bottom += aligned(buffers[b].nbytes)
-    intervals = _intervals(steps, allocations)
     best, top = _best_fit(buffers, steps, allocations)
-    if len(intervals) <= GREEDY_MAX_BUFFERS:
-        greedy, greedy_top = _largest_first(buffers, intervals)
+    if sum(map(len, allocations)) <= GREEDY_MAX_BUFFERS:
+        greedy, greedy_top = _largest_first(buffers, _intervals(steps, allocations))
         if greedy_top < top:
             best, top = greedy, greedy_top
     offsets.update({b: bottom + off for b, off in best.items()})

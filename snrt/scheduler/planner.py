@@ -274,6 +274,9 @@ class _Assembled:
         return cls.iteration
 
 
+NO_COMPUTE = ("offload", "prefetch", "wait", "free")  # step kinds that take no compute-stream time
+
+
 def _seconds_of(graph, batch, cost_model):
     """steps -> their predicted compute seconds, each (kind, node) computed once for all the
     plans of one iteration (see _Assembled)."""
@@ -282,6 +285,9 @@ def _seconds_of(graph, batch, cost_model):
     def seconds(steps):
         out = []
         for s in steps:
+            if s.kind in NO_COMPUTE:
+                out.append(0.0)
+                continue
             key = (s.kind, getattr(s, "node", None), getattr(s, "nbytes", 0))
             if key not in known:
                 known[key] = cost_models.step_seconds(s, graph, batch, cost_model)

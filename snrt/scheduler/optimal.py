@@ -6,7 +6,9 @@ the backward pass reads. Each of those decisions can be undone, one at a time:
 - a replayed segment kept: its tensors stay on the device from the forward pass to the
   backward pass, and the replays (their compute) are saved;
 - an offloaded tensor kept: it stays on the device instead of going to the host and back,
-  and the stalls waiting for those copies are saved.
+  and the stalls waiting for those copies are saved;
+- a node's streamed parameters and optimizer states kept resident: they hold their bytes for
+  the whole iteration, and the stalls waiting for their copies are saved.
 
 Undoing decision d costs `d.nbytes` at every step of an interval of the frugal plan and saves
 `d.saves_s` predicted seconds. `choose` picks the set of decisions to undo that saves the most
@@ -28,6 +30,7 @@ import bisect
 from dataclasses import dataclass
 
 from snrt.scheduler.recompute import backward_start
+from snrt.scheduler.stream import STREAMED_ROLES
 
 LIMIT = 64  # steps a subtree's saving-by-headroom function keeps at most
 NONE = float("-inf")  # the saving where nothing fits
@@ -35,8 +38,8 @@ NONE = float("-inf")  # the saving where nothing fits
 
 @dataclass(frozen=True)
 class Decision:
-    """One decision of the frugal plan that can be undone: `key` names it (("segment", root)
-    or ("tensor", buffer id)); undone, `keeps` (buffer ids) stay on the device, costing
+    """One decision of the frugal plan that can be undone: `key` names it (("segment", root),
+    ("tensor", buffer id) or ("parameters", node)); undone, `keeps` (buffer ids) stay on the device, costing
     `nbytes` more at frugal steps `start..end` (inclusive) and saving `saves_s` seconds."""
 
     key: tuple
@@ -100,7 +103,23 @@ def frugal_decisions(plan, segments, written_by, seconds, stalls):
         at, copy = prefetch[b]
         out.append(Decision(("tensor", b), (b,), plan.buffers[b].nbytes, offload_wait[b], at,
                             stalls.get(b, 0.0) + stalls.get(copy, 0.0)))
-    return out
+    return out + _streamed_decisions(plan, stalls)
+
+
+def _streamed_decisions(plan, stalls):
+    """A Decision per node whose parameters and optimizer states the plan streams: kept
+    resident, they hold their bytes for the whole iteration and save the stalls at the waits
+    for all their copies."""
+    homes, saves = {}, {}
+    for b in plan.buffers:
+        if b.role in STREAMED_ROLES and b.host_slot >= 0:
+            node = b.name.partition(":")[0]
+            if not b.is_copy:
+                homes.setdefault(node, []).append(b)
+            saves[node] = saves.get(node, 0.0) + stalls.get(b.id, 0.0)
+    last = len(plan.steps) - 1
+    return [Decision(("parameters", node), tuple(b.id for b in own), sum(b.nbytes for b in own), 0, last, saves[node])
+            for node, own in homes.items()]
 
 
 def choose(decisions, device_bytes, budget, limit=LIMIT):

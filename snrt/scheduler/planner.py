@@ -167,7 +167,8 @@ class _Built:
     """A policy's plan and how it was assembled: `_assemble(graph, batch, row, opts, hide_copies,
     speed, kept)` gives it (`row` is the policy's, or its cap's when that is what it fell back
     to) and `segments` ({checkpoint: [nodes]}) are the segments it replays; `resident`, the
-    activations it keeps on the device that the row would offload (see _optimal)."""
+    activations it keeps on the device that the row would offload and the parameters and
+    optimizer states it keeps there that the row would stream (see _optimal)."""
 
     plan: Plan
     row: object
@@ -299,7 +300,7 @@ def _seconds_of(graph, batch, cost_model):
 def _assemble(graph, batch, policy, opts, hide_copies, speed_segments=(), kept_segments=(), resident=(),
               spill=None):
     """(plan, replayed segments) of Policy `policy` with the given speed-centric and kept (not
-    dropped) segments, and the activation buffer ids in `resident` never offloaded, each made
+    dropped) segments, and the buffer ids in `resident` never offloaded or streamed, each made
     once (see _Assembled). With `spill` (bytes, or SPILL_FLOOR), the tensors idle at steps over
     that many non-resident bytes are spilled (snrt/scheduler/spill.py)."""
     it = _Assembled.iteration_for(graph, batch, opts)
@@ -329,7 +330,8 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
                                                 hide_copies)
         steps = version_buffers(steps, table)
     if opts.stream_parameters and training and policy.frees:
-        steps, host_bytes = plan_streaming(steps, table, step_seconds(steps), cost_model, host_bytes, hide_copies)
+        steps, host_bytes = plan_streaming(steps, table, step_seconds(steps), cost_model, host_bytes, hide_copies,
+                                           resident)
         steps = version_buffers(steps, table)
     if spill is not None and training and policy.frees:
         limit = spill_floor(steps, table.buffers) if spill == SPILL_FLOOR else spill
@@ -406,30 +408,48 @@ def _copies(policy, opts):
 
 def _auto(graph, batch, budget, opts):
     """The fastest plan whose arena fits `budget` (ties: the smaller arena), of the policies'
-    and of the budget-optimal ones grown from them; when none fits with parameters resident,
-    the fastest with parameters streamed (a training plan)."""
+    and of the budget-optimal ones grown from them; when none fits with parameters resident
+    (a training plan), the fastest of those with idle tensors spilled and of the same with
+    parameters streamed."""
     if budget is None:
         raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
     rows = tuple(POLICIES.values())
-    for streamed in (False, True) if opts.training and not opts.stream_parameters else (opts.stream_parameters,):
-        opts = replace(opts, stream_parameters=streamed)
-        candidates = _candidates(graph, batch, rows, opts)
-        fitting = [c for c in candidates if c.plan.arena_bytes <= budget]
-        plans = [c.plan for c in fitting] + [_optimal(graph, batch, budget, opts, c) for c in _bases(fitting)]
-        if not plans:
-            plans = [p for p in (_spilled(graph, batch, budget, opts, c) for c in _just_in_time(candidates, opts)) if p]
-        if plans:
-            best = min(plans, key=lambda p: (p.predicted_s, p.arena_bytes))
-            return replace(best, policy=f"auto:{best.policy}" + (", streamed" if streamed else ""))
-    raise _infeasible(graph, batch, budget, rows, opts, candidates)
+    candidates = _candidates(graph, batch, rows, opts)
+    suffix = ", streamed" if opts.stream_parameters else ""
+    named = [(p, suffix) for p in _fitting(graph, batch, budget, opts, candidates)]
+    if not named:
+        named = [(p, suffix) for p in _spilled_plans(graph, batch, budget, opts, candidates)]
+        if opts.training and not opts.stream_parameters:
+            opts = replace(opts, stream_parameters=True)
+            candidates = _candidates(graph, batch, rows, opts)
+            streamed = (_fitting(graph, batch, budget, opts, candidates)
+                        or _spilled_plans(graph, batch, budget, opts, candidates))
+            named += [(p, ", streamed") for p in streamed]
+    if not named:
+        raise _infeasible(graph, batch, budget, rows, opts, candidates)
+    best, suffix = min(named, key=lambda n: (n[0].predicted_s, n[0].arena_bytes))
+    return replace(best, policy=f"auto:{best.policy}{suffix}")
 
 
-def _bases(fitting):
-    """The _Built plans the budget-optimal choice starts from: of each policy that replays or
-    offloads, its fitting plan that hides its copies, else its just-in-time one."""
+def _fitting(graph, batch, budget, opts, candidates):
+    """The plans of _Built `candidates` that fit `budget`, and the budget-optimal ones grown
+    from them."""
+    fitting = [c for c in candidates if c.plan.arena_bytes <= budget]
+    return [c.plan for c in fitting] + [_optimal(graph, batch, budget, opts, c) for c in _bases(fitting, opts)]
+
+
+def _spilled_plans(graph, batch, budget, opts, candidates):
+    """The plans of _Built `candidates` spilled to fit `budget`, where spilling gets there."""
+    return [p for p in (_spilled(graph, batch, budget, opts, c) for c in _just_in_time(candidates, opts)) if p]
+
+
+def _bases(fitting, opts):
+    """The _Built plans the budget-optimal choice starts from: of each policy that replays,
+    offloads or streams parameters, its fitting plan that hides its copies, else its
+    just-in-time one."""
     first = {}
     for c in fitting:
-        if c.row.recomputes or c.row.offloads:
+        if c.row.recomputes or c.row.offloads or _copies(c.row, opts):
             first.setdefault(c.plan.policy, c)
     return list(first.values())
 

@@ -14,8 +14,8 @@ read the names; nothing else spells a policy out.
   budget-optimal plans do);
 - auto (not a row): the fastest plan, by the cost model, whose arena fits the budget: of the
   rows, and of the budget-optimal plans grown from the rows that replay or offload, which
-  keep on the device, instead of replaying or offloading, the segments and tensors that save
-  the most time in the room the budget leaves (snrt/scheduler/optimal.py).
+  keep on the device, instead of replaying, offloading or streaming, the segments, tensors and
+  parameters that save the most time in the room the budget leaves (snrt/scheduler/optimal.py).
 
 Under a budget below a row's plan, the planner prefetches just in time (rows that copy) and
 then spills the tensors idle at the fullest steps (rows that free; snrt/scheduler/spill.py).

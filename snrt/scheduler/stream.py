@@ -20,14 +20,16 @@ STREAMED_ROLES = ("parameter", "optimizer_state")
 COMPUTE_KINDS = ("forward", "recompute", "backward", "update")
 
 
-def plan_streaming(steps, table, seconds, model, host_bytes, hide_copies=True):
-    """(steps with the copies of every parameter and optimizer-state tensor, host bytes with
-    their homes added). `table` (a BufferTable) gets the homes (`host_slot`) of those
-    buffers; `seconds[i]` is step i's predicted compute time, used to issue a prefetch early
-    enough to hide it behind the compute before (and to wait for a copy home late enough),
-    or, with `hide_copies` False, just in time.
+def plan_streaming(steps, table, seconds, model, host_bytes, hide_copies=True, resident=()):
+    """(steps with the copies of every parameter and optimizer-state tensor but those in
+    `resident` (they stay on the device), host bytes with their homes added). `table` (a
+    BufferTable) gets the homes (`host_slot`) of those buffers; `seconds[i]` is step i's
+    predicted compute time, used to issue a prefetch early enough to hide it behind the
+    compute before (and to wait for a copy home late enough), or, with `hide_copies` False,
+    just in time.
     """
-    streamed = [b.id for b in table.buffers if b.role in STREAMED_ROLES]
+    resident = set(resident)
+    streamed = [b.id for b in table.buffers if b.role in STREAMED_ROLES and b.id not in resident]
     for b in streamed:
         table.buffers[b] = evolve(table.buffers[b], host_slot=host_bytes)
         host_bytes += aligned(table.buffers[b].nbytes)

@@ -161,3 +161,39 @@ def test_training_under_superneurons_grown_into_a_budget_is_bit_identical_to_non
     for key, value in trainer.host_arrays().items():
         np.testing.assert_array_equal(value, arrays[key], err_msg=key)
     assert trainer.backend.arena.peak_bytes == trainer.plan.peak_bytes
+
+
+def streamed_budget(graph, batch, fraction):
+    """A budget `fraction` of the way from the smallest streamed plan to the smallest plan
+    with parameters resident, and the streamed plans ({policy: Plan})."""
+    resident = min(p.arena_bytes for _, p in each_plan(graph, batch, POLICIES, cost_model=SLOW_COPIES))
+    streamed = dict(each_plan(graph, batch, POLICIES, cost_model=SLOW_COPIES, stream_parameters=True))
+    frugal = min(p.arena_bytes for p in streamed.values())
+    return int(frugal + fraction * (resident - 1 - frugal)), streamed
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_recipes(max_ops=10), st.floats(0.0, 1.0))
+def test_auto_with_streamed_parameters_is_never_slower_than_a_streamed_policy_that_fits(recipe, fraction):
+    graph = build(recipe)
+    budget, streamed = streamed_budget(graph, 2, fraction)
+    chosen = make_plan(graph, 2, "auto", budget=budget, cost_model=SLOW_COPIES)
+    verify_plan(chosen, budget)
+    fitting = [p.predicted_s for p in streamed.values() if p.arena_bytes <= budget]
+    if fitting:
+        assert chosen.predicted_s <= min(fitting)
+
+
+def test_training_with_some_parameters_kept_resident_and_the_rest_streamed_is_bit_identical(monkeypatch):
+    monkeypatch.setattr(NumpyBackend, "cost_model", SLOW_COPIES)
+    config = parse_config(SMALL_RESNET, "<test>")
+    budget, streamed = streamed_budget(config.graph, config.train.batch, 0.5)
+    losses, arrays, _ = run_under(config, "none", 2)
+    trainer = Trainer(with_settings(config, memory={"policy": "auto", "budget": budget}), check=True)
+    homes = set(trainer.plan.parameter_homes().values())
+    assert homes == {"resident", "streamed"}, trainer.plan.policy
+    assert trainer.plan.predicted_s < min(p.predicted_s for p in streamed.values() if p.arena_bytes <= budget)
+    assert [m.loss for m in trainer.fit(iterations=2)] == losses
+    for key, value in trainer.host_arrays().items():
+        np.testing.assert_array_equal(value, arrays[key], err_msg=key)
+    assert trainer.backend.arena.peak_bytes == trainer.plan.peak_bytes

@@ -119,47 +119,33 @@ def plan_within(graph, batch, policy, budget, spill=True, **options):
     `spill` False leaves idle tensors where the policy puts them (the policy's own plans)."""
     opts = PlanOptions(**{k: tuple(v) if k == "optimizer_states" else v for k, v in options.items()})
     with _planning():
-        return _within(graph, batch, policy_named(policy), budget, opts, hide_copies=True, spill=spill)
+        return _within(graph, batch, policy_named(policy), budget, opts, hide_copies=True, spill=spill)[0]
 
 
 def _plan(graph, batch, policy, budget, opts, hide_copies):
     if policy == AUTO:
         return _auto(graph, batch, budget, opts)
     policy = policy_named(policy)
-    plan = _within(graph, batch, policy, budget, opts, hide_copies)
+    plan, built = _within(graph, batch, policy, budget, opts, hide_copies)
     if budget is not None and plan.arena_bytes > budget:
         raise _infeasible(graph, batch, budget, (policy,), opts)
-    if budget is not None and policy.grows and opts.training:
-        plan = _grown(graph, batch, policy, budget, opts, plan)
-    return plan
-
-
-def _grown(graph, batch, policy, budget, opts, plan):
-    """`plan`, of Policy `policy`, grown into the room `budget` leaves (see _optimal) when it
-    is one of the policy's own plans (a spilled one has no room to give)."""
-    for hide in (True, False):
-        built = _built(graph, batch, policy, opts, hide)
-        if built.plan == plan:
-            return replace(_optimal(graph, batch, budget, opts, built), policy=policy.name)
+    if budget is not None and policy.grows and opts.training and built:  # into the room the budget leaves
+        plan = replace(_optimal(graph, batch, budget, opts, built), policy=policy.name)
     return plan
 
 
 def _within(graph, batch, policy, budget, opts, hide_copies, spill=True):
-    """Policy `policy`'s plan; over `budget`, its just-in-time plan (copying policies), then,
-    with `spill`, that plan with idle tensors spilled (freeing policies in training); the last
-    one tried when none fits."""
-    plan = _build(graph, batch, policy, opts, hide_copies)
-    if budget is not None and plan.arena_bytes > budget and _copies(policy, opts) and hide_copies:
-        plan = _build(graph, batch, policy, opts, hide_copies=False)
-    if budget is not None and plan.arena_bytes > budget and spill and _spills(policy, opts):
-        spilled = _spilled(graph, batch, budget, opts, _built(graph, batch, policy, opts, hide_copies=False))
-        plan = replace(spilled, policy=policy.name) if spilled else plan
-    return plan
-
-
-def _build(graph, batch, policy, opts, hide_copies=True):
-    """The plan of Policy `policy`; `hide_copies` False prefetches just in time (see plan_offload)."""
-    return _built(graph, batch, policy, opts, hide_copies).plan
+    """(plan, the _Built it is, or None when spilled): Policy `policy`'s plan; over `budget`,
+    its just-in-time plan (copying policies), then, with `spill`, that plan with idle tensors
+    spilled (freeing policies in training); the last one tried when none fits."""
+    built = _built(graph, batch, policy, opts, hide_copies)
+    if budget is not None and built.plan.arena_bytes > budget and _copies(policy, opts) and hide_copies:
+        built = _built(graph, batch, policy, opts, hide_copies=False)
+    if budget is not None and built.plan.arena_bytes > budget and spill and _spills(policy, opts):
+        spilled = _spilled(graph, batch, budget, opts, built)
+        if spilled:
+            return replace(spilled, policy=policy.name), None
+    return built.plan, built
 
 
 @dataclass(frozen=True)
@@ -376,8 +362,8 @@ def _spilled(graph, batch, budget, opts, base):
     limit = budget - _resident_bytes(base.plan)
     if limit < spill_floor(base.plan.steps, base.plan.buffers):  # no plan goes below the largest step
         return None
-    for spill in [*(None,) * SPILL_ROUNDS, SPILL_FLOOR]:
-        plan = _spilled_to(graph, batch, opts, base, SPILL_FLOOR if spill else limit)
+    for attempt in range(SPILL_ROUNDS + 1):
+        plan = _spilled_to(graph, batch, opts, base, limit if attempt < SPILL_ROUNDS else SPILL_FLOOR)
         if plan.arena_bytes <= budget:
             return replace(plan, policy=f"spilled({base.plan.policy})")
         limit -= plan.arena_bytes - budget

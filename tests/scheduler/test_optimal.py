@@ -165,8 +165,9 @@ def test_training_under_superneurons_grown_into_a_budget_is_bit_identical_to_non
 
 def streamed_budget(graph, batch, fraction):
     """A budget `fraction` of the way from the smallest streamed plan to the smallest plan
-    with parameters resident, and the streamed plans ({policy: Plan})."""
-    resident = min(p.arena_bytes for _, p in each_plan(graph, batch, POLICIES, cost_model=SLOW_COPIES))
+    with parameters resident (its copies just in time), and the streamed plans ({policy: Plan})."""
+    resident = min(p.arena_bytes for _, p in each_plan(graph, batch, POLICIES, cost_model=SLOW_COPIES,
+                                                       hide_copies=False))
     streamed = dict(each_plan(graph, batch, POLICIES, cost_model=SLOW_COPIES, stream_parameters=True))
     frugal = min(p.arena_bytes for p in streamed.values())
     return int(frugal + fraction * (resident - 1 - frugal)), streamed

@@ -321,7 +321,7 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
         steps = version_buffers(steps, table)
     if spill is not None and training and policy.frees:
         limit = spill_floor(steps, table.buffers) if spill == SPILL_FLOOR else spill
-        steps, host_bytes, _ = plan_spills(steps, table, slots, limit, host_bytes, keep, fed)
+        steps, host_bytes = plan_spills(steps, table, slots, limit, host_bytes, keep, fed)
         steps = version_buffers(steps, table, fed)
     if policy.frees:
         steps = insert_frees(steps, table.buffers, keep)

@@ -28,7 +28,7 @@ COMPUTE_KINDS = ("forward", "recompute", "backward", "update")
 
 
 def plan_spills(steps, table, homes, limit, host_bytes, keep=(), fed=()):
-    """(steps with spills, host bytes with the new homes added, the spilled buffer ids).
+    """(steps with spills, host bytes with the new homes added).
 
     `table` (a BufferTable) gets the homes (`host_slot`) of the tensors spilled after a compute
     step wrote them; `homes` ({buffer id: host slot}) are the slots offloading already gave;
@@ -45,7 +45,7 @@ def plan_spills(steps, table, homes, limit, host_bytes, keep=(), fed=()):
             for u, v in zip(at, at[1:])
             if computes[v] - computes[u + 1] > 0 and not _opens(steps[u], b) and not _closes(steps[v], b)]
     gaps.sort(key=lambda g: (-g[0], g[2], g[1]))
-    before, after, spilled = {}, {}, []
+    before, after = {}, {}
     for nbytes, b, u, v in gaps:
         if nbytes == 0 or peaks.max(u + 1, v) <= limit:
             continue
@@ -59,8 +59,7 @@ def plan_spills(steps, table, homes, limit, host_bytes, keep=(), fed=()):
             after.setdefault(u, []).extend((Offload(b), Wait(b)))
             source = b
         before.setdefault(v, []).extend((Prefetch(b, source), Wait(b)))
-        spilled.append(b)
-    return with_inserted(steps, before, after), host_bytes, spilled
+    return with_inserted(steps, before, after), host_bytes
 
 
 def spill_floor(steps, buffers):

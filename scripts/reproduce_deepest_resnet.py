@@ -109,7 +109,7 @@ def main():
                  "Deepest bottleneck ResNet (6, 32, k, 6) at 227x227 in 12 GiB", hline=(depth(K2500), "ResNet2500"))
     lines = ["# Deepest trainable ResNet in 12 GiB", "", meta_line(meta, args.quick), "",
              f"Bottleneck ResNet at {IMAGE}x{IMAGE}, stages (6, 32, k, 6); the largest k whose planned arena "
-             f"fits 12 GiB ({BUDGET} B; for offload and superneurons with just-in-time prefetches where the hidden ones do not fit, as `make_plan(..., budget=)` does), found by `largest_fitting` (reproduce_common.py; every probe is a full "
+             f"fits 12 GiB ({BUDGET} B; for offload and superneurons with just-in-time prefetches where the hidden ones do not fit, then for every freeing policy with idle tensors spilled, as `make_plan(..., budget=)` does), found by `largest_fitting` (reproduce_common.py; every probe is a full "
              "`make_plan`); depth = 3 x blocks + 2; resident = parameters, momentum and BatchNorm state, on the "
              f"device for the whole run. ResNet2500 is k = {K2500} ({depth(K2500):,} layers).", ""]
     lines += table(["batch", "policy", "largest k", "stages", "depth", "arena at k (GiB)", "of which resident (GiB)",

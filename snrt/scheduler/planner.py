@@ -22,9 +22,10 @@ from snrt.scheduler.plan import Plan
 from snrt.scheduler.optimal import choose, frugal_decisions
 from snrt.scheduler.policies import AUTO, POLICIES, policy_named
 from snrt.scheduler.reduce import BUCKET_BYTES
-from snrt.scheduler.spill import plan_spills, spill_floor
+from snrt.scheduler.spill import plan_spills
 from snrt.scheduler.stream import plan_streaming
-from snrt.scheduler.recompute import plan_recomputation, speed_segments_that_fit, version_buffers
+from snrt.scheduler.recompute import (largest_step_bytes, plan_recomputation, speed_segments_that_fit,
+                                      version_buffers)
 from snrt.summary import human_bytes
 
 
@@ -320,7 +321,7 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
                                            resident)
         steps = version_buffers(steps, table)
     if spill is not None and training and policy.frees:
-        limit = spill_floor(steps, table.buffers) if spill == SPILL_FLOOR else spill
+        limit = largest_step_bytes(steps, table.buffers) if spill == SPILL_FLOOR else spill
         steps, host_bytes = plan_spills(steps, table, slots, limit, host_bytes, keep, fed)
         steps = version_buffers(steps, table, fed)
     if policy.frees:
@@ -360,7 +361,7 @@ def _spilled(graph, batch, budget, opts, base):
     set). The limit starts at the budget less the resident bytes and is cut by the arena's
     excess (gaps between offsets) while it does not fit; the last try spills to the floor."""
     limit = budget - _resident_bytes(base.plan)
-    if limit < spill_floor(base.plan.steps, base.plan.buffers):  # no plan goes below the largest step
+    if limit < largest_step_bytes(base.plan.steps, base.plan.buffers):  # no plan goes below the largest step
         return None
     for attempt in range(SPILL_ROUNDS + 1):
         plan = _spilled_to(graph, batch, opts, base, limit if attempt < SPILL_ROUNDS else SPILL_FLOOR)

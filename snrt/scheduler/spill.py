@@ -22,9 +22,9 @@ brought back a buffer id of its own, with the same home in the host store.
 from snrt.scheduler.offload import with_inserted
 from snrt.scheduler.offsets import aligned
 from snrt.scheduler.plan import Offload, Prefetch, Wait, evolve
+from snrt.scheduler.stream import COMPUTE_KINDS
 
 SPILLED_ROLES = ("activation", "gradient", "aux", "parameter_gradient")
-COMPUTE_KINDS = ("forward", "recompute", "backward", "update")
 
 
 def plan_spills(steps, table, homes, limit, host_bytes, keep=(), fed=()):
@@ -60,13 +60,6 @@ def plan_spills(steps, table, homes, limit, host_bytes, keep=(), fed=()):
             source = b
         before.setdefault(v, []).extend((Prefetch(b, source), Wait(b)))
     return with_inserted(steps, before, after), host_bytes
-
-
-def spill_floor(steps, buffers):
-    """The least limit worth asking for: the largest non-resident working set of one step."""
-    def own(step):
-        return sum(buffers[b].nbytes for b in set(step.reads()) | set(step.writes()) if not buffers[b].resident)
-    return max((own(s) for s in steps), default=0)
 
 
 def _uses(steps, fed):

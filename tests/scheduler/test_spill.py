@@ -15,7 +15,8 @@ from snrt.config import with_settings
 from snrt.scheduler import planner
 from snrt.scheduler.planner import BudgetError, PlanOptions, each_plan, make_plan
 from snrt.scheduler.policies import POLICIES
-from snrt.scheduler.spill import _Peaks, spill_floor
+from snrt.scheduler.recompute import largest_step_bytes
+from snrt.scheduler.spill import _Peaks
 from snrt.scheduler.verify import verify_plan
 from snrt.train import Trainer
 from tests.scheduler.graphs import build, graph_recipes
@@ -83,7 +84,7 @@ def test_spilled_to_the_floor_no_tensor_idles_at_a_step_over_it(recipe, stream):
     for policy in FREEING:
         plain, spilled = spilled_to_floor(graph, 2, policy, stream_parameters=stream)
         verify_plan(spilled)
-        limit = spill_floor(plain.steps, plain.buffers)
+        limit = largest_step_bytes(plain.steps, plain.buffers)
         assert idle_at_full_steps(spilled, limit, kept(spilled)) == []
         assert spilled.peak_bytes <= plain.peak_bytes
 

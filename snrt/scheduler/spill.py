@@ -37,7 +37,7 @@ def plan_spills(steps, table, homes, limit, host_bytes, keep=(), fed=()):
     """
     buffers = table.buffers
     uses = _uses(steps, fed)
-    peaks = _Peaks(_live_bytes(uses, buffers, len(steps)))
+    peaks = _Peaks(_live_bytes(uses, buffers, len(steps), keep))
     computes = _running_count(steps)
     written = {b for s in steps if s.kind in COMPUTE_KINDS for b in s.writes()}
     gaps = [(buffers[b].nbytes, b, u, v) for b, at in uses.items()
@@ -73,13 +73,14 @@ def _uses(steps, fed):
     return uses
 
 
-def _live_bytes(uses, buffers, n):
-    """Non-resident bytes alive at each of `n` steps (from a buffer's first use to its last)."""
+def _live_bytes(uses, buffers, n, keep):
+    """Non-resident bytes alive at each of `n` steps (from a buffer's first use to its last, or
+    to the end for those in `keep`, which are never freed)."""
     delta = [0] * (n + 1)
     for b, at in uses.items():
         if not buffers[b].resident:
             delta[at[0]] += buffers[b].nbytes
-            delta[at[-1] + 1] -= buffers[b].nbytes
+            delta[n if b in keep else at[-1] + 1] -= buffers[b].nbytes
     live, total = [], 0
     for d in delta[:n]:
         total += d

@@ -73,10 +73,11 @@ def gib(nbytes):
 
 
 def arena_in_budget(graph, batch, policy, budget=BUDGET, stream_parameters=False, spill=True):
-    """The arena `make_plan(graph, batch, policy, budget=budget, stream_parameters=...)` ends
-    with, without its error (`plan_within`): over the budget, a copying policy falls back to
-    just-in-time prefetches and a freeing one spills idle tensors (unless `spill` is False: the
-    policy's own plans), so a value > budget means make_plan would raise BudgetError.
+    """The arena of the plan `make_plan(graph, batch, policy, budget=budget, stream_parameters=...)`
+    ends with (or, superneurons, grows from), without its error (`plan_within`): over the
+    budget, a copying policy falls back to just-in-time prefetches and a freeing one spills
+    idle tensors (unless `spill` is False: the policy's own plans), so a value > budget means
+    make_plan would raise BudgetError.
     """
     return plan_within(graph, batch, policy, budget, spill, stream_parameters=stream_parameters).arena_bytes
 

@@ -80,8 +80,9 @@ def test_arena_in_budget_agrees_with_make_plan_under_that_budget(policy):
             fitted = make_plan(graph, 4, policy, budget=budget)
         except BudgetError:
             assert arena > budget
-        else:
-            assert arena == fitted.arena_bytes <= budget
+        else:  # the same plan, unless make_plan grew it into the room left (superneurons)
+            assert arena <= budget
+            assert arena == fitted.arena_bytes or POLICIES[policy].grows
 
 
 def test_verdicts_compare_with_a_tolerance_in_either_direction():

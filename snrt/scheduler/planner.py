@@ -116,7 +116,8 @@ def _planning():
 def plan_within(graph, batch, policy, budget, spill=True, **options):
     """make_plan(graph, batch, policy, budget=budget, **options) for a policy (not "auto"), but
     where nothing fits, the last plan it tried (its arena over the budget) instead of the
-    BudgetError and its search for the largest batch: what a search over sizes probes.
+    BudgetError and its search for the largest batch: what a search over sizes probes. (A
+    policy that grows is not grown into the room left: that plan fits when this one does.)
     `spill` False leaves idle tensors where the policy puts them (the policy's own plans)."""
     opts = PlanOptions(**{k: tuple(v) if k == "optimizer_states" else v for k, v in options.items()})
     with _planning():
@@ -139,7 +140,7 @@ def _within(graph, batch, policy, budget, opts, hide_copies, spill=True):
     """(plan, the _Built it is, or None when spilled): Policy `policy`'s plan; over `budget`,
     its just-in-time plan (copying policies), then, with `spill`, that plan with idle tensors
     spilled (freeing policies in training); the last one tried when none fits."""
-    built = _built(graph, batch, policy, opts, hide_copies)
+    built = _built(graph, batch, policy, opts, hide_copies, budget)
     if budget is not None and built.plan.arena_bytes > budget and _copies(policy, opts) and hide_copies:
         built = _built(graph, batch, policy, opts, hide_copies=False)
     if budget is not None and built.plan.arena_bytes > budget and spill and _spills(policy, opts):
@@ -166,17 +167,18 @@ class _Built:
     resident: tuple = ()
 
 
-def _built(graph, batch, policy, opts, hide_copies=True):
+def _built(graph, batch, policy, opts, hide_copies=True, budget=None):
     """The _Built plan of Policy `policy`.
 
     With recomputation, the all-memory-centric plan is built first (under a capped policy,
-    with the segments that cost more memory than the cap's plan kept, see `_recompute_within_cap`);
+    with the segments that cost more memory than the cap's plan kept, see `_recompute_within_cap`,
+    unless it fits `budget` as it is: then the budget is the memory limit, not the cap);
     segments that fit under its peak are then replayed speed-centric, and that plan is kept
     unless its arena is larger.
     """
     plan, segments = _assemble(graph, batch, policy, opts, hide_copies)
     kept, row = (), policy
-    if policy.capped_by and segments:
+    if policy.capped_by and segments and (budget is None or plan.arena_bytes > budget):
         plan, segments, kept, row = _recompute_within_cap(graph, batch, policy, opts, hide_copies, plan, segments)
     if segments:
         speed = speed_segments_that_fit(plan, segments)

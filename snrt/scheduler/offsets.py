@@ -97,12 +97,13 @@ def _intervals(steps, allocations):
 def _best_fit(buffers, steps, allocations):
     """Offsets (from 0) by replaying allocations and frees against a best-fit allocator."""
     holes, offsets = _Holes(), {}
+    size = [aligned(b.nbytes) for b in buffers]
     for step, fresh in zip(steps, allocations):
         for b in fresh:
-            offsets[b] = holes.take(aligned(buffers[b].nbytes))
+            offsets[b] = holes.take(size[b])
         if step.kind == "free":
             for b in step.buffers:
-                holes.give(offsets[b], aligned(buffers[b].nbytes))
+                holes.give(offsets[b], size[b])
     return offsets, holes.top
 
 

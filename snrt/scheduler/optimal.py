@@ -74,13 +74,20 @@ def frugal_decisions(plan, segments, written_by, seconds, stalls):
       prefetch and saves the stalls at both waits.
     """
     steps = plan.steps
-    last_forward_use, replays_of = {}, {}
+    last_forward_use, replays_of, offload_wait, prefetch, offloaded = {}, {}, {}, {}, []
     for i, step in enumerate(steps[:backward_start(steps)]):
         for b in (*step.reads(), *step.writes()):
             last_forward_use[b] = i
     for i, step in enumerate(steps):
-        if step.kind == "recompute":
+        kind = step.kind
+        if kind == "recompute":
             replays_of.setdefault(step.node, []).append(i)
+        elif kind == "wait":
+            offload_wait.setdefault(step.buffer, i)
+        elif kind == "prefetch":
+            prefetch[step.source] = (i, step.buffer)
+        elif kind == "offload":
+            offloaded.append(step.buffer)
     out = []
     for root, nodes in segments.items():
         tensors = tuple(sorted({b for n in nodes for b in written_by[n]}))
@@ -90,15 +97,8 @@ def frugal_decisions(plan, segments, written_by, seconds, stalls):
         out.append(Decision(("segment", root), tensors, sum(plan.buffers[b].nbytes for b in tensors),
                             min(last_forward_use[b] for b in tensors), max(replays),
                             sum(seconds[i] for i in replays)))
-    offload_wait, prefetch = {}, {}
-    for i, step in enumerate(steps):
-        if step.kind == "wait" and step.buffer not in offload_wait:
-            offload_wait[step.buffer] = i
-        elif step.kind == "prefetch":
-            prefetch[step.source] = (i, step.buffer)
-    for i, step in enumerate(steps):
-        b = step.buffer if step.kind == "offload" else None
-        if b is None or plan.buffers[b].role != "activation" or b not in prefetch:
+    for b in offloaded:
+        if plan.buffers[b].role != "activation" or b not in prefetch:
             continue
         at, copy = prefetch[b]
         out.append(Decision(("tensor", b), (b,), plan.buffers[b].nbytes, offload_wait[b], at,
@@ -167,13 +167,15 @@ def _at(f, h):
 
 def _rising(points):
     """The steps of sorted (bytes, saving) `points` that raise the saving."""
-    out = []
+    out, best, last = [], NONE, None
     for h, v in points:
-        if v > NONE and (not out or v > out[-1][1]):
-            if out and out[-1][0] == h:
+        if v > best:
+            if h == last:
                 out[-1] = (h, v)
             else:
                 out.append((h, v))
+                last = h
+            best = v
     return out
 
 
@@ -181,9 +183,23 @@ def _sum(functions):
     """The sum of step functions (the zero function for none)."""
     total = [(0, 0.0)]
     for f in functions:
-        edges = sorted({h for h, _ in total} | {h for h, _ in f})
-        total = _rising([(h, _at(total, h) + _at(f, h)) for h in edges])
+        total = _rising(_added(total, f))
     return total
+
+
+def _added(f, g):
+    """(headroom, f + g) at every step of either, in one merge of the two."""
+    out, i, j, fv, gv = [], 0, 0, NONE, NONE
+    while i < len(f) or j < len(g):
+        h = f[i][0] if j == len(g) or (i < len(f) and f[i][0] <= g[j][0]) else g[j][0]
+        if i < len(f) and f[i][0] == h:
+            fv = f[i][1]
+            i += 1
+        if j < len(g) and g[j][0] == h:
+            gv = g[j][1]
+            j += 1
+        out.append((h, fv + gv))
+    return out
 
 
 def _max(f, g):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from snrt.layers.base import BACKWARD, FORWARD, LAYER_KERNELS, numel
 from snrt.layers.input import Input
-from snrt.scheduler.plan import Backward, Buffer, Forward, Update
+from snrt.scheduler.plan import Backward, Buffer, Forward, Update, evolve
 from snrt.scheduler.reduce import BUCKET_BYTES, plan_reduction
 
 ITEMSIZE = {"float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
@@ -55,6 +55,12 @@ class BufferTable:
     def add(self, name, shape, dtype, role, host_slot=-1):
         nbytes = numel(shape) * ITEMSIZE[dtype]
         self.buffers.append(Buffer(len(self.buffers), name, tuple(shape), dtype, nbytes, role, host_slot=host_slot))
+        return len(self.buffers) - 1
+
+    def copy(self, b, name):
+        """Add a buffer like buffer `b` (shape, dtype, role, home in the host store) named `name`;
+        its id."""
+        self.buffers.append(evolve(self.buffers[b], id=len(self.buffers), name=name))
         return len(self.buffers) - 1
 
 

@@ -8,6 +8,7 @@ that states the smallest budget that works and the largest batch that fits.
 import bisect
 import contextlib
 import gc
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from snrt.errors import SnrtError
@@ -23,7 +24,7 @@ from snrt.scheduler.optimal import choose, frugal_decisions
 from snrt.scheduler.policies import AUTO, POLICIES, policy_named
 from snrt.scheduler.reduce import BUCKET_BYTES
 from snrt.scheduler.spill import plan_spills
-from snrt.scheduler.stream import plan_streaming
+from snrt.scheduler.stream import COMPUTE_KINDS, plan_streaming
 from snrt.scheduler.recompute import (largest_step_bytes, plan_recomputation, speed_segments_that_fit,
                                       version_buffers)
 from snrt.summary import human_bytes
@@ -274,14 +275,17 @@ def _seconds_of(graph, batch, cost_model):
 
     def seconds(steps):
         out = []
+        append = out.append
         for s in steps:
-            if s.kind in NO_COMPUTE:
-                out.append(0.0)
+            kind = s.kind
+            if kind in NO_COMPUTE:
+                append(0.0)
                 continue
-            key = (s.kind, getattr(s, "node", None), getattr(s, "nbytes", 0))
-            if key not in known:
-                known[key] = cost_models.step_seconds(s, graph, batch, cost_model)
-            out.append(known[key])
+            key = (kind, s.node, 0) if kind in COMPUTE_KINDS else (kind, None, getattr(s, "nbytes", 0))
+            value = known.get(key)
+            if value is None:
+                value = known[key] = cost_models.step_seconds(s, graph, batch, cost_model)
+            append(value)
         return out
     return seconds
 
@@ -333,8 +337,9 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
     device_bytes = predict_device_bytes(buffers, steps, allocations)
     buffers, arena_bytes = assign_offsets(buffers, steps, allocations)
     predicted_s, stall_s = cost_models.simulate(steps, buffers, step_seconds(steps), cost_model)
-    recompute_flops = sum(graph[s.node].layer.cost(graph.in_shapes(s.node, batch), "forward").flops
-                          for s in steps if s.kind == "recompute")
+    replays = Counter(s.node for s in steps if s.kind == "recompute")
+    recompute_flops = sum(count * graph[node].layer.cost(graph.in_shapes(node, batch), "forward").flops
+                          for node, count in replays.items())
     plan = Plan(batch, policy.name, training, tuple(buffers), tuple(steps), tuple(device_bytes), arena_bytes,
                 host_bytes, tuple(allocations), tuple(it.inputs), it.losses,
                 predicted_s=predicted_s, stall_s=stall_s, recompute_flops=recompute_flops, ranks=opts.ranks)

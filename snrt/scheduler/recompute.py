@@ -92,6 +92,7 @@ def plan_recomputation(graph, steps, buffers, speed_segments=(), kept_segments=(
         return out[::-1]
 
     root = {n: forwards[chain(n)[0]].inputs[0] for n in dropped}
+    kept_segments, speed_segments = set(kept_segments), set(speed_segments)
     dropped = [n for n in dropped if root[n] not in kept_segments]
     dropped_set = set(dropped)
     segments = {}
@@ -161,19 +162,18 @@ def version_buffers(steps, table, fed=()):
     """
     written, count = set(fed), {}
     newest, older = {}, {}  # old id -> its newest version; newest version -> the old ids
+    versioned = newest.keys()
     out = []
     for step in steps:
-        if newest and not (newest.keys().isdisjoint(step.reads()) and newest.keys().isdisjoint(step.writes())):
+        if newest and not (versioned.isdisjoint(step.reads()) and versioned.isdisjoint(step.writes())):
             step = remap(step, newest)
         if step.kind in ("recompute", "prefetch"):
             fresh = {}
             for b in step.writes():
                 if b in written:
-                    original = table.buffers[b]
-                    base = original.name.split("@")[0]
+                    base = table.buffers[b].name.split("@")[0]
                     count[base] = count.get(base, 0) + 1
-                    fresh[b] = table.add(f"{base}@{count[base]}", original.shape, original.dtype, original.role,
-                                         original.host_slot)  # a streamed tensor's copies share its home
+                    fresh[b] = table.copy(b, f"{base}@{count[base]}")  # a streamed tensor's copies share its home
             if fresh:
                 step = _rewrite_outputs(step, fresh)
                 for b, new in fresh.items():

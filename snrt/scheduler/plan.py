@@ -384,14 +384,20 @@ def evolve(record, **changes):
 
 
 def remap(step, mapping):
-    """`step` with every buffer id replaced through `mapping` (ids not in it stay)."""
+    """`step` with every buffer id replaced through `mapping` (ids not in it stay); its reads
+    and writes are the old ones mapped (the memo carried over, not computed again)."""
     changes = {}
     for name, remapped in _REMAPPED[type(step)]:
         value = getattr(step, name)
         new = remapped(value, mapping)
         if new != value:
             changes[name] = new
-    return evolve(step, **changes) if changes else step
+    if not changes:
+        return step
+    copy = evolve(step, **changes)
+    copy.__dict__["_read_ids"] = _ids(step.reads(), mapping)
+    copy.__dict__["_written_ids"] = _ids(step.writes(), mapping)
+    return copy
 
 
 def _id(b, m):

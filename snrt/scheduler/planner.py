@@ -15,7 +15,7 @@ from snrt.errors import SnrtError
 from snrt.layers.base import LAYER_KERNELS
 from snrt.scheduler import cost as cost_models
 from snrt.scheduler.cost import CostModel
-from snrt.scheduler.liveness import allocation_points, insert_frees, predict_device_bytes
+from snrt.scheduler.liveness import insert_frees, trace_allocations
 from snrt.scheduler.offload import plan_offload, with_host_slots
 from snrt.scheduler.offsets import aligned, assign_offsets
 from snrt.scheduler.order import BufferTable, build_iteration
@@ -333,8 +333,7 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
     if policy.frees:
         steps = insert_frees(steps, table.buffers, keep)
     buffers = with_host_slots(table.buffers, slots)
-    allocations = allocation_points(buffers, steps, fed)
-    device_bytes = predict_device_bytes(buffers, steps, allocations)
+    allocations, device_bytes = trace_allocations(buffers, steps, fed)
     buffers, arena_bytes = assign_offsets(buffers, steps, allocations)
     predicted_s, stall_s = cost_models.simulate(steps, buffers, step_seconds(steps), cost_model)
     replays = Counter(s.node for s in steps if s.kind == "recompute")

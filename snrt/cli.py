@@ -272,8 +272,9 @@ def run_plan(args, console):
         if elsewhere:
             status.update(f"planning {', '.join(here)} here and {', '.join(elsewhere)} in a second process...")
             theirs = in_a_child(lambda: {policy: policy_row(plan, budget) for policy, plan
-                                         in each_plan(config.graph, batch, elsewhere, **update)})
-        for policy, plan in each_plan(config.graph, batch, [p for p in policies.POLICIES if p in here], **update):
+                                         in each_plan(config.graph, batch, elsewhere, budget, **update)})
+        for policy, plan in each_plan(config.graph, batch, [p for p in policies.POLICIES if p in here], budget,
+                                      **update):
             plans[policy] = plan
             rows_of[policy] = policy_row(plan, budget)
         if elsewhere:
@@ -361,8 +362,9 @@ def _policy_table(config, batch, budget, rows):
                       f"{r['predicted_s']:.2f} s", f"{r['exposed_copy_s']:.3f} s",
                       {None: "-", True: "yes", False: "no"}[r["fits_budget"]])
     if budget:
-        table.caption = ("each policy's own plan; one over the budget gets there with just-in-time copies and "
-                         "idle tensors spilled, when it can (--policy P shows that plan)")
+        table.caption = ("each policy's plan under the budget (superneurons grows into the room it leaves); one "
+                         "over it is the policy's own plan, and gets there with just-in-time copies and idle tensors "
+                         "spilled, when it can (--policy P shows that plan)")
     return table
 
 

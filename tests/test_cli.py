@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+import snrt
+
 from snrt.cli import main
 
 LENET = "configs/lenet.yaml"
@@ -33,6 +35,22 @@ def test_plan_prints_every_policy_and_writes_a_timeline(tmp_path, capsys):
     assert {"recompute", "offload", "unsaved"} <= set(chosen["layers"].values()) <= {"keep", "recompute", "offload",
                                                                                       "unsaved"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_under_a_budget_shows_the_plan_training_runs(capsys):
+    from snrt.cli import policy_row
+    from snrt.scheduler.planner import make_plan
+
+    config, batch = snrt.load_config("configs/cifar_resnet56.yaml"), 8
+    own = make_plan(config.graph, batch, "superneurons")
+    budget = 2 * own.arena_bytes  # room to grow into: the budgeted plan is another plan than the policy's own
+    trained = policy_row(make_plan(config.graph, batch, "superneurons", budget=budget), budget)
+    assert trained["arena_bytes"] != own.arena_bytes
+    assert main(["plan", "configs/cifar_resnet56.yaml", "--batch", str(batch), "--policy", "superneurons",
+                 "--budget", str(budget), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["chosen"] == trained
+    assert report["policies"][-1] == trained
 
 
 def test_plan_with_an_infeasible_budget_says_what_would_work(capsys):

@@ -85,15 +85,23 @@ def make_plan(graph, batch, policy="none", budget=None, training=True, optimizer
         return _plan(graph, batch, policy, budget, opts, hide_copies)
 
 
-def each_plan(graph, batch, policies, **options):
-    """(policy, Plan) for each name in `policies`, as make_plan(graph, batch, policy, **options)
-    gives it, made in one go: a plan one policy builds on (superneurons on offload's) is
-    assembled once for all of them."""
+def each_plan(graph, batch, policies, budget=None, **options):
+    """(policy, Plan) for each name in `policies` (not "auto"), made in one go: a plan one
+    policy builds on (superneurons on offload's) is assembled once for all of them.
+
+    Without a `budget`, each is make_plan(graph, batch, policy, **options). With one, a policy
+    whose plan fits it gives the plan make_plan(..., budget=budget) gives (superneurons skips
+    its cap and grows into the room left), and one whose plan does not fit gives its own plan,
+    over the budget (where make_plan would prefetch just in time and spill)."""
     opts = PlanOptions(**{k: tuple(v) if k == "optimizer_states" else v
                           for k, v in options.items() if k != "hide_copies"})
+    hide_copies = options.get("hide_copies", True)
     with _planning():
-        for policy in policies:
-            yield policy, _plan(graph, batch, policy, None, opts, options.get("hide_copies", True))
+        for name in policies:
+            policy = policy_named(name)
+            built = _built(graph, batch, policy, opts, hide_copies, budget)  # over it: as without a budget
+            over = budget is not None and built.plan.arena_bytes > budget
+            yield name, built.plan if over else _grown(graph, batch, policy, budget, opts, built)
 
 
 @contextlib.contextmanager
@@ -132,9 +140,15 @@ def _plan(graph, batch, policy, budget, opts, hide_copies):
     plan, built = _within(graph, batch, policy, budget, opts, hide_copies)
     if budget is not None and plan.arena_bytes > budget:
         raise _infeasible(graph, batch, budget, (policy,), opts)
-    if budget is not None and policy.grows and opts.training and built:  # into the room the budget leaves
-        plan = replace(_optimal(graph, batch, budget, opts, built), policy=policy.name)
-    return plan
+    return _grown(graph, batch, policy, budget, opts, built) if built else plan
+
+
+def _grown(graph, batch, policy, budget, opts, built):
+    """The plan of _Built `built` (Policy `policy`'s, fitting `budget`), grown into the room the
+    budget leaves when the policy grows (a training plan under a budget)."""
+    if budget is not None and policy.grows and opts.training:
+        return replace(_optimal(graph, batch, budget, opts, built), policy=policy.name)
+    return built.plan
 
 
 def _within(graph, batch, policy, budget, opts, hide_copies, spill=True):

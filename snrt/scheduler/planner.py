@@ -331,12 +331,14 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
     if policy.recomputes and training:
         steps, segments = plan_recomputation(graph, steps, table.buffers, speed_segments, kept_segments)
         steps = version_buffers(steps, table)
+    streams = opts.stream_parameters and training and policy.frees
     if policy.offloads and training:
         seconds = step_seconds(steps)
         steps, slots, host_bytes = plan_offload(steps, table.buffers, seconds, cost_model, keep | set(resident),
                                                 hide_copies)
-        steps = version_buffers(steps, table)
-    if opts.stream_parameters and training and policy.frees:
+        if not streams:  # else versioned with the streamed copies (streaming reads no activation's version)
+            steps = version_buffers(steps, table)
+    if streams:
         steps, host_bytes = plan_streaming(steps, table, step_seconds(steps), cost_model, host_bytes, hide_copies,
                                            resident)
         steps = version_buffers(steps, table)

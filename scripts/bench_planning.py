@@ -1,30 +1,44 @@
 """How long planning takes: make_plan of ResNet-2500 (configs/resnet2500.yaml, 8,337 nodes) at
-batch 16 under every policy, then superneurons in a 12 GiB budget, in one process, and the
-wall time of the whole command `snrt plan configs/resnet2500.yaml --batch 16 --budget 12GiB`.
+batch 16 under every policy, then superneurons in a 12 GiB budget, then a 10,094-layer ResNet
+(stage 3 of 3,320 blocks instead of 788) with parameters streamed, superneurons in 12 GiB, in
+one process; and the wall time of the commands `snrt plan configs/resnet2500.yaml --batch 16
+--budget 12GiB` and the same for the 10,094-layer network with `--stream-parameters`.
 Each round runs in a fresh process, as the command does (a second round in the same process
 runs faster: the allocator's memory is warm); the best round per row is kept.
 Writes results/bench_planning.{json,md}.
 
-    python scripts/bench_planning.py [--repeats 2] [--checkout PATH]
+    python scripts/bench_planning.py [--repeats 2] [--against PATH]
 
-`--checkout PATH` times the snrt of another checkout (an older commit, say) with the same
-configs, to compare side by side.
+`--against PATH` also times the snrt of another checkout (an older commit, say) with the same
+configs, its rounds interleaved with this checkout's, so both columns share the machine's load.
 """
 
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
 BATCH, BUDGET = 16, 12 * GIB
+DEEP_REPEAT = 3319  # stage 3's identity blocks: 3,320 blocks in all, 3 * (6 + 32 + 3320 + 6) + 2 = 10,094 layers
 
 
-def one_round(checkout):
+def deep_config(folder):
+    """configs/resnet2500.yaml with stage 3 of 3,320 blocks, written into `folder`; its path."""
+    text = (ROOT / "configs" / "resnet2500.yaml").read_text()
+    assert "repeat: 787" in text, "configs/resnet2500.yaml no longer has stage 3 as 'repeat: 787'"
+    path = Path(folder) / "resnet10094.yaml"
+    path.write_text(text.replace("repeat: 787", f"repeat: {DEEP_REPEAT}").replace("name: resnet2500",
+                                                                                  "name: resnet10094"))
+    return path
+
+
+def one_round(checkout, deep):
     """Plan every case once in this process with the snrt of `checkout` (None: this one);
-    print [{policy, seconds, steps, buffers, peak_bytes}] as JSON."""
+    print [{case, seconds, steps, buffers, peak_bytes}] as JSON."""
     if checkout:
         sys.path.insert(0, checkout)
     import snrt
@@ -34,57 +48,86 @@ def one_round(checkout):
     if checkout and not Path(snrt.__file__).resolve().is_relative_to(Path(checkout).resolve()):
         sys.exit(f"imported {snrt.__file__}, not the snrt of {checkout}")
     graph = snrt.load_config(ROOT / "configs" / "resnet2500.yaml").graph
+    cases = [(policy, graph, policy, None, False) for policy in POLICIES]
+    cases.append(("superneurons in 12 GiB", graph, "superneurons", BUDGET, False))
+    cases.append(("10,094 layers, streamed: superneurons in 12 GiB", snrt.load_config(deep).graph, "superneurons",
+                  BUDGET, True))
     rows = []
-    for policy, budget in [(policy, None) for policy in POLICIES] + [("superneurons", BUDGET)]:
+    for case, g, policy, budget, streamed in cases:
         start = time.perf_counter()
-        plan = make_plan(graph, BATCH, policy, budget=budget)
-        rows.append({"policy": policy if budget is None else f"{policy} in {budget // GIB} GiB",
-                     "seconds": time.perf_counter() - start, "steps": len(plan.steps), "buffers": len(plan.buffers),
-                     "peak_bytes": plan.peak_bytes})
+        plan = make_plan(g, BATCH, policy, budget=budget, stream_parameters=streamed)
+        rows.append({"case": case, "seconds": time.perf_counter() - start, "steps": len(plan.steps),
+                     "buffers": len(plan.buffers), "peak_bytes": plan.peak_bytes})
+        del plan
     print(json.dumps(rows))
+
+
+def commands(deep):
+    """The `snrt plan` commands timed whole: (label, arguments)."""
+    return [("configs/resnet2500.yaml", ["plan", "configs/resnet2500.yaml", "--batch", str(BATCH), "--budget",
+                                         "12GiB"]),
+            ("10,094 layers", ["plan", str(deep), "--batch", str(BATCH), "--budget", "12GiB", "--stream-parameters"])]
 
 
 def main():
     if "--one-round" in sys.argv:  # a child: import nothing of this checkout's before the snrt to time
         checkout = sys.argv[sys.argv.index("--checkout") + 1] if "--checkout" in sys.argv else None
-        return one_round(checkout)
+        return one_round(checkout, sys.argv[sys.argv.index("--deep") + 1])
     from reproduce_common import machine, meta_line, parse_args, save_json, save_markdown, table
 
     parser = parse_args(__doc__)
     parser.add_argument("--repeats", type=int, default=2, help="rounds, each in a fresh process; the best is kept")
-    parser.add_argument("--checkout", help="time the snrt package of this checkout instead of this one")
+    parser.add_argument("--against", help="also time the snrt package of this checkout, interleaved")
     args = parser.parse_args()
-    out = args.out or "results"
     meta = machine()
-    best = {}
-    for _ in range(args.repeats):
-        command = [sys.executable, __file__, "--one-round", *(["--checkout", args.checkout] if args.checkout else [])]
-        done = subprocess.run(command, check=True, capture_output=True, text=True)
-        for row in json.loads(done.stdout):
-            print(f"{row['policy']:24s} {row['seconds']:6.2f} s  {row['steps']} steps", flush=True)
-            if row["policy"] not in best or row["seconds"] < best[row["policy"]]["seconds"]:
-                best[row["policy"]] = row
-    rows = list(best.values())
-    total = sum(r["seconds"] for r in rows)
-    command = ["snrt", "plan", "configs/resnet2500.yaml", "--batch", str(BATCH), "--budget", "12GiB"]
-    wall = []
-    for _ in range(args.repeats):  # the command as a user runs it, from the checkout timed
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", *command], check=True, capture_output=True, cwd=args.checkout or ROOT)
-        wall.append(time.perf_counter() - start)
-    print(f"{' '.join(command)}: {min(wall):.2f} s", flush=True)
-    save_json(out, "bench_planning", {"meta": meta, "batch": BATCH, "rows": rows, "total_seconds": total,
-                                      "command": " ".join(command), "command_seconds": min(wall)})
-    lines = ["# Planning time: ResNet-2500 at batch 16", "", meta_line(meta, False), "",
-             f"`python scripts/bench_planning.py --repeats {args.repeats}`: seconds of `make_plan` per policy, one "
-             f"call each, in this order, each round in a fresh process (best of {args.repeats})"
-             + (f"; the snrt of the checkout {args.checkout}" if args.checkout else "") + ".", ""]
-    lines += table(["policy", "seconds", "steps", "buffers", "peak (GiB)"], [
-        [r["policy"], f"{r['seconds']:.2f}", r["steps"], r["buffers"], f"{r['peak_bytes'] / GIB:.2f}"] for r in rows])
-    lines += ["", f"Total: {total:.1f} s. The command `{' '.join(command)}` (it plans the detailed policy and the one "
-              "it is capped by in its own process and the others' rows in a second one where a second core is "
-              f"usable): {min(wall):.2f} s wall, best of {args.repeats}."]
-    save_markdown(out, "bench_planning", lines)
+    checkouts = {"this": None, **({"against": str(Path(args.against).resolve())} if args.against else {})}
+    best, wall = {}, {}
+    with tempfile.TemporaryDirectory() as folder:
+        deep = deep_config(folder)
+        for _ in range(args.repeats):
+            for label, checkout in checkouts.items():
+                command = [sys.executable, __file__, "--one-round", "--deep", str(deep),
+                           *(["--checkout", checkout] if checkout else [])]
+                done = subprocess.run(command, check=True, capture_output=True, text=True)
+                for row in json.loads(done.stdout):
+                    print(f"{label:8s} {row['case']:48s} {row['seconds']:6.2f} s  {row['steps']} steps", flush=True)
+                    key = (row["case"], label)
+                    if key not in best or row["seconds"] < best[key]["seconds"]:
+                        best[key] = row
+            for name, arguments in commands(deep):  # the commands as a user runs them, from each checkout
+                for label, checkout in checkouts.items():
+                    start = time.perf_counter()
+                    subprocess.run([sys.executable, "-m", "snrt", *arguments], check=True, capture_output=True,
+                                   cwd=checkout or ROOT)
+                    seconds = time.perf_counter() - start
+                    print(f"{label:8s} snrt {' '.join(arguments)}: {seconds:.2f} s", flush=True)
+                    wall[name, label] = min(wall.get((name, label), seconds), seconds)
+    cases = list(dict.fromkeys(case for case, _ in best))
+    rows = [{**best[case, "this"], **({"against_seconds": best[case, "against"]["seconds"]} if args.against else {})}
+            for case in cases]
+    command_rows = [{"command": "snrt " + " ".join(arguments).replace(str(deep), "resnet10094.yaml"),
+                     "seconds": wall[name, "this"],
+                     **({"against_seconds": wall[name, "against"]} if args.against else {})}
+                    for name, arguments in commands(deep)]
+    save_json(args.out, "bench_planning", {"meta": meta, "batch": BATCH, "against": args.against, "rows": rows,
+                                           "commands": command_rows})
+    against = [f"{Path(args.against).name} (s)"] if args.against else []
+    lines = ["# Planning time: ResNet-2500 and a 10,094-layer ResNet at batch 16", "", meta_line(meta, False), "",
+             f"`python scripts/bench_planning.py --repeats {args.repeats}"
+             + (f" --against {args.against}`" if args.against else "`")
+             + f": seconds of `make_plan` per case, one call each, in this order, each round in a fresh process "
+             f"(best of {args.repeats})" + ("; the last column is the other checkout's, its rounds interleaved "
+                                            "with these" if args.against else "") + ".", ""]
+    lines += table(["case", "seconds", *against, "steps", "buffers", "peak (GiB)"], [
+        [r["case"], f"{r['seconds']:.2f}", *([f"{r['against_seconds']:.2f}"] if args.against else []), r["steps"],
+         r["buffers"], f"{r['peak_bytes'] / GIB:.2f}"] for r in rows])
+    lines += ["", "The commands, wall time (each plans the detailed policy in its own process and the others' rows "
+              "in a second one where a second core is usable; best of "
+              f"{args.repeats}; resnet10094.yaml is configs/resnet2500.yaml with stage 3 of 3,320 blocks):", ""]
+    lines += table(["command", "seconds", *against], [
+        [f"`{r['command']}`", f"{r['seconds']:.2f}", *([f"{r['against_seconds']:.2f}"] if args.against else [])]
+        for r in command_rows])
+    save_markdown(args.out, "bench_planning", lines)
     print("\n".join(lines))
 
 

@@ -36,6 +36,13 @@ def deep_config(folder):
     return path
 
 
+def commit_of(checkout):
+    """The short commit id `checkout` (a folder in a git work tree) is at."""
+    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True)
+    return done.stdout.strip() or str(checkout)
+
+
 def one_round(checkout, deep):
     """Plan every case once in this process with the snrt of `checkout` (None: this one);
     print [{case, seconds, steps, buffers, peak_bytes}] as JSON."""
@@ -109,12 +116,13 @@ def main():
                      "seconds": wall[name, "this"],
                      **({"against_seconds": wall[name, "against"]} if args.against else {})}
                     for name, arguments in commands(deep)]
-    save_json(args.out, "bench_planning", {"meta": meta, "batch": BATCH, "against": args.against, "rows": rows,
+    save_json(args.out, "bench_planning", {"meta": meta, "batch": BATCH, "commit": commit_of(ROOT),
+                                           "against": args.against and commit_of(args.against), "rows": rows,
                                            "commands": command_rows})
-    against = [f"{Path(args.against).name} (s)"] if args.against else []
+    against = [f"{commit_of(args.against)} (s)"] if args.against else []
     lines = ["# Planning time: ResNet-2500 and a 10,094-layer ResNet at batch 16", "", meta_line(meta, False), "",
              f"`python scripts/bench_planning.py --repeats {args.repeats}"
-             + (f" --against {args.against}`" if args.against else "`")
+             + (f" --against <a checkout of {commit_of(args.against)}>`" if args.against else "`")
              + f": seconds of `make_plan` per case, one call each, in this order, each round in a fresh process "
              f"(best of {args.repeats})" + ("; the last column is the other checkout's, its rounds interleaved "
                                             "with these" if args.against else "") + ".", ""]

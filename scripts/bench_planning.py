@@ -116,13 +116,14 @@ def main():
                      "seconds": wall[name, "this"],
                      **({"against_seconds": wall[name, "against"]} if args.against else {})}
                     for name, arguments in commands(deep)]
-    save_json(args.out, "bench_planning", {"meta": meta, "batch": BATCH, "commit": commit_of(ROOT),
-                                           "against": args.against and commit_of(args.against), "rows": rows,
+    other = commit_of(args.against) if args.against else None
+    save_json(args.out, "bench_planning", {"meta": meta, "batch": BATCH, "commit": commit_of(ROOT), "against": other,
+                                           "rows": rows,
                                            "commands": command_rows})
-    against = [f"{commit_of(args.against)} (s)"] if args.against else []
+    against = [f"{other} (s)"] if other else []
     lines = ["# Planning time: ResNet-2500 and a 10,094-layer ResNet at batch 16", "", meta_line(meta, False), "",
              f"`python scripts/bench_planning.py --repeats {args.repeats}"
-             + (f" --against <a checkout of {commit_of(args.against)}>`" if args.against else "`")
+             + (f" --against <a checkout of {other}>`" if other else "`")
              + f": seconds of `make_plan` per case, one call each, in this order, each round in a fresh process "
              f"(best of {args.repeats})" + ("; the last column is the other checkout's, its rounds interleaved "
                                             "with these" if args.against else "") + ".", ""]

@@ -1,4 +1,4 @@
-"""Liveness: when every buffer comes alive and when it can be freed, in one linear pass.
+"""Liveness: when every buffer comes alive and when it can be freed, in linear passes.
 
 Every buffer id has one live interval: from the first step that uses it (or the start of the
 iteration for fed inputs) to its last use. Recomputed and prefetched tensors are new buffer

@@ -30,9 +30,9 @@ def insert_frees(steps, buffers, keep=()):
 
 
 def trace_allocations(buffers, steps, fed):
-    """(allocations, device bytes): per step, the buffers that come alive just before it (those
-    it uses first), and the bytes on the device while it runs (resident + allocated, not yet
-    freed).
+    """(allocations, frees, device bytes): per step, the buffers that come alive just before it
+    (those it uses first), those its Free lets go (() for other steps), and the bytes on the
+    device while it runs (resident + allocated, not yet freed).
 
     Resident buffers are alive from the start; `fed` (inputs, the loss seed) are written
     by the executor before the first step, so they come alive with it.
@@ -40,18 +40,23 @@ def trace_allocations(buffers, steps, fed):
     seen = {b.id for b in buffers if b.resident}
     size = [b.nbytes for b in buffers].__getitem__
     live = sum(b.nbytes for b in buffers if b.resident)
-    points, device_bytes = [], []
+    points, frees, device_bytes = [], [], []
+    add_point, add_free, add_bytes = points.append, frees.append, device_bytes.append
+    nothing_new = seen.issuperset
     for i, step in enumerate(steps):
         writes, reads = step.writes(), step.reads()
-        if i and seen.issuperset(writes) and seen.issuperset(reads):  # most steps: nothing new
-            points.append(())
+        if i and nothing_new(writes) and nothing_new(reads):  # most steps: nothing new
+            add_point(())
         else:
             first = fed if i == 0 else ()
             fresh = tuple(b for b in dict.fromkeys((*first, *writes, *reads)) if b not in seen)
             seen.update(fresh)
-            points.append(fresh)
+            add_point(fresh)
             live += sum(map(size, fresh))
-        device_bytes.append(live)
+        add_bytes(live)
         if step.kind == "free":
+            add_free(step.buffers)
             live -= sum(map(size, step.buffers))
-    return points, device_bytes
+        else:
+            add_free(())
+    return points, frees, device_bytes

@@ -30,11 +30,11 @@ class _Holes:
         self.top = 0
 
     def take(self, size):
-        best = None
+        best, best_size = None, None
         for k, (start, end) in enumerate(zip(self.starts, self.ends)):
-            if end - start >= size and (best is None or end - start < self.ends[best] - self.starts[best]):
-                best = k
-                if end - start == size:
+            if end - start >= size and (best is None or end - start < best_size):
+                best, best_size = k, end - start
+                if best_size == size:
                     break
         if best is None:
             if self.ends and self.ends[-1] == self.top:  # grow the last hole into new space
@@ -65,16 +65,17 @@ class _Holes:
         self.ends.insert(k, end)
 
 
-def assign_offsets(buffers, steps, allocations):
-    """(buffers with offsets, arena bytes) for buffers alive as `allocations` and Free steps say."""
+def assign_offsets(buffers, allocations, frees):
+    """(buffers with offsets, arena bytes) for buffers alive from `allocations[i]` (the ids
+    that come alive just before step i) to `frees[j]` (the ids step j frees)."""
     resident = [b.id for b in buffers if b.resident]
     offsets, bottom = {}, 0
     for b in resident:
         offsets[b] = bottom
         bottom += aligned(buffers[b].nbytes)
-    best, top = _best_fit(buffers, steps, allocations)
+    best, top = _best_fit(buffers, allocations, frees)
     if sum(map(len, allocations)) <= GREEDY_MAX_BUFFERS:
-        greedy, greedy_top = _largest_first(buffers, _intervals(steps, allocations))
+        greedy, greedy_top = _largest_first(buffers, _intervals(allocations, frees))
         if greedy_top < top:
             best, top = greedy, greedy_top
     offsets.update({b: bottom + off for b, off in best.items()})
@@ -82,28 +83,27 @@ def assign_offsets(buffers, steps, allocations):
     return placed, bottom + top
 
 
-def _intervals(steps, allocations):
+def _intervals(allocations, frees):
     """{buffer id: (first step alive, last step alive)} of the non-persistent buffers."""
     start, end = {}, {}
-    for i, (step, fresh) in enumerate(zip(steps, allocations)):
+    for i, (fresh, freed) in enumerate(zip(allocations, frees)):
         for b in fresh:
             start[b] = i
-        if step.kind == "free":
-            for b in step.buffers:
-                end[b] = i
-    return {b: (s, end.get(b, len(steps))) for b, s in start.items()}
+        for b in freed:
+            end[b] = i
+    return {b: (s, end.get(b, len(allocations))) for b, s in start.items()}
 
 
-def _best_fit(buffers, steps, allocations):
+def _best_fit(buffers, allocations, frees):
     """Offsets (from 0) by replaying allocations and frees against a best-fit allocator."""
     holes, offsets = _Holes(), {}
     size = [aligned(b.nbytes) for b in buffers]
-    for step, fresh in zip(steps, allocations):
+    take, give = holes.take, holes.give
+    for fresh, freed in zip(allocations, frees):
         for b in fresh:
-            offsets[b] = holes.take(size[b])
-        if step.kind == "free":
-            for b in step.buffers:
-                holes.give(offsets[b], size[b])
+            offsets[b] = take(size[b])
+        for b in freed:
+            give(offsets[b], size[b])
     return offsets, holes.top
 
 

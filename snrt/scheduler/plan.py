@@ -386,17 +386,32 @@ def evolve(record, **changes):
 def remap(step, mapping):
     """`step` with every buffer id replaced through `mapping` (ids not in it stay); its reads
     and writes are the old ones mapped (the memo carried over, not computed again)."""
+    old = step.__dict__
+    if type(step) in _ONE_BUFFER:  # the common case in a streamed plan: a copy or a wait
+        b = old["buffer"]
+        new = mapping.get(b, b)
+        if new == b:
+            return step
+        return _copied(step, {"buffer": new}, (new,) if step.reads() else (), (new,) if step.writes() else ())
     changes = {}
     for name, remapped in _REMAPPED[type(step)]:
-        value = getattr(step, name)
+        value = old[name]
         new = remapped(value, mapping)
         if new != value:
             changes[name] = new
     if not changes:
         return step
-    copy = evolve(step, **changes)
-    copy.__dict__["_read_ids"] = _ids(step.reads(), mapping)
-    copy.__dict__["_written_ids"] = _ids(step.writes(), mapping)
+    return _copied(step, changes, _ids(step.reads(), mapping), _ids(step.writes(), mapping))
+
+
+def _copied(step, changes, reads, writes):
+    """A copy of `step` with `changes` whose reads and writes are `reads` and `writes` (what
+    evolve gives, with the memo filled in)."""
+    copy = object.__new__(type(step))
+    state = copy.__dict__
+    state.update(step.__dict__)
+    state.update(changes)
+    state["_read_ids"], state["_written_ids"] = reads, writes
     return copy
 
 
@@ -437,6 +452,9 @@ _REMAPPED = {
     AllReduce: (("grads", _ids), ("gathered", _id)),
     AllReduceWait: (("gathered", _id), ("sums", _ids)),
 }
+
+
+_ONE_BUFFER = (Offload, Prefetch, Wait)  # step types whose one id is `buffer`
 
 
 def _some(buffer_id):

@@ -263,17 +263,18 @@ class _Assembled:
     iteration = None
     plans = {}
     step_seconds = {}  # (kind, node, bytes) -> predicted seconds, for this iteration's graph, batch and cost model
+    timings = {}  # id(plan) -> (its steps' predicted seconds, {buffer: seconds stalled}) of the plans in `plans`
 
     @classmethod
     def forget(cls):
-        cls.plans = {}
+        cls.plans, cls.timings = {}, {}
 
     @classmethod
     def iteration_for(cls, graph, batch, opts):
         inputs = tuple(repr(n.layer) for n in graph.nodes.values() if not n.inputs)  # shapes and dtypes
         key = (graph.fingerprint(), inputs, batch, opts)
         if key != cls.key:
-            cls.key, cls.plans, cls.step_seconds = key, {}, {}
+            cls.key, cls.plans, cls.step_seconds, cls.timings = key, {}, {}, {}
             cls.iteration = build_iteration(graph, batch, opts.training, opts.optimizer_states, opts.dtype,
                                             opts.kernels, opts.deferred_updates, opts.ranks, opts.bucket_bytes)
         return cls.iteration
@@ -329,8 +330,7 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
     fed = tuple(b for _, b in it.inputs) + tuple(loss[1] for loss in it.losses if loss[1] >= 0)
     slots, host_bytes, segments = {}, 0, {}
     if policy.recomputes and training:
-        steps, segments = plan_recomputation(graph, steps, table.buffers, speed_segments, kept_segments)
-        steps = version_buffers(steps, table)
+        steps, segments = plan_recomputation(graph, steps, table, speed_segments, kept_segments)
     streams = opts.stream_parameters and training and policy.frees
     if policy.offloads and training:
         seconds = step_seconds(steps)
@@ -349,15 +349,17 @@ def _assemble_from(it, graph, batch, policy, opts, hide_copies, speed_segments, 
     if policy.frees:
         steps = insert_frees(steps, table.buffers, keep)
     buffers = with_host_slots(table.buffers, slots)
-    allocations, device_bytes = trace_allocations(buffers, steps, fed)
-    buffers, arena_bytes = assign_offsets(buffers, steps, allocations)
-    predicted_s, stall_s = cost_models.simulate(steps, buffers, step_seconds(steps), cost_model)
+    allocations, frees, device_bytes = trace_allocations(buffers, steps, fed)
+    buffers, arena_bytes = assign_offsets(buffers, allocations, frees)
+    seconds, stalls = step_seconds(steps), {}
+    predicted_s, stall_s = cost_models.simulate(steps, buffers, seconds, cost_model, stalls)
     replays = Counter(s.node for s in steps if s.kind == "recompute")
     recompute_flops = sum(count * graph[node].layer.cost(graph.in_shapes(node, batch), "forward").flops
                           for node, count in replays.items())
     plan = Plan(batch, policy.name, training, tuple(buffers), tuple(steps), tuple(device_bytes), arena_bytes,
                 host_bytes, tuple(allocations), tuple(it.inputs), it.losses,
                 predicted_s=predicted_s, stall_s=stall_s, recompute_flops=recompute_flops, ranks=opts.ranks)
+    _Assembled.timings[id(plan)] = (seconds, stalls)
     return plan, segments
 
 
@@ -497,9 +499,7 @@ def _grow(graph, batch, opts, base, room):
     the memory they hold, nor the planning time of another assembly)."""
     it = _Assembled.iteration_for(graph, batch, opts)
     written_by = {s.node: (s.output, *(b for _, b in s.aux)) for s in it.steps if s.kind == "forward"}
-    seconds = _seconds_of(graph, batch, opts.cost_model)(base.plan.steps)
-    stalls = {}
-    cost_models.simulate(base.plan.steps, base.plan.buffers, seconds, opts.cost_model, stalls)
+    seconds, stalls = _timing(graph, batch, opts, base.plan)
     decisions = {d.key: d for d in frugal_decisions(base.plan, base.segments, written_by, seconds, stalls)}
     choice = choose(decisions.values(), base.plan.device_bytes, room)
     if not choice or choice.saves_s < WORTHWHILE * base.plan.predicted_s:
@@ -508,6 +508,17 @@ def _grow(graph, batch, opts, base, room):
     resident = tuple(sorted({*base.resident, *(b for key in choice.undone for b in decisions[key].keeps)}))
     plan, segments = _assemble(graph, batch, base.row, opts, base.hide_copies, base.speed, kept, resident)
     return _Built(plan, base.row, base.hide_copies, segments, base.speed, kept, resident)
+
+
+def _timing(graph, batch, opts, plan):
+    """(predicted seconds of each of `plan`'s steps, {buffer: seconds the compute stream stalls
+    waiting for its copies}): kept from its assembly, or simulated again (a plan renamed)."""
+    known = _Assembled.timings.get(id(plan))
+    if known is not None:
+        return known
+    seconds, stalls = _seconds_of(graph, batch, opts.cost_model)(plan.steps), {}
+    cost_models.simulate(plan.steps, plan.buffers, seconds, opts.cost_model, stalls)
+    return seconds, stalls
 
 
 def _infeasible(graph, batch, budget, policies, opts, candidates=None):

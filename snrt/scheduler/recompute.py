@@ -12,14 +12,12 @@ replayed
 - memory-centric: otherwise, once per backward step that needs it, only the chain up to the
   needed tensor, each replayed tensor freed right after its use.
 
-The pass inserts recompute steps that name the original buffers; `version_buffers` then
-gives every replayed tensor a buffer id of its own.
+The pass inserts recompute steps that write versions of the original buffers: every replayed
+tensor gets a buffer id of its own ("name@k"), and later steps read the newest.
 """
 
-from dataclasses import replace
-
 from snrt.layers.base import CHEAP
-from snrt.scheduler.plan import evolve, remap
+from snrt.scheduler.plan import Forward, evolve, remap
 
 SPEED, MEMORY = "speed", "memory"
 
@@ -68,8 +66,9 @@ def largest_step_bytes(steps, buffers):
     return max((own(s) for s in steps), default=0)
 
 
-def plan_recomputation(graph, steps, buffers, speed_segments=(), kept_segments=()):
-    """`steps` with recompute steps inserted.
+def plan_recomputation(graph, steps, table, speed_segments=(), kept_segments=()):
+    """`steps` with recompute steps inserted, each writing new versions of its node's output,
+    aux and workspace (added to `table`, a BufferTable: what version_buffers would give them).
 
     Segments whose checkpoint (root buffer id) is in `speed_segments` are replayed
     speed-centric, those in `kept_segments` are not dropped at all (their tensors stay for
@@ -103,20 +102,40 @@ def plan_recomputation(graph, steps, buffers, speed_segments=(), kept_segments=(
 
     made = {(forwards[n].output, n) for n in dropped} | {(b, n) for n in dropped for _, b in forwards[n].aux}
     made_by = dict(made)
-    replayed = set()  # speed-centric segments already replayed
+    newest, count = {}, {}  # original id -> its newest version; base name -> versions made
+    untouched = newest.keys().isdisjoint
+
+    def version(b):
+        base = table.buffers[b].name.split("@")[0]
+        count[base] = count.get(base, 0) + 1
+        new = newest[b] = table.copy(b, f"{base}@{count[base]}")
+        return new
+
+    def replayed(n):
+        """The recompute step of node `n`: it reads the newest versions and writes new ones."""
+        f = forwards[n]
+        inputs = tuple([newest.get(b, b) for b in f.inputs])
+        output = version(f.output)
+        aux = tuple([(name, version(b)) for name, b in f.aux])
+        workspace = version(f.workspace) if f.workspace >= 0 else -1
+        return Forward(n, inputs, output, aux, f.params, f.state, workspace, recompute=True)
+
+    done = set()  # speed-centric segments already replayed
     out = list(steps[:start])
     for step in steps[start:]:
         needed = [made_by[b] for b in step.reads() if b in made_by]
         replay = []
         for n in dict.fromkeys(needed):
             if choice[n] == SPEED:
-                if root[n] not in replayed:
-                    replayed.add(root[n])
+                if root[n] not in done:
+                    done.add(root[n])
                     replay += segments[root[n]]
             else:
                 replay += chain(n)
         for n in sorted(set(replay), key=position.get):
-            out.append(replace(forwards[n], recompute=True))
+            out.append(replayed(n))
+        if newest and not (untouched(step.reads()) and untouched(step.writes())):
+            step = remap(step, newest)
         out.append(step)
     return out, segments
 
@@ -162,10 +181,11 @@ def version_buffers(steps, table, fed=()):
     """
     written, count = set(fed), {}
     newest, older = {}, {}  # old id -> its newest version; newest version -> the old ids
-    versioned = newest.keys()
+    untouched = newest.keys().isdisjoint  # whether ids include no versioned one
+    mark = written.update
     out = []
     for step in steps:
-        if newest and not (versioned.isdisjoint(step.reads()) and versioned.isdisjoint(step.writes())):
+        if newest and not (untouched(step.reads()) and untouched(step.writes())):
             step = remap(step, newest)
         if step.kind in ("recompute", "prefetch"):
             fresh = {}
@@ -182,7 +202,7 @@ def version_buffers(steps, table, fed=()):
                     for old in olds:
                         newest[old] = new
                     older[new] = olds
-        written.update(step.writes())
+        mark(step.writes())
         out.append(step)
     return out
 

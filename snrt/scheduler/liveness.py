@@ -37,26 +37,30 @@ def trace_allocations(buffers, steps, fed):
     Resident buffers are alive from the start; `fed` (inputs, the loss seed) are written
     by the executor before the first step, so they come alive with it.
     """
-    seen = {b.id for b in buffers if b.resident}
+    resident = [b for b in buffers if b.resident]
+    seen = {b.id for b in resident}
     size = [b.nbytes for b in buffers].__getitem__
-    live = sum(b.nbytes for b in buffers if b.resident)
+    live = sum(b.nbytes for b in resident)
     points, frees, device_bytes = [], [], []
     add_point, add_free, add_bytes = points.append, frees.append, device_bytes.append
-    nothing_new = seen.issuperset
-    for i, step in enumerate(steps):
+    known = seen.issuperset
+    first = fed  # comes alive with the first step; None once it has
+    for step in steps:
+        if step.kind == "free":
+            add_point(())
+            add_bytes(live)
+            add_free(step.buffers)
+            live -= sum(map(size, step.buffers))
+            continue
         writes, reads = step.writes(), step.reads()
-        if i and nothing_new(writes) and nothing_new(reads):  # most steps: nothing new
+        if first is None and known(writes) and known(reads):  # most steps: nothing new
             add_point(())
         else:
-            first = fed if i == 0 else ()
-            fresh = tuple(b for b in dict.fromkeys((*first, *writes, *reads)) if b not in seen)
+            fresh = tuple([b for b in dict.fromkeys((*(first or ()), *writes, *reads)) if b not in seen])
+            first = None
             seen.update(fresh)
             add_point(fresh)
             live += sum(map(size, fresh))
         add_bytes(live)
-        if step.kind == "free":
-            add_free(step.buffers)
-            live -= sum(map(size, step.buffers))
-        else:
-            add_free(())
+        add_free(())
     return points, frees, device_bytes

@@ -27,6 +27,7 @@ says whether that happened.
 """
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 from snrt.scheduler.recompute import backward_start
@@ -180,7 +181,11 @@ def _rising(points):
 
 
 def _sum(functions):
-    """The sum of step functions (the zero function for none)."""
+    """The sum of step functions (the zero function for none; a lone one as it is, as adding
+    the zero function to it changes nothing: a chain's subtrees have one child each)."""
+    functions = list(functions)
+    if len(functions) == 1:
+        return functions[0]
     total = [(0, 0.0)]
     for f in functions:
         total = _rising(_added(total, f))
@@ -222,8 +227,13 @@ def _thin(f, limit, thinned):
     if len(f) <= limit:
         return f
     thinned.append(True)
-    keep = sorted({round(k * (len(f) - 1) / (limit - 1)) for k in range(limit)})
-    return [f[k] for k in keep]
+    return [f[k] for k in _kept_steps(len(f), limit)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _kept_steps(n, limit):
+    """The indices _thin keeps of `n` steps: `limit` of them, evenly spread, first and last."""
+    return sorted({round(k * (n - 1) / (limit - 1)) for k in range(limit)})
 
 
 class _Laminar:

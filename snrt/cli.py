@@ -309,12 +309,13 @@ def run_plan(args, console):
 
 
 def _planned_with(chosen, budget):
-    """The policies whose plans `snrt plan` keeps when detailing `chosen`: it and, without a
-    budget, the one it is capped by (they share that plan; under a budget its plan is needed
-    only when `chosen`'s does not fit); every policy for `auto`."""
+    """The policies `snrt plan` plans in its own process when detailing `chosen`: it and,
+    without a budget, the one it is capped by (they share that plan; under a budget its plan
+    is needed only when `chosen`'s does not fit); every policy for `auto`. `none` (the
+    cheapest: one pass, nothing freed) joins them, to even out the two processes' work."""
     if chosen not in policies.POLICIES:
         return set(policies.POLICIES)
-    return {chosen} | ({policies.POLICIES[chosen].capped_by} - {None} if budget is None else set())
+    return {chosen, "none"} | ({policies.POLICIES[chosen].capped_by} - {None} if budget is None else set())
 
 
 def in_a_child(work):

@@ -9,7 +9,7 @@ Same graph and options give a byte-identical `to_json()`.
 """
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 ROLES = ("activation", "gradient", "parameter", "parameter_gradient", "optimizer_state", "state", "aux", "workspace",
          "collective")
@@ -18,7 +18,7 @@ STEP_KINDS = ("forward", "recompute", "backward", "update", "offload", "prefetch
               "allreduce_wait")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Buffer:
     """One tensor of the run. `offset` is its place in the device arena, `host_slot` in the
     host store (-1 when never offloaded)."""
@@ -48,22 +48,32 @@ class Buffer:
 
 class _Step:
     """What every step kind shares: `reads()` and `writes()`, the buffer ids it reads and writes,
-    computed once per step (every pass asks again and again; `evolve` drops the memo)."""
+    computed once per step (every pass asks again and again; `evolve` drops the memo). Steps
+    and buffers keep their fields in slots: plans hold hundreds of thousands of them."""
+
+    __slots__ = ("_read_ids", "_written_ids")
 
     def reads(self):
-        memo = self.__dict__.get("_read_ids")
-        if memo is None:
-            memo = self.__dict__["_read_ids"] = tuple(self._reads())
-        return memo
+        try:
+            return self._read_ids
+        except AttributeError:
+            return self._remember()[0]
 
     def writes(self):
-        memo = self.__dict__.get("_written_ids")
-        if memo is None:
-            memo = self.__dict__["_written_ids"] = tuple(self._writes())
-        return memo
+        try:
+            return self._written_ids
+        except AttributeError:
+            return self._remember()[1]
+
+    def _remember(self):
+        """(reads, writes), computed and kept."""
+        ids = tuple(self._reads()), tuple(self._writes())
+        object.__setattr__(self, "_read_ids", ids[0])
+        object.__setattr__(self, "_written_ids", ids[1])
+        return ids
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Forward(_Step):
     """Run node's forward: read `inputs`, write `output` and `aux`; `recompute` replays it."""
 
@@ -88,7 +98,7 @@ class Forward(_Step):
         return (self.output, *(b for _, b in self.aux), *_some(self.workspace))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Backward(_Step):
     """Run node's backward. `grad_inputs[i]` is (buffer id, partial id) or None: the kernel
     writes the gradient of input i into the buffer, or, when `partial` is not -1, into the
@@ -114,7 +124,7 @@ class Backward(_Step):
         return (*grads, *(b for _, b in self.grad_params), *_some(self.workspace))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Update(_Step):
     """Optimizer step for one node's parameters: ((param, grad, (state, ...), decay), ...), the
     states being the optimizer's buffers of that parameter (SGD's momentum, Adam's two moments)."""
@@ -131,7 +141,7 @@ class Update(_Step):
         return (*(b for p, _, states, _ in self.slots for b in (p, *states)), *_some(self.workspace))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Offload(_Step):
     """Copy `buffer` to its host slot on the device-to-host stream (asynchronous)."""
 
@@ -145,7 +155,7 @@ class Offload(_Step):
         return ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Prefetch(_Step):
     """Copy the host slot of `source` into `buffer` on the host-to-device stream (asynchronous)."""
 
@@ -160,7 +170,7 @@ class Prefetch(_Step):
         return (self.buffer,)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Wait(_Step):
     """The compute stream waits until the copy of `buffer` (an offload or a prefetch) is done."""
 
@@ -174,7 +184,7 @@ class Wait(_Step):
         return ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AllReduce(_Step):
     """Start summing one bucket of parameter gradients, `grads`, across the `ranks` processes
     (non-blocking): this rank packs them, in order, into its slot of `gathered` (`ranks` slots
@@ -194,7 +204,7 @@ class AllReduce(_Step):
         return (self.gathered,)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class AllReduceWait(_Step):
     """Wait for the exchange of `gathered` (see AllReduce), then write into `sums[j]` the sum of
     every rank's j-th gradient of the bucket, added in rank order (slot 0 + slot 1 + ...), so
@@ -213,7 +223,7 @@ class AllReduceWait(_Step):
         return self.sums
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Free(_Step):
     """Buffers whose last use has passed; their bytes may be reused."""
 
@@ -375,27 +385,28 @@ def evolve(record, **changes):
     dataclasses.replace gives, several times faster (the planner makes hundreds of thousands),
     as it does not run __init__ again. So `changes` must not touch a field that __post_init__
     derives from (Forward's `recompute`)."""
-    copy = object.__new__(type(record))
-    state = copy.__dict__
-    state.update(record.__dict__, **changes)
-    state.pop("_read_ids", None)  # a step's memo of its reads and writes (see _Step)
-    state.pop("_written_ids", None)
+    cls = type(record)
+    names = _FIELDS.get(cls) or _FIELDS.setdefault(cls, frozenset(f.name for f in fields(cls)))
+    if not names.issuperset(changes):
+        raise TypeError(f"{cls.__name__} has no field {', '.join(sorted(set(changes) - names))}")
+    copy = object.__new__(cls)
+    for name in names:  # a step's memo of its reads and writes (see _Step) is not copied
+        object.__setattr__(copy, name, changes[name] if name in changes else getattr(record, name))
     return copy
 
 
 def remap(step, mapping):
     """`step` with every buffer id replaced through `mapping` (ids not in it stay); its reads
     and writes are the old ones mapped (the memo carried over, not computed again)."""
-    old = step.__dict__
     if type(step) in _ONE_BUFFER:  # the common case in a streamed plan: a copy or a wait
-        b = old["buffer"]
+        b = step.buffer
         new = mapping.get(b, b)
         if new == b:
             return step
         return _copied(step, {"buffer": new}, (new,) if step.reads() else (), (new,) if step.writes() else ())
     changes = {}
     for name, remapped in _REMAPPED[type(step)]:
-        value = old[name]
+        value = getattr(step, name)
         new = remapped(value, mapping)
         if new != value:
             changes[name] = new
@@ -407,11 +418,9 @@ def remap(step, mapping):
 def _copied(step, changes, reads, writes):
     """A copy of `step` with `changes` whose reads and writes are `reads` and `writes` (what
     evolve gives, with the memo filled in)."""
-    copy = object.__new__(type(step))
-    state = copy.__dict__
-    state.update(step.__dict__)
-    state.update(changes)
-    state["_read_ids"], state["_written_ids"] = reads, writes
+    copy = evolve(step, **changes)
+    object.__setattr__(copy, "_read_ids", reads)
+    object.__setattr__(copy, "_written_ids", writes)
     return copy
 
 
@@ -455,6 +464,7 @@ _REMAPPED = {
 
 
 _ONE_BUFFER = (Offload, Prefetch, Wait)  # step types whose one id is `buffer`
+_FIELDS = {}  # dataclass -> the names of its fields, what evolve copies
 
 
 def _some(buffer_id):

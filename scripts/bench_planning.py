@@ -130,8 +130,8 @@ def main():
     lines += table(["case", "seconds", *against, "steps", "buffers", "peak (GiB)"], [
         [r["case"], f"{r['seconds']:.2f}", *([f"{r['against_seconds']:.2f}"] if args.against else []), r["steps"],
          r["buffers"], f"{r['peak_bytes'] / GIB:.2f}"] for r in rows])
-    lines += ["", "The commands, wall time (each plans the detailed policy in its own process and the others' rows "
-              "in a second one where a second core is usable; best of "
+    lines += ["", "The commands, wall time (each plans the detailed policy and none in its own process and the "
+              "other rows in a second one where a second core is usable; best of "
               f"{args.repeats}; resnet10094.yaml is configs/resnet2500.yaml with stage 3 of 3,320 blocks):", ""]
     lines += table(["command", "seconds", *against], [
         [f"`{r['command']}`", f"{r['seconds']:.2f}", *([f"{r['against_seconds']:.2f}"] if args.against else [])]

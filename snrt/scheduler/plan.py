@@ -382,8 +382,8 @@ class Plan:
 
 def evolve(record, **changes):
     """A copy of the frozen dataclass `record` (a Buffer or a step) with `changes`: what
-    dataclasses.replace gives, several times faster (the planner makes hundreds of thousands),
-    as it does not run __init__ again. So `changes` must not touch a field that __post_init__
+    dataclasses.replace gives, without running __init__ and __post_init__ again (the planner
+    makes hundreds of thousands). So `changes` must not touch a field that __post_init__
     derives from (Forward's `recompute`)."""
     cls = type(record)
     names = _FIELDS.get(cls) or _FIELDS.setdefault(cls, frozenset(f.name for f in fields(cls)))

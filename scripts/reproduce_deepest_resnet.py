@@ -13,7 +13,7 @@ Writes results/deepest_resnet.{md,json,png}.
 
     python scripts/reproduce_deepest_resnet.py [--quick]   # quick: liveness and superneurons, batch 16
 
-Quick mode takes about 3 minutes, full mode 10 to 12 (a superneurons plan near k = 1,400 takes
+Quick mode takes about 3 minutes, full mode about 15 (a superneurons plan near k = 1,400 takes
 half a minute or more, and its just-in-time fallback as long again).
 """
 

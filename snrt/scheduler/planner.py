@@ -8,6 +8,7 @@ that states the smallest budget that works and the largest batch that fits.
 import bisect
 import contextlib
 import gc
+import threading
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -104,22 +105,26 @@ def each_plan(graph, batch, policies, budget=None, **options):
             yield name, built.plan if over else _grown(graph, batch, policy, budget, opts, built)
 
 
+_SESSION = threading.RLock()  # held by the thread whose planning session owns _Assembled
+
+
 @contextlib.contextmanager
 def _planning():
     """One planning session: the plans assembled in it are shared (see _Assembled) and let go
-    at its end.
+    at its end. Sessions in different threads take turns (they would share the caches).
 
     The passes make hundreds of thousands of small objects that reference counting frees; the
     cyclic collector, triggered by their sheer number, would walk every live plan object again
     and again (a third of ResNet-2500's planning time), so it is paused meanwhile."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        _Assembled.forget()  # the plans this session made are not kept alive
-        if collecting:
-            gc.enable()
+    with _SESSION:
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            _Assembled.forget()  # the plans this session made are not kept alive
+            if collecting:
+                gc.enable()
 
 
 def plan_within(graph, batch, policy, budget, spill=True, **options):

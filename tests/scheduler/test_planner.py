@@ -216,3 +216,33 @@ def test_every_buffer_id_field_of_every_step_type_is_remapped():
 
     for cls, remapped in _REMAPPED.items():
         assert {f.name for f in fields(cls)} - set(NOT_IDS) == {name for name, _ in remapped}, cls.__name__
+
+
+def test_threads_planning_at_once_each_get_the_plan_of_their_own_graph():
+    """The planner's caches are shared: planning in several threads (ranks run as threads, or a
+    user's pool) must not hand one thread another graph's iteration."""
+    import sys
+    import threading
+
+    cifar = "configs/cifar_resnet20.yaml"
+    sizes = (32, 16, 24)
+    graphs = [snrt.load_config(cifar, {"input.shape": [3, size, size]}).graph for size in sizes]
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        for _ in range(10):
+            make_plan(graphs[0], 4, "superneurons")  # leaves the first graph's iteration cached
+            shapes = {}
+
+            def plan(k):
+                p = make_plan(graphs[k], 4, "superneurons")
+                shapes[k] = p.buffers[dict(p.inputs)["data"]].shape
+
+            threads = [threading.Thread(target=plan, args=(k,)) for k in (1, 2, 1, 2, 1, 2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert shapes == {k: (4, 3, sizes[k], sizes[k]) for k in (1, 2)}
+    finally:
+        sys.setswitchinterval(previous)

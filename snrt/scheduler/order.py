@@ -57,10 +57,13 @@ class BufferTable:
         self.buffers.append(Buffer(len(self.buffers), name, tuple(shape), dtype, nbytes, role, host_slot=host_slot))
         return len(self.buffers) - 1
 
-    def copy(self, b, name):
-        """Add a buffer like buffer `b` (shape, dtype, role, home in the host store) named `name`;
-        its id."""
-        self.buffers.append(evolve(self.buffers[b], id=len(self.buffers), name=name))
+    def new_version(self, b, count):
+        """Add the next version of buffer `b`: a buffer like it (shape, dtype, role, home in the
+        host store) named "<name>@k"; `count` maps base names to the versions made so far and is
+        updated. Its id."""
+        base = self.buffers[b].name.split("@")[0]
+        count[base] = count.get(base, 0) + 1
+        self.buffers.append(evolve(self.buffers[b], id=len(self.buffers), name=f"{base}@{count[base]}"))
         return len(self.buffers) - 1
 
 

@@ -106,9 +106,7 @@ def plan_recomputation(graph, steps, table, speed_segments=(), kept_segments=())
     untouched = newest.keys().isdisjoint
 
     def version(b):
-        base = table.buffers[b].name.split("@")[0]
-        count[base] = count.get(base, 0) + 1
-        new = newest[b] = table.copy(b, f"{base}@{count[base]}")
+        new = newest[b] = table.new_version(b, count)
         return new
 
     def replayed(n):
@@ -191,9 +189,7 @@ def version_buffers(steps, table, fed=()):
             fresh = {}
             for b in step.writes():
                 if b in written:
-                    base = table.buffers[b].name.split("@")[0]
-                    count[base] = count.get(base, 0) + 1
-                    fresh[b] = table.copy(b, f"{base}@{count[base]}")  # a streamed tensor's copies share its home
+                    fresh[b] = table.new_version(b, count)
             if fresh:
                 step = _rewrite_outputs(step, fresh)
                 for b, new in fresh.items():

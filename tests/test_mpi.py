@@ -5,6 +5,7 @@ Exactness: N ranks' run equals, bit for bit, one process that runs the N micro-b
 order (tests/threadgroup.py), and two runs are bit-identical.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -110,9 +111,8 @@ def test_bad_input_is_reported_once_by_rank_0(tmp_path):
 
 
 @pytest.mark.parametrize("whom, signum", [("mpiexec", signal.SIGINT), ("rank 1", signal.SIGTERM)])
-def test_a_signal_stops_every_rank_after_the_same_iteration_with_a_checkpoint(whom, signum, tmp_path):
-    out = tmp_path / "run"
-    job = _training_for_long(out)
+def test_a_signal_stops_every_rank_after_the_same_iteration_with_a_checkpoint(whom, signum, long_job):
+    out, job = long_job
     # mpiexec forwards a signal to every rank; a batch system may also stop just one process
     os.kill(job.pid if whom == "mpiexec" else _rank_pid(out, 1), signum)
     stdout, _ = job.communicate(timeout=60)
@@ -122,21 +122,32 @@ def test_a_signal_stops_every_rank_after_the_same_iteration_with_a_checkpoint(wh
     assert meta["iteration"] == len(losses_of(out))
 
 
-def test_a_killed_rank_ends_the_whole_job_instead_of_hanging(tmp_path):
-    out = tmp_path / "run"
-    job = _training_for_long(out)
+def test_a_killed_rank_ends_the_whole_job_instead_of_hanging(long_job):
+    out, job = long_job
     os.kill(_rank_pid(out, 1), signal.SIGKILL)
     job.communicate(timeout=60)  # a hang would time out here
     assert job.returncode != 0
 
 
-def _training_for_long(out):
-    """`mpiexec -n 2 snrt train` into `out` for many iterations, started and past its first one."""
+@pytest.fixture
+def long_job(tmp_path):
+    """(run folder, Popen) of `mpiexec -n 2 snrt train` for many iterations, started and past its
+    first one. Whatever of it still runs when the test ends is killed, so a failing test leaves
+    no rank behind to load the machine."""
+    out = tmp_path / "run"
     job = subprocess.Popen([str(MPIEXEC), "-n", "2", sys.executable, "-m", "snrt", "train", CONFIG, *FLAGS, "--out",
                             str(out), "--iterations", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, cwd=REPO)
-    _wait_for_metrics(out, job)
-    return job
+    try:
+        _wait_for_metrics(out, job)
+        yield out, job
+    finally:
+        if job.poll() is None:
+            job.kill()
+        for pid in _processes_with(str(out)):  # the ranks, should mpiexec have left them
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        job.communicate()
 
 
 def _rank_pid(out, rank):

@@ -85,6 +85,29 @@ def test_thinned_step_functions_still_give_a_choice_that_fits(problem, limit):
     assert not choice.exact or choice.saves_s == best
 
 
+@st.composite
+def chains(draw):
+    """(decisions, device bytes, budget) of a deep chain: every lifetime holds the next (a
+    ResNet's tensors, written in the forward pass and read back in the backward pass), so all
+    of them meet at the middle step and the choice is a knapsack of the budget."""
+    depth = draw(st.integers(20, 48))
+    decisions = [Decision(("tensor", k), (k,), 64 * draw(st.integers(1, 30)), k, 2 * depth - 1 - k,
+                          draw(st.floats(0.01, 4.0))) for k in range(depth)]
+    budget = 64 * draw(st.integers(1, 30 * depth))
+    return decisions, [0] * (2 * depth), budget
+
+
+@settings(max_examples=100, deadline=None)
+@given(chains(), st.integers(2, 8))
+def test_on_a_deep_chain_thinning_loses_at_most_one_decision_s_saving(problem, limit):
+    decisions, device, budget = problem
+    best = choose(decisions, device, budget, limit=10 ** 6)  # exact: nothing thinned
+    choice = choose(decisions, device, budget, limit=limit)
+    undone = [d for d in decisions if d.key in choice.undone]
+    assert best.exact and kept_bytes_fit(undone, device, budget)
+    assert choice.saves_s >= best.saves_s - max(d.saves_s for d in decisions)
+
+
 def test_nothing_fits_when_the_frugal_plan_alone_exceeds_the_budget():
     assert choose([Decision(("tensor", 0), (0,), 64, 0, 0, 1.0)], [128], 127) is None
 

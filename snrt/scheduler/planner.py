@@ -481,18 +481,21 @@ def _optimal(graph, batch, budget, opts, base):
 
     The choice is made against the base's device bytes and stalls. The arena also counts the
     gaps between offsets, so it can come out larger than the budget: the room is then cut by
-    that much and the choice made again. Stalls are not additive (a copy stream that no longer
-    carries one tensor carries the next one sooner), so while the grown plan is faster the
-    choice is made again from it."""
-    best, room = base, budget
+    that much and the choice made again, and by twice as much each time it is still over (the
+    gaps grow as the room shrinks; cut by the excess alone, the rounds could run out before a
+    plan fits). Stalls are not additive (a copy stream that no longer carries one tensor
+    carries the next one sooner), so while the grown plan is faster the choice is made again
+    from it."""
+    best, room, cut = base, budget, 1
     for _ in range(ROUNDS):
         grown = _grow(graph, batch, opts, best, room)
         if grown is None:
             break
         if grown.plan.arena_bytes > budget:
-            room -= grown.plan.arena_bytes - budget
+            room -= cut * (grown.plan.arena_bytes - budget)
+            cut *= 2
         elif grown.plan.predicted_s < best.plan.predicted_s:
-            best, room = grown, budget
+            best, room, cut = grown, budget, 1
         else:
             break
     return replace(best.plan, policy=f"optimal({base.plan.policy})")

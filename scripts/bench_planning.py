@@ -45,7 +45,7 @@ def commit_of(checkout):
 
 def one_round(checkout, deep):
     """Plan every case once in this process with the snrt of `checkout` (None: this one);
-    print [{case, seconds, steps, buffers, peak_bytes}] as JSON."""
+    print [{case, seconds, steps, buffers, peak_bytes, predicted_s}] as JSON."""
     if checkout:
         sys.path.insert(0, checkout)
     import snrt
@@ -64,7 +64,7 @@ def one_round(checkout, deep):
         start = time.perf_counter()
         plan = make_plan(g, BATCH, policy, budget=budget, stream_parameters=streamed)
         rows.append({"case": case, "seconds": time.perf_counter() - start, "steps": len(plan.steps),
-                     "buffers": len(plan.buffers), "peak_bytes": plan.peak_bytes})
+                     "buffers": len(plan.buffers), "peak_bytes": plan.peak_bytes, "predicted_s": plan.predicted_s})
         del plan
     print(json.dumps(rows))
 
@@ -110,7 +110,9 @@ def main():
                     print(f"{label:8s} snrt {' '.join(arguments)}: {seconds:.2f} s", flush=True)
                     wall[name, label] = min(wall.get((name, label), seconds), seconds)
     cases = list(dict.fromkeys(case for case, _ in best))
-    rows = [{**best[case, "this"], **({"against_seconds": best[case, "against"]["seconds"]} if args.against else {})}
+    rows = [{**best[case, "this"],
+             **({"against_seconds": best[case, "against"]["seconds"],
+                 "against_predicted_s": best[case, "against"]["predicted_s"]} if args.against else {})}
             for case in cases]
     command_rows = [{"command": "snrt " + " ".join(arguments).replace(str(deep), "resnet10094.yaml"),
                      "seconds": wall[name, "this"],
@@ -125,10 +127,14 @@ def main():
              f"`python scripts/bench_planning.py --repeats {args.repeats}"
              + (f" --against <a checkout of {other}>`" if other else "`")
              + f": seconds of `make_plan` per case, one call each, in this order, each round in a fresh process "
-             f"(best of {args.repeats})" + ("; the last column is the other checkout's, its rounds interleaved "
-                                            "with these" if args.against else "") + ".", ""]
-    lines += table(["case", "seconds", *against, "steps", "buffers", "peak (GiB)"], [
-        [r["case"], f"{r['seconds']:.2f}", *([f"{r['against_seconds']:.2f}"] if args.against else []), r["steps"],
+             f"(best of {args.repeats})" + ("; the other checkout's columns come from its rounds, interleaved "
+                                            "with these" if args.against else "")
+             + "; predicted: the plan's iteration time by the CPU cost model (what the plan is worth).", ""]
+    predicted_against = [f"{other} predicted (s)"] if other else []
+    lines += table(["case", "seconds", *against, "predicted (s)", *predicted_against, "steps", "buffers",
+                    "peak (GiB)"], [
+        [r["case"], f"{r['seconds']:.2f}", *([f"{r['against_seconds']:.2f}"] if args.against else []),
+         f"{r['predicted_s']:.2f}", *([f"{r['against_predicted_s']:.2f}"] if args.against else []), r["steps"],
          r["buffers"], f"{r['peak_bytes'] / GIB:.2f}"] for r in rows])
     lines += ["", "The commands, wall time (each plans the detailed policy and none in its own process and the "
               "other rows in a second one where a second core is usable; best of "

@@ -150,10 +150,20 @@ def _plan(graph, batch, policy, budget, opts, hide_copies):
 
 def _grown(graph, batch, policy, budget, opts, built):
     """The plan of _Built `built` (Policy `policy`'s, fitting `budget`), grown into the room the
-    budget leaves when the policy grows (a training plan under a budget)."""
-    if budget is not None and policy.grows and opts.training:
-        return replace(_optimal(graph, batch, budget, opts, built), policy=policy.name)
-    return built.plan
+    budget leaves when the policy grows (a training plan under a budget).
+
+    A policy capped by another (superneurons by offload) grows from the faster of its plan and
+    the cap's, when the cap's fits: offloading every segment instead of replaying it is one of
+    its own plans (the one it falls back to when replays do not fit under the cap), and where
+    copies hide behind compute it is the faster one."""
+    if budget is None or not policy.grows or not opts.training:
+        return built.plan
+    base = built
+    if policy.capped_by:
+        cap = _built(graph, batch, policy_named(policy.capped_by), opts, built.hide_copies)
+        if cap.plan.arena_bytes <= budget and cap.plan.predicted_s < built.plan.predicted_s:
+            base = cap
+    return replace(_optimal(graph, batch, budget, opts, base), policy=policy.name)
 
 
 def _within(graph, batch, policy, budget, opts, hide_copies, spill=True):

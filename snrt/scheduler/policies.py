@@ -9,9 +9,10 @@ read the names; nothing else spells a policy out.
 - offload: liveness + every tensor the backward reads offloaded and prefetched;
 - superneurons: liveness + recomputation + offload of the remaining checkpoints, never more
   memory than offload alone: a segment whose replay stands at a step over the offload plan's
-  peak is kept and offloaded instead of recomputed; with a budget, the segments and tensors
-  that save the most time stay on the device in the room its plan leaves (as auto's
-  budget-optimal plans do);
+  peak is kept and offloaded instead of recomputed; with a budget, grown from the faster of
+  its plan and offload's (every segment offloaded instead of replayed, where that fits): the
+  segments and tensors that save the most time stay on the device in the room the plan
+  leaves (as auto's budget-optimal plans do);
 - auto (not a row): the fastest plan, by the cost model, whose arena fits the budget: of the
   rows, and of the budget-optimal plans grown from the rows that replay or offload, which
   keep on the device, instead of replaying, offloading or streaming, the segments, tensors and

@@ -265,7 +265,7 @@ def run_plan(args, console):
     update = {**make_optimizer(config.train.optimizer).plan_options, "ranks": ranks,  # planned as training plans it
               "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters}
     chosen = args.policy or config.memory.policy
-    here = _planned_with(chosen, budget) if usable_cores() > 1 else set(policies.POLICIES)
+    here = _planned_with(chosen) if usable_cores() > 1 else set(policies.POLICIES)
     elsewhere = [p for p in policies.POLICIES if p not in here]  # their rows come from a second process
     rows_of, plans = {}, {}
     with console.status("planning...") as status:
@@ -308,14 +308,13 @@ def run_plan(args, console):
         console.print(f"timeline written to {args.png}")
 
 
-def _planned_with(chosen, budget):
-    """The policies `snrt plan` plans in its own process when detailing `chosen`: it and,
-    without a budget, the one it is capped by (they share that plan; under a budget its plan
-    is needed only when `chosen`'s does not fit); every policy for `auto`. `none` (the
-    cheapest: one pass, nothing freed) joins them, to even out the two processes' work."""
+def _planned_with(chosen):
+    """The policies `snrt plan` plans in its own process when detailing `chosen`: it and the
+    one it is capped by (they share that plan: without a budget it is the cap, under one the
+    plan it may grow from instead); every policy for `auto`."""
     if chosen not in policies.POLICIES:
         return set(policies.POLICIES)
-    return {chosen, "none"} | ({policies.POLICIES[chosen].capped_by} - {None} if budget is None else set())
+    return {chosen} | ({policies.POLICIES[chosen].capped_by} - {None})
 
 
 def in_a_child(work):

@@ -100,7 +100,8 @@ def each_plan(graph, batch, policies, budget=None, **options):
     with _planning():
         for name in policies:
             policy = policy_named(name)
-            built = _built(graph, batch, policy, opts, hide_copies, budget)  # over it: as without a budget
+            built = _built(graph, batch, policy, opts, hide_copies, budget,  # over it: as without a budget
+                           _cap_time(graph, batch, policy, budget, opts, hide_copies))
             over = budget is not None and built.plan.arena_bytes > budget
             yield name, built.plan if over else _grown(graph, batch, policy, budget, opts, built)
 
@@ -142,7 +143,8 @@ def _plan(graph, batch, policy, budget, opts, hide_copies):
     if policy == AUTO:
         return _auto(graph, batch, budget, opts)
     policy = policy_named(policy)
-    plan, built = _within(graph, batch, policy, budget, opts, hide_copies)
+    plan, built = _within(graph, batch, policy, budget, opts, hide_copies,
+                          beat=_cap_time(graph, batch, policy, budget, opts, hide_copies))
     if budget is not None and plan.arena_bytes > budget:
         raise _infeasible(graph, batch, budget, (policy,), opts)
     return _grown(graph, batch, policy, budget, opts, built) if built else plan
@@ -158,19 +160,33 @@ def _grown(graph, batch, policy, budget, opts, built):
     copies hide behind compute it is the faster one."""
     if budget is None or not policy.grows or not opts.training:
         return built.plan
-    base = built
-    if policy.capped_by:
-        cap = _built(graph, batch, policy_named(policy.capped_by), opts, built.hide_copies)
-        if cap.plan.arena_bytes <= budget and cap.plan.predicted_s < built.plan.predicted_s:
-            base = cap
+    cap = _fitting_cap(graph, batch, policy, budget, opts, built.hide_copies)
+    base = cap if cap and cap.plan.predicted_s < built.plan.predicted_s else built
     return replace(_optimal(graph, batch, budget, opts, base), policy=policy.name)
 
 
-def _within(graph, batch, policy, budget, opts, hide_copies, spill=True):
+def _fitting_cap(graph, batch, policy, budget, opts, hide_copies):
+    """The _Built plan of the policy Policy `policy` is capped by, when it fits `budget` and
+    `policy` would grow from it (see _grown); else None."""
+    if budget is None or not (policy.grows and policy.capped_by and opts.training):
+        return None
+    cap = _built(graph, batch, policy_named(policy.capped_by), opts, hide_copies)
+    return cap if cap.plan.arena_bytes <= budget else None
+
+
+def _cap_time(graph, batch, policy, budget, opts, hide_copies):
+    """The predicted seconds of _fitting_cap's plan (the time Policy `policy`'s own plan must
+    beat to be grown from), or None."""
+    cap = _fitting_cap(graph, batch, policy, budget, opts, hide_copies)
+    return cap.plan.predicted_s if cap else None
+
+
+def _within(graph, batch, policy, budget, opts, hide_copies, spill=True, beat=None):
     """(plan, the _Built it is, or None when spilled): Policy `policy`'s plan; over `budget`,
     its just-in-time plan (copying policies), then, with `spill`, that plan with idle tensors
-    spilled (freeing policies in training); the last one tried when none fits."""
-    built = _built(graph, batch, policy, opts, hide_copies, budget)
+    spilled (freeing policies in training); the last one tried when none fits. `beat`: see
+    _built (its first plan, hiding copies as asked)."""
+    built = _built(graph, batch, policy, opts, hide_copies, budget, beat)
     if budget is not None and built.plan.arena_bytes > budget and _copies(policy, opts) and hide_copies:
         built = _built(graph, batch, policy, opts, hide_copies=False)
     if budget is not None and built.plan.arena_bytes > budget and spill and _spills(policy, opts):
@@ -197,14 +213,15 @@ class _Built:
     resident: tuple = ()
 
 
-def _built(graph, batch, policy, opts, hide_copies=True, budget=None):
+def _built(graph, batch, policy, opts, hide_copies=True, budget=None, beat=None):
     """The _Built plan of Policy `policy`.
 
     With recomputation, the all-memory-centric plan is built first (under a capped policy,
     with the segments that cost more memory than the cap's plan kept, see `_recompute_within_cap`,
     unless it fits `budget` as it is: then the budget is the memory limit, not the cap);
     segments that fit under its peak are then replayed speed-centric, and that plan is kept
-    unless its arena is larger.
+    unless its arena is larger. That rebuild is skipped when it cannot be faster than `beat`
+    seconds (a plan the caller prefers unless this one is faster; see _replays_at_least).
     """
     plan, segments = _assemble(graph, batch, policy, opts, hide_copies)
     kept, row = (), policy
@@ -212,11 +229,25 @@ def _built(graph, batch, policy, opts, hide_copies=True, budget=None):
         plan, segments, kept, row = _recompute_within_cap(graph, batch, policy, opts, hide_copies, plan, segments)
     if segments:
         speed = speed_segments_that_fit(plan, segments)
-        if speed:
+        if speed and not (beat is not None and _replays_at_least(graph, batch, opts, plan) > beat * (1 + 1e-9)):
             faster, _ = _assemble(graph, batch, policy, opts, hide_copies, speed, kept)
             if faster.arena_bytes <= plan.arena_bytes:
                 return _Built(faster, row, hide_copies, segments, tuple(speed), kept)
     return _Built(plan, row, hide_copies, segments, (), kept)
+
+
+def _replays_at_least(graph, batch, opts, plan):
+    """A lower bound on the predicted seconds of `plan` with its segments replayed another way:
+    the seconds of all its steps but the replays, and one replay of each node it replays (a
+    plan's predicted time is the sum of its steps' seconds and the stalls, see cost.simulate)."""
+    seconds, _ = _timing(graph, batch, opts, plan)
+    total, once = 0.0, {}
+    for step, s in zip(plan.steps, seconds):
+        if step.kind == "recompute":
+            once[step.node] = s
+        else:
+            total += s
+    return total + sum(once.values())
 
 
 REPLAY_ROUNDS = 4  # rebuilds of a capped plan while segments are moved to offloading

@@ -1,9 +1,11 @@
 """The budget-optimal choice (snrt/scheduler/optimal.py): exact against exhaustive search where
 lifetimes nest, feasible where they cross, and the plans auto builds from it."""
 
+import hashlib
 import itertools
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 
 from snrt.backends.numpy_backend import NumpyBackend
 from snrt.config import load_config, parse_config, with_settings
-from snrt.scheduler import cost
+from snrt.scheduler import cost, planner
 from snrt.scheduler.optimal import Decision, choose
 from snrt.scheduler.planner import each_plan, make_plan
 from snrt.scheduler.policies import POLICIES
@@ -248,3 +250,20 @@ def test_training_with_some_parameters_kept_resident_and_the_rest_streamed_is_bi
     for key, value in trainer.host_arrays().items():
         np.testing.assert_array_equal(value, arrays[key], err_msg=key)
     assert trainer.backend.arena.peak_bytes == trainer.plan.peak_bytes
+
+
+@pytest.mark.parametrize("model", [cost.CPU, cost.CUDA])  # offload's plan is faster on the CPU, not on CUDA
+@pytest.mark.parametrize("over", [1.0, 2.0])
+def test_skipping_a_rebuild_that_cannot_beat_the_cap_changes_no_plan(model, over):
+    graph = load_config(ROOT / "configs" / "cifar_resnet56.yaml").graph
+    budget = int(make_plan(graph, 16, "offload", cost_model=model).arena_bytes * over)
+    skipped = make_plan(graph, 16, "superneurons", budget=budget, cost_model=model)
+    with mock.patch.object(planner, "_replays_at_least", lambda *args: float("-inf")):  # never skip
+        built = make_plan(graph, 16, "superneurons", budget=budget, cost_model=model)
+    in_rows = dict(each_plan(graph, 16, ["superneurons"], budget=budget, cost_model=model))["superneurons"]
+    assert digest(skipped) == digest(built) == digest(in_rows)
+
+
+def digest(plan):
+    """A short digest of `plan` (a failing comparison of two whole plans would print both)."""
+    return hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]

@@ -363,7 +363,8 @@ def _policy_table(config, batch, budget, rows):
                       f"{r['predicted_s']:.2f} s", f"{r['exposed_copy_s']:.3f} s",
                       {None: "-", True: "yes", False: "no"}[r["fits_budget"]])
     if budget:
-        table.caption = ("each policy's plan under the budget (superneurons grows into the room it leaves); one "
+        table.caption = ("each policy's plan under the budget (superneurons grows into the room it leaves, from its "
+                         "own plan or offload's, whichever is faster); one "
                          "over it is the policy's own plan, and gets there with just-in-time copies and idle tensors "
                          "spilled, when it can (--policy P shows that plan)")
     return table

@@ -186,14 +186,14 @@ class _RoomTree:
     positions a..b, `take(a, b, nbytes)` lowers each of them by `nbytes`; both O(log n)."""
 
     def __init__(self, room):
-        self.n = max(1, len(room))
+        self.n = len(room)  # at least one: the fill runs only when the DP thinned some decision's function
         self.low = [0] * (4 * self.n)  # a node's least room, its own takes included
         self.taken = [0] * (4 * self.n)  # bytes taken from the whole of a node's range
         self._build(1, 0, self.n - 1, room)
 
     def _build(self, node, lo, hi, room):
         if lo == hi:
-            self.low[node] = room[lo] if room else 0
+            self.low[node] = room[lo]
             return
         mid = (lo + hi) // 2
         self._build(2 * node, lo, mid, room)

@@ -26,8 +26,8 @@ from snrt.scheduler.policies import AUTO, POLICIES, policy_named
 from snrt.scheduler.reduce import BUCKET_BYTES
 from snrt.scheduler.spill import plan_spills
 from snrt.scheduler.stream import COMPUTE_KINDS, plan_streaming
-from snrt.scheduler.recompute import (largest_step_bytes, plan_recomputation, speed_segments_that_fit,
-                                      version_buffers)
+from snrt.scheduler.recompute import (backward_start, droppable_nodes, largest_step_bytes, plan_recomputation,
+                                      speed_segments_that_fit, version_buffers)
 from snrt.summary import human_bytes
 
 
@@ -101,7 +101,7 @@ def each_plan(graph, batch, policies, budget=None, **options):
         for name in policies:
             policy = policy_named(name)
             built = _built(graph, batch, policy, opts, hide_copies, budget,  # over it: as without a budget
-                           _cap_time(graph, batch, policy, budget, opts, hide_copies))
+                           _fitting_cap(graph, batch, policy, budget, opts, hide_copies))
             over = budget is not None and built.plan.arena_bytes > budget
             yield name, built.plan if over else _grown(graph, batch, policy, budget, opts, built)
 
@@ -144,7 +144,7 @@ def _plan(graph, batch, policy, budget, opts, hide_copies):
         return _auto(graph, batch, budget, opts)
     policy = policy_named(policy)
     plan, built = _within(graph, batch, policy, budget, opts, hide_copies,
-                          beat=_cap_time(graph, batch, policy, budget, opts, hide_copies))
+                          rival=_fitting_cap(graph, batch, policy, budget, opts, hide_copies))
     if budget is not None and plan.arena_bytes > budget:
         raise _infeasible(graph, batch, budget, (policy,), opts)
     return _grown(graph, batch, policy, budget, opts, built) if built else plan
@@ -174,19 +174,12 @@ def _fitting_cap(graph, batch, policy, budget, opts, hide_copies):
     return cap if cap.plan.arena_bytes <= budget else None
 
 
-def _cap_time(graph, batch, policy, budget, opts, hide_copies):
-    """The predicted seconds of _fitting_cap's plan (the time Policy `policy`'s own plan must
-    beat to be grown from), or None."""
-    cap = _fitting_cap(graph, batch, policy, budget, opts, hide_copies)
-    return cap.plan.predicted_s if cap else None
-
-
-def _within(graph, batch, policy, budget, opts, hide_copies, spill=True, beat=None):
+def _within(graph, batch, policy, budget, opts, hide_copies, spill=True, rival=None):
     """(plan, the _Built it is, or None when spilled): Policy `policy`'s plan; over `budget`,
     its just-in-time plan (copying policies), then, with `spill`, that plan with idle tensors
-    spilled (freeing policies in training); the last one tried when none fits. `beat`: see
+    spilled (freeing policies in training); the last one tried when none fits. `rival`: see
     _built (its first plan, hiding copies as asked)."""
-    built = _built(graph, batch, policy, opts, hide_copies, budget, beat)
+    built = _built(graph, batch, policy, opts, hide_copies, budget, rival)
     if budget is not None and built.plan.arena_bytes > budget and _copies(policy, opts) and hide_copies:
         built = _built(graph, batch, policy, opts, hide_copies=False)
     if budget is not None and built.plan.arena_bytes > budget and spill and _spills(policy, opts):
@@ -213,41 +206,62 @@ class _Built:
     resident: tuple = ()
 
 
-def _built(graph, batch, policy, opts, hide_copies=True, budget=None, beat=None):
+def _built(graph, batch, policy, opts, hide_copies=True, budget=None, rival=None):
     """The _Built plan of Policy `policy`.
 
     With recomputation, the all-memory-centric plan is built first (under a capped policy,
     with the segments that cost more memory than the cap's plan kept, see `_recompute_within_cap`,
     unless it fits `budget` as it is: then the budget is the memory limit, not the cap);
     segments that fit under its peak are then replayed speed-centric, and that plan is kept
-    unless its arena is larger. That rebuild is skipped when it cannot be faster than `beat`
-    seconds (a plan the caller prefers unless this one is faster; see _replays_at_least).
+    unless its arena is larger.
+
+    `rival` is a _Built plan the caller takes instead unless this one is faster (the cap's,
+    which superneurons grows from when it is faster, see _grown). It is returned at once when
+    replaying every node the memory-centric plan drops, once each, costs more than the
+    rival's stalls (see _time_at_least): then neither plan can be faster. (When the
+    memory-centric plan exceeds the budget, the cap's rounds would keep some segments and
+    replay fewer nodes; that plan is not tried.) The speed-centric rebuild is skipped when
+    the segments left after those rounds cost as much.
     """
+    if rival is not None and policy.recomputes and _slower_than(graph, batch, opts, _droppable(graph, batch, opts),
+                                                               rival):
+        return rival
     plan, segments = _assemble(graph, batch, policy, opts, hide_copies)
     kept, row = (), policy
     if policy.capped_by and segments and (budget is None or plan.arena_bytes > budget):
         plan, segments, kept, row = _recompute_within_cap(graph, batch, policy, opts, hide_copies, plan, segments)
     if segments:
         speed = speed_segments_that_fit(plan, segments)
-        if speed and not (beat is not None and _replays_at_least(graph, batch, opts, plan) > beat * (1 + 1e-9)):
+        replayed = [node for nodes in segments.values() for node in nodes]
+        if speed and not (rival is not None and _slower_than(graph, batch, opts, replayed, rival)):
             faster, _ = _assemble(graph, batch, policy, opts, hide_copies, speed, kept)
             if faster.arena_bytes <= plan.arena_bytes:
                 return _Built(faster, row, hide_copies, segments, tuple(speed), kept)
     return _Built(plan, row, hide_copies, segments, (), kept)
 
 
-def _replays_at_least(graph, batch, opts, plan):
-    """A lower bound on the predicted seconds of `plan` with its segments replayed another way:
-    the seconds of all its steps but the replays, and one replay of each node it replays (a
-    plan's predicted time is the sum of its steps' seconds and the stalls, see cost.simulate)."""
-    seconds, _ = _timing(graph, batch, opts, plan)
-    total, once = 0.0, {}
-    for step, s in zip(plan.steps, seconds):
-        if step.kind == "recompute":
-            once[step.node] = s
-        else:
-            total += s
-    return total + sum(once.values())
+def _slower_than(graph, batch, opts, replayed, rival):
+    """Whether every plan that replays each of the nodes `replayed` is slower than _Built
+    `rival`'s plan (by more than float rounding)."""
+    return _time_at_least(graph, batch, opts, replayed) > rival.plan.predicted_s * (1 + 1e-9)
+
+
+def _time_at_least(graph, batch, opts, replayed):
+    """A lower bound on the predicted seconds of a plan of this iteration that replays each of
+    the nodes `replayed` at least once: the seconds of the iteration's own steps (every plan
+    runs them; the passes add replays, copies, waits and frees) and one replay of each, which
+    costs what its forward step does (a plan's predicted time is the sum of its steps'
+    seconds and the stalls, see cost.simulate)."""
+    it = _Assembled.iteration_for(graph, batch, opts)
+    seconds = _seconds_of(graph, batch, opts.cost_model)
+    forward = {s.node: s for s in it.steps if s.kind == "forward"}
+    return sum(seconds(it.steps)) + sum(seconds([forward[node] for node in replayed]))
+
+
+def _droppable(graph, batch, opts):
+    """The nodes a recomputing policy's memory-centric plan drops and replays (all it may replay)."""
+    steps = _Assembled.iteration_for(graph, batch, opts).steps
+    return droppable_nodes(graph, steps, backward_start(steps))
 
 
 REPLAY_ROUNDS = 4  # rebuilds of a capped plan while segments are moved to offloading

@@ -10,7 +10,8 @@ read the names; nothing else spells a policy out.
 - superneurons: liveness + recomputation + offload of the remaining checkpoints, never more
   memory than offload alone: a segment whose replay stands at a step over the offload plan's
   peak is kept and offloaded instead of recomputed; with a budget, grown from the faster of
-  its plan and offload's (every segment offloaded instead of replayed, where that fits): the
+  its plan and offload's (every segment offloaded instead of replayed, where that fits; its
+  own is not built when one replay of each droppable node costs more than offload's stalls): the
   segments and tensors that save the most time stay on the device in the room the plan
   leaves (as auto's budget-optimal plans do);
 - auto (not a row): the fastest plan, by the cost model, whose arena fits the budget: of the

@@ -254,14 +254,43 @@ def test_training_with_some_parameters_kept_resident_and_the_rest_streamed_is_bi
 
 @pytest.mark.parametrize("model", [cost.CPU, cost.CUDA])  # offload's plan is faster on the CPU, not on CUDA
 @pytest.mark.parametrize("over", [1.0, 2.0])
-def test_skipping_a_rebuild_that_cannot_beat_the_cap_changes_no_plan(model, over):
+def test_skipping_plans_that_cannot_beat_the_cap_changes_no_plan(model, over):
     graph = load_config(ROOT / "configs" / "cifar_resnet56.yaml").graph
     budget = int(make_plan(graph, 16, "offload", cost_model=model).arena_bytes * over)
     skipped = make_plan(graph, 16, "superneurons", budget=budget, cost_model=model)
-    with mock.patch.object(planner, "_replays_at_least", lambda *args: float("-inf")):  # never skip
+    with mock.patch.object(planner, "_slower_than", lambda *args: False):  # never skip
         built = make_plan(graph, 16, "superneurons", budget=budget, cost_model=model)
     in_rows = dict(each_plan(graph, 16, ["superneurons"], budget=budget, cost_model=model))["superneurons"]
     assert digest(skipped) == digest(built) == digest(in_rows)
+
+
+def test_superneurons_own_plan_is_not_assembled_where_its_replays_cost_more_than_offloads_stalls():
+    graph = load_config(ROOT / "configs" / "cifar_resnet56.yaml").graph
+    budget = 2 * make_plan(graph, 16, "offload").arena_bytes
+    assembled = []
+    real = planner._assemble_from
+    with mock.patch.object(planner, "_assemble_from",
+                           lambda it, graph, batch, policy, *rest: assembled.append(policy.name)
+                           or real(it, graph, batch, policy, *rest)):
+        grown = make_plan(graph, 16, "superneurons", budget=budget)
+    assert grown.policy == "superneurons" and not any(s.kind == "recompute" for s in grown.steps)
+    assert "superneurons" not in assembled and "offload" in assembled
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_recipes(max_ops=10), st.sampled_from([cost.CPU, cost.CUDA]), st.booleans())
+def test_the_replays_bound_holds_for_every_plan_and_the_memory_centric_plan_replays_every_droppable_node(
+        recipe, model, streamed):
+    graph = build(recipe)
+    opts = planner.PlanOptions(cost_model=model, stream_parameters=streamed)
+    with planner._planning():
+        droppable = set(planner._droppable(graph, 2, opts))
+        for name in POLICIES:
+            plan, segments = planner._assemble(graph, 2, POLICIES[name], opts, True)
+            replayed = {s.node for s in plan.steps if s.kind == "recompute"}
+            assert replayed == {n for nodes in segments.values() for n in nodes}
+            assert replayed == (droppable if POLICIES[name].recomputes else set())
+            assert planner._time_at_least(graph, 2, opts, replayed) <= plan.predicted_s * (1 + 1e-9)
 
 
 def digest(plan):

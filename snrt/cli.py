@@ -265,21 +265,29 @@ def run_plan(args, console):
     update = {**make_optimizer(config.train.optimizer).plan_options, "ranks": ranks,  # planned as training plans it
               "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters}
     chosen = args.policy or config.memory.policy
-    here = _planned_with(chosen) if usable_cores() > 1 else set(policies.POLICIES)
-    elsewhere = [p for p in policies.POLICIES if p not in here]  # their rows come from a second process
+    here = _planned_with(chosen)
+    others = _Claims(_groups([p for p in policies.POLICIES if p not in here]))  # shared with a second process
+
+    def rows(names):
+        return {policy: policy_row(plan, budget) for policy, plan
+                in each_plan(config.graph, batch, names, budget, **update)}
+
     rows_of, plans = {}, {}
     with console.status("planning...") as status:
-        if elsewhere:
-            status.update(f"planning {', '.join(here)} here and {', '.join(elsewhere)} in a second process...")
-            theirs = in_a_child(lambda: {policy: policy_row(plan, budget) for policy, plan
-                                         in each_plan(config.graph, batch, elsewhere, budget, **update)})
+        theirs = None
+        if others.groups and usable_cores() > 1:
+            status.update(f"planning {', '.join(here)} here, and with a second process "
+                          f"{', '.join(p for g in others.groups for p in g)}...")
+            theirs = in_a_child(lambda: {p: row for group in others for p, row in rows(group).items()})
         for policy, plan in each_plan(config.graph, batch, [p for p in policies.POLICIES if p in here], budget,
                                       **update):
             plans[policy] = plan
             rows_of[policy] = policy_row(plan, budget)
-        if elsewhere:
+        for group in others:
+            rows_of.update(rows(group))
+        if theirs:
             rows_of.update(theirs())
-        rows = [rows_of[p] for p in policies.POLICIES]
+        table = [rows_of[p] for p in policies.POLICIES]
         detail = plans.get(chosen)
         if detail is None or (budget is not None and detail.arena_bytes > budget):  # auto, or a just-in-time retry
             status.update(f"planning {chosen}...")
@@ -290,9 +298,9 @@ def run_plan(args, console):
             chosen_row["layers"] = detail.node_decisions()
             chosen_row["parameters"] = detail.parameter_homes()
         print(json.dumps({"network": config.name, "batch": batch, "ranks": ranks, "budget_bytes": budget,
-                          "policies": rows, "chosen": chosen_row}, indent=2))
+                          "policies": table, "chosen": chosen_row}, indent=2))
     else:
-        console.print(_policy_table(config, batch, budget, rows))
+        console.print(_policy_table(config, batch, budget, table))
         console.print(plan_headline(detail))
         if args.layers:
             console.print(layers_table(detail, config.graph))
@@ -309,12 +317,41 @@ def run_plan(args, console):
 
 
 def _planned_with(chosen):
-    """The policies `snrt plan` plans in its own process when detailing `chosen`: it and the
-    one it is capped by (they share that plan: without a budget it is the cap, under one the
-    plan it may grow from instead); every policy for `auto`."""
+    """The policies `snrt plan` plans first in its own process when detailing `chosen` (the
+    others it shares with a second process, see _Claims): it and the one it is capped by
+    (they share that plan: without a budget it is the cap, under one the plan it may grow
+    from instead); every policy for `auto`."""
     if chosen not in policies.POLICIES:
         return set(policies.POLICIES)
     return {chosen} | ({policies.POLICIES[chosen].capped_by} - {None})
+
+
+def _groups(names):
+    """Policies `names` in the groups `snrt plan` plans together: a policy with the one it is
+    capped by (they share that plan), the rows that do the most first (each row of
+    snrt/scheduler/policies.py does more than the one before it)."""
+    groups = {}
+    for name in reversed(names):
+        groups.setdefault(policies.POLICIES[name].capped_by or name, []).append(name)
+    return list(groups.values())
+
+
+class _Claims:
+    """`groups` (lists of policies) that this process and a forked one take turns to claim,
+    each group once: iterating yields the groups not yet claimed by either."""
+
+    def __init__(self, groups):
+        self.groups = groups
+        self.claimed = multiprocessing.get_context("fork").Value("i", 0)  # shared across the fork
+
+    def __iter__(self):
+        while True:
+            with self.claimed.get_lock():
+                k = self.claimed.value
+                self.claimed.value = k + 1
+            if k >= len(self.groups):
+                return
+            yield self.groups[k]
 
 
 def in_a_child(work):

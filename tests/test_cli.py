@@ -122,11 +122,24 @@ def test_plan_rows_planned_in_a_second_process_equal_those_planned_in_one(capsys
     from snrt import cli
 
     args = ["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--policy", "superneurons", "--json"]
-    assert main(args) == 0  # superneurons and offload here, the others in a forked process
+    assert main(args) == 0  # superneurons and offload here, the others shared with a forked process
     split = json.loads(capsys.readouterr().out)
     monkeypatch.setattr(cli, "usable_cores", lambda: 1)
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out) == split
+
+
+def test_this_process_and_a_forked_one_claim_each_group_of_policies_once():
+    from snrt.cli import _Claims, _groups, in_a_child
+    from snrt.scheduler.policies import POLICIES
+
+    groups = _groups(list(POLICIES))
+    assert groups[0] == ["superneurons", "offload"]  # planned together (offload's plan is superneurons' cap)
+    assert sorted(p for g in groups for p in g) == sorted(POLICIES)
+    claims = _Claims(groups)
+    theirs = in_a_child(lambda: list(claims))
+    ours = list(claims)
+    assert sorted(ours + theirs()) == sorted(groups)
 
 
 def test_an_error_in_the_second_process_is_raised_in_the_first():

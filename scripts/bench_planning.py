@@ -137,7 +137,8 @@ def main():
          f"{r['predicted_s']:.2f}", *([f"{r['against_predicted_s']:.2f}"] if args.against else []), r["steps"],
          r["buffers"], f"{r['peak_bytes'] / GIB:.2f}"] for r in rows])
     lines += ["", "The commands, wall time (each plans the detailed policy and the one it is capped by in its own "
-              "process and the other rows in a second one where a second core is usable; best of "
+              "process, and the other rows, heaviest first, in whichever of it and a second process is free "
+              "where a second core is usable; best of "
               f"{args.repeats}; resnet10094.yaml is configs/resnet2500.yaml with stage 3 of 3,320 blocks):", ""]
     lines += table(["command", "seconds", *against], [
         [f"`{r['command']}`", f"{r['seconds']:.2f}", *([f"{r['against_seconds']:.2f}"] if args.against else [])]

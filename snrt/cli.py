@@ -266,7 +266,7 @@ def run_plan(args, console):
               "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters}
     chosen = args.policy or config.memory.policy
     here = _planned_with(chosen)
-    others = _Claims(_groups([p for p in policies.POLICIES if p not in here]))  # shared with a second process
+    others = _groups([p for p in policies.POLICIES if p not in here])
 
     def rows(names):
         return {policy: policy_row(plan, budget) for policy, plan
@@ -275,9 +275,10 @@ def run_plan(args, console):
     rows_of, plans = {}, {}
     with console.status("planning...") as status:
         theirs = None
-        if others.groups and usable_cores() > 1:
+        if others and usable_cores() > 1:
             status.update(f"planning {', '.join(here)} here, and with a second process "
-                          f"{', '.join(p for g in others.groups for p in g)}...")
+                          f"{', '.join(p for g in others for p in g)}...")
+            others = _Claims(others)  # each group planned by whichever process is free first
             theirs = in_a_child(lambda: {p: row for group in others for p, row in rows(group).items()})
         for policy, plan in each_plan(config.graph, batch, [p for p in policies.POLICIES if p in here], budget,
                                       **update):

@@ -564,8 +564,11 @@ def _grow(graph, batch, opts, base, room):
     written_by = {s.node: (s.output, *(b for _, b in s.aux)) for s in it.steps if s.kind == "forward"}
     seconds, stalls = _timing(graph, batch, opts, base.plan)
     decisions = {d.key: d for d in frugal_decisions(base.plan, base.segments, written_by, seconds, stalls)}
+    worthwhile = WORTHWHILE * base.plan.predicted_s
+    if sum(d.saves_s for d in decisions.values() if d.saves_s > 0) < worthwhile:  # no choice saves more
+        return None
     choice = choose(decisions.values(), base.plan.device_bytes, room)
-    if not choice or choice.saves_s < WORTHWHILE * base.plan.predicted_s:
+    if not choice or choice.saves_s < worthwhile:
         return None
     kept = tuple(sorted({*base.kept, *(root for kind, root in choice.undone if kind == "segment")}))
     resident = tuple(sorted({*base.resident, *(b for key in choice.undone for b in decisions[key].keeps)}))

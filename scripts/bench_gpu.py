@@ -91,7 +91,7 @@ def main():
         rows.append(row)
         print(f"{policy:13s} {row['seconds_per_iteration'] * 1e3:9.1f} ms/iter  {row['images_per_s']:8.1f} img/s  "
               f"peak {human_bytes(row['measured_peak_bytes'])} (plan {human_bytes(row['planned_peak_bytes'])})  "
-              f"outside arena {human_bytes(row['memory']['untracked_bytes'])}  kernels {row['kernels']}", flush=True)
+              f"untracked {human_bytes(row['memory']['untracked_bytes'])}  kernels {row['kernels']}", flush=True)
     doc = {"device": device_summary(), "config": args.config, "when": datetime.now(timezone.utc).isoformat(),
            "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

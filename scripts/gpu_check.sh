@@ -1,58 +1,136 @@
 #!/usr/bin/env bash
-# The GPU check, on a machine with an NVIDIA GPU and driver: one command that installs snrt
-# with its gpu and test extras into a fresh virtual environment, says which device it found,
-# runs the backend test suite (the static checks and the device tests: layer-by-layer parity
-# with the NumPy kernels, training under every policy against the CPU, measured peak equal
-# to the planned peak, no allocation outside the arena while kernels run, copy/compute
-# overlap in CUDA event timings), then the whole test suite with the cuda backend importable,
-# then two data-parallel ranks on NCCL where there are two GPUs, then the GPU benchmark
-# (results/bench_gpu.json).
+# The GPU check: one command, on a machine with an NVIDIA GPU, that says whether snrt's CUDA
+# backend is correct there and how fast it is. It writes results/gpu_check.md and
+# results/gpu_check.json (every number, the device, the software versions) and prints a
+# short table last. Where no GPU is usable it says so in one line and exits 0.
 #
-#     bash scripts/gpu_check.sh            # everything
-#     bash scripts/gpu_check.sh --no-bench # tests only
-set -euo pipefail
+#     bash scripts/gpu_check.sh                       # in the Python environment it is started in
+#     bash scripts/gpu_check.sh --venv gpu-cuda13     # a fresh venv with that extra (needs network)
+#     bash scripts/gpu_check.sh --no-bench            # the tests only
+#
+# By default it uses the Python environment it is started in (`python3`, or $PYTHON): CuPy,
+# cuDNN and, for the comparison, PyTorch with torchvision already installed, the checkout put
+# on the path. A machine without network may lack the cuDNN frontend: on a machine with
+# network, `bash scripts/fetch_gpu_wheels.sh` downloads it into .wheels/ of the checkout, and
+# the check installs every wheel found there into .wheels/site first.
+#
+# Stages, each time-boxed (a stage that fails or runs out of time is recorded, and the others
+# still run): the environment and device; tests/backends and the rest of the suite, side by
+# side (pytest-xdist); ResNet-50 batch 32 at 224x224 under every policy (bench_gpu.py); two
+# iterations of `snrt train configs/resnet2500.yaml --backend cuda` at its own settings;
+# PyTorch's ResNet-50 at the same batch (bench_torch.py: fp32 with TF32 off, then PyTorch's
+# defaults, each also with checkpoint_sequential). On one H100 the whole check takes under 5
+# minutes.
+set -uo pipefail
 cd "$(dirname "$0")/.."
+root=$PWD
 bench=1
-[[ "${1:-}" == "--no-bench" ]] && bench=0
-venv="${TMPDIR:-/tmp}/snrt-gpu-check-venv"
-python3 -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --upgrade pip
-"$venv/bin/pip" install --quiet -e '.[gpu,test]'
-"$venv/bin/python" - <<'PY'
+venv_extra=""
+while (( $# )); do
+    case "$1" in
+        --no-bench) bench=0; shift ;;
+        --venv) venv_extra="${2:?--venv needs an extra: gpu (CUDA 12) or gpu-cuda13}"; shift 2 ;;
+        *) echo "usage: bash scripts/gpu_check.sh [--venv gpu|gpu-cuda13] [--no-bench]" >&2; exit 2 ;;
+    esac
+done
+
+python="${PYTHON:-python3}"
+if [[ -n "$venv_extra" ]]; then
+    venv="${TMPDIR:-/tmp}/snrt-gpu-check-venv"
+    python3 -m venv "$venv" && "$venv/bin/pip" install --quiet --upgrade pip &&
+        "$venv/bin/pip" install --quiet -e ".[$venv_extra,test,bench]" || { echo "gpu_check: could not install .[$venv_extra,test,bench]"; exit 1; }
+    python="$venv/bin/python"
+else
+    export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+if ! reason=$("$python" -c "
 from snrt.backends import cuda_unavailable_reason
-reason = cuda_unavailable_reason()
-if reason is not None:
-    raise SystemExit(f"gpu_check: no usable GPU here: {reason}")
+print(cuda_unavailable_reason() or '')" 2>&1); then
+    echo "gpu_check: no GPU check here: snrt does not import ($reason)"
+    exit 0
+fi
+if [[ -n "$reason" ]]; then
+    echo "gpu_check: no GPU here, nothing checked: $reason"
+    exit 0
+fi
+if [[ -z "$venv_extra" ]] && compgen -G ".wheels/*.whl" > /dev/null; then
+    if "$python" -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target .wheels/site .wheels/*.whl \
+            > .wheels/install.log 2>&1; then
+        export PYTHONPATH="$root:$root/.wheels/site${PYTHONPATH#"$root"}"
+    else
+        echo "gpu_check: could not install the wheels in .wheels/ (see .wheels/install.log); going on without them"
+    fi
+fi
+
+work="${TMPDIR:-/tmp}/snrt-gpu-check"
+rm -rf "$work" && mkdir -p "$work"
+cores=$(nproc)
+
+run_stage() {  # NAME SECONDS COMMAND...: run it time-boxed, log to $work/NAME.log, record rc and seconds
+    local name=$1 seconds=$2
+    shift 2
+    local start=$SECONDS
+    timeout --kill-after=10 "$seconds" "$@" > "$work/$name.log" 2>&1
+    local rc=$?
+    echo "$name $rc $(( SECONDS - start )) $seconds" >> "$work/stages.txt"
+    echo "== $name: exit $rc after $(( SECONDS - start )) s (limit $seconds s)"
+    tail -n 4 "$work/$name.log"
+}
+
+run_stage environment 60 "$python" -c "
+import json, platform, sys
+from snrt.backends import backend_class
+backend_class('cuda')  # refuses a GPU older than the toolkit supports, naming both
 from snrt.backends.cupy_backend import device_summary
-print("device:", device_summary())
-PY
-# -rs lists every skip with its reason: on a GPU machine only the tests that wait for a
-# change elsewhere (named in their reason) may skip.
-"$venv/bin/python" -m pytest tests/backends -v -rs -p no:cacheprovider
-"$venv/bin/python" -m pytest -q -rs -p no:cacheprovider
-# Data parallel on NCCL needs a GPU per rank: with two or more, two ranks train a few
-# iterations on the GPUs and must agree with two ranks on the CPU (MPI) to float tolerance.
-gpus=$("$venv/bin/python" -c "from cupy.cuda import runtime; print(runtime.getDeviceCount())")
-if (( gpus >= 2 )); then
-    out="${TMPDIR:-/tmp}/snrt-gpu-check-dp"
-    rm -rf "$out"
+info = {'device': device_summary(), 'python': sys.version.split()[0], 'platform': platform.platform()}
+try:
+    import torch, torchvision
+    info['torch'] = f'{torch.__version__} (torchvision {torchvision.__version__})'
+except ImportError as e:
+    info['torch'] = f'not installed ({e})'
+print(json.dumps(info))
+json.dump(info, open('$work/environment.json', 'w'))"
+
+# The two test runs share the machine: the backend tests need the GPU, the rest only cores.
+backend_workers=$(( cores > 8 ? 6 : 2 ))
+rest_workers=$(( cores > 8 ? cores - backend_workers : 2 ))
+run_stage tests-backends 200 "$python" -m pytest -n "$backend_workers" tests/backends -q -rs -p no:cacheprovider \
+    --junitxml "$work/tests-backends.xml" &
+run_stage tests-rest 200 "$python" -m pytest -n "$rest_workers" -q -p no:cacheprovider --ignore tests/backends \
+    --junitxml "$work/tests-rest.xml" &
+wait
+
+# Data parallel on NCCL needs a GPU per rank: with two or more, two ranks train a few iterations
+# on the GPUs and must agree with two ranks on the CPU (MPI) to float tolerance.
+data_parallel() {
     for backend in cuda cpu; do
-        "$venv/bin/mpiexec" -n 2 "$venv/bin/snrt" train configs/cifar_resnet20.yaml --backend "$backend" --batch 16 \
-            --iterations 5 --no-eval --no-progress --out "$out/$backend"
+        mpiexec -n 2 "$python" -m snrt train configs/cifar_resnet20.yaml --backend "$backend" --batch 16 \
+            --iterations 5 --no-eval --no-progress --out "$work/dp/$backend" || return 1
     done
-    "$venv/bin/python" - "$out" <<'PY'
+    "$python" - "$work/dp" <<'PY'
 import sys
 import numpy as np
 from snrt.checkpoint import load_checkpoint
 gpu, _ = load_checkpoint(f"{sys.argv[1]}/cuda/checkpoint.npz")
 cpu, _ = load_checkpoint(f"{sys.argv[1]}/cpu/checkpoint.npz")
 worst = max(float(np.abs(gpu[k] - cpu[k]).max() / (np.abs(cpu[k]).max() + 1e-12)) for k in cpu)
-print(f"data parallel, 2 ranks: NCCL on GPUs vs MPI on the CPU, largest relative difference {worst:.2e}")
+print(f"NCCL on GPUs vs MPI on the CPU, 2 ranks: largest relative difference {worst:.2e}")
 assert worst < 1e-3, worst
 PY
-else
-    echo "gpu_check: data parallel on NCCL skipped: it needs two GPUs, this machine has $gpus"
+}
+export -f data_parallel
+export python work
+gpus=$("$python" -c "from cupy.cuda import runtime; print(runtime.getDeviceCount())")
+if (( gpus >= 2 )) && command -v mpiexec > /dev/null; then
+    run_stage data-parallel 120 bash -c data_parallel
 fi
+
 if (( bench )); then
-    "$venv/bin/python" scripts/bench_gpu.py
+    run_stage bench-snrt 150 "$python" scripts/bench_gpu.py --out "$work/bench-snrt.json"
+    run_stage resnet2500 150 "$python" -m snrt train configs/resnet2500.yaml --backend cuda --iterations 2 --no-eval \
+        --no-progress --out "$work/resnet2500"
+    run_stage bench-torch 90 "$python" scripts/bench_torch.py --out "$work/bench-torch.json"
 fi
+
+"$python" scripts/gpu_report.py "$work" --out results/gpu_check

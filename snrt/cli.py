@@ -508,6 +508,7 @@ def _summary(trainer, history, checkpoint):
         "mean_images_per_s": sum(m.images_per_s for m in timed) / len(timed) if timed else None,
         "predicted_peak_device_bytes": trainer.plan.peak_bytes,
         "measured_peak_device_bytes": trainer.backend.arena.peak_bytes,
+        "predicted_iteration_s": trainer.plan.predicted_s,
         "thread_pools": describe_pools(thread_pools()),
         "checkpoint": str(checkpoint),
     }

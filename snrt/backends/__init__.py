@@ -9,7 +9,7 @@ the CPU. CuPy is imported only on the cuda path, so `import snrt` never touches 
 from snrt.errors import SnrtError
 
 BACKENDS = ("cpu", "cuda")
-GPU_EXTRA = "pip install 'snrt[gpu]'"
+GPU_EXTRA = "pip install 'snrt[gpu]' (CUDA 12) or 'snrt[gpu-cuda13]' (CUDA 13)"
 
 
 def cuda_unavailable_reason():
@@ -34,6 +34,10 @@ def cuda_available():
 
 def _require_cuda():
     reason = cuda_unavailable_reason()
+    if reason is None:
+        from snrt.backends.cupy_backend import device_unsupported_reason
+
+        reason = device_unsupported_reason()
     if reason is not None:
         raise SnrtError(f"the cuda backend is not available: {reason}; use --backend cpu")
 

@@ -7,8 +7,10 @@ and the layer's own `xp` code for the rest. `CudaKernels` is the kernel choice t
 backend plans and runs with. Importing this module does not import CuPy.
 """
 
+import gc
+
 from snrt.backends.cuda_layers import (CublasLinear, CudaAvgPool, CudaBatchNorm, CudaConvTranspose2d, CudaDropout,
-                                       CudaSoftmaxCrossEntropy, GemmConv2d, XpKernel)
+                                       CudaSoftmaxCrossEntropy, CudaUpsample, GemmConv2d, XpKernel)
 from snrt.backends.cuda_source import KernelModule
 from snrt.backends.cudnn_graphs import CudnnBatchNorm, CudnnContext, CudnnConv2d
 from snrt.layers.base import FLOAT32_BYTES
@@ -25,6 +27,11 @@ def _cudnn_batchnorm(layer, in_shapes, kernels):
     return CudnnBatchNorm(layer, in_shapes, kernels, fallback) if kernels.use_cudnn and layer.affine else fallback
 
 
+def _upsample(layer, in_shapes, kernels):
+    """Bilinear by cuBLAS; nearest is slicing, the layer's own xp code."""
+    return XpKernel(layer, in_shapes) if uses_xp_code(layer) else CudaUpsample(layer, in_shapes, kernels.module)
+
+
 def _plain(kernel_class):
     return lambda layer, in_shapes, kernels: kernel_class(layer, in_shapes, kernels.module)
 
@@ -39,7 +46,15 @@ REGISTRY = {
     "Dropout": _plain(CudaDropout),
     "Dropout2d": _plain(CudaDropout),
     "AvgPool": _plain(CudaAvgPool),
+    "Upsample": _upsample,
 }
+
+
+def uses_xp_code(layer):
+    """True when the CUDA backend runs `layer`'s shared xp code (which must then allocate
+    nothing: tests/backends/test_xp_allocation.py): the layers without a kernel here, and
+    nearest Upsample."""
+    return layer.type_name not in REGISTRY or (layer.type_name == "Upsample" and layer.mode == "nearest")
 
 
 class CudaKernels:
@@ -94,6 +109,15 @@ class CudaKernels:
         if self._cudnn is not None:
             self._cudnn.set_stream(stream)
 
+    def release(self):
+        """Drop every kernel and cuDNN graph and destroy the cuDNN handle, so that no library
+        object outlives the backend (or the interpreter); a later `kernel_for` starts afresh."""
+        self._kernels.clear()
+        if self._cudnn is not None:
+            gc.collect()  # the graphs, their tensors and plans go before the handle they were built on
+            self._cudnn.close()
+            self._cudnn = None
+
     def summary(self):
         """{kernel name: count} over the kernels chosen so far (e.g. {"cudnn": 53, "xp": 120})."""
         counts = {}
@@ -102,4 +126,4 @@ class CudaKernels:
         return counts
 
 
-__all__ = ["REGISTRY", "CudaKernels"]
+__all__ = ["REGISTRY", "CudaKernels", "uses_xp_code"]

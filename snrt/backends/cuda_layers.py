@@ -48,6 +48,8 @@ NUMPY_ONLY = {
     "Dropout": "arange of the whole tensor for the hash counters",
     "Dropout2d": "arange of the (N, C) mask's hash counters",
     "AvgPool": "the (Ho, Wo) divisor table from arange/minimum/maximum",
+    "Upsample": "bilinear: matmul of a matrix and a 4-D tensor (CuPy's batched GEMM builds a device "
+                "array of matrix pointers); nearest is slicing and allocates nothing",
 }
 # CuPy's CUB reductions take temporary storage from the memory pool; the backend turns the
 # CUB accelerator off while it runs so the shared xp reductions (GlobalAvgPool) allocate
@@ -249,6 +251,42 @@ class CublasLinear(Float32Kernel):
                          device_pointer(gparams["weight"]), i)
         if self.layer.bias:
             self.module.launch("snrt_channel_sum", o, (gy, gparams["bias"], *int64_args(n, o, 1)))
+
+
+class CudaUpsample(Float32Kernel):
+    """Bilinear Upsample by cuBLAS on the layer's own workspace: y[b] = Ah x[b] for every
+    (n, c) map b as one strided-batched GEMM whose Ah has stride 0, then y = middle Aw^T as one
+    GEMM over all (N C sH) rows; backward the transposes (gx = Ah^T gy Aw). The (sH, H) and
+    (sW, W) weight matrices and the middle tensor are the workspace the layer plans."""
+
+    name = "cublas"
+
+    def own_workspace_bytes(self, in_shapes, phase):
+        return self.layer.workspace_bytes(in_shapes, phase)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        if not self.is_float32(x):
+            return super().forward(ctx, xs, params, state, y, aux, recompute)
+        self._resample(ctx, x, y, x.shape, adjoint=False)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx = gxs[0]
+        if gx is None or not self.is_float32(gx):
+            return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
+        self._resample(ctx, gy, gx, gx.shape, adjoint=True)
+
+    def _resample(self, ctx, source, target, in_shape, adjoint):
+        """target = Ah source Aw^T per map, or Ah^T source Aw when `adjoint`; `in_shape` is the
+        layer's input shape (N, C, H, W), which sizes Ah (sH, H) and Aw (sW, W)."""
+        (n, c, hs, ws), (ht, wt) = source.shape, target.shape[2:]
+        rows, cols = self.layer.weight_matrices(ctx, in_shape, source.dtype)
+        middle = ctx.scratch((n, c, ht, ws), source.dtype)
+        self.module.gemm(adjoint, False, ht, ws, hs, device_pointer(rows), in_shape[2], device_pointer(source), ws,
+                         device_pointer(middle), ws, batch=n * c, stride_a=0, stride_b=hs * ws, stride_c=ht * ws)
+        self.module.gemm(False, not adjoint, n * c * ht, wt, ws, device_pointer(middle), ws, device_pointer(cols),
+                         in_shape[3], device_pointer(target), wt)
+        ctx.release_scratch()
 
 
 GEMM_WORKSPACE_CAP_BYTES = 64 << 20  # the GEMM convolution's preferred column band, at most
@@ -469,5 +507,5 @@ class CudaConvTranspose2d(Float32Kernel):
 
 
 __all__ = ["GEMM_WORKSPACE_CAP_BYTES", "NUMPY_ONLY", "ConvGeometry", "CublasLinear", "CudaAvgPool", "CudaBatchNorm",
-           "CudaConvTranspose2d",
-           "CudaDropout", "CudaSoftmaxCrossEntropy", "Float32Kernel", "GemmConv2d", "XpKernel"]
+           "CudaConvTranspose2d", "CudaDropout", "CudaSoftmaxCrossEntropy", "CudaUpsample", "Float32Kernel", "GemmConv2d",
+           "XpKernel"]

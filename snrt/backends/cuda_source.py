@@ -314,6 +314,31 @@ class CompileError(RuntimeError):
     """NVRTC rejected a kernel source; the message holds its log."""
 
 
+OLDEST_ARCH = 70  # Volta: the oldest GPUs snrt targets (CUDA 13 itself starts at Turing, 75)
+
+
+def nvrtc_toolkit():
+    """(CUDA version as (major, minor), the compute capabilities snrt compiles its kernels for
+    with the installed NVRTC, oldest first): (70, 72, 75, ...) on CUDA 12, (75, ...) on CUDA
+    13, which dropped Volta. Needs the NVRTC library, not a device."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    archs = tuple(sorted(arch for arch in nvrtc.getSupportedArchs() if arch >= OLDEST_ARCH))
+    return tuple(nvrtc.getVersion()), archs
+
+
+def unsupported_device_reason(device_name, capability, toolkit):
+    """None when snrt's kernels compile, with `toolkit` ((major, minor), archs), for a GPU of
+    compute capability `capability` (e.g. 70), else a sentence naming the GPU and the toolkit."""
+    (major, minor), archs = toolkit
+    if capability >= archs[0]:
+        return None
+    older = (f" (the gpu extra, for CUDA 12, compiles for sm_{OLDEST_ARCH} and newer)"
+             if major > 12 and capability >= OLDEST_ARCH else "")
+    return (f"the GPU {device_name} (sm_{capability}) is older than snrt supports on CUDA {major}.{minor} "
+            f"(sm_{archs[0]} and newer){older}")
+
+
 def compile_ptx(source=KERNEL_SOURCE, arch="compute_80", options=NVRTC_OPTIONS):
     """PTX of `source` from NVRTC for virtual architecture `arch`. Needs the NVRTC library
     (the nvidia-cuda-nvrtc-cu12 wheel CuPy loads), not a GPU or a driver: CuPy's own
@@ -384,4 +409,4 @@ def int64_args(*values):
 
 
 __all__ = ["BLOCK", "KERNEL_NAMES", "KERNEL_SOURCE", "MAX_GRID", "NVRTC_OPTIONS", "CompileError", "KernelModule",
-           "compile_ptx", "device_pointer", "grid_for", "int64_args"]
+           "compile_ptx", "device_pointer", "grid_for", "int64_args", "nvrtc_toolkit", "unsupported_device_reason"]

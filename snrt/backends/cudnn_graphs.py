@@ -41,10 +41,46 @@ import numpy as np
 
 from snrt.backends.cuda_layers import Float32Kernel, XpKernel
 from snrt.backends.cuda_source import device_pointer, grid_for, int64_args
+from snrt.errors import SnrtError
 from snrt.layers.base import FORWARD, numel
 
 CONV_OPS = ("fprop", "dgrad", "wgrad")
 BATCHNORM_OPS = ("forward", "forward_no_running", "backward")
+CUDNN_WHEELS = ("the gpu extras install it: pip install 'snrt[gpu]' (CUDA 12) or 'snrt[gpu-cuda13]' (CUDA 13)")
+
+
+def import_cudnn():
+    """The cuDNN frontend module (`import cudnn`) with the cuDNN 9 library loaded.
+
+    The library is found by cuda-pathfinder, CuPy's own library finder (the nvidia-cudnn-cu12
+    or -cu13 wheel, a conda environment, CUDA_HOME, the system's loader path), and loaded before
+    the frontend looks for it, so the frontend uses that copy wherever the environment holds it.
+    A clear SnrtError when the library or the frontend is missing."""
+    try:
+        from cuda import pathfinder
+    except ImportError:  # a CuPy older than 14: the frontend's own search (site-packages, the loader)
+        pathfinder = None
+    if pathfinder is not None:
+        try:
+            pathfinder.load_nvidia_dynamic_lib("cudnn")
+        except pathfinder.DynamicLibNotFoundError as e:
+            raise SnrtError(f"cuDNN 9 (libcudnn.so.9) was not found: {CUDNN_WHEELS}, or put the folder that holds "
+                            f"it on LD_LIBRARY_PATH ({e})") from None
+    try:
+        import cudnn
+    except ImportError as e:
+        raise SnrtError(f"the cuDNN frontend (nvidia-cudnn-frontend) is not installed ({e}); {CUDNN_WHEELS}") from None
+    return cudnn
+
+
+def cudnn_versions():
+    """"cuDNN 9.27.0 (frontend 1.32.0)", or what is missing."""
+    try:
+        cudnn = import_cudnn()
+    except SnrtError as e:
+        return str(e)
+    version = cudnn.backend_version()
+    return f"cuDNN {version // 10000}.{version % 10000 // 100}.{version % 100} (frontend {cudnn.__version__})"
 
 
 def row_major_strides(dims):
@@ -110,25 +146,26 @@ def _tensor(cudnn, graph, name, dims):
                         data_type=cudnn.data_type.FLOAT)
 
 
-def _output(cudnn, tensor, dims=None):
-    tensor.set_output(True).set_data_type(cudnn.data_type.FLOAT)
-    if dims is not None:
-        tensor.set_dim(list(dims)).set_stride(list(row_major_strides(dims)))
-    return tensor
+def _output(cudnn, tensor, dims):
+    """An operation's output bound to a packed NCHW arena view. Its dims and strides are set
+    explicitly: the frontend pushes only set ones to cuDNN, which otherwise picks a layout of
+    its own (channels-last for a convolution's output)."""
+    return (tensor.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+            .set_dim(list(dims)).set_stride(list(row_major_strides(dims))))
 
 
 def describe_conv(cudnn, spec, op, handle=None):
     """(pygraph, {role: tensor}) of one convolution operation, `op` in CONV_OPS.
 
     fprop: x, w -> y; dgrad: dy, w -> dx; wgrad: x, dy -> dw (roles name the snrt buffers).
-    The dgrad and wgrad output dims are set from the spec (cuDNN cannot infer them).
+    Every tensor, outputs included, has the dims and packed strides of its snrt buffer.
     """
     graph = _new_graph(cudnn, f"snrt_conv_{op}", handle)
     options = dict(padding=list(spec.padding), stride=list(spec.stride), dilation=list(spec.dilation),
                    compute_data_type=cudnn.data_type.FLOAT)
     if op == "fprop":
         x, w = _tensor(cudnn, graph, "x", spec.x), _tensor(cudnn, graph, "w", spec.w)
-        y = _output(cudnn, graph.conv_fprop(image=x, weight=w, name="fprop", **options))
+        y = _output(cudnn, graph.conv_fprop(image=x, weight=w, name="fprop", **options), spec.y)
         return graph, {"x": x, "w": w, "y": y}
     if op == "dgrad":
         dy, w = _tensor(cudnn, graph, "dy", spec.y), _tensor(cudnn, graph, "w", spec.w)
@@ -166,7 +203,7 @@ def describe_batchnorm(cudnn, spec, op, handle=None):
         outputs = graph.batchnorm(name="bn", input=t["x"], scale=t["scale"], bias=t["bias"], epsilon=t["epsilon"],
                                   momentum=t["momentum"], **running)
         y, mean, inv_std, next_mean, next_var = outputs
-        t["y"], t["mean"], t["inv_std"] = _output(cudnn, y), _output(cudnn, mean, stats), _output(cudnn, inv_std, stats)
+        t["y"], t["mean"], t["inv_std"] = _output(cudnn, y, spec.x), _output(cudnn, mean, stats), _output(cudnn, inv_std, stats)
         if op == "forward":
             t["next_running_mean"], t["next_running_var"] = _output(cudnn, next_mean, stats), _output(cudnn, next_var, stats)
         return graph, t
@@ -176,7 +213,7 @@ def describe_batchnorm(cudnn, spec, op, handle=None):
              "inv_std": _tensor(cudnn, graph, "inv_std", stats)}
         dx, dscale, dbias = graph.batchnorm_backward(name="dbn", grad=t["dy"], input=t["x"], scale=t["scale"],
                                                      mean=t["mean"], inv_variance=t["inv_std"])
-        t["dx"], t["dscale"], t["dbias"] = _output(cudnn, dx), _output(cudnn, dscale, stats), _output(cudnn, dbias, stats)
+        t["dx"], t["dscale"], t["dbias"] = _output(cudnn, dx, spec.x), _output(cudnn, dscale, stats), _output(cudnn, dbias, stats)
         return graph, t
     raise ValueError(f"unknown BatchNorm operation {op!r}; expected one of {', '.join(BATCHNORM_OPS)}")
 
@@ -199,8 +236,7 @@ class CudnnContext:
     """One cuDNN handle on the current device, and graph building with engine selection."""
 
     def __init__(self, workspace_limit_bytes=None, allow_tf32=False):
-        import cudnn
-
+        cudnn = import_cudnn()
         # The frontend also offers Python engine families ("frost"); some import torch and,
         # with a CPU-only torch installed, fail to load with a logged traceback. snrt's graphs
         # only use the library's engines, so that log is noise: keep it quiet.
@@ -213,6 +249,12 @@ class CudnnContext:
 
     def set_stream(self, stream):
         self.cudnn.set_stream(self.handle, stream.ptr)
+
+    def close(self):
+        """Destroy the handle (the graphs built on it must be dropped first)."""
+        if self.handle is not None:
+            self.cudnn.destroy_handle(self.handle)
+            self.handle = None
 
     def build(self, description, describe, limit):
         """The CudnnGraph from `describe(cudnn, handle)` with the fastest engine whose

@@ -51,7 +51,9 @@ memory, and copies are issued only when the plan waits for them, so a step that 
 prefetched buffer before its wait sees the poison.
 """
 
+import atexit
 import contextlib
+import weakref
 
 import cupy
 import cupyx
@@ -60,6 +62,8 @@ from cupy.cuda import runtime
 
 from snrt.backends.base import Backend, CopyEvent
 from snrt.backends.cuda_kernels import CudaKernels
+from snrt.backends.cuda_source import nvrtc_toolkit, unsupported_device_reason
+from snrt.backends.cudnn_graphs import cudnn_versions
 from snrt.errors import SnrtError
 from snrt.memory.arena import Arena
 from snrt.memory.host import HostStore
@@ -202,13 +206,13 @@ class CupyBackend(Backend):
         self._events = []  # (kind, what, start event, end event) when profiling
         self._closed = False
         self._device = _DeviceState.acquire()
+        _OPEN.add(self)
+        _ALIVE.add(self)
         self.compute_stream, self.guard = self._device.compute_stream, self._device.guard
         self.to_host_stream = cupy.cuda.Stream(non_blocking=True)
         self.to_device_stream = cupy.cuda.Stream(non_blocking=True)
         self.collective_stream = cupy.cuda.Stream(non_blocking=True)
         self._nccl = None  # the NCCL communicator, made by the first exchange
-        self._baseline_free_bytes = runtime.memGetInfo()[0]
-        self._outside_baseline_bytes = self.guard.pool.total_bytes()
         self._arena_pool = cupy.cuda.MemoryPool()
         with cupy.cuda.using_allocator(self._arena_pool.malloc):
             self.arena = Arena(cupy, arena_bytes, check=check)
@@ -321,31 +325,41 @@ class CupyBackend(Backend):
         self._events.clear()
 
     def memory_report(self):
-        """Device bytes: the arena (capacity, measured peak of live planned bytes), CuPy
-        allocations outside kernel steps (counted by the guard), and what cudaMemGetInfo
-        sees in use beyond both since the backend was created (library handles and
-        workspaces, loaded kernels)."""
+        """Device bytes, each measured: the arena (capacity, measured peak of live planned
+        bytes, what its pool holds), CuPy allocations outside kernel steps (counted by the
+        guard), and `untracked_bytes`: what cudaMemGetInfo sees in use on the device beyond
+        every memory pool of snrt's backends and CuPy's default pool (the CUDA context, cuBLAS
+        and cuDNN handles and workspaces, loaded kernels, and any other process on the GPU).
+        The pools hold memory from cudaMalloc, so it is never negative. Pinned host memory
+        (the host store) is host memory and reported apart."""
         free_bytes, total_bytes = runtime.memGetInfo()
-        used = self._baseline_free_bytes - free_bytes
+        pools = [backend._arena_pool for backend in _ALIVE] + [self.guard.pool, cupy.get_default_memory_pool()]
+        pooled = sum(pool.total_bytes() for pool in pools)
         return {
             "arena_bytes": self.arena.capacity_bytes,
             "arena_peak_bytes": self.arena.peak_bytes,
             "arena_allocated_bytes": self._arena_pool.total_bytes(),
             "outside_arena_peak_bytes": self.guard.peak_bytes,  # shared by the process's backends
             "outside_arena_held_bytes": self.guard.pool.total_bytes(),
-            "device_used_bytes": used,
-            "untracked_bytes": (used - self._arena_pool.total_bytes()
-                                - (self.guard.pool.total_bytes() - self._outside_baseline_bytes)),
+            "pooled_bytes": pooled,
+            "device_used_bytes": total_bytes - free_bytes,
+            "untracked_bytes": total_bytes - free_bytes - pooled,
             "device_total_bytes": total_bytes,
+            "pinned_host_bytes": 0 if self.host.data is None else self.host.data.nbytes,
         }
 
     def close(self):
-        """Finish queued work; the last backend to close gives CuPy its allocator,
-        accelerators and current stream back."""
+        """Finish queued work and give the arena back; kernels the caller brought are released
+        (the process's default ones live until `release_all`); the last backend to close gives
+        CuPy its allocator, accelerators and current stream back. Every run closes its
+        backend, whatever ends it (`release_all` at exit closes any left open)."""
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         self.synchronize()
+        if self.kernels is not default_kernels():
+            self.kernels.release()
         self._device.release()
 
 
@@ -387,6 +401,8 @@ class _DeviceState:
 
 
 _DEFAULT_KERNELS = []
+_OPEN = weakref.WeakSet()  # the backends not closed yet
+_ALIVE = weakref.WeakSet()  # the backends not garbage-collected yet (their arena pools may hold memory)
 
 
 def default_kernels():
@@ -394,6 +410,17 @@ def default_kernels():
     if not _DEFAULT_KERNELS:
         _DEFAULT_KERNELS.append(CudaKernels())
     return _DEFAULT_KERNELS[0]
+
+
+@atexit.register
+def release_all():
+    """Close every backend still open and release the default kernels (their cuDNN graphs and
+    handle): run at exit, before the interpreter tears the library bindings down, so that none
+    of their objects outlives it."""
+    for backend in list(_OPEN):
+        backend.close()
+    if _DEFAULT_KERNELS:
+        _DEFAULT_KERNELS.pop().release()
 
 
 def _disable_cub():
@@ -413,11 +440,28 @@ def _restore_cub(saved):
     _accelerator.set_routine_accelerators(saved[1])
 
 
+def device_name():
+    """The current CUDA device's name, e.g. "NVIDIA H100 80GB HBM3"."""
+    name = runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def device_unsupported_reason():
+    """None when the installed NVRTC compiles for the current GPU, else a sentence naming both."""
+    return unsupported_device_reason(device_name(), int(cupy.cuda.Device().compute_capability), nvrtc_toolkit())
+
+
 def device_summary():
-    """One line about the current CUDA device (name, compute capability, memory)."""
-    device = cupy.cuda.Device()
-    props = runtime.getDeviceProperties(device.id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    """One line about the current CUDA device (name, compute capability, memory) and the CUDA
+    software snrt runs on it with."""
     free_bytes, total_bytes = runtime.memGetInfo()
-    return (f"{name} (sm_{device.compute_capability}), {total_bytes / 2**30:.1f} GiB, "
-            f"{free_bytes / 2**30:.1f} GiB free; CuPy {cupy.__version__}, CUDA runtime {runtime.runtimeGetVersion()}")
+    (major, minor), _ = nvrtc_toolkit()
+    return (f"{device_name()} (sm_{cupy.cuda.Device().compute_capability}), {total_bytes / 2**30:.1f} GiB, "
+            f"{free_bytes / 2**30:.1f} GiB free; driver {_version(runtime.driverGetVersion())}, "
+            f"CUDA runtime {_version(runtime.runtimeGetVersion())}, NVRTC {major}.{minor}, CuPy {cupy.__version__}, "
+            f"{cudnn_versions()}")
+
+
+def _version(number):
+    """CUDA's integer version (13000) as "13.0"."""
+    return f"{number // 1000}.{number % 1000 // 10}"

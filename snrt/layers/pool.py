@@ -361,7 +361,7 @@ class Upsample(Layer):
         middle = n * c * (sh * w if phase != BACKWARD else h * sw)
         return scratch_bytes(sh * h * itemsize, sw * w * itemsize, middle * itemsize)
 
-    def _matrices(self, ctx, shape, dtype):
+    def weight_matrices(self, ctx, shape, dtype):
         """The (sH, H) and (sW, W) bilinear weights, carved from the workspace."""
         h, w = shape[2:]
         rows = ctx.scratch((h * self.scale[0], h), dtype)
@@ -378,7 +378,7 @@ class Upsample(Layer):
                 for j in range(sw):
                     y[:, :, i::sh, j::sw] = x
             return
-        rows, cols = self._matrices(ctx, x.shape, x.dtype)
+        rows, cols = self.weight_matrices(ctx, x.shape, x.dtype)
         middle = ctx.scratch((*x.shape[:2], rows.shape[0], x.shape[3]), x.dtype)
         xp.matmul(rows, x, out=middle)  # (sH, H) @ (N, C, H, W)
         xp.matmul(middle, cols.T, out=y)
@@ -396,7 +396,7 @@ class Upsample(Layer):
                     if i or j:
                         gx += gy[:, :, i::sh, j::sw]
             return
-        rows, cols = self._matrices(ctx, gx.shape, gx.dtype)
+        rows, cols = self.weight_matrices(ctx, gx.shape, gx.dtype)
         middle = ctx.scratch((*gx.shape[:2], gx.shape[2], cols.shape[0]), gx.dtype)
         xp.matmul(rows.T, gy, out=middle)  # (H, sH) @ (N, C, sH, sW)
         xp.matmul(middle, cols, out=gx)

@@ -27,12 +27,15 @@ import snrt
 from snrt.backends import backend_class, cuda_available, cuda_unavailable_reason, default_backend
 from snrt.backends import cuda_layers, cuda_source
 from snrt.backends.cuda_kernels import REGISTRY
-from snrt.backends.cuda_layers import NUMPY_ONLY, ConvGeometry, CublasLinear, CudaConvTranspose2d, GemmConv2d
+from snrt.backends.cudnn_graphs import row_major_strides
+from snrt.backends.cuda_layers import (NUMPY_ONLY, ConvGeometry, CublasLinear, CudaConvTranspose2d, CudaUpsample,
+                                       GemmConv2d)
 from snrt.errors import SnrtError
 from snrt.layers import LAYERS
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.conv import Conv2d, ConvTranspose2d
 from snrt.layers.linear import Linear
+from snrt.layers.pool import Upsample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -122,15 +125,15 @@ class HostModule:
 
     def gemm(self, trans_a, trans_b, m, n, k, a, lda, b, ldb, c, ldc, accumulate=False, batch=1,
              stride_a=0, stride_b=0, stride_c=0):
-        assert batch == 1
         a_rows, a_cols = (k, m) if trans_a else (m, k)
         b_rows, b_cols = (n, k) if trans_b else (k, n)
         assert lda >= a_cols and ldb >= b_cols and ldc >= n
-        left = _host_view(a, (a_rows, a_cols), (lda, 1)).astype(np.float64)
-        right = _host_view(b, (b_rows, b_cols), (ldb, 1)).astype(np.float64)
-        out = _host_view(c, (m, n), (ldc, 1))
-        result = (left.T if trans_a else left) @ (right.T if trans_b else right)
-        out[...] = result + (out if accumulate else 0)
+        for i in range(batch):  # element strides, as cuBLAS counts them
+            left = _host_view(a + 4 * i * stride_a, (a_rows, a_cols), (lda, 1)).astype(np.float64)
+            right = _host_view(b + 4 * i * stride_b, (b_rows, b_cols), (ldb, 1)).astype(np.float64)
+            out = _host_view(c + 4 * i * stride_c, (m, n), (ldc, 1))
+            result = (left.T if trans_a else left) @ (right.T if trans_b else right)
+            out[...] = result + (out if accumulate else 0)
 
     def launch(self, name, blocks, args, threads=256):
         getattr(self, name)(*args)
@@ -268,6 +271,23 @@ def test_gemm_convolution_refuses_a_workspace_smaller_than_one_row(host_pointers
                        "bias": np.zeros(4, np.float32)}, {}, y, {})
 
 
+@pytest.mark.parametrize("scale", [2, (3, 2)], ids=["2", "3x2"])
+def test_cublas_bilinear_upsample_matches_the_numpy_kernel(scale, host_pointers):
+    layer = Upsample(scale=scale, mode="bilinear")
+    x, _, y_ref, gy, gx_ref, _ = _numpy_run(layer, (2, 3, 5, 4), np.random.default_rng(3))
+    kernel = CudaUpsample(layer, [x.shape], HostModule())
+
+    def context(phase):
+        return KernelContext(np, workspace=np.zeros(kernel.workspace_bytes([x.shape], phase), np.uint8))
+
+    y = np.full_like(y_ref, np.nan)
+    kernel.forward(context(FORWARD), [x], {}, {}, y, {})
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    gx = np.full_like(x, np.nan)
+    kernel.backward(context(BACKWARD), gy, Saved((None,)), {}, {}, [gx], {})
+    np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_cublas_linear_matches_the_numpy_kernel(bias, host_pointers):
     rng = np.random.default_rng(1)
@@ -292,12 +312,27 @@ def test_cublas_linear_matches_the_numpy_kernel(bias, host_pointers):
 
 # ---- with the gpu extra (no device needed) ------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["compute_70", "compute_80", "compute_90"])
-def test_every_cuda_kernel_compiles_with_nvrtc(arch):
+def test_every_cuda_kernel_compiles_with_nvrtc_for_the_toolkits_architectures():
+    """The oldest architecture the installed NVRTC supports (sm_70 on CUDA 12, sm_75 on CUDA
+    13, which dropped Volta), Ampere and Hopper."""
     pytest.importorskip("cupy")
-    ptx = cuda_source.compile_ptx(arch=arch).decode()
-    for name in cuda_source.KERNEL_NAMES:
-        assert f".entry {name}(" in ptx, name
+    (major, _), archs = cuda_source.nvrtc_toolkit()
+    assert archs[0] == {12: 70, 13: 75}.get(major, archs[0]), (major, archs)
+    for arch in sorted({archs[0], 80, 90} & set(archs)):
+        ptx = cuda_source.compile_ptx(arch=f"compute_{arch}").decode()
+        for name in cuda_source.KERNEL_NAMES:
+            assert f".entry {name}(" in ptx, (arch, name)
+
+
+@pytest.mark.parametrize("capability,toolkit,refused", [
+    (70, ((13, 0), (75, 80, 90)), "the GPU Tesla V100 (sm_70) is older than snrt supports on CUDA 13.0 (sm_75 and newer) "
+                                  "(the gpu extra, for CUDA 12, compiles for sm_70 and newer)"),
+    (60, ((12, 9), (70, 75, 80, 90)), "the GPU Tesla V100 (sm_60) is older than snrt supports on CUDA 12.9 (sm_70 and newer)"),
+    (75, ((13, 0), (75, 80, 90)), None),
+    (120, ((12, 9), (70, 75, 80, 90)), None),  # newer than the toolkit knows: PTX for the newest
+], ids=["volta-on-13", "pascal-on-12", "turing-on-13", "newer-than-12"])
+def test_a_gpu_older_than_the_toolkit_is_refused_naming_both(capability, toolkit, refused):
+    assert cuda_source.unsupported_device_reason("Tesla V100", capability, toolkit) == refused
 
 
 def test_nvrtc_check_reports_errors():
@@ -345,7 +380,7 @@ def _validate_or_need_a_driver(graph):
 
 def test_cudnn_graphs_are_described_for_every_convolution_in_configs():
     cudnn = pytest.importorskip("cudnn")
-    from snrt.backends.cudnn_graphs import CONV_OPS, conv_spec, describe_conv, row_major_strides
+    from snrt.backends.cudnn_graphs import CONV_OPS, conv_spec, describe_conv
 
     shapes = config_shapes("Conv2d")
     assert len(shapes) > 100
@@ -367,6 +402,32 @@ def test_cudnn_graphs_are_described_for_every_convolution_in_configs():
             assert list(params["stride"]) == list(layer.stride), (where, op)
             assert list(params["dilation"]) == list(layer.dilation), (where, op)
     _validate_or_need_a_driver(graph)  # lowering needs the driver: the last graph is a sample
+
+
+def _assert_layouts_are_explicit(graph, tensors, where):
+    """Every tensor of a described graph (scalars aside) carries dims and packed row-major
+    strides that snrt set itself: the frontend lowers only set ones, and cuDNN picks its own
+    layout (channels-last for a convolution's output) for the rest. No tensor is missing
+    from `tensors`, so every one is bound to an arena view."""
+    assert len(graph.inspect()["tensors"]) == len(tensors), where
+    for role, tensor in tensors.items():
+        if tensor.is_pass_by_value:
+            continue
+        assert tensor.dim_assigned and tensor.stride_assigned, (where, role, "layout left to cuDNN")
+        assert tuple(tensor.stride) == row_major_strides(tensor.dim), (where, role)
+
+
+def test_every_cudnn_tensor_has_the_layout_of_its_arena_view():
+    cudnn = pytest.importorskip("cudnn")
+    from snrt.backends.cudnn_graphs import (BATCHNORM_OPS, CONV_OPS, batchnorm_spec, conv_spec, describe_batchnorm,
+                                            describe_conv)
+
+    for type_name, spec_of, describe, ops in (("Conv2d", conv_spec, describe_conv, CONV_OPS),
+                                              ("BatchNorm", batchnorm_spec, describe_batchnorm, BATCHNORM_OPS)):
+        for (layer, in_shapes), where in config_shapes(type_name).items():
+            spec = spec_of(layer, in_shapes)
+            for op in ops:
+                _assert_layouts_are_explicit(*describe(cudnn, spec, op), (where, op))
 
 
 def test_cudnn_fprop_shape_inference_agrees_with_snrt():

@@ -15,25 +15,26 @@ def away_from_zero(shape, seed=0):
     return x
 
 
-@pytest.mark.parametrize(
-    "layer, reference",
-    [
-        (ReLU(), lambda xs, p: torch.relu(xs[0])),
-        (ReLU6(), lambda xs, p: torch.nn.functional.relu6(xs[0])),
-        (LeakyReLU(slope=0.1), lambda xs, p: torch.nn.functional.leaky_relu(xs[0], 0.1)),
-        (Sigmoid(), lambda xs, p: torch.sigmoid(xs[0])),
-        (Tanh(), lambda xs, p: torch.tanh(xs[0])),
-        (SiLU(), lambda xs, p: torch.nn.functional.silu(xs[0])),
-        (ELU(), lambda xs, p: torch.nn.functional.elu(xs[0])),
-        (ELU(alpha=2.5), lambda xs, p: torch.nn.functional.elu(xs[0], 2.5)),
-        (ELU(alpha=0.3), lambda xs, p: torch.nn.functional.elu(xs[0], 0.3)),
-        (GELU(), lambda xs, p: torch.nn.functional.gelu(xs[0])),
-        (GELU(approximate="tanh"), lambda xs, p: torch.nn.functional.gelu(xs[0], approximate="tanh")),
-        (Identity(), lambda xs, p: xs[0]),
-        (Softmax(), lambda xs, p: torch.softmax(xs[0], dim=1)),
-    ],
-    ids=repr,
-)
+# each layer with its PyTorch reference; the test's id is the layer's repr (a lambda's repr holds
+# its address, which differs between pytest-xdist workers)
+ACTIVATIONS = [
+    (ReLU(), lambda xs, p: torch.relu(xs[0])),
+    (ReLU6(), lambda xs, p: torch.nn.functional.relu6(xs[0])),
+    (LeakyReLU(slope=0.1), lambda xs, p: torch.nn.functional.leaky_relu(xs[0], 0.1)),
+    (Sigmoid(), lambda xs, p: torch.sigmoid(xs[0])),
+    (Tanh(), lambda xs, p: torch.tanh(xs[0])),
+    (SiLU(), lambda xs, p: torch.nn.functional.silu(xs[0])),
+    (ELU(), lambda xs, p: torch.nn.functional.elu(xs[0])),
+    (ELU(alpha=2.5), lambda xs, p: torch.nn.functional.elu(xs[0], 2.5)),
+    (ELU(alpha=0.3), lambda xs, p: torch.nn.functional.elu(xs[0], 0.3)),
+    (GELU(), lambda xs, p: torch.nn.functional.gelu(xs[0])),
+    (GELU(approximate="tanh"), lambda xs, p: torch.nn.functional.gelu(xs[0], approximate="tanh")),
+    (Identity(), lambda xs, p: xs[0]),
+    (Softmax(), lambda xs, p: torch.softmax(xs[0], dim=1)),
+]
+
+
+@pytest.mark.parametrize("layer, reference", ACTIVATIONS, ids=[repr(layer) for layer, _ in ACTIVATIONS])
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 7)])
 def test_activation(layer, reference, shape):
     check_layer(layer, [away_from_zero(shape)], reference)

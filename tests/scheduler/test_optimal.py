@@ -131,7 +131,8 @@ SLOW_COPIES = replace(cost.CPU, copy_bytes_per_s=1e8)  # copies dear against com
 
 
 @pytest.mark.parametrize("doc, fraction", [(SMALL_RESNET, 0.05), (MODERN, 0.05), (CONCAT_NET, 0.0),
-                                           (CONCAT_NET, 0.05)])
+                                           (CONCAT_NET, 0.05)],
+                         ids=lambda v: v["name"] if isinstance(v, dict) else None)
 def test_training_under_a_budget_optimal_plan_is_bit_identical_to_none(monkeypatch, doc, fraction):
     monkeypatch.setattr(NumpyBackend, "cost_model", SLOW_COPIES)
     config = parse_config(doc, "<test>")
@@ -199,7 +200,7 @@ def test_a_grown_plan_over_the_budget_is_cut_back_until_one_fits():
     assert grown.predicted_s < 0.95 * plain.predicted_s
 
 
-@pytest.mark.parametrize("doc", [SMALL_RESNET, CONCAT_NET])
+@pytest.mark.parametrize("doc", [SMALL_RESNET, CONCAT_NET], ids=lambda doc: doc["name"])
 def test_training_under_superneurons_grown_into_a_budget_is_bit_identical_to_none(monkeypatch, doc):
     monkeypatch.setattr(NumpyBackend, "cost_model", SLOW_COPIES)
     config = parse_config(doc, "<test>")
@@ -252,7 +253,8 @@ def test_training_with_some_parameters_kept_resident_and_the_rest_streamed_is_bi
     assert trainer.backend.arena.peak_bytes == trainer.plan.peak_bytes
 
 
-@pytest.mark.parametrize("model", [cost.CPU, cost.CUDA])  # offload's plan is faster on the CPU, not on CUDA
+# offload's plan is faster on the CPU, not on CUDA
+@pytest.mark.parametrize("model", [cost.CPU, cost.CUDA], ids=["cpu", "cuda"])
 @pytest.mark.parametrize("over", [1.0, 2.0])
 def test_skipping_plans_that_cannot_beat_the_cap_changes_no_plan(model, over):
     graph = load_config(ROOT / "configs" / "cifar_resnet56.yaml").graph

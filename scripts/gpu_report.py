@@ -1,0 +1,171 @@
+"""The report of scripts/gpu_check.sh: reads what its stages left in the work folder and writes
+OUT.md and OUT.json (default results/gpu_check.*), then prints a short table.
+
+    python scripts/gpu_report.py /tmp/snrt-gpu-check --out results/gpu_check
+
+The work folder holds stages.txt (one line per stage: name, exit status, seconds, limit),
+environment.json, the pytest runs' JUnit XML (tests-backends.xml, tests-rest.xml), bench_gpu's
+JSON (bench-snrt.json), the ResNet-2500 run folder (resnet2500/summary.json) and bench_torch's
+JSON (bench-torch.json). A stage that did not leave its file is reported as missing, with its
+exit status: the report is written whatever failed.
+"""
+
+import argparse
+import json
+import statistics
+import xml.etree.ElementTree as ET
+from datetime import datetime, timezone
+from pathlib import Path
+
+GIB = 2 ** 30
+
+
+def read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_stages(work):
+    """{name: {"exit": rc, "seconds": s, "limit": s}} (exit 124 or 137: out of time)."""
+    stages = {}
+    path = work / "stages.txt"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        name, rc, seconds, limit = line.split()
+        stages[name] = {"exit": int(rc), "seconds": int(seconds), "limit": int(limit)}
+    return stages
+
+
+def read_tests(path):
+    """Counts of a JUnit XML file and the ids of the tests that failed, or None."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failed, skipped = [], {}
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        if outcome is None:
+            counts["passed"] += 1
+        elif outcome.tag == "skipped":
+            counts["skipped"] += 1
+            reason = (outcome.get("message") or "").strip()
+            skipped[reason] = skipped.get(reason, 0) + 1
+        else:
+            counts["failed"] += 1
+            failed.append(f"{name}: {(outcome.get('message') or '').splitlines()[0][:200] if outcome.get('message') else ''}")
+    return {**counts, "failures": failed, "skip_reasons": skipped}
+
+
+def read_resnet2500(folder):
+    summary = read_json(folder / "summary.json")
+    if summary is None:
+        return None
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    seconds = [m["seconds"] for m in metrics]
+    return {**summary, "seconds_per_iteration": seconds}
+
+
+def collect(work):
+    return {
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "environment": read_json(work / "environment.json"),
+        "stages": read_stages(work),
+        "tests": {name: read_tests(work / f"{name}.xml") for name in ("tests-backends", "tests-rest")},
+        "snrt_resnet50": read_json(work / "bench-snrt.json"),
+        "resnet2500": read_resnet2500(work / "resnet2500"),
+        "torch_resnet50": read_json(work / "bench-torch.json"),
+    }
+
+
+def gib(nbytes):
+    return "" if nbytes is None else f"{nbytes / GIB:.2f} GiB"
+
+
+def speed_rows(report):
+    """(what, ms per iteration, images/s, peak) of every ResNet-50 row, snrt's then PyTorch's."""
+    rows = []
+    for row in (report["snrt_resnet50"] or {}).get("rows", []):
+        seconds = row["seconds_per_iteration"]
+        rows.append((f"snrt {row['policy']}", f"{seconds * 1e3:.1f}", f"{row['images_per_s']:.0f}",
+                     f"{gib(row['measured_peak_bytes'])} (plan {gib(row['planned_peak_bytes'])})"))
+    for row in (report["torch_resnet50"] or {}).get("rows", []):
+        if "error" in row:
+            rows.append((f"PyTorch {row['mode']}", "failed", "", row["error"][:80]))
+        else:
+            rows.append((f"PyTorch {row['mode']}", f"{row['ms_per_iteration']:.1f}", f"{row['images_per_s']:.0f}",
+                         gib(row["peak_bytes"])))
+    return rows
+
+
+def markdown(report):
+    env = report["environment"] or {}
+    lines = ["# GPU check", "", f"Written by `bash scripts/gpu_check.sh` on {report['when']}.", "",
+             f"- device and CUDA software: {env.get('device', 'unknown (the environment stage failed)')}",
+             f"- Python {env.get('python', '?')}, {env.get('platform', '?')}",
+             f"- PyTorch (comparison only): {env.get('torch', '?')}", "", "## Stages", "",
+             "| stage | exit | seconds | limit |", "| --- | --- | --- | --- |"]
+    for name, stage in report["stages"].items():
+        status = "out of time" if stage["exit"] in (124, 137) else stage["exit"]
+        lines.append(f"| {name} | {status} | {stage['seconds']} | {stage['limit']} |")
+    lines += ["", "## Tests", ""]
+    for name, tests in report["tests"].items():
+        if tests is None:
+            lines.append(f"- {name}: no results")
+            continue
+        lines.append(f"- {name}: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped")
+        lines += [f"  - failed: `{failure}`" for failure in tests["failures"]]
+        lines += [f"  - skipped ({count}): {reason}" for reason, count in tests["skip_reasons"].items()]
+    snrt50 = report["snrt_resnet50"] or {}
+    torch50 = report["torch_resnet50"] or {}
+    batch = next((row["batch"] for row in snrt50.get("rows", [])), torch50.get("batch", "?"))
+    lines += ["", f"## ResNet-50, batch {batch}, 224x224, fp32 (median of 5 iterations)", "",
+              f"PyTorch {torch50.get('torch', '?')}, cuDNN {torch50.get('cudnn', '?')}, on {torch50.get('device', '?')}.", "",
+              "| | ms/iteration | img/s | peak |", "| --- | --- | --- | --- |"]
+    lines += [f"| {' | '.join(row)} |" for row in speed_rows(report)]
+    r2500 = report["resnet2500"]
+    lines += ["", "## snrt train configs/resnet2500.yaml --backend cuda --iterations 2", ""]
+    if r2500 is None:
+        lines.append("No summary: see the stage's exit status above.")
+    else:
+        seconds = ", ".join(f"{s:.2f}" for s in r2500["seconds_per_iteration"])
+        lines += [f"- batch {r2500['batch']}, policy {r2500['policy']}, final loss {r2500['final_loss']:.4f}",
+                  f"- seconds per iteration: {seconds} (predicted {r2500.get('predicted_iteration_s', 0):.2f} s)",
+                  f"- images/s (after the first iteration): {r2500['mean_images_per_s']:.2f}",
+                  f"- measured peak {gib(r2500['measured_peak_device_bytes'])}, planned "
+                  f"{gib(r2500['predicted_peak_device_bytes'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def short_table(report):
+    out = []
+    for name, tests in report["tests"].items():
+        out.append(f"{name:24s} " + ("no results" if tests is None else
+                                     f"{tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped"))
+    for what, ms, images, peak in speed_rows(report):
+        out.append(f"{what:24s} {ms:>8s} ms {images:>6s} img/s  {peak}")
+    r2500 = report["resnet2500"]
+    if r2500:
+        median = statistics.median(r2500["seconds_per_iteration"])
+        out.append(f"{'snrt ResNet-2500':24s} {median:8.2f} s/iteration, peak {gib(r2500['measured_peak_device_bytes'])}")
+    return "\n".join(out)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("results/gpu_check"))
+    args = parser.parse_args()
+    report = collect(args.work)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')}")
+    print(short_table(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -59,7 +59,7 @@ def test_tune_writes_a_config_that_trains_and_refuses_to_overwrite_it(tmp_path, 
     assert tuned.train.optimizer.lr == pytest.approx(original.train.optimizer.lr * best["batch"] / original.train.batch)
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["train", str(out), "--iterations", "1", "--out", str(tmp_path / "run"), "--no-progress",
-                 "--no-eval"]) == 0
+                 "--no-eval", "--backend", "cpu"]) == 0  # tuned with the CPU's kernels (a GPU's need other workspace)
     assert main(["tune", LENET, "--budget", "2MiB", "--out", str(out)]) == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err
 

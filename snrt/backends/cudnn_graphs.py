@@ -42,10 +42,10 @@ import numpy as np
 from snrt.backends.cuda_layers import Float32Kernel, XpKernel
 from snrt.backends.cuda_source import device_pointer, grid_for, int64_args
 from snrt.errors import SnrtError
-from snrt.layers.base import FORWARD, numel
+from snrt.layers.base import FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 
 CONV_OPS = ("fprop", "dgrad", "wgrad")
-BATCHNORM_OPS = ("forward", "forward_no_running", "backward")
+BATCHNORM_OPS = ("forward", "backward")
 CUDNN_WHEELS = ("the gpu extras install it: pip install 'snrt[gpu]' (CUDA 12) or 'snrt[gpu-cuda13]' (CUDA 13)")
 
 
@@ -182,30 +182,26 @@ def describe_batchnorm(cudnn, spec, op, handle=None):
     """(pygraph, {role: tensor}) of one BatchNorm operation, `op` in BATCHNORM_OPS.
 
     forward: x, scale, bias, running mean/var in, epsilon, momentum -> y, mean, inv_std,
-    running mean/var out (the executor binds in and out to the same state buffers);
-    forward_no_running: the same without the running statistics (a recomputed forward);
+    running mean/var out (the executor binds in and out to the same state buffers, or, for a
+    recomputed forward, out to workspace it drops);
     backward: dy, x, scale, mean, inv_std -> dx, dscale, dbias.
     epsilon and momentum are pass-by-value (host) scalars.
     """
     graph = _new_graph(cudnn, f"snrt_batchnorm_{op}", handle)
     stats = spec.stats
-    if op in ("forward", "forward_no_running"):
-        t = {"x": _tensor(cudnn, graph, "x", spec.x), "scale": _tensor(cudnn, graph, "scale", stats),
-             "bias": _tensor(cudnn, graph, "bias", stats)}
+    if op == "forward":
+        t = {role: _tensor(cudnn, graph, role, spec.x if role == "x" else stats)
+             for role in ("x", "scale", "bias", "running_mean", "running_var")}
         scalar = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.FLOAT, is_pass_by_value=True)
         t["epsilon"] = graph.tensor(name="epsilon", **scalar)
         t["momentum"] = graph.tensor(name="momentum", **scalar)
-        running = {}
-        if op == "forward":
-            t["running_mean"] = _tensor(cudnn, graph, "running_mean", stats)
-            t["running_var"] = _tensor(cudnn, graph, "running_var", stats)
-            running = dict(in_running_mean=t["running_mean"], in_running_var=t["running_var"])
-        outputs = graph.batchnorm(name="bn", input=t["x"], scale=t["scale"], bias=t["bias"], epsilon=t["epsilon"],
-                                  momentum=t["momentum"], **running)
-        y, mean, inv_std, next_mean, next_var = outputs
-        t["y"], t["mean"], t["inv_std"] = _output(cudnn, y, spec.x), _output(cudnn, mean, stats), _output(cudnn, inv_std, stats)
-        if op == "forward":
-            t["next_running_mean"], t["next_running_var"] = _output(cudnn, next_mean, stats), _output(cudnn, next_var, stats)
+        y, mean, inv_std, next_mean, next_var = graph.batchnorm(
+            name="bn", input=t["x"], scale=t["scale"], bias=t["bias"], epsilon=t["epsilon"], momentum=t["momentum"],
+            in_running_mean=t["running_mean"], in_running_var=t["running_var"])
+        t["y"] = _output(cudnn, y, spec.x)
+        for role, tensor in (("mean", mean), ("inv_std", inv_std), ("next_running_mean", next_mean),
+                             ("next_running_var", next_var)):
+            t[role] = _output(cudnn, tensor, stats)
         return graph, t
     if op == "backward":
         t = {"dy": _tensor(cudnn, graph, "dy", spec.x), "x": _tensor(cudnn, graph, "x", spec.x),
@@ -373,7 +369,11 @@ class CudnnConv2d(_CudnnKernel):
 
 class CudnnBatchNorm(_CudnnKernel):
     """BatchNorm training forward and backward by cuDNN; eval, a backward without an input
-    gradient, and what cuDNN refuses by the one-block-per-channel kernel."""
+    gradient, and what cuDNN refuses by the one-block-per-channel kernel.
+
+    A recomputed forward runs the very graph of the first one (so y, mean and inv_std are
+    bit for bit the same), with the running statistics it computes written to the front of
+    the step's workspace and dropped; the graph's own workspace follows them."""
 
     describe = staticmethod(describe_batchnorm)
 
@@ -381,12 +381,14 @@ class CudnnBatchNorm(_CudnnKernel):
         super().__init__(layer, in_shapes, kernels, fallback, batchnorm_spec(layer, in_shapes))
         self._eps = np.full(1, layer.eps, np.float32)  # pass-by-value scalars live on the host
         self._momentum = np.full(1, layer.momentum, np.float32)
+        self._dropped_bytes = scratch_bytes(2 * self.spec.channels * FLOAT32_BYTES, 0)  # aligned for what follows
 
     def own_workspace_bytes(self, in_shapes, phase):
-        limit = self.context.workspace_limit_bytes
-        ops = ("forward", "forward_no_running") if phase == FORWARD else ("backward",)
-        return max((built.workspace_bytes for built in (self.graph(op, limit) for op in ops) if built is not None),
-                   default=0)
+        if phase == FORWARD:
+            built = self.graph("forward", self.context.workspace_limit_bytes)
+            return 0 if built is None else self._dropped_bytes + built.workspace_bytes
+        built = self.graph("backward", self.context.workspace_limit_bytes)
+        return 0 if built is None else built.workspace_bytes
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
@@ -394,19 +396,20 @@ class CudnnBatchNorm(_CudnnKernel):
             return self.fallback.forward(ctx, xs, params, state, y, aux, recompute)
         self.layer.check_training([x.shape])
         capacity, workspace = _workspace(ctx)
-        op = "forward_no_running" if recompute else "forward"
-        built = self.graph_within(op, capacity)
+        built = self.graph_within("forward", capacity - self._dropped_bytes) if capacity >= self._dropped_bytes else None
         if built is None:
             return self.fallback.forward(ctx, xs, params, state, y, aux, recompute)
-        pointers = {"x": device_pointer(x), "scale": device_pointer(params["weight"]),
-                    "bias": device_pointer(params["bias"]), "epsilon": self._eps.ctypes.data,
-                    "momentum": self._momentum.ctypes.data, "y": device_pointer(y),
-                    "mean": device_pointer(aux["mean"]), "inv_std": device_pointer(aux["inv_std"])}
-        if op == "forward":  # updated in place
-            for role, name in (("running_mean", "running_mean"), ("next_running_mean", "running_mean"),
-                               ("running_var", "running_var"), ("next_running_var", "running_var")):
-                pointers[role] = device_pointer(state[name])
-        built.execute(pointers, workspace)
+        channel_bytes = self.spec.channels * FLOAT32_BYTES
+        next_mean, next_var = ((workspace, workspace + channel_bytes) if recompute else
+                               (device_pointer(state["running_mean"]), device_pointer(state["running_var"])))
+        built.execute({"x": device_pointer(x), "scale": device_pointer(params["weight"]),
+                       "bias": device_pointer(params["bias"]), "epsilon": self._eps.ctypes.data,
+                       "momentum": self._momentum.ctypes.data, "y": device_pointer(y),
+                       "mean": device_pointer(aux["mean"]), "inv_std": device_pointer(aux["inv_std"]),
+                       "running_mean": device_pointer(state["running_mean"]),
+                       "running_var": device_pointer(state["running_var"]),
+                       "next_running_mean": next_mean, "next_running_var": next_var},
+                      workspace + self._dropped_bytes)
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         x, gx = saved.xs[0], gxs[0]

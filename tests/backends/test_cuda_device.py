@@ -147,6 +147,36 @@ def test_layer_parity_with_numpy(cupy, layer, in_shapes, training, recompute, us
             np.testing.assert_allclose(got[key], value, rtol=2e-4, atol=2e-4, err_msg=key)
 
 
+def test_a_recomputed_batchnorm_forward_repeats_the_first_bit_for_bit(cupy):
+    """cuDNN's recomputed BatchNorm forward (the policies that replay it) writes the same y,
+    mean and inv_std as the first forward and leaves the running statistics alone."""
+    from snrt.backends.cuda_kernels import CudaKernels
+    from snrt.backends.cupy_backend import CupyBackend
+
+    layer, shape = BatchNorm(momentum=0.3), (8, 16, 10, 10)
+    backend = CupyBackend(0, kernels=CudaKernels())
+    try:
+        kernel = backend.kernel_for(layer, [shape])
+        assert kernel.kernel.name == "cudnn"
+        rng = np.random.default_rng(4)
+        x = cupy.asarray(rng.standard_normal(shape).astype(np.float32))
+        params = {k: cupy.asarray(rng.uniform(0.5, 1.5, 16).astype(np.float32)) for k in ("weight", "bias")}
+        state = {"running_mean": cupy.zeros(16, np.float32), "running_var": cupy.ones(16, np.float32)}
+        workspace = cupy.zeros(kernel.workspace_bytes([shape], FORWARD), np.uint8)
+        outputs = []
+        for recompute in (False, True):
+            y, aux = cupy.full(shape, np.nan, np.float32), {k: cupy.zeros(16, np.float32) for k in ("mean", "inv_std")}
+            kernel.forward(KernelContext(cupy, training=True, workspace=workspace), [x], params, state, y, aux,
+                           recompute=recompute)
+            outputs.append({"y": backend.to_host(y), **{k: backend.to_host(v) for k, v in {**aux, **state}.items()}})
+    finally:
+        backend.close()
+    first, again = outputs
+    for key in first:
+        np.testing.assert_array_equal(again[key], first[key], err_msg=key)
+    assert not np.array_equal(first["running_mean"], np.zeros(16, np.float32))  # the first forward did update them
+
+
 def test_cudnn_serves_common_convolutions(cupy):
     """cuDNN (not the fallback) runs the usual ResNet convolutions; refusals are printed."""
     from snrt.backends.cuda_kernels import CudaKernels
@@ -201,8 +231,9 @@ def test_training_under_every_policy_matches_the_cpu(cupy, name):
             np.testing.assert_allclose(losses, cpu_losses, rtol=2e-3, atol=2e-4, err_msg=policy)
             for key, value in cpu_arrays.items():
                 np.testing.assert_allclose(arrays[key], value, rtol=5e-3, atol=5e-4, err_msg=f"{policy} {key}")
-    first = next(iter(losses_by_policy.values()))
-    assert all(losses == first for losses in losses_by_policy.values()), losses_by_policy
+    first = losses_by_policy[("none", False)]
+    differ = {key: losses for key, losses in losses_by_policy.items() if losses != first}
+    assert not differ, f"none gave {first}; these differ: {differ}"
 
 
 def test_no_allocation_outside_the_arena_while_kernels_run(cupy):
@@ -219,8 +250,10 @@ def test_no_allocation_outside_the_arena_while_kernels_run(cupy):
         print(report)
         assert report["arena_peak_bytes"] == trainer.plan.peak_bytes
         assert report["arena_allocated_bytes"] >= report["arena_bytes"]
-        # the CUDA context, cuBLAS/cuDNN handles and workspaces, modules: measured, so never negative
-        assert 0 <= report["untracked_bytes"] < 2 << 30
+        # the CUDA context, cuBLAS/cuDNN handles and workspaces, modules, other processes on the GPU
+        # (pytest-xdist's workers among them): measured, beyond every pool, so never negative
+        assert report["device_used_bytes"] >= report["pooled_bytes"] >= report["arena_allocated_bytes"]
+        assert report["untracked_bytes"] == report["device_used_bytes"] - report["pooled_bytes"]
     finally:
         trainer.backend.close()
 

@@ -46,6 +46,7 @@ from snrt.layers.base import FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 
 CONV_OPS = ("fprop", "dgrad", "wgrad")
 BATCHNORM_OPS = ("forward", "backward")
+CUDNN_MAX_ELEMENTS = 2 ** 31 - 1  # larger tensors go to the fallback kernels, which index with 64 bits
 CUDNN_WHEELS = ("the gpu extras install it: pip install 'snrt[gpu]' (CUDA 12) or 'snrt[gpu-cuda13]' (CUDA 13)")
 
 
@@ -104,6 +105,10 @@ class ConvSpec:
     dilation: tuple
     groups: int
 
+    @property
+    def dims(self):
+        return self.x, self.w, self.y
+
 
 def conv_spec(layer, in_shapes):
     """The ConvSpec of a Conv2d layer at full input shapes `in_shapes` (batch first)."""
@@ -125,6 +130,10 @@ class BatchNormSpec:
     @property
     def stats(self):
         return (1, self.channels, 1, 1)
+
+    @property
+    def dims(self):
+        return self.x, self.stats
 
 
 def batchnorm_spec(layer, in_shapes):
@@ -300,6 +309,10 @@ class _CudnnKernel(Float32Kernel):
     def graph(self, op, limit):
         """The graph of `op` under workspace `limit` (built on first use), or None."""
         key = (op, limit)
+        if key not in self._graphs and max(numel(dims) for dims in self.spec.dims) > CUDNN_MAX_ELEMENTS:
+            self.context.refusals[f"{self.layer.type_name} {self.spec}"] = (
+                f"a tensor of more than {CUDNN_MAX_ELEMENTS} elements: not handed to cuDNN")
+            self._graphs[key] = None
         if key not in self._graphs:
             describe = type(self).describe
             self._graphs[key] = self.context.build(

@@ -69,6 +69,7 @@ from snrt.memory.arena import Arena
 from snrt.memory.host import HostStore
 from snrt.parallel import launcher_local_rank, launcher_size
 from snrt.scheduler import cost
+from snrt.summary import human_bytes
 
 NCCL_TYPES = {"float32": 7, "float64": 8}  # ncclFloat32, ncclFloat64 (nccl.h's ncclDataType_t)
 
@@ -200,6 +201,11 @@ class CupyBackend(Backend):
                             "the host store is pinned memory")
         if launcher_size() > 1:  # one GPU per rank
             cupy.cuda.Device(launcher_local_rank() % runtime.getDeviceCount()).use()
+        total_bytes = runtime.memGetInfo()[1]
+        if arena_bytes > total_bytes:
+            raise SnrtError(f"the plan's arena ({human_bytes(arena_bytes)}) is larger than the GPU's memory "
+                            f"({device_name()}, {human_bytes(total_bytes)}): lower the batch or the image size, or "
+                            "set a budget (--budget) that a memory policy plans within")
         super().__init__(arena_bytes, host_bytes, check, kernels)
         self.profile = profile
         self.lazy = check

@@ -468,3 +468,21 @@ def test_cudnn_graphs_are_described_for_every_batchnorm_in_configs():
                 assert tuple(tensors[role].dim) == spec.stats, (where, op, role)
             assert tensors.get("epsilon") is None or tensors["epsilon"].is_pass_by_value
     _validate_or_need_a_driver(graph)
+
+
+def test_tensors_too_large_for_cudnn_go_to_the_fallback_without_asking_it():
+    """A convolution whose tensors exceed 2^31 - 1 elements is refused before any cuDNN call
+    (its heuristics are never asked), and plans with the GEMM fallback's workspace."""
+    from types import SimpleNamespace
+
+    from snrt.backends.cudnn_graphs import CudnnConv2d
+
+    layer, in_shapes = Conv2d(out_channels=10 ** 12, kernel=5), [(4, 1, 28, 28)]
+    kernels = SimpleNamespace(module=None, cudnn=SimpleNamespace(refusals={}, workspace_limit_bytes=None))
+    fallback = GemmConv2d(layer, in_shapes, None)
+    kernel = CudnnConv2d(layer, in_shapes, kernels, fallback)
+    for phase in (FORWARD, BACKWARD):
+        assert kernel.workspace_bytes(in_shapes, phase) == fallback.workspace_bytes(in_shapes, phase)
+    assert all(kernel.graph(op, None) is None for op in ("fprop", "dgrad", "wgrad"))
+    (why,) = kernels.cudnn.refusals.values()
+    assert "more than 2147483647 elements" in why

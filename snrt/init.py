@@ -5,6 +5,7 @@ one network's weights do not depend on the order in which the others were drawn.
 """
 
 import math
+import os
 import zlib
 
 import numpy as np
@@ -16,11 +17,23 @@ def _generator(seed, node, name):
     return np.random.default_rng([seed, zlib.crc32(f"{node}:{name}".encode())])
 
 
+def _require_host_room(shape, dtype, node, name):
+    """MemoryError naming the tensor when it is larger than this machine's memory: refused
+    before NumPy is asked (on a host that overcommits, NumPy would hand out the array and the
+    kernel would kill the process while it is being filled)."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if nbytes > physical:
+        raise MemoryError(f"{node}:{name} needs {nbytes} bytes of host memory, more than this machine has "
+                          f"({physical})")
+
+
 def initial_value(spec, seed, node, name, mode="default", dtype=np.float32):
     """The initial array of ParamSpec `spec`.
 
     `mode` "he" or "xavier" overrides the initialiser of every weight that uses one of them.
     """
+    _require_host_room(spec.shape, dtype, node, name)
     init = spec.init
     if mode != "default" and init in _WEIGHT_INITS:
         init = {"he": "he_normal", "xavier": "xavier_uniform"}[mode]
@@ -54,8 +67,12 @@ def each_initial_parameter(graph, seed, mode="default"):
 
 def initial_state(graph):
     """{(node, name): array} for every persistent state tensor (BatchNorm running stats)."""
-    return {
-        (node, name): np.full(spec.shape, spec.fill, np.float32)
-        for node, specs in graph.state_specs().items()
-        for name, spec in specs.items()
-    }
+    return dict(each_initial_state(graph))
+
+
+def each_initial_state(graph):
+    """((node, name), array) for every persistent state tensor, one array at a time."""
+    for node, specs in graph.state_specs().items():
+        for name, spec in specs.items():
+            _require_host_room(spec.shape, np.float32, node, name)
+            yield (node, name), np.full(spec.shape, spec.fill, np.float32)

@@ -18,7 +18,7 @@ import numpy as np
 from snrt.checkpoint import CheckpointError, describe_batch_change, load_checkpoint, save_checkpoint
 from snrt.data import Batches, eval_batches, load_datasets, normalization
 from snrt.errors import DivergenceError, SnrtError
-from snrt.init import each_initial_parameter, initial_state
+from snrt.init import each_initial_parameter, each_initial_state
 from snrt.optim import learning_rate, make_optimizer
 from snrt.parallel import Solo
 from snrt.runtime import prepare
@@ -67,7 +67,7 @@ class Trainer:
                                bucket_bytes=train.gradient_bucket, stream_parameters=memory.stream_parameters,
                                host_folder=memory.host_store,
                                values=itertools.chain(each_initial_parameter(self.graph, train.seed, train.init),
-                                                      initial_state(self.graph).items()))
+                                                      each_initial_state(self.graph)))
         self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor
         self._backend_name, self._check = backend, check
         self.iteration = 0

@@ -319,6 +319,20 @@ def test_a_network_too_large_for_memory_is_one_clear_error(tmp_path, capsys):
     assert "not enough memory for this run" in err and "Traceback" not in err
 
 
+def test_a_host_tensor_larger_than_the_machine_is_refused_before_numpy_is_asked(tmp_path):
+    """On a host that overcommits memory NumPy hands out a 4 TB array and the kernel kills the
+    process while it is being filled: the initial values refuse it first, naming the tensor."""
+    from snrt.init import each_initial_state, initial_value
+    from snrt.layers.base import ParamSpec
+
+    with pytest.raises(MemoryError, match="conv1:weight needs 4000000000000 bytes of host memory"):
+        initial_value(ParamSpec((10 ** 12,), "he_normal"), 0, "conv1", "weight")
+    config = tmp_path / "wide.yaml"
+    config.write_text(open(LENET).read().replace("out_channels: 16", "out_channels: 1000000000000", 1))
+    with pytest.raises(MemoryError, match="running_mean needs 4000000000000 bytes"):
+        dict(each_initial_state(snrt.load_config(config).graph))
+
+
 def test_the_gpu_hint_keeps_its_brackets(tmp_path, capsys):
     """Console markup once ate '[gpu]' from the install hint."""
     try:

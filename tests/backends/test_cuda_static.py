@@ -486,3 +486,16 @@ def test_tensors_too_large_for_cudnn_go_to_the_fallback_without_asking_it():
     assert all(kernel.graph(op, None) is None for op in ("fprop", "dgrad", "wgrad"))
     (why,) = kernels.cudnn.refusals.values()
     assert "more than 2147483647 elements" in why
+
+
+def test_a_missing_cudnn_library_is_one_error_saying_what_to_install(monkeypatch):
+    pathfinder = pytest.importorskip("cuda.pathfinder")
+    from snrt.backends.cudnn_graphs import import_cudnn
+
+    def not_found(name):
+        raise pathfinder.DynamicLibNotFoundError(f"Failure finding lib{name}.so")
+
+    monkeypatch.setattr(pathfinder, "load_nvidia_dynamic_lib", not_found)
+    with pytest.raises(SnrtError, match=r"cuDNN 9 \(libcudnn.so.9\) was not found: the gpu extras install it") as error:
+        import_cudnn()
+    assert "snrt[gpu-cuda13]" in str(error.value) and "LD_LIBRARY_PATH" in str(error.value)

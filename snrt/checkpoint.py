@@ -40,10 +40,11 @@ def save_checkpoint(path, tensors, meta):
     is kept and no partial file is left.
     """
     path = Path(path)
+    kept = "the previous checkpoint is kept" if path.exists() else "there was no earlier checkpoint: nothing is kept"
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot write the checkpoint ({e.strerror})") from None
+        raise CheckpointError(f"{path}: cannot write the checkpoint ({e.strerror}); {kept}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
@@ -52,7 +53,7 @@ def save_checkpoint(path, tensors, meta):
                     array = np.asarray(fetch())
                     if array.dtype.kind == "f" and not np.isfinite(array).all():
                         raise NonFiniteError(f"{path}: not written: {key} holds NaN or infinite values (the run "
-                                             "diverged); the previous checkpoint is kept")
+                                             f"diverged); {kept}")
                     _write_array(archive, key, array)
                     del array
             f.flush()
@@ -61,8 +62,7 @@ def save_checkpoint(path, tensors, meta):
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
-        raise CheckpointError(f"{path}: cannot write the checkpoint ({e.strerror or e}); the previous "
-                              "checkpoint is kept") from None
+        raise CheckpointError(f"{path}: cannot write the checkpoint ({e.strerror or e}); {kept}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

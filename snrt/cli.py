@@ -4,6 +4,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -18,6 +19,7 @@ from rich.text import Text
 
 from snrt.backends import BACKENDS, default_backend
 from snrt.config import DATASETS, config_to_yaml, load_config, with_settings
+from snrt.checkpoint import CheckpointError, NonFiniteError
 from snrt.errors import DivergenceError, SnrtError
 from snrt.optim import make_optimizer
 from snrt.parallel import Solo, first_failing_rank, launcher_rank, launcher_size, world
@@ -408,13 +410,23 @@ def _policy_table(config, batch, budget, rows):
     return table
 
 
-def _make_trainer(args, config):
-    """The Trainer of `config`, with every thread pool capped at --threads (or the usable cores)."""
+def _make_trainer(args, config, plan=None):
+    """The Trainer of `config` (with `plan` when it was made already, by `_plan_run`), every
+    thread pool capped at --threads (or the usable cores)."""
     from snrt.train import Trainer  # the trainer pulls in the data pipeline; inspect doesn't need it
 
     limit_threads(args.threads or usable_cores())
     return Trainer(config, backend=args.backend or default_backend(), check=getattr(args, "check", False),
-                   group=getattr(args, "group", None))
+                   group=getattr(args, "group", None), plan=plan)
+
+
+def _plan_run(args, config):
+    """The plan of the run `args` asks for, made before anything touches the disk, so that an
+    error in the command (the backend, the batch, the budget) comes before one about the output
+    folder."""
+    from snrt.train import Trainer
+
+    return Trainer.plan_for(config, backend=args.backend or default_backend(), group=args.group)
 
 
 class PeerFailed(SnrtError):
@@ -427,18 +439,19 @@ def run_train(args, console):
     group = args.group
     config = load_config(args.config, _overrides(args))
     out = Path(args.out) if args.out else Path("runs") / config.name
+    console.print(summary_table(config.graph, config.train.batch))
+    plan = _plan_run(args, config)
     if group.rank != 0:
-        return _train_in(None, out / CHECKPOINT, args, config, console)
+        return _train_in(None, out / CHECKPOINT, args, config, plan, console)
     with RunFolder(out) as folder:
         folder.prepare(resume=args.resume is not None, overwrite=args.overwrite)
-        return _train_in(folder, folder.checkpoint, args, config, console)
+        return _train_in(folder, folder.checkpoint, args, config, plan, console)
 
 
-def _train_in(folder, checkpoint, args, config, console):
-    """The run of `config` in the locked `folder` (None on ranks other than 0, which write
-    nothing) with its `checkpoint` path; the exit status."""
-    console.print(summary_table(config.graph, config.train.batch))
-    trainer = _make_trainer(args, config)
+def _train_in(folder, checkpoint, args, config, plan, console):
+    """The run of `config` on `plan` in the locked `folder` (None on ranks other than 0, which
+    write nothing) with its `checkpoint` path; the exit status."""
+    trainer = _make_trainer(args, config, plan)
     console.print(plan_headline(trainer.plan))
     ranks = f"; {trainer.group.size} ranks, batch {trainer.plan.batch} each" if trainer.group.size > 1 else ""
     console.print(f"thread pools: {describe_pools(thread_pools())} ({usable_cores()} usable cores){ranks}")
@@ -456,45 +469,96 @@ def _train_in(folder, checkpoint, args, config, console):
     if args.resume is not None:
         folder.truncate_metrics(trainer.iteration)
     out = folder.path
-    (out / "config.yaml").write_text(config_to_yaml(config))
-    total = config.train.iterations
-    failure = []  # the metrics file's write error: the run stops, its checkpoint is still saved
-    metrics_file = folder.open_metrics()
-    with metrics_file, _progress(console, args.no_progress) as progress:
-        task = progress.add_task("train", total=total, completed=trainer.iteration, status="")
-
-        def report(m):
-            try:
-                metrics_file.write(json.dumps(dataclasses.asdict(m)) + "\n")
-                metrics_file.flush()
-            except OSError as e:
-                failure.append(f"{folder.metrics}: cannot write metrics ({e.strerror or e})")
-                trainer.stop_reason = trainer.stop_reason or "metrics write error"
-            status = (f"loss {m.loss:.4f}  acc {m.accuracy:.3f}  {m.images_per_s:.1f} img/s  "
-                      f"device {human_bytes(m.peak_device_bytes)}")
-            progress.update(task, completed=m.iteration + 1, status=status)
-            if args.no_progress:
-                console.print(f"iteration {m.iteration + 1}/{total}  {status}")
-
-        history = trainer.fit(on_iteration=report, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
-    if failure:
-        raise SnrtError(f"{failure[0]}; stopped at iteration {trainer.iteration} with its checkpoint saved to "
-                        f"{checkpoint}; free some space and continue with --resume")
+    _write_run_file(out / "config.yaml", config_to_yaml(config),
+                    f"nothing was trained yet (iteration {trainer.iteration})")
+    history = _fit_with_metrics(trainer, folder, checkpoint, args, console)
     summary = _summary(trainer, history, checkpoint)
     if trainer.stop_requested:
         console.print(f"interrupted at iteration {trainer.iteration}; checkpoint saved to {checkpoint}; "
                       f"continue with --resume")
     elif not args.no_eval:
-        summary["heldout_loss"], summary["heldout_accuracy"] = trainer.evaluate()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary.update(_heldout(trainer, console))
+    kept = f"the checkpoint of iteration {trainer.iteration} is saved to {checkpoint}"
+    _write_run_file(out / "summary.json", json.dumps(summary, indent=2) + "\n", kept)
     if history:
         from snrt.timeline import draw_timeline  # matplotlib only once there is something to draw
 
-        draw_timeline(trainer.plan, out / "memory.png", budget=config.memory.budget,
-                      measured=trainer.executor.measured_bytes, title=f"{config.name}: {trainer.plan.policy}, "
-                      f"batch {trainer.batch} (measured dashed)")
+        try:
+            draw_timeline(trainer.plan, out / "memory.png", budget=config.memory.budget,
+                          measured=trainer.executor.measured_bytes, title=f"{config.name}: {trainer.plan.policy}, "
+                          f"batch {trainer.batch} (measured dashed)")
+        except OSError as e:
+            raise SnrtError(f"{out / 'memory.png'}: cannot write ({e.strerror or e}); {kept}") from None
     console.print(_summary_table(summary))
     return 128 + int(trainer.stop_reason) if trainer.stop_requested else 0  # the signal's conventional status
+
+
+def _heldout(trainer, console):
+    """The summary's held-out loss and accuracy; a loss that is not finite is said in one line
+    with its likely cause, and recorded as no result (null) with that line beside it."""
+    loss, accuracy = trainer.evaluate()
+    if math.isfinite(loss):
+        return {"heldout_loss": loss, "heldout_accuracy": accuracy}
+    note = trainer.nonfinite_evaluation(loss)
+    console.print(f"note: {note}")
+    return {"heldout_loss": None, "heldout_accuracy": None, "heldout_note": note}
+
+
+def _write_run_file(path, text, kept):
+    """Write one of the run folder's small files, atomically (an earlier version stays whole
+    until the new one is); a failure names the file and says what was kept."""
+    partial = path.with_name(f".{path.name}.tmp")
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise SnrtError(f"{path}: cannot write ({e.strerror or e}); {kept}") from None
+
+
+def _fit_with_metrics(trainer, folder, checkpoint, args, console):
+    """Train, one line of metrics.jsonl and one progress update per iteration; the history.
+
+    A metrics line that cannot be written stops the run after that iteration with its
+    checkpoint saved; a checkpoint that cannot be written ends it too. Either way the error
+    names the file, the iteration the run reached and what was kept."""
+    total = trainer.config.train.iterations
+    failure = []  # the metrics file's write error: the run stops, its checkpoint is still saved
+    metrics_file = folder.open_metrics()
+    try:
+        with _progress(console, args.no_progress) as progress:
+            task = progress.add_task("train", total=total, completed=trainer.iteration, status="")
+
+            def report(m):
+                try:
+                    metrics_file.write(json.dumps(dataclasses.asdict(m)) + "\n")
+                    metrics_file.flush()
+                except OSError as e:
+                    failure.append(f"{folder.metrics}: cannot write metrics ({e.strerror or e})")
+                    trainer.stop_reason = trainer.stop_reason or "metrics write error"
+                status = (f"loss {m.loss:.4f}  acc {m.accuracy:.3f}  {m.images_per_s:.1f} img/s  "
+                          f"device {human_bytes(m.peak_device_bytes)}")
+                progress.update(task, completed=m.iteration + 1, status=status)
+                if args.no_progress:
+                    console.print(f"iteration {m.iteration + 1}/{total}  {status}")
+
+            try:
+                history = trainer.fit(on_iteration=report, checkpoint=checkpoint,
+                                      checkpoint_every=args.checkpoint_every)
+            except NonFiniteError:
+                raise
+            except CheckpointError as e:
+                reached = f"the run had reached iteration {trainer.iteration}"
+                raise SnrtError("; ".join([*failure[:1], str(e), reached])) from None
+    finally:
+        try:
+            metrics_file.close()  # lines its flush could not write are the failure already recorded
+        except OSError as e:
+            failure.append(f"{folder.metrics}: cannot write metrics ({e.strerror or e})")
+    if failure:
+        raise SnrtError(f"{failure[0]}; stopped at iteration {trainer.iteration} with its checkpoint saved to "
+                        f"{checkpoint}; free some space and continue with --resume")
+    return history
 
 
 def _summary(trainer, history, checkpoint):
@@ -519,7 +583,11 @@ def _summary_table(summary):
     table.add_column("")
     table.add_column("value", justify="right")
     for key, value in summary.items():
-        if isinstance(value, float):
+        if key == "heldout_note":
+            continue  # printed above the table
+        if value is None and key.startswith("heldout"):
+            value = "not finite"
+        elif isinstance(value, float):
             value = f"{value:.4f}"
         elif key.endswith("_bytes"):
             value = human_bytes(value)
@@ -636,6 +704,8 @@ def run_eval(args, console):
     trainer = _make_trainer(args, config)
     trainer.restore(args.checkpoint)
     loss, accuracy = trainer.evaluate()
+    if not math.isfinite(loss):
+        raise SnrtError(f"{args.checkpoint}: {trainer.nonfinite_evaluation(loss)}")
     console.print(f"{config.name} at iteration {trainer.iteration}: held-out loss {loss:.4f}, accuracy {accuracy:.4f} "
                   f"({len(trainer.heldout_set.y)} samples)")
 

@@ -56,9 +56,25 @@ def check_trainable(graph, batch):
                 raise SnrtError(f"node {name!r} ({node.layer.type_name}) cannot train at batch {batch}: {error}") from None
 
 
+def plan_run(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
+             deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES, stream_parameters=False):
+    """The plan `prepare` carries out with the same arguments, made with the cost model and
+    kernel choice of the backend called `backend`; nothing is allocated. Raises SnrtError when
+    the backend is not available, the graph cannot train at `batch`, or (BudgetError) no plan
+    fits `budget`."""
+    if training:
+        check_trainable(graph, batch)
+    device_class = backend_class(backend)
+    ranks = group.size if group is not None and training else 1
+    return make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
+                     cost_model=device_class.cost_model, kernels=device_class.kernel_choice(),
+                     deferred_updates=deferred_updates, ranks=ranks, bucket_bytes=bucket_bytes,
+                     stream_parameters=stream_parameters)
+
+
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
             check=False, values=None, deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES,
-            stream_parameters=False, host_folder=None):
+            stream_parameters=False, host_folder=None, plan=None):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
     backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
     such pairs) loaded.
@@ -70,18 +86,17 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     (snrt.parallel), `batch` is this rank's part and a training plan sums the gradients over
     the group in buckets of about `bucket_bytes`. `stream_parameters` keeps parameters and
     optimizer state in the host store, on the device only while steps use them; `host_folder`
-    (CPU) puts the host store in a file there instead of memory.
+    (CPU) puts the host store in a file there instead of memory. `plan`, when given, is the one
+    `plan_run` made with the same arguments (not made again).
     """
-    if training:
-        check_trainable(graph, batch)
+    if plan is None:
+        plan = plan_run(graph, batch, policy, budget, backend, training=training, optimizer_states=optimizer_states,
+                        deferred_updates=deferred_updates, group=group, bucket_bytes=bucket_bytes,
+                        stream_parameters=stream_parameters)
     device_class = backend_class(backend)
-    kernels = device_class.kernel_choice()
-    ranks = group.size if group is not None and training else 1
-    plan = make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
-                     cost_model=device_class.cost_model, kernels=kernels, deferred_updates=deferred_updates,
-                     ranks=ranks, bucket_bytes=bucket_bytes, stream_parameters=stream_parameters)
     on_disk = {"host_folder": host_folder} if host_folder else {}
-    device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels, **on_disk)
+    device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=device_class.kernel_choice(),
+                          **on_disk)
     runtime = Runtime(plan, device, Executor(graph, plan, device, group))
     runtime.load(values or {})
     return runtime

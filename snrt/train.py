@@ -21,7 +21,7 @@ from snrt.errors import DivergenceError, SnrtError
 from snrt.init import each_initial_parameter, each_initial_state
 from snrt.optim import learning_rate, make_optimizer
 from snrt.parallel import Solo
-from snrt.runtime import prepare
+from snrt.runtime import plan_run, prepare
 
 
 @dataclass
@@ -35,6 +35,18 @@ class Metrics:
     seconds: float
     images_per_s: float
     peak_device_bytes: int
+
+
+def _run_options(config, group):
+    """What plan_run and prepare are told to train `config` on `group`'s ranks (each plans its
+    part of the global batch)."""
+    train, memory = config.train, config.memory
+    if train.batch % group.size:
+        raise SnrtError(f"{config.source}: train.batch: the batch {train.batch} must split evenly over the "
+                        f"{group.size} ranks (it is the global batch); choose a multiple of {group.size}")
+    return dict(graph=config.graph, batch=train.batch // group.size, policy=memory.policy, budget=memory.budget,
+                training=True, **make_optimizer(train.optimizer).plan_options, group=group,
+                bucket_bytes=train.gradient_bucket, stream_parameters=memory.stream_parameters)
 
 
 class Trainer:
@@ -52,20 +64,15 @@ class Trainer:
     loss and accuracy reported are over the whole batch; only rank 0 writes checkpoints.
     """
 
-    def __init__(self, config, backend="cpu", check=False, group=None):
+    def __init__(self, config, backend="cpu", check=False, group=None, plan=None):
         self.config = config
         self.graph = config.graph
         train, memory = config.train, config.memory
         self.group = group or Solo()
         self.batch = train.batch
-        if self.batch % self.group.size:
-            raise SnrtError(f"{config.source}: train.batch: the batch {self.batch} must split evenly over the "
-                            f"{self.group.size} ranks (it is the global batch); choose a multiple of {self.group.size}")
         self.optimizer = make_optimizer(train.optimizer)
-        self.runtime = prepare(self.graph, self.batch // self.group.size, memory.policy, memory.budget, backend,
-                               training=True, **self.optimizer.plan_options, check=check, group=self.group,
-                               bucket_bytes=train.gradient_bucket, stream_parameters=memory.stream_parameters,
-                               host_folder=memory.host_store,
+        self.runtime = prepare(**_run_options(config, self.group), backend=backend, check=check,
+                               host_folder=memory.host_store, plan=plan,
                                values=itertools.chain(each_initial_parameter(self.graph, train.seed, train.init),
                                                       each_initial_state(self.graph)))
         self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor
@@ -75,6 +82,13 @@ class Trainer:
                                                          train.seed, config.input.per_pixel)
         self.mean, self.std = normalization(train.data, self.train_set)
         self.stop_reason = None  # what asked fit to stop: a signal (SIGINT, SIGTERM) or a caller's reason
+
+    @staticmethod
+    def plan_for(config, backend="cpu", group=None):
+        """The plan a Trainer of `config` on `backend` would make, made with nothing allocated:
+        SnrtError when the backend is not available, the batch does not split over the ranks,
+        the network cannot train, or no plan fits the budget. `Trainer(..., plan=it)` uses it."""
+        return plan_run(**_run_options(config, group or Solo()), backend=backend)
 
     # ---- training ------------------------------------------------------------------------
     def fit(self, iterations=None, on_iteration=None, checkpoint=None, checkpoint_every=None, lr_at=None):
@@ -181,20 +195,33 @@ class Trainer:
         forward = prepare(self.graph, self.plan.batch, "liveness", backend=self._backend_name, training=False,
                           check=self._check, values=self.host_arrays(("parameter", "state")))
         loss_sum, correct, seen = 0.0, 0.0, 0
-        try:
-            batch = self.plan.batch  # this rank's part of a training batch
-            for x, y in eval_batches(dataset, batch, self.mean, self.std):
-                valid = len(y)
-                if valid < batch:  # pad the last batch; only the real samples count
-                    x = np.concatenate([x, np.repeat(x[-1:], batch - valid, axis=0)])
-                    y = np.concatenate([y, np.repeat(y[-1:], batch - valid, axis=0)])
-                losses, right = forward.executor.run({"data": x, "label": y}, self.iteration, self.config.train.seed)
-                loss_sum += float(losses[:valid].sum())
-                correct += float(right[:valid].sum())  # per-sample accuracies (per-pixel: fractions)
-                seen += valid
-        finally:
-            forward.close()
+        # a loss that overflows is reported once, by the caller (nonfinite_evaluation), not as warnings
+        with np.errstate(all="ignore"):
+            try:
+                batch = self.plan.batch  # this rank's part of a training batch
+                for x, y in eval_batches(dataset, batch, self.mean, self.std):
+                    valid = len(y)
+                    if valid < batch:  # pad the last batch; only the real samples count
+                        x = np.concatenate([x, np.repeat(x[-1:], batch - valid, axis=0)])
+                        y = np.concatenate([y, np.repeat(y[-1:], batch - valid, axis=0)])
+                    losses, right = forward.executor.run({"data": x, "label": y}, self.iteration,
+                                                         self.config.train.seed)
+                    loss_sum += float(losses[:valid].sum())
+                    correct += float(right[:valid].sum())  # per-sample accuracies (per-pixel: fractions)
+                    seen += valid
+            finally:
+                forward.close()
         return loss_sum / max(seen, 1), correct / max(seen, 1)
+
+    def nonfinite_evaluation(self, loss):
+        """The one line saying that a held-out loss `loss` is not finite, with its likely cause."""
+        if self.graph.state_specs():
+            cause = (f"the running statistics of its normalization layers (BatchNorm) after {self.iteration} "
+                     f"iteration{'s' if self.iteration != 1 else ''} are not usable yet; train longer or with a "
+                     "larger batch")
+        else:
+            cause = "the trained parameters give a non-finite loss on held-out data; train longer or with a lower lr"
+        return f"the held-out evaluation is not finite (loss {loss}): {cause}"
 
     # ---- checkpoints -----------------------------------------------------------------------
     def host_arrays(self, roles=("parameter", "optimizer_state", "state")):

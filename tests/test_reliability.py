@@ -8,11 +8,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import snrt
+import snrt.backends
 from snrt.checkpoint import CheckpointError, NonFiniteError, load_checkpoint
 from snrt.cli import main
 from snrt.errors import DivergenceError
@@ -226,6 +228,98 @@ def test_a_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path,
     assert "cannot write the checkpoint (No space left on device)" in err and "previous checkpoint is kept" in err
     assert (out / "checkpoint.npz").read_bytes() == before
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_full_disk_with_no_checkpoint_names_each_file_and_says_nothing_was_kept(tmp_path, capsys, monkeypatch):
+    """As a real full disk does: a metrics line goes into the file's buffer, its flush fails and
+    so does the flush at close; then the checkpoint cannot be written either."""
+    class FullDisk:
+        def __init__(self, file):
+            self.file, self.lines, self.unflushed = file, 0, False
+
+        def write(self, text):
+            self.lines += 1
+            self.unflushed = self.lines > 2
+            return len(text) if self.unflushed else self.file.write(text)
+
+        def flush(self):
+            if self.unflushed:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.file.flush()
+
+        def close(self):
+            self.file.close()
+            self.flush()
+
+    def full(file, array, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    open_metrics = RunFolder.open_metrics
+    monkeypatch.setattr(RunFolder, "open_metrics", lambda self: FullDisk(open_metrics(self)))
+    monkeypatch.setattr(np.lib.format, "write_array", full)
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "50") == 2
+    expected = (f"{out / 'metrics.jsonl'}: cannot write metrics (No space left on device); {out / 'checkpoint.npz'}: "
+                "cannot write the checkpoint (No space left on device); there was no earlier checkpoint: nothing is "
+                "kept; the run had reached iteration 3")
+    assert "".join(expected.split()) in "".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert not (out / "checkpoint.npz").exists() and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_summary_that_cannot_be_written_names_itself_and_the_checkpoint_kept(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    write_text = Path.write_text
+
+    def full(path, text, *args, **kwargs):
+        if "summary" in path.name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    assert train(out, "--iterations", "2") == 2
+    expected = (f"{out / 'summary.json'}: cannot write (No space left on device); the checkpoint of iteration 2 is "
+                f"saved to {out / 'checkpoint.npz'}")
+    assert "".join(expected.split()) in "".join(capsys.readouterr().err.split())
+    assert load_checkpoint(out / "checkpoint.npz")[1]["iteration"] == 2 and not list(out.glob(".*.tmp"))
+
+
+def test_errors_about_the_command_come_before_errors_about_the_output_folder(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1") == 0
+    capsys.readouterr()
+    assert train(out, "--iterations", "1", "--budget", "1KiB") == 2  # the budget, not the earlier run
+    err = " ".join(capsys.readouterr().err.split())
+    assert "memory.budget" in err and "earlier run" not in err
+    if not snrt.backends.cuda_available():
+        assert train(out, "--iterations", "1", "--backend", "cuda") == 2  # the missing GPU
+        err = " ".join(capsys.readouterr().err.split())
+        assert "the cuda backend is not available" in err and "earlier run" not in err
+
+
+def test_a_heldout_evaluation_that_is_not_finite_is_one_line_not_a_number(tmp_path, capsys):
+    """BatchNorm running statistics after one iteration at batch 2 overflow ResNet-50's held-out
+    loss: no NumPy warning, one line with the cause, null in summary.json; eval says the same."""
+    import warnings
+
+    out = tmp_path / "run"
+    shape = ["--image-size", "8", "--batch", "2"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", "configs/resnet50.yaml", *shape, "--iterations", "1", "--no-progress",
+                     "--out", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert main(["eval", "configs/resnet50.yaml", *shape, "--checkpoint", str(out / "checkpoint.npz")]) == 2
+    assert [str(w.message) for w in caught] == []
+    note = "the held-out evaluation is not finite (loss nan): the running statistics of its normalization layers"
+    assert f"note: {note}" in " ".join(printed.split())
+    assert note in " ".join(capsys.readouterr().err.split())
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["heldout_loss"] is None and summary["heldout_accuracy"] is None
+    assert summary["heldout_note"].startswith(note) and "train longer or with a larger batch" in summary["heldout_note"]
 
 
 # ---- checkpoints bound to their network ---------------------------------------------------

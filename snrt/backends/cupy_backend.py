@@ -355,7 +355,7 @@ class CupyBackend(Backend):
         }
 
     def close(self):
-        """Finish queued work and give the arena back; kernels the caller brought are released
+        """Finish queued work; kernels the caller brought are released
         (the process's default ones live until `release_all`); the last backend to close gives
         CuPy its allocator, accelerators and current stream back. Every run closes its
         backend, whatever ends it (`release_all` at exit closes any left open)."""

@@ -9,10 +9,12 @@ Three layers, from pure Python to the device:
    (N, C, 1, 1). The weight (O, C/groups, kh, kw) tells cuDNN the group count.
 2. Description (cudnn imported, no device): `describe_conv` and `describe_batchnorm` build a
    `cudnn.pygraph` for one operation - conv_fprop, conv_dgrad, conv_wgrad, batchnorm
-   (training, with or without the running-statistics update) and batchnorm_backward. In
-   frontend 1.32 a pygraph is a Python IR: it is created and filled without a handle, and it
-   infers the outputs' dims itself (conv_fprop). `validate()` and everything after it lower
-   the graph to the cuDNN library and need the CUDA driver (cuInit) and a handle.
+   (training, with the running-statistics update) and batchnorm_backward. In frontend 1.32 a
+   pygraph is a Python IR: it is created and filled without a handle. It infers outputs' dims,
+   but lowers only the dims and strides set on a tensor, and cuDNN picks its own layout for
+   the others (channels-last for conv_fprop's output), so every tensor here is given the
+   packed NCHW layout of its arena view. `validate()` and everything after it lower the graph
+   to the cuDNN library and need the CUDA driver (cuInit) and a handle.
 3. Building and running (device): `CudnnContext.build` validates, lowers, asks the
    heuristics (modes A, then FALLBACK) for the ranked engines, drops non-deterministic ones
    (and TF32 tensor-core ones unless allowed), drops those whose workspace exceeds the

@@ -5,7 +5,6 @@ import collections
 import dataclasses
 import json
 import math
-import multiprocessing
 import os
 import signal
 import sys
@@ -26,7 +25,7 @@ from snrt.parallel import Solo, first_failing_rank, launcher_rank, launcher_size
 from snrt.runfolder import CHECKPOINT, RunFolder
 from snrt.scheduler import BudgetError, policies
 from snrt.summary import human_bytes, summary_table, totals_by_type
-from snrt.threads import describe_pools, limit_threads, thread_pools, usable_cores
+from snrt.threads import Claims, describe_pools, in_a_child, limit_threads, thread_pools, usable_cores
 
 
 def _positive_int(text):
@@ -267,8 +266,8 @@ def run_plan(args, console):
     update = {**make_optimizer(config.train.optimizer).plan_options, "ranks": ranks,  # planned as training plans it
               "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters}
     chosen = args.policy or config.memory.policy
-    here = _planned_with(chosen)
-    others = _groups([p for p in policies.POLICIES if p not in here])
+    here = policies.planned_first(chosen)
+    others = policies.planning_groups([p for p in policies.POLICIES if p not in here])
 
     def rows(names):
         return {policy: policy_row(plan, budget) for policy, plan
@@ -280,7 +279,7 @@ def run_plan(args, console):
         if others and usable_cores() > 1:
             status.update(f"planning {', '.join(here)} here, and with a second process "
                           f"{', '.join(p for g in others for p in g)}...")
-            others = _Claims(others)  # each group planned by whichever process is free first
+            others = Claims(others)  # each group planned by whichever process is free first
             theirs = in_a_child(lambda: {p: row for group in others for p, row in rows(group).items()})
         for policy, plan in each_plan(config.graph, batch, [p for p in policies.POLICIES if p in here], budget,
                                       **update):
@@ -317,75 +316,6 @@ def run_plan(args, console):
 
         draw_timeline(detail, args.png, budget=budget, title=f"{config.name}: {detail.policy}, batch {batch}")
         console.print(f"timeline written to {args.png}")
-
-
-def _planned_with(chosen):
-    """The policies `snrt plan` plans first in its own process when detailing `chosen` (the
-    others it shares with a second process, see _Claims): it and the one it is capped by
-    (they share that plan: without a budget it is the cap, under one the plan it may grow
-    from instead); every policy for `auto`."""
-    if chosen not in policies.POLICIES:
-        return set(policies.POLICIES)
-    return {chosen} | ({policies.POLICIES[chosen].capped_by} - {None})
-
-
-def _groups(names):
-    """Policies `names` in the groups `snrt plan` plans together: a policy with the one it is
-    capped by (they share that plan), the rows that do the most first (each row of
-    snrt/scheduler/policies.py does more than the one before it)."""
-    groups = {}
-    for name in reversed(names):
-        groups.setdefault(policies.POLICIES[name].capped_by or name, []).append(name)
-    return list(groups.values())
-
-
-class _Claims:
-    """`groups` (lists of policies) that this process and a forked one take turns to claim,
-    each group once: iterating yields the groups not yet claimed by either."""
-
-    def __init__(self, groups):
-        self.groups = groups
-        self.claimed = multiprocessing.get_context("fork").Value("i", 0)  # shared across the fork
-
-    def __iter__(self):
-        while True:
-            with self.claimed.get_lock():
-                k = self.claimed.value
-                self.claimed.value = k + 1
-            if k >= len(self.groups):
-                return
-            yield self.groups[k]
-
-
-def in_a_child(work):
-    """Run `work()` (its result must pickle) in a forked process while this one goes on; returns
-    a function that waits for the result and returns it (or raises the child's error)."""
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-
-    def child():
-        try:
-            send.send(("result", work()))
-        except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
-            send.send(("error", e))
-        finally:  # no exit handlers or stream flushes: a lock another thread held at the fork would hang them
-            os._exit(0)
-
-    process = context.Process(target=child, daemon=True)
-    process.start()
-    send.close()
-
-    def result():
-        try:
-            kind, value = receive.recv()
-        except EOFError:
-            raise SnrtError("planning in a second process failed: it ended without a result (out of memory?)") from None
-        finally:
-            process.join()
-        if kind == "error":
-            raise value
-        return value
-    return result
 
 
 def _policy_table(config, batch, budget, rows):

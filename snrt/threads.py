@@ -11,10 +11,13 @@ threadpoolctl (which also finds the pools a library like scipy or torch brings a
 """
 
 import math
+import multiprocessing
 import os
 from pathlib import Path
 
 from threadpoolctl import threadpool_info, threadpool_limits
+
+from snrt.errors import SnrtError
 
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -69,3 +72,52 @@ def thread_pools():
 def describe_pools(pools):
     """'openblas 2 threads' style text of `thread_pools()`'s answer ('none' when empty)."""
     return ", ".join(f"{name} {n} thread{'s' if n != 1 else ''}" for name, n in pools) or "none"
+
+
+class Claims:
+    """`groups` (lists of work items) that this process and a forked one (`in_a_child`) take
+    turns to claim, each group once: iterating yields the groups not yet claimed by either."""
+
+    def __init__(self, groups):
+        self.groups = groups
+        self.claimed = multiprocessing.get_context("fork").Value("i", 0)  # shared across the fork
+
+    def __iter__(self):
+        while True:
+            with self.claimed.get_lock():
+                k = self.claimed.value
+                self.claimed.value = k + 1
+            if k >= len(self.groups):
+                return
+            yield self.groups[k]
+
+
+def in_a_child(work):
+    """Run `work()` (its result must pickle) in a forked process while this one goes on; returns
+    a function that waits for the result and returns it (or raises the child's error)."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child():
+        try:
+            send.send(("result", work()))
+        except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
+            send.send(("error", e))
+        finally:  # no exit handlers or stream flushes: a lock another thread held at the fork would hang them
+            os._exit(0)
+
+    process = context.Process(target=child, daemon=True)
+    process.start()
+    send.close()
+
+    def result():
+        try:
+            kind, value = receive.recv()
+        except EOFError:
+            raise SnrtError("planning in a second process failed: it ended without a result (out of memory?)") from None
+        finally:
+            process.join()
+        if kind == "error":
+            raise value
+        return value
+    return result

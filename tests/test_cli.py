@@ -132,20 +132,20 @@ def test_plan_rows_planned_in_a_second_process_equal_those_planned_in_one(capsys
 
 
 def test_this_process_and_a_forked_one_claim_each_group_of_policies_once():
-    from snrt.cli import _Claims, _groups, in_a_child
-    from snrt.scheduler.policies import POLICIES
+    from snrt.scheduler.policies import POLICIES, planning_groups
+    from snrt.threads import Claims, in_a_child
 
-    groups = _groups(list(POLICIES))
+    groups = planning_groups(list(POLICIES))
     assert groups[0] == ["superneurons", "offload"]  # planned together (offload's plan is superneurons' cap)
     assert sorted(p for g in groups for p in g) == sorted(POLICIES)
-    claims = _Claims(groups)
+    claims = Claims(groups)
     theirs = in_a_child(lambda: list(claims))
     ours = list(claims)
     assert sorted(ours + theirs()) == sorted(groups)
 
 
 def test_an_error_in_the_second_process_is_raised_in_the_first():
-    from snrt.cli import in_a_child
+    from snrt.threads import in_a_child
 
     with pytest.raises(ZeroDivisionError):
         in_a_child(lambda: 1 / 0)()

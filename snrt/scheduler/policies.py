@@ -60,3 +60,23 @@ def policy_named(name):
     if name not in POLICIES:
         raise SnrtError(f"unknown memory policy {name!r}; expected one of {', '.join(CHOICES)}")
     return POLICIES[name]
+
+
+def planned_first(chosen):
+    """The policies `snrt plan` plans first in its own process when detailing `chosen` (the
+    others it may share with a second process, see `planning_groups`): it and the one it is
+    capped by (they share that plan: without a budget it is the cap, under one the plan it may
+    grow from instead); every policy for `auto`."""
+    if chosen not in POLICIES:
+        return set(POLICIES)
+    return {chosen} | ({POLICIES[chosen].capped_by} - {None})
+
+
+def planning_groups(names):
+    """Policies `names` in the groups that are planned together: a policy with the one it is
+    capped by (they share that plan), the rows that do the most first (each row above does
+    more than the one before it)."""
+    groups = {}
+    for name in reversed(names):
+        groups.setdefault(POLICIES[name].capped_by or name, []).append(name)
+    return list(groups.values())

@@ -418,7 +418,7 @@ def _train_in(folder, checkpoint, args, config, plan, console):
                           measured=trainer.executor.measured_bytes, title=f"{config.name}: {trainer.plan.policy}, "
                           f"batch {trainer.batch} (measured dashed)")
         except OSError as e:
-            raise SnrtError(f"{out / 'memory.png'}: cannot write ({e.strerror or e}); {kept}") from None
+            raise _cannot_write(out / "memory.png", e, kept) from None
     console.print(_summary_table(summary))
     return 128 + int(trainer.stop_reason) if trainer.stop_requested else 0  # the signal's conventional status
 
@@ -443,7 +443,12 @@ def _write_run_file(path, text, kept):
         os.replace(partial, path)
     except OSError as e:
         partial.unlink(missing_ok=True)
-        raise SnrtError(f"{path}: cannot write ({e.strerror or e}); {kept}") from None
+        raise _cannot_write(path, e, kept) from None
+
+
+def _cannot_write(path, error, kept):
+    """The SnrtError of a run file `path` that could not be written, saying what was kept."""
+    return SnrtError(f"{path}: cannot write ({error.strerror or error}); {kept}")
 
 
 def _fit_with_metrics(trainer, folder, checkpoint, args, console):
@@ -455,6 +460,9 @@ def _fit_with_metrics(trainer, folder, checkpoint, args, console):
     total = trainer.config.train.iterations
     failure = []  # the metrics file's write error: the run stops, its checkpoint is still saved
     metrics_file = folder.open_metrics()
+
+    def metrics_failed(error):
+        failure.append(f"{folder.metrics}: cannot write metrics ({error.strerror or error})")
     try:
         with _progress(console, args.no_progress) as progress:
             task = progress.add_task("train", total=total, completed=trainer.iteration, status="")
@@ -464,7 +472,7 @@ def _fit_with_metrics(trainer, folder, checkpoint, args, console):
                     metrics_file.write(json.dumps(dataclasses.asdict(m)) + "\n")
                     metrics_file.flush()
                 except OSError as e:
-                    failure.append(f"{folder.metrics}: cannot write metrics ({e.strerror or e})")
+                    metrics_failed(e)
                     trainer.stop_reason = trainer.stop_reason or "metrics write error"
                 status = (f"loss {m.loss:.4f}  acc {m.accuracy:.3f}  {m.images_per_s:.1f} img/s  "
                           f"device {human_bytes(m.peak_device_bytes)}")
@@ -484,7 +492,7 @@ def _fit_with_metrics(trainer, folder, checkpoint, args, console):
         try:
             metrics_file.close()  # lines its flush could not write are the failure already recorded
         except OSError as e:
-            failure.append(f"{folder.metrics}: cannot write metrics ({e.strerror or e})")
+            metrics_failed(e)
     if failure:
         raise SnrtError(f"{failure[0]}; stopped at iteration {trainer.iteration} with its checkpoint saved to "
                         f"{checkpoint}; free some space and continue with --resume")

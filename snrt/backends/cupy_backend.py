@@ -212,7 +212,6 @@ class CupyBackend(Backend):
         self._events = []  # (kind, what, start event, end event) when profiling
         self._closed = False
         self._device = _DeviceState.acquire()
-        _OPEN.add(self)
         _ALIVE.add(self)
         self.compute_stream, self.guard = self._device.compute_stream, self._device.guard
         self.to_host_stream = cupy.cuda.Stream(non_blocking=True)
@@ -362,7 +361,6 @@ class CupyBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        _OPEN.discard(self)
         self.synchronize()
         if self.kernels is not default_kernels():
             self.kernels.release()
@@ -407,7 +405,6 @@ class _DeviceState:
 
 
 _DEFAULT_KERNELS = []
-_OPEN = weakref.WeakSet()  # the backends not closed yet
 _ALIVE = weakref.WeakSet()  # the backends not garbage-collected yet (their arena pools may hold memory)
 
 
@@ -423,8 +420,8 @@ def release_all():
     """Close every backend still open and release the default kernels (their cuDNN graphs and
     handle): run at exit, before the interpreter tears the library bindings down, so that none
     of their objects outlives it."""
-    for backend in list(_OPEN):
-        backend.close()
+    for backend in list(_ALIVE):
+        backend.close()  # a no-op for those closed already
     if _DEFAULT_KERNELS:
         _DEFAULT_KERNELS.pop().release()
 

@@ -33,7 +33,7 @@ from snrt import POLICIES
 from snrt.scheduler.order import build_iteration
 from snrt.scheduler.plan import PERSISTENT_ROLES
 from snrt.scheduler.planner import make_plan
-from snrt.scheduler.recompute import largest_step_bytes
+from snrt.scheduler.steps import largest_step_bytes
 from snrt.summary import human_bytes
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snrt.config import config_to_yaml, with_settings
-from snrt.scheduler.planner import BudgetError, make_plan
+from snrt.scheduler.planner import fitting_plan
 from snrt.scheduler.policies import POLICIES
 
 WARMUP_FRACTION = 0.05  # of the iterations, when the learning rate is scaled up (Goyal et al.: 5 epochs of 90)
@@ -38,14 +38,6 @@ class Point:
     @property
     def images_per_s(self):
         return self.batch / self.predicted_s if self.predicted_s > 0 else math.inf
-
-
-def fitting_plan(graph, batch, policy, budget, **plan_options):
-    """The plan of `policy` at `batch` within `budget` bytes, or None when none fits."""
-    try:
-        return make_plan(graph, batch, policy, budget=budget, **plan_options)
-    except BudgetError:
-        return None
 
 
 def sweep(graph, policy, budget, limit, on_plan=None, **plan_options):

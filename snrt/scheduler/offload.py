@@ -11,9 +11,10 @@ The pass inserts steps naming the original buffer; `version_buffers` then gives 
 prefetched tensor a buffer id of its own. Host slots are assigned here.
 """
 
+from snrt.scheduler.copies import hide_backward, hide_forward, with_inserted
 from snrt.scheduler.offsets import aligned
 from snrt.scheduler.plan import Offload, Prefetch, Wait, evolve
-from snrt.scheduler.recompute import backward_start
+from snrt.scheduler.steps import backward_start
 
 
 def offload_candidates(steps, buffers, start, keep=()):
@@ -55,38 +56,6 @@ def plan_offload(steps, buffers, seconds, model, keep=(), hide_copies=True):
         before.setdefault(fetch_at, []).append(Prefetch(b, b))
         before.setdefault(use, []).append(Wait(b))
     return with_inserted(steps, before, after), slots, host_bytes
-
-
-def with_inserted(steps, before, after):
-    """`steps` with before[i] inserted before step i (before[len(steps)]: at the end) and
-    after[i] after it."""
-    out = []
-    for i, step in enumerate(steps):
-        out.extend(before.get(i, ()))
-        out.append(step)
-        out.extend(after.get(i, ()))
-    out.extend(before.get(len(steps), ()))
-    return out
-
-
-def hide_forward(seconds, first, limit, copy_s):
-    """The step index before which to wait for an offload issued before step `first`:
-    after enough compute to hide `copy_s`, and no later than `limit`."""
-    elapsed, i = 0.0, first
-    while i < limit and elapsed < copy_s:
-        elapsed += seconds[i]
-        i += 1
-    return i
-
-
-def hide_backward(seconds, use, earliest, copy_s):
-    """The step index at which to issue a prefetch needed at `use`: far enough back that
-    the compute between hides `copy_s`, never before `earliest`."""
-    elapsed, i = 0.0, use
-    while i > earliest and elapsed < copy_s:
-        i -= 1
-        elapsed += seconds[i]
-    return i
 
 
 def with_host_slots(buffers, slots):

@@ -35,8 +35,7 @@ import bisect
 import functools
 from dataclasses import dataclass
 
-from snrt.scheduler.recompute import backward_start
-from snrt.scheduler.stream import STREAMED_ROLES
+from snrt.scheduler.steps import STREAMED_ROLES, backward_start
 
 LIMIT = 64  # steps a subtree's saving-by-headroom function keeps at most
 NONE = float("-inf")  # the saving where nothing fits

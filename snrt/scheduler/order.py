@@ -8,10 +8,11 @@ its backward, when its parameter gradients are complete (fused update).
 
 from dataclasses import dataclass
 
-from snrt.layers.base import BACKWARD, FORWARD, LAYER_KERNELS, numel
+from snrt.layers.base import BACKWARD, FORWARD, numel
 from snrt.layers.input import Input
 from snrt.scheduler.plan import Backward, Buffer, Forward, Update, evolve
-from snrt.scheduler.reduce import BUCKET_BYTES, plan_reduction
+from snrt.scheduler.options import PlanOptions
+from snrt.scheduler.reduce import plan_reduction
 
 ITEMSIZE = {"float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 
@@ -27,16 +28,17 @@ class Iteration:
     output: dict  # node -> activation buffer id
 
 
-def build_iteration(graph, batch, training=True, optimizer_states=("momentum",), dtype="float32", kernels=LAYER_KERNELS,
-                    deferred_updates=False, ranks=1, bucket_bytes=BUCKET_BYTES):
-    """Buffers and compute steps of one iteration (forward only when not `training`).
+def build_iteration(graph, batch, options=PlanOptions()):
+    """Buffers and compute steps of one iteration of `graph` at `batch` (forward only when not
+    `options.training`); of PlanOptions `options` it reads what `options.iteration_key()` names.
 
-    `kernels` (a kernel choice, see snrt.layers.base.LayerKernels) sizes the workspaces for
-    the kernels a backend will run. Each layer's update follows its backward step, or, with
+    `options.kernels` (a kernel choice, see snrt.layers.base.LayerKernels) sizes the workspaces
+    for the kernels a backend will run. Each layer's update follows its backward step, or, with
     `deferred_updates`, all updates follow the last backward step (in the same order). With
     several `ranks` the gradients are summed across them in buckets of about `bucket_bytes`
     before the (deferred) updates: see snrt/scheduler/reduce.py.
     """
+    training, optimizer_states, dtype, kernels, deferred_updates, ranks, bucket_bytes = options.iteration_key()
     table = BufferTable()
     builder = _StepBuilder(graph, batch, table, dtype, kernels)
     steps = builder.forward_steps()

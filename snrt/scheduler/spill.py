@@ -19,10 +19,10 @@ The pass inserts steps naming the tensor's own buffer; `version_buffers` then gi
 brought back a buffer id of its own, with the same home in the host store.
 """
 
-from snrt.scheduler.offload import with_inserted
+from snrt.scheduler.copies import with_inserted
 from snrt.scheduler.offsets import aligned
 from snrt.scheduler.plan import Offload, Prefetch, Wait, evolve
-from snrt.scheduler.stream import COMPUTE_KINDS
+from snrt.scheduler.steps import COMPUTE_KINDS
 
 SPILLED_ROLES = ("activation", "gradient", "aux", "parameter_gradient")
 

@@ -12,12 +12,10 @@ The pass inserts steps that name the tensor's own buffer; `version_buffers` then
 later device copy a buffer id of its own, with the same home. Homes are assigned here.
 """
 
-from snrt.scheduler.offload import hide_backward, hide_forward, with_inserted
+from snrt.scheduler.copies import hide_backward, hide_forward, with_inserted
 from snrt.scheduler.offsets import aligned
 from snrt.scheduler.plan import Offload, Prefetch, Wait, evolve
-
-STREAMED_ROLES = ("parameter", "optimizer_state")
-COMPUTE_KINDS = ("forward", "recompute", "backward", "update")
+from snrt.scheduler.steps import COMPUTE_KINDS, STREAMED_ROLES
 
 
 def plan_streaming(steps, table, seconds, model, host_bytes, hide_copies=True, resident=()):

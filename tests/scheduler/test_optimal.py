@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from snrt.backends.numpy_backend import NumpyBackend
 from snrt.config import load_config, parse_config, with_settings
-from snrt.scheduler import cost, planner
+from snrt.scheduler import candidates, cost, session
+from snrt.scheduler.options import PlanOptions
 from snrt.scheduler.optimal import Decision, choose
 from snrt.scheduler.planner import each_plan, make_plan
 from snrt.scheduler.policies import POLICIES
@@ -260,7 +261,7 @@ def test_skipping_plans_that_cannot_beat_the_cap_changes_no_plan(model, over):
     graph = load_config(ROOT / "configs" / "cifar_resnet56.yaml").graph
     budget = int(make_plan(graph, 16, "offload", cost_model=model).arena_bytes * over)
     skipped = make_plan(graph, 16, "superneurons", budget=budget, cost_model=model)
-    with mock.patch.object(planner, "_slower_than", lambda *args: False):  # never skip
+    with mock.patch.object(candidates, "beaten", lambda *args: False):  # never skip
         built = make_plan(graph, 16, "superneurons", budget=budget, cost_model=model)
     in_rows = dict(each_plan(graph, 16, ["superneurons"], budget=budget, cost_model=model))["superneurons"]
     assert digest(skipped) == digest(built) == digest(in_rows)
@@ -270,10 +271,9 @@ def test_superneurons_own_plan_is_not_assembled_where_its_replays_cost_more_than
     graph = load_config(ROOT / "configs" / "cifar_resnet56.yaml").graph
     budget = 2 * make_plan(graph, 16, "offload").arena_bytes
     assembled = []
-    real = planner._assemble_from
-    with mock.patch.object(planner, "_assemble_from",
-                           lambda it, graph, batch, policy, *rest: assembled.append(policy.name)
-                           or real(it, graph, batch, policy, *rest)):
+    real = session.lower
+    with mock.patch.object(session, "lower",
+                           lambda at, recipe: assembled.append(recipe.row.name) or real(at, recipe)):
         grown = make_plan(graph, 16, "superneurons", budget=budget)
     assert grown.policy == "superneurons" and not any(s.kind == "recompute" for s in grown.steps)
     assert "superneurons" not in assembled and "offload" in assembled
@@ -284,7 +284,7 @@ def test_a_growth_whose_decisions_together_save_too_little_makes_no_choice():
     # undoing every decision would not be worth it
     graph = load_config(ROOT / "configs" / "cifar_resnet56.yaml").graph
     offload = make_plan(graph, 16, "offload")
-    with mock.patch.object(planner, "choose", side_effect=AssertionError("choose was called")):
+    with mock.patch.object(candidates, "choose", side_effect=AssertionError("choose was called")):
         grown = make_plan(graph, 16, "superneurons", budget=2 * offload.arena_bytes)
     assert grown.predicted_s == offload.predicted_s
 
@@ -294,15 +294,16 @@ def test_a_growth_whose_decisions_together_save_too_little_makes_no_choice():
 def test_the_replays_bound_holds_for_every_plan_and_the_memory_centric_plan_replays_every_droppable_node(
         recipe, model, streamed):
     graph = build(recipe)
-    opts = planner.PlanOptions(cost_model=model, stream_parameters=streamed)
-    with planner._planning():
-        droppable = set(planner._droppable(graph, 2, opts))
+    at = session.Session(graph, 2, PlanOptions(cost_model=model, stream_parameters=streamed))
+    with session.planning():
+        droppable = set(candidates.droppable(at))
         for name in POLICIES:
-            plan, segments = planner._assemble(graph, 2, POLICIES[name], opts, True)
+            assembly = at.assemble(at.recipe(POLICIES[name]))
+            plan, segments = assembly.plan, assembly.segments
             replayed = {s.node for s in plan.steps if s.kind == "recompute"}
             assert replayed == {n for nodes in segments.values() for n in nodes}
             assert replayed == (droppable if POLICIES[name].recomputes else set())
-            assert planner._time_at_least(graph, 2, opts, replayed) <= plan.predicted_s * (1 + 1e-9)
+            assert candidates.time_at_least(at, replayed) <= plan.predicted_s * (1 + 1e-9)
 
 
 def digest(plan):

@@ -171,7 +171,7 @@ def test_an_optimizer_that_clips_by_the_global_norm_refuses_a_plan_with_fused_up
 def test_plans_made_one_after_another_follow_the_graph_batch_and_options():
     """make_plan reuses the iteration it built last: a plan for another image size, batch,
     label dtype or optimizer is still that one's own, equal to a plan made afresh."""
-    from snrt.scheduler import planner
+    from snrt.scheduler import session
 
     def config(size):
         return snrt.load_config("configs/lenet.yaml", {"input.shape": [1, size, size]})
@@ -182,7 +182,7 @@ def test_plans_made_one_after_another_follow_the_graph_batch_and_options():
              (config(8).graph, 2, {"deferred_updates": True})]
     for graph, batch, options in cases:
         reused = make_plan(graph, batch, "superneurons", **options)
-        planner._Assembled.key = None  # forget the iteration: a plan made afresh
+        session.forget()  # forget the iteration: a plan made afresh
         assert reused == make_plan(graph, batch, "superneurons", **options)
         assert reused != first
 

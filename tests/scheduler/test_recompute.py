@@ -4,7 +4,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from snrt.scheduler.order import BufferTable, build_iteration
-from snrt.scheduler.recompute import plan_recomputation, version_buffers
+from snrt.scheduler.recompute import plan_recomputation
+from snrt.scheduler.steps import version_buffers
 from tests.scheduler.graphs import build, graph_recipes
 
 

@@ -3,6 +3,7 @@ idle at the fullest steps go to the host and back, down to the largest step's wo
 and training stays bit-identical to `none`."""
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +13,12 @@ from hypothesis import strategies as st
 
 import snrt
 from snrt.config import with_settings
-from snrt.scheduler import planner
+from snrt.scheduler.candidates import own_plan
+from snrt.scheduler.lowering import SPILL_FLOOR
 from snrt.scheduler.planner import BudgetError, PlanOptions, each_plan, make_plan
 from snrt.scheduler.policies import POLICIES
-from snrt.scheduler.recompute import largest_step_bytes
+from snrt.scheduler.steps import largest_step_bytes
+from snrt.scheduler.session import Session, planning
 from snrt.scheduler.spill import _Peaks
 from snrt.scheduler.verify import verify_plan
 from snrt.train import Trainer
@@ -37,10 +40,10 @@ def smallest_budget(graph, batch, policy, **options):
 
 def spilled_to_floor(graph, batch, policy, **options):
     """(the just-in-time plan of `policy`, that plan spilled down to the floor)."""
-    opts = PlanOptions(**options)
-    with planner._planning():
-        base = planner._built(graph, batch, POLICIES[policy], opts, hide_copies=False)
-        return base.plan, planner._spilled_to(graph, batch, opts, base, planner.SPILL_FLOOR)
+    at = Session(graph, batch, PlanOptions(**options))
+    with planning():
+        base = own_plan(at, POLICIES[policy], hide_copies=False)
+        return base.plan, at.assemble(replace(base.recipe, spill=SPILL_FLOOR)).plan
 
 
 def idle_at_full_steps(plan, limit, keep):

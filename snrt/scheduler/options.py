@@ -1,0 +1,52 @@
+"""The planning options: what every pass needs besides the graph, the batch and the policy."""
+
+from dataclasses import dataclass
+
+from snrt.layers.base import LAYER_KERNELS
+from snrt.scheduler import cost as cost_models
+from snrt.scheduler.cost import CostModel
+from snrt.scheduler.reduce import BUCKET_BYTES
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How one iteration is planned.
+
+    - `training`: False gives a forward-only plan.
+    - `optimizer_states`: the optimizer's buffers of each parameter (one planned buffer per
+      parameter and name: SGD's ("momentum",), () without momentum, Adam's ("exp_avg",
+      "exp_avg_sq")).
+    - `deferred_updates`: every update runs after the whole backward pass (what clipping by
+      the global gradient norm needs: all parameter gradients stay alive to the end, and the
+      plan counts them) instead of each right after its layer's backward.
+    - `cost_model`: the device's rates, which time steps and copies (snrt/scheduler/cost.py).
+    - `dtype`: the activations' element type.
+    - `kernels`: the kernel choice of the backend that will run the plan: its
+      `workspace_bytes(layer, in_shapes, phase, itemsize)` sizes the workspaces (cuDNN's on the
+      GPU; the layers' own on the CPU).
+    - `ranks`: with several (data parallel), each rank runs this plan on its batch and the
+      parameter gradients are summed across the ranks in buckets of about `bucket_bytes`
+      (snrt/scheduler/reduce.py).
+    - `stream_parameters`: a training plan of a freeing policy keeps parameters and optimizer
+      state in the host store and brings each to the device only while steps use it
+      (snrt/scheduler/stream.py).
+    """
+
+    training: bool = True
+    optimizer_states: tuple = ("momentum",)
+    deferred_updates: bool = False
+    cost_model: CostModel = cost_models.CPU
+    dtype: str = "float32"
+    kernels: object = LAYER_KERNELS
+    ranks: int = 1
+    bucket_bytes: int = BUCKET_BYTES
+    stream_parameters: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "optimizer_states", tuple(self.optimizer_states))
+
+    def iteration_key(self):
+        """The options snrt.scheduler.order.build_iteration reads: one iteration serves every
+        plan whose options agree on these."""
+        return (self.training, self.optimizer_states, self.dtype, self.kernels, self.deferred_updates, self.ranks,
+                self.bucket_bytes)

@@ -89,8 +89,9 @@ class Assembly:
 
 
 class Lowering:
-    """The work of one `lower`: the steps and buffers the passes rewrite in turn, the host
-    slots and bytes they assign, and the segments the recompute pass decided."""
+    """The work of one `lower`: the steps and buffers (with the host store's size) the passes
+    rewrite in turn, the host slots offloading assigns, and the segments the recompute pass
+    decided."""
 
     def __init__(self, session):
         it = session.iteration
@@ -98,7 +99,7 @@ class Lowering:
         self.table.buffers = list(it.buffers)
         self.keep = {b for out, _, probs, labels, _ in it.losses for b in (out, probs, labels)}
         self.fed = tuple(b for _, b in it.inputs) + tuple(loss[1] for loss in it.losses if loss[1] >= 0)
-        self.slots, self.host_bytes, self.segments = {}, 0, {}
+        self.slots, self.segments = {}, {}
 
 
 def _recompute(work, recipe):
@@ -108,7 +109,7 @@ def _recompute(work, recipe):
 
 def _offload(work, recipe):
     model = work.session.options.cost_model
-    work.steps, work.slots, work.host_bytes = plan_offload(
+    work.steps, work.slots, work.table.host_bytes = plan_offload(
         work.steps, work.table.buffers, work.session.seconds(work.steps), model, work.keep | set(recipe.resident),
         recipe.hide_copies)
     if not recipe.does.streams:  # else versioned with the streamed copies (streaming reads no activation's version)
@@ -117,15 +118,14 @@ def _offload(work, recipe):
 
 def _stream(work, recipe):
     model = work.session.options.cost_model
-    work.steps, work.host_bytes = plan_streaming(work.steps, work.table, work.session.seconds(work.steps), model,
-                                                 work.host_bytes, recipe.hide_copies, recipe.resident)
+    work.steps = plan_streaming(work.steps, work.table, work.session.seconds(work.steps), model, recipe.hide_copies,
+                                recipe.resident)
     work.steps = version_buffers(work.steps, work.table)
 
 
 def _spill(work, recipe):
     limit = largest_step_bytes(work.steps, work.table.buffers) if recipe.spill == SPILL_FLOOR else recipe.spill
-    work.steps, work.host_bytes = plan_spills(work.steps, work.table, work.slots, limit, work.host_bytes, work.keep,
-                                              work.fed)
+    work.steps = plan_spills(work.steps, work.table, work.slots, limit, work.keep, work.fed)
     work.steps = version_buffers(work.steps, work.table, work.fed)
 
 
@@ -176,7 +176,7 @@ def _placed(work, recipe):
                           for node, count in replays.items())
     it = session.iteration
     plan = Plan(batch, recipe.row.name, session.options.training, tuple(buffers), tuple(steps), tuple(device_bytes),
-                arena_bytes, work.host_bytes, tuple(allocations), tuple(it.inputs), it.losses,
+                arena_bytes, work.table.host_bytes, tuple(allocations), tuple(it.inputs), it.losses,
                 predicted_s=predicted_s, stall_s=stall_s, recompute_flops=recompute_flops,
                 ranks=session.options.ranks)
     return Assembly(plan, recipe, work.segments, seconds, stalls)

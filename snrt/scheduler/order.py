@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from snrt.layers.base import BACKWARD, FORWARD, numel
 from snrt.layers.input import Input
 from snrt.scheduler.plan import Backward, Buffer, Forward, Update, evolve
+from snrt.scheduler.offsets import aligned
 from snrt.scheduler.options import PlanOptions
 from snrt.scheduler.reduce import plan_reduction
 
@@ -49,15 +50,22 @@ def build_iteration(graph, batch, options=PlanOptions()):
 
 
 class BufferTable:
-    """Collects buffers in creation order; ids are positions."""
+    """Collects buffers in creation order (ids are positions), and the bytes of the host store
+    the passes gave homes in so far (`host_bytes`: the next free host offset)."""
 
     def __init__(self):
         self.buffers = []
+        self.host_bytes = 0
 
     def add(self, name, shape, dtype, role, host_slot=-1):
         nbytes = numel(shape) * ITEMSIZE[dtype]
         self.buffers.append(Buffer(len(self.buffers), name, tuple(shape), dtype, nbytes, role, host_slot=host_slot))
         return len(self.buffers) - 1
+
+    def home(self, b):
+        """Give buffer `b` a home at the end of the host store (aligned)."""
+        self.buffers[b] = evolve(self.buffers[b], host_slot=self.host_bytes)
+        self.host_bytes += aligned(self.buffers[b].nbytes)
 
     def new_version(self, b, count):
         """Add the next version of buffer `b`: a buffer like it (shape, dtype, role, home in the

@@ -20,18 +20,17 @@ brought back a buffer id of its own, with the same home in the host store.
 """
 
 from snrt.scheduler.copies import with_inserted
-from snrt.scheduler.offsets import aligned
 from snrt.scheduler.plan import Offload, Prefetch, Wait, evolve
 from snrt.scheduler.steps import COMPUTE_KINDS
 
 SPILLED_ROLES = ("activation", "gradient", "aux", "parameter_gradient")
 
 
-def plan_spills(steps, table, homes, limit, host_bytes, keep=(), fed=()):
-    """(steps with spills, host bytes with the new homes added).
+def plan_spills(steps, table, homes, limit, keep=(), fed=()):
+    """`steps` with spills.
 
-    `table` (a BufferTable) gets the homes (`host_slot`) of the tensors spilled after a compute
-    step wrote them; `homes` ({buffer id: host slot}) are the slots offloading already gave;
+    `table` (a BufferTable) gets the homes (`host_slot`, at the end of its host store) of the
+    tensors spilled after a compute step wrote them; `homes` ({buffer id: host slot}) are the slots offloading already gave;
     `limit` is the non-resident device bytes a step may hold; `keep` are never spilled, `fed`
     (written by the executor before the first step) are alive from step 0.
     """
@@ -54,12 +53,13 @@ def plan_spills(steps, table, homes, limit, host_bytes, keep=(), fed=()):
         if source is None:  # a value computed on the device: it goes home first
             home = homes.get(b, buffers[b].host_slot)  # an offloaded activation keeps its slot
             if home < 0:
-                home, host_bytes = host_bytes, host_bytes + aligned(buffers[b].nbytes)
-            table.buffers[b] = evolve(buffers[b], host_slot=home)  # its copies share it
+                table.home(b)  # its copies share it
+            else:
+                table.buffers[b] = evolve(buffers[b], host_slot=home)
             after.setdefault(u, []).extend((Offload(b), Wait(b)))
             source = b
         before.setdefault(v, []).extend((Prefetch(b, source), Wait(b)))
-    return with_inserted(steps, before, after), host_bytes
+    return with_inserted(steps, before, after)
 
 
 def _uses(steps, fed):

@@ -13,15 +13,14 @@ later device copy a buffer id of its own, with the same home. Homes are assigned
 """
 
 from snrt.scheduler.copies import hide_backward, hide_forward, with_inserted
-from snrt.scheduler.offsets import aligned
-from snrt.scheduler.plan import Offload, Prefetch, Wait, evolve
+from snrt.scheduler.plan import Offload, Prefetch, Wait
 from snrt.scheduler.steps import COMPUTE_KINDS, STREAMED_ROLES
 
 
-def plan_streaming(steps, table, seconds, model, host_bytes, hide_copies=True, resident=()):
-    """(steps with the copies of every parameter and optimizer-state tensor but those in
-    `resident` (they stay on the device), host bytes with their homes added). `table` (a
-    BufferTable) gets the homes (`host_slot`) of those buffers; `seconds[i]` is step i's
+def plan_streaming(steps, table, seconds, model, hide_copies=True, resident=()):
+    """`steps` with the copies of every parameter and optimizer-state tensor but those in
+    `resident` (they stay on the device). `table` (a BufferTable) gives those buffers homes
+    at the end of its host store; `seconds[i]` is step i's
     predicted compute time, used to issue a prefetch early enough to hide it behind the
     compute before (and to wait for a copy home late enough), or, with `hide_copies` False,
     just in time.
@@ -29,8 +28,7 @@ def plan_streaming(steps, table, seconds, model, host_bytes, hide_copies=True, r
     resident = set(resident)
     streamed = [b.id for b in table.buffers if b.role in STREAMED_ROLES and b.id not in resident]
     for b in streamed:
-        table.buffers[b] = evolve(table.buffers[b], host_slot=host_bytes)
-        host_bytes += aligned(table.buffers[b].nbytes)
+        table.home(b)
     before, after = {}, {}  # step index -> steps to insert before / after it
     for b, stays in _stays(steps, set(streamed)).items():
         copy_s = model.copy_s(table.buffers[b].nbytes) if hide_copies else 0.0
@@ -45,7 +43,7 @@ def plan_streaming(steps, table, seconds, model, host_bytes, hide_copies=True, r
                 home_at = hide_forward(seconds, last + 1, len(steps), copy_s)
                 before.setdefault(home_at, []).append(Wait(b))
                 earliest = home_at
-    return with_inserted(steps, before, after), host_bytes
+    return with_inserted(steps, before, after)
 
 
 def _stays(steps, streamed):

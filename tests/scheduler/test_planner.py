@@ -117,6 +117,21 @@ def test_auto_picks_a_policy_that_fits_and_infeasible_budgets_say_what_would_wor
     assert "smallest budget that works" in str(info.value)
 
 
+@pytest.mark.parametrize("policy", ["auto", "offload"])
+def test_fitting_plan_is_make_plans_plan_or_none_without_searching_for_a_batch(policy):
+    from unittest import mock
+
+    from snrt.scheduler import planner
+
+    graph = snrt.load_config("configs/cifar_resnet20.yaml").graph
+    roomy = make_plan(graph, 8, "none").arena_bytes
+    assert planner.fitting_plan(graph, 8, policy, roomy) == make_plan(graph, 8, policy, budget=roomy)
+    with pytest.raises(BudgetError):
+        make_plan(graph, 8, policy, budget=2**20)
+    with mock.patch.object(planner, "_infeasible", side_effect=AssertionError("searched for the largest batch")):
+        assert planner.fitting_plan(graph, 8, policy, 2**20) is None
+
+
 def test_policy_auto_needs_a_budget():
     graph = build([("relu", 0, 0)])
     with pytest.raises(snrt.SnrtError, match="needs a budget"):

@@ -1,6 +1,8 @@
 """Streamed parameters and optimizer state: plans that hold them on the device only while
 steps use them, and training that stays bit-identical to `none`."""
 
+from unittest import mock
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -136,6 +138,18 @@ def test_auto_streams_the_parameters_only_when_nothing_fits_with_them_resident()
     verify_plan(streamed, budget=budget)
     with pytest.raises(BudgetError, match="stream them from host memory"):
         make_plan(graph, 2, "superneurons", budget=budget)
+
+
+def test_auto_streams_from_the_iteration_it_built_for_the_resident_plans():
+    """Streaming parameters changes no step of the unscheduled iteration: auto's streamed
+    candidates are lowered from the one it built for the resident ones."""
+    from snrt.scheduler import session
+
+    graph = snrt.load_config("configs/vgg16.yaml", {"input.shape": [3, 32, 32]}).graph
+    session.forget()
+    with mock.patch.object(session, "build_iteration", wraps=session.build_iteration) as built:
+        streamed = make_plan(graph, 2, "auto", budget=300 * 2**20)
+    assert streamed.policy.endswith(", streamed") and built.call_count == 1
 
 
 def test_a_run_under_auto_streams_when_it_must_and_trains_as_none_does():

@@ -72,14 +72,16 @@ def gib(nbytes):
     return f"{nbytes / GIB:.2f}"
 
 
-def arena_in_budget(graph, batch, policy, budget=BUDGET, stream_parameters=False, spill=True):
-    """The arena of the plan `make_plan(graph, batch, policy, budget=budget, stream_parameters=...)`
+def arena_in_budget(graph, batch, policy, budget=BUDGET, stream_parameters=False, spill=True, precision="fp32"):
+    """The arena of the plan `make_plan(graph, batch, policy, budget=budget, stream_parameters=...,
+    precision=...)`
     ends with (or, superneurons, grows from), without its error (`plan_within`): over the
     budget, a copying policy falls back to just-in-time prefetches and a freeing one spills
     idle tensors (unless `spill` is False: the policy's own plans), so a value > budget means
     make_plan would raise BudgetError.
     """
-    return plan_within(graph, batch, policy, budget, spill, stream_parameters=stream_parameters).arena_bytes
+    return plan_within(graph, batch, policy, budget, spill, stream_parameters=stream_parameters,
+                       precision=precision).arena_bytes
 
 
 def largest_fitting(size_of, budget, start=(1, 2), limit=1 << 16, log=None):

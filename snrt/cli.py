@@ -23,6 +23,7 @@ from snrt.errors import DivergenceError, SnrtError
 from snrt.optim import make_optimizer
 from snrt.parallel import Solo, first_failing_rank, launcher_rank, launcher_size, world
 from snrt.runfolder import CHECKPOINT, RunFolder
+from snrt.precision import PRECISIONS, PrecisionError
 from snrt.scheduler import BudgetError, policies
 from snrt.summary import human_bytes, summary_table, totals_by_type
 from snrt.threads import Claims, describe_pools, in_a_child, limit_threads, thread_pools, usable_cores
@@ -86,6 +87,7 @@ def build_parser():
     plan.add_argument("--budget", help="device-memory budget such as 12GiB (overrides memory.budget)")
     plan.add_argument("--stream-parameters", action="store_true", default=None,
                       help="plan parameters and optimizer state streamed from host memory (memory.stream_parameters)")
+    _add_precision(plan)
     plan.add_argument("--json", action="store_true", help="print the per-policy summary as JSON")
     plan.add_argument("--steps", action="store_true", help="print every step of the detailed plan")
     plan.add_argument("--layers", action="store_true",
@@ -102,6 +104,7 @@ def build_parser():
     tune.add_argument("--budget", help="device-memory budget such as 12GiB (default: memory.budget)")
     tune.add_argument("--stream-parameters", action="store_true", default=None,
                       help="plan parameters and optimizer state streamed from host memory (memory.stream_parameters)")
+    _add_precision(tune)
     tune.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
     tune.add_argument("--max-batch", type=_positive_int, default=4096, help="largest batch to consider (default 4096)")
     tune.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -128,6 +131,13 @@ def _add_run_options(parser):
     parser.add_argument("config", help="network YAML file, e.g. configs/resnet2500.yaml")
     parser.add_argument("--batch", type=_positive_int, help="batch size (overrides train.batch)")
     parser.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
+    _add_precision(parser)
+
+
+def _add_precision(parser):
+    parser.add_argument("--precision", choices=tuple(PRECISIONS),
+                        help="the dtype tensors are stored in: fp32, tf32 (fp32 storage, tensor-core math), "
+                             "bf16 or fp16 (2-byte activations) (overrides train.precision)")
     parser.add_argument("--data", type=_data_spec, metavar="TYPE[:PATH]",
                         help=f"data set: {', '.join(DATASETS)}; npz and cifar take :PATH")
     parser.add_argument("--backend", choices=BACKENDS, help="cpu or cuda (default: cuda when CuPy finds a GPU)")
@@ -150,7 +160,8 @@ def _overrides(args):
             out[f"train.data.{key}"] = value
     for flag, key in (("iterations", "train.iterations"), ("lr", "train.optimizer.lr"), ("policy", "memory.policy"),
                       ("budget", "memory.budget"), ("seed", "train.seed"),
-                      ("stream_parameters", "memory.stream_parameters"), ("host_store", "memory.host_store")):
+                      ("stream_parameters", "memory.stream_parameters"), ("host_store", "memory.host_store"),
+                      ("precision", "train.precision")):
         if getattr(args, flag, None) is not None:
             out[key] = getattr(args, flag)
     return out
@@ -206,6 +217,11 @@ def plan_headline(plan):
         if nbytes:
             table.add_row(role.replace("_", " "), human_bytes(at_peak.get(role, 0)), human_bytes(nbytes))
     table.add_section()
+    at_peak = plan.peak_by_dtype()
+    for dtype, nbytes in sorted(plan.bytes_by_dtype().items()):
+        table.add_row(f"in {dtype}" + (" (workspace)" if dtype == "uint8" else ""), human_bytes(at_peak.get(dtype, 0)),
+                      human_bytes(nbytes))
+    table.add_section()
     table.add_row("peak on device", human_bytes(plan.peak_bytes), "")
     table.add_row("arena", human_bytes(plan.arena_bytes), "")
     if plan.host_bytes:
@@ -222,13 +238,14 @@ def plan_headline(plan):
 def layers_table(plan, graph):
     """Every node's fate in `plan` (Plan.node_decisions) with its output's bytes."""
     table = Table(title=f"what {plan.policy} does with each layer's output and parameters, batch {plan.batch}")
-    for header in ("node", "type", "output", "decision", "parameters"):
+    for header in ("node", "type", "output", "dtype", "decision", "parameters"):
         table.add_column(header, justify="right" if header == "output" else "left", no_wrap=True)
-    output = {node: plan.buffers[b].nbytes for node, b in plan.inputs}
-    output.update((s.node, plan.buffers[s.output].nbytes) for s in plan.steps if s.kind == "forward")
+    output = dict(plan.inputs)
+    output.update((s.node, s.output) for s in plan.steps if s.kind == "forward")
     decisions, homes = plan.node_decisions(), plan.parameter_homes()
     for node, decision in decisions.items():
-        table.add_row(node, graph[node].layer.type_name, human_bytes(output[node]), decision, homes.get(node, "-"))
+        b = plan.buffers[output[node]]
+        table.add_row(node, graph[node].layer.type_name, human_bytes(b.nbytes), b.dtype, decision, homes.get(node, "-"))
     counts = collections.Counter(decisions.values())
     table.caption = ", ".join(f"{counts[d]} {d}" for d in ("keep", "recompute", "offload", "unsaved") if counts[d])
     return table
@@ -242,6 +259,7 @@ def policy_row(plan, budget):
         "peak_bytes": plan.peak_bytes,
         "arena_bytes": plan.arena_bytes,
         "peak_by_role": {r: b for r, b in plan.peak_by_role().items() if b},
+        "bytes_by_dtype": plan.bytes_by_dtype(),
         "offloaded_bytes": plan.host_bytes,
         "recomputed_flops": plan.recompute_flops,
         "copied_to_host_bytes": to_host,
@@ -264,7 +282,8 @@ def run_plan(args, console):
                         f"{ranks} ranks (it is the global batch); choose a multiple of {ranks}")
     batch = config.train.batch // ranks  # each rank's
     update = {**make_optimizer(config.train.optimizer).plan_options, "ranks": ranks,  # planned as training plans it
-              "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters}
+              "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters,
+              "precision": config.train.precision}
     chosen = args.policy or config.memory.policy
     here = policies.planned_first(chosen)
     others = policies.planning_groups([p for p in policies.POLICIES if p not in here])
@@ -549,7 +568,7 @@ def run_tune(args, console):
     if budget is None:
         raise SnrtError(f"{args.config}: memory.budget: snrt tune needs a budget: pass --budget, e.g. --budget 12GiB")
     options = {**make_optimizer(config.train.optimizer).plan_options, "stream_parameters": config.memory.stream_parameters,
-               "cost_model": {"cpu": cost.CPU, "cuda": cost.CUDA}[args.device]}
+               "cost_model": {"cpu": cost.CPU, "cuda": cost.CUDA}[args.device], "precision": config.train.precision}
     points = []
     with console.status("planning...") as status:
         def planning(policy, batch):
@@ -693,6 +712,8 @@ def _describe(error, args):
     """(message, exit status) for an error that ends the command."""
     if isinstance(error, BudgetError):  # the planner knows no file: name the one whose budget it is
         return f"{args.config}: memory.budget: {error}", 2
+    if isinstance(error, PrecisionError):  # nor does the runtime: name the file whose precision it is
+        return f"{args.config}: {error}", 2
     if isinstance(error, OSError):  # a file the run needs or writes: named, with the system's reason
         return f"{error.filename + ': ' if error.filename else ''}{error.strerror or error}", 2
     if isinstance(error, MemoryError):

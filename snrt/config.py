@@ -24,6 +24,7 @@ from snrt.expressions import evaluate
 from snrt.graph import Graph
 from snrt.layers import LAYERS
 from snrt.layers.input import Input
+from snrt.precision import PRECISIONS
 from snrt.scheduler import policies
 from snrt.units import Bytes, parse_bytes
 
@@ -119,6 +120,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # iterations between checkpoints (0: only at the end)
     eval_every: int = 0  # iterations between held-out evaluations (0: only at the end)
     gradient_bucket: Bytes = 25 * 2**20  # data parallel: gradients exchanged per bucket (snrt/scheduler/reduce.py)
+    precision: str = "fp32"  # the dtype tensors are stored and computed in (snrt/precision.py)
 
 
 @dataclass
@@ -148,6 +150,7 @@ CHOICES = {
     (ScheduleConfig, "type"): ("constant", "step", "cosine"),
     (DataConfig, "type"): DATASETS,
     (TrainConfig, "init"): ("default", "he", "xavier"),
+    (TrainConfig, "precision"): tuple(PRECISIONS),
     (MemoryConfig, "policy"): policies.CHOICES,
 }
 OPTIONAL_STRINGS = ("path", "host_store")  # string settings that may be null

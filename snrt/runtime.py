@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from snrt.backends import backend_class
 from snrt.errors import SnrtError
 from snrt.executor import Executor
+from snrt.precision import unsupported
 from snrt.scheduler.plan import PERSISTENT_ROLES
 from snrt.scheduler.planner import make_plan
 from snrt.scheduler.reduce import BUCKET_BYTES
@@ -57,24 +58,27 @@ def check_trainable(graph, batch):
 
 
 def plan_run(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
-             deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES, stream_parameters=False):
+             deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES, stream_parameters=False, precision="fp32"):
     """The plan `prepare` carries out with the same arguments, made with the cost model and
     kernel choice of the backend called `backend`; nothing is allocated. Raises SnrtError when
-    the backend is not available, the graph cannot train at `batch`, or (BudgetError) no plan
-    fits `budget`."""
+    the backend is not available or cannot run `precision`, the graph cannot train at `batch`,
+    or (BudgetError) no plan fits `budget`."""
     if training:
         check_trainable(graph, batch)
     device_class = backend_class(backend)
+    refused = unsupported(precision, device_class)
+    if refused:
+        raise refused
     ranks = group.size if group is not None and training else 1
     return make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
                      cost_model=device_class.cost_model, kernels=device_class.kernel_choice(),
                      deferred_updates=deferred_updates, ranks=ranks, bucket_bytes=bucket_bytes,
-                     stream_parameters=stream_parameters)
+                     stream_parameters=stream_parameters, precision=precision)
 
 
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
             check=False, values=None, deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES,
-            stream_parameters=False, host_folder=None, plan=None):
+            stream_parameters=False, host_folder=None, plan=None, precision="fp32"):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
     backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
     such pairs) loaded.
@@ -86,13 +90,14 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     (snrt.parallel), `batch` is this rank's part and a training plan sums the gradients over
     the group in buckets of about `bucket_bytes`. `stream_parameters` keeps parameters and
     optimizer state in the host store, on the device only while steps use them; `host_folder`
-    (CPU) puts the host store in a file there instead of memory. `plan`, when given, is the one
-    `plan_run` made with the same arguments (not made again).
+    (CPU) puts the host store in a file there instead of memory. `precision` (snrt/precision.py)
+    is the one the plan stores tensors in. `plan`, when given, is the one `plan_run` made with
+    the same arguments (not made again).
     """
     if plan is None:
         plan = plan_run(graph, batch, policy, budget, backend, training=training, optimizer_states=optimizer_states,
                         deferred_updates=deferred_updates, group=group, bucket_bytes=bucket_bytes,
-                        stream_parameters=stream_parameters)
+                        stream_parameters=stream_parameters, precision=precision)
     device_class = backend_class(backend)
     on_disk = {"host_folder": host_folder} if host_folder else {}
     device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=device_class.kernel_choice(),

@@ -46,7 +46,7 @@ def _run_options(config, group):
                         f"{group.size} ranks (it is the global batch); choose a multiple of {group.size}")
     return dict(graph=config.graph, batch=train.batch // group.size, policy=memory.policy, budget=memory.budget,
                 training=True, **make_optimizer(train.optimizer).plan_options, group=group,
-                bucket_bytes=train.gradient_bucket, stream_parameters=memory.stream_parameters)
+                bucket_bytes=train.gradient_bucket, stream_parameters=memory.stream_parameters, precision=train.precision)
 
 
 class Trainer:

@@ -1,8 +1,9 @@
 """The backend contract: what the planner, the executor and the trainer need of a device.
 
 A backend class states, before any plan exists, what the planner needs to plan for it: its
-`name`, its `cost_model` (snrt/scheduler/cost.py) and its `kernel_choice()` (which kernel
-runs each layer and the workspace that kernel wants; see snrt.layers.base.LayerKernels). An
+`name`, its `cost_model` (snrt/scheduler/cost.py), its `kernel_choice()` (which kernel
+runs each layer and the workspace that kernel wants; see snrt.layers.base.LayerKernels) and the
+`precisions` (snrt/precision.py) it runs plans in. An
 instance is made for one plan, with that plan's arena and host-store sizes, and carries it
 out: the device `arena` (snrt/memory/arena.py) every tensor is a view of, the `host` store
 (snrt/memory/host.py) of offloaded tensors, copies between them on their own streams with
@@ -52,6 +53,7 @@ class Backend(ABC):
     name = None  # "cpu", "cuda": what --backend says
     xp = None  # the array module of the device (numpy, cupy)
     cost_model = None  # the CostModel plans for this backend are timed with
+    precisions = ("fp32",)  # the precisions of snrt/precision.py its kernels run (others are planned only)
 
     @classmethod
     @abstractmethod

@@ -22,6 +22,7 @@ class NumpyBackend(Backend):
     name = "cpu"
     xp = np
     cost_model = cost.CPU
+    precisions = ("fp32", "tf32")  # a CPU has no TF32: tf32 runs in fp32 math
 
     @classmethod
     def kernel_choice(cls):

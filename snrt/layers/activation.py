@@ -318,6 +318,7 @@ class Softmax(Layer):
     one scratch tensor of the input's size with `axis` reduced to 1."""
 
     type_name = "Softmax"
+    keeps_fp32 = True
     saves = Saves(output=True)
     axis: int = 1
 

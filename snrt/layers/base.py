@@ -59,7 +59,8 @@ class StateSpec:
 class AuxSpec:
     """A tensor forward writes for backward to read (BN mean, max-pool argmax, softmax probs).
 
-    `dtype` is a numpy dtype name; "compute" means the dtype of the layer's activations.
+    `dtype` is a numpy dtype name; "compute" means the dtype the layer's output is stored in
+    (2 bytes in bf16 and fp16 runs, see snrt/precision.py).
     """
 
     shape: tuple
@@ -175,6 +176,8 @@ class Layer:
     max_inputs: ClassVar = 1  # int, or None for any number
     saves: ClassVar[Saves] = Saves()
     differentiable_inputs: ClassVar = None  # None: all; else a tuple of input indices
+    keeps_fp32: ClassVar[bool] = False  # output and saved tensors in fp32 whatever the precision (snrt/precision.py)
+    fp32_aux: ClassVar[tuple] = ()  # names of saved tensors (statistics) kept in fp32 whatever the precision
 
     # ---- facts -------------------------------------------------------------------------
     def infer_shape(self, in_shapes):

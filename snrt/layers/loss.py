@@ -23,6 +23,7 @@ class SoftmaxCrossEntropy(Layer):
     """
 
     type_name = "SoftmaxCrossEntropy"
+    keeps_fp32 = True  # the loss and the probabilities it saves
     min_inputs = 2
     max_inputs = 2
     saves = Saves(inputs=(1,))

@@ -52,6 +52,7 @@ class BatchNorm(Layer):
 
     type_name = "BatchNorm"
     saves = Saves(inputs=(0,))
+    fp32_aux = ("mean", "inv_std")  # statistics
     momentum: float = 0.1
     eps: float = 1e-5
     zero_init: bool = False  # scale starts at 0: a residual branch starts as nothing (Goyal et al. 2017)
@@ -269,6 +270,7 @@ class _Normalize(Layer):
     """
 
     saves = Saves(inputs=(0,))
+    fp32_aux = ("mean", "inv_std")  # statistics
 
     def _view(self, shape):
         """(A, R, B) of x's `shape`, statistics over R."""

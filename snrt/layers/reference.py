@@ -19,7 +19,9 @@ def layer_reference():
              "(`python -m snrt.layers.reference > docs/layers.md`; a test keeps this file equal to it). "
              "Shapes are batch first. *Backward keeps* is what a layer's backward step reads besides the "
              "gradient of its output: the scheduler keeps exactly that alive (or offloads or recomputes "
-             "it) until the step runs.", ""]
+             "it) until the step runs. In bf16 and fp16 runs (`train.precision`, snrt/precision.py) outputs and "
+             "their gradients are stored in 2 bytes unless the layer keeps fp32; parameters, optimizer state and "
+             "normalization statistics are fp32 in every precision.", ""]
     for name in sorted(LAYERS):
         lines += _entry(LAYERS[name])
     return "\n".join(lines) + "\n"
@@ -39,8 +41,16 @@ def _entry(cls):
     lines += [f"- inputs: {_arity(cls)}",
               f"- backward keeps: {_saves(cls)}",
               f"- when memory is short: {'recomputed from its input' if cls.recompute_cost == CHEAP else 'kept (its output is a checkpoint)'}",
+              f"- in bf16 and fp16 runs: {_precision(cls)}",
               ""]
     return lines
+
+
+def _precision(cls):
+    if cls.keeps_fp32:
+        return "output and saved tensors in fp32"
+    kept = f", saved {' and '.join(f'`{a}`' for a in cls.fp32_aux)} in fp32" if cls.fp32_aux else ""
+    return f"output stored in 2 bytes{kept}"
 
 
 def _arity(cls):

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from snrt.layers.base import LAYER_KERNELS
+from snrt.precision import DEFAULT as DEFAULT_PRECISION, precision_named
 from snrt.scheduler import cost as cost_models
 from snrt.scheduler.cost import CostModel
 from snrt.scheduler.reduce import BUCKET_BYTES
@@ -20,7 +21,8 @@ class PlanOptions:
       the global gradient norm needs: all parameter gradients stay alive to the end, and the
       plan counts them) instead of each right after its layer's backward.
     - `cost_model`: the device's rates, which time steps and copies (snrt/scheduler/cost.py).
-    - `dtype`: the activations' element type.
+    - `precision`: a name of snrt/precision.py: the dtype activations, their gradients and
+      the layers' saved tensors are stored in (parameters and optimizer state stay fp32).
     - `kernels`: the kernel choice of the backend that will run the plan: its
       `workspace_bytes(layer, in_shapes, phase, itemsize)` sizes the workspaces (cuDNN's on the
       GPU; the layers' own on the CPU).
@@ -36,7 +38,7 @@ class PlanOptions:
     optimizer_states: tuple = ("momentum",)
     deferred_updates: bool = False
     cost_model: CostModel = cost_models.CPU
-    dtype: str = "float32"
+    precision: str = DEFAULT_PRECISION
     kernels: object = LAYER_KERNELS
     ranks: int = 1
     bucket_bytes: int = BUCKET_BYTES
@@ -44,9 +46,10 @@ class PlanOptions:
 
     def __post_init__(self):
         object.__setattr__(self, "optimizer_states", tuple(self.optimizer_states))
+        precision_named(self.precision)  # an unknown name: a SnrtError listing the choices
 
     def iteration_key(self):
         """The options snrt.scheduler.order.build_iteration reads: one iteration serves every
         plan whose options agree on these."""
-        return (self.training, self.optimizer_states, self.dtype, self.kernels, self.deferred_updates, self.ranks,
+        return (self.training, self.optimizer_states, self.precision, self.kernels, self.deferred_updates, self.ranks,
                 self.bucket_bytes)

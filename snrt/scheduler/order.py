@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 from snrt.layers.base import BACKWARD, FORWARD, numel
 from snrt.layers.input import Input
+from snrt.precision import FP32, precision_named
 from snrt.scheduler.plan import Backward, Buffer, Forward, Update, evolve
 from snrt.scheduler.offsets import aligned
 from snrt.scheduler.options import PlanOptions
 from snrt.scheduler.reduce import plan_reduction
 
-ITEMSIZE = {"float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
+ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8, "uint8": 1}
 
 
 @dataclass
@@ -39,9 +40,9 @@ def build_iteration(graph, batch, options=PlanOptions()):
     several `ranks` the gradients are summed across them in buckets of about `bucket_bytes`
     before the (deferred) updates: see snrt/scheduler/reduce.py.
     """
-    training, optimizer_states, dtype, kernels, deferred_updates, ranks, bucket_bytes = options.iteration_key()
+    training, optimizer_states, precision, kernels, deferred_updates, ranks, bucket_bytes = options.iteration_key()
     table = BufferTable()
-    builder = _StepBuilder(graph, batch, table, dtype, kernels)
+    builder = _StepBuilder(graph, batch, table, precision_named(precision).storage, kernels)
     steps = builder.forward_steps()
     if training:
         steps += builder.backward_steps(optimizer_states, deferred_updates or ranks > 1)
@@ -78,10 +79,13 @@ class BufferTable:
 
 
 class _StepBuilder:
-    """Creates buffers and steps for one graph; keeps the node -> buffer maps."""
+    """Creates buffers and steps for one graph; keeps the node -> buffer maps. Activations,
+    their gradients and the layers' saved tensors are stored in `storage` (a dtype name), except
+    where a layer keeps fp32; parameters, their gradients, state and optimizer state in fp32
+    (snrt/precision.py)."""
 
-    def __init__(self, graph, batch, table, dtype, kernels):
-        self.graph, self.batch, self.table, self.dtype, self.kernels = graph, batch, table, dtype, kernels
+    def __init__(self, graph, batch, table, storage, kernels):
+        self.graph, self.batch, self.table, self.storage, self.kernels = graph, batch, table, storage, kernels
         self.output, self.aux, self.params, self.state = {}, {}, {}, {}
         self.input_buffers = []
         self.grad = {}
@@ -90,27 +94,32 @@ class _StepBuilder:
 
     def _node_buffers(self, node):
         name, layer, add = node.name, node.layer, self.table.add
-        out_dtype = self.dtype if node.dtype.startswith("float") else node.dtype
+        out_dtype = self._stored(layer) if node.dtype.startswith("float") else node.dtype
         self.output[name] = add(f"{name}:y", node.full_shape(self.batch), out_dtype, "activation")
         if isinstance(layer, Input):
             self.input_buffers.append((name, self.output[name]))
             return
         in_shapes = self.graph.in_shapes(name, self.batch)
         self.params[name] = tuple(
-            (p, add(f"{name}:{p}", spec.shape, self.dtype, "parameter"))
+            (p, add(f"{name}:{p}", spec.shape, FP32, "parameter"))
             for p, spec in layer.param_specs(in_shapes).items()
         )
         self.state[name] = tuple(
-            (s, add(f"{name}:{s}", spec.shape, self.dtype, "state"))
+            (s, add(f"{name}:{s}", spec.shape, FP32, "state"))
             for s, spec in layer.state_specs(in_shapes).items()
         )
         self.aux[name] = tuple(
-            (a, add(f"{name}:{a}", spec.shape, self.dtype if spec.dtype == "compute" else spec.dtype, "aux"))
+            (a, add(f"{name}:{a}", spec.shape, self._stored(layer, a) if spec.dtype == "compute" else spec.dtype, "aux"))
             for a, spec in layer.aux_specs(in_shapes).items()
         )
 
+    def _stored(self, layer, aux=None):
+        """The dtype of `layer`'s floating-point output, or of its saved tensor named `aux`."""
+        return FP32 if layer.keeps_fp32 or aux in layer.fp32_aux else self.storage
+
     def _workspace(self, name, phase):
-        layer, in_shapes, itemsize = self.graph[name].layer, self.graph.in_shapes(name, self.batch), ITEMSIZE[self.dtype]
+        layer, in_shapes = self.graph[name].layer, self.graph.in_shapes(name, self.batch)
+        itemsize = ITEMSIZE[self._stored(layer)]
         nbytes = self.kernels.workspace_bytes(layer, in_shapes, phase, itemsize)
         return self.table.add(f"{name}:workspace:{phase}", (nbytes,), "uint8", "workspace") if nbytes else -1
 
@@ -146,7 +155,8 @@ class _StepBuilder:
         add = self.table.add
         for node in self.graph.nodes.values():
             if needs[node.name]:
-                self.grad[node.name] = add(f"{node.name}:grad", node.full_shape(self.batch), self.dtype, "gradient")
+                dtype = self.table.buffers[self.output[node.name]].dtype  # a gradient is stored as its tensor
+                self.grad[node.name] = add(f"{node.name}:grad", node.full_shape(self.batch), dtype, "gradient")
         written = set()
         steps, updates = [], []
         for node in reversed(list(self.graph.nodes.values())):
@@ -159,13 +169,14 @@ class _StepBuilder:
                 if i not in wanted or not needs[source]:
                     grad_inputs.append(None)
                 elif source in written:
-                    partial = add(f"{node.name}:partial{i}", self.graph[source].full_shape(self.batch), self.dtype, "gradient")
+                    partial = add(f"{node.name}:partial{i}", self.graph[source].full_shape(self.batch),
+                                  self.table.buffers[self.grad[source]].dtype, "gradient")
                     grad_inputs.append((self.grad[source], partial))
                 else:
                     written.add(source)
                     grad_inputs.append((self.grad[source], -1))
             grad_params = tuple(
-                (p, add(f"{node.name}:{p}:grad", self.table.buffers[b].shape, self.dtype, "parameter_gradient"))
+                (p, add(f"{node.name}:{p}:grad", self.table.buffers[b].shape, FP32, "parameter_gradient"))
                 for p, b in self.params[node.name]
             )
             saves = layer.saves
@@ -187,7 +198,7 @@ class _StepBuilder:
         slots = []
         for (p, param), (_, grad) in zip(self.params[node.name], grad_params):
             buf = self.table.buffers[param]
-            states = tuple(self.table.add(f"{node.name}:{p}:{s}", buf.shape, self.dtype, "optimizer_state")
+            states = tuple(self.table.add(f"{node.name}:{p}:{s}", buf.shape, FP32, "optimizer_state")
                            for s in optimizer_states)
             slots.append((param, grad, states, specs[p].decay))
         largest = max(self.table.buffers[p].nbytes for p, _, _, _ in slots)

@@ -270,33 +270,49 @@ class Plan:
             totals[b.role] += b.nbytes
         return totals
 
+    def bytes_by_dtype(self):
+        """Bytes of every buffer, by dtype (workspaces are uint8)."""
+        totals = {}
+        for b in self.buffers:
+            totals[b.dtype] = totals.get(b.dtype, 0) + b.nbytes
+        return totals
+
     def bytes_by_role_per_step(self):
         """[{role: bytes alive while step i runs}] for every step (the memory timeline)."""
-        return [dict(live) for live in self._live_by_role()]
+        return [dict(live) for live in self._live_by("role", ROLES)]
 
     def peak_by_role(self):
         """{role: bytes} alive at the peak step."""
+        return self._at_peak("role", ROLES)
+
+    def peak_by_dtype(self):
+        """{dtype: bytes} alive at the peak step."""
+        return self._at_peak("dtype", sorted({b.dtype for b in self.buffers}))
+
+    def _at_peak(self, field, groups):
+        """{group: bytes alive at the peak step}, buffers grouped by their `field`."""
         if not self.steps:
             return {}
         peak = self.device_bytes.index(self.peak_bytes)
-        for i, live in enumerate(self._live_by_role()):
+        for i, live in enumerate(self._live_by(field, groups)):
             if i == peak:
                 return dict(live)
 
-    def _live_by_role(self):
-        """For each step in turn, {role: bytes alive while it runs} (one dict, updated in place)."""
-        live = {role: 0 for role in ROLES}
+    def _live_by(self, field, groups):
+        """For each step in turn, {group: bytes alive while it runs} (one dict, updated in
+        place), buffers grouped by their `field` ("role" or "dtype"), whose values are `groups`."""
+        live = dict.fromkeys(groups, 0)
         for b in self.buffers:
             if b.resident:
-                live[b.role] += b.nbytes
+                live[getattr(b, field)] += b.nbytes
         buffers = self.buffers
         for step, fresh in zip(self.steps, self.allocations):
             for b in fresh:
-                live[buffers[b].role] += buffers[b].nbytes
+                live[getattr(buffers[b], field)] += buffers[b].nbytes
             yield live
             if step.kind == "free":
                 for b in step.buffers:
-                    live[buffers[b].role] -= buffers[b].nbytes
+                    live[getattr(buffers[b], field)] -= buffers[b].nbytes
 
     def copied_bytes(self):
         """(bytes copied device to host, host to device) in one iteration: the offload and

@@ -1,0 +1,65 @@
+"""Training precisions: the element type tensors are stored in, and what each kind keeps in fp32.
+
+- fp32: every tensor in 4 bytes, fp32 math (the default);
+- tf32: fp32 storage; convolutions and matrix products may use TF32 tensor-core math where the
+  device has it (a CUDA GPU of compute capability 8.0 or newer; elsewhere it is fp32);
+- bf16, fp16: activations, their gradients and the layers' saved tensors in 2 bytes; master
+  parameters, their gradients and the optimizer state in fp32; the layers that keep fp32 (losses,
+  softmax) and normalization statistics stay in fp32 (see `Layer.keeps_fp32` and docs/layers.md).
+  fp16's narrow range needs dynamic loss scaling.
+
+The planner stores each buffer in the dtype this table and the layer give it, so every policy,
+offload and budget counts the bytes a precision really needs.
+"""
+
+from dataclasses import dataclass
+
+from snrt.errors import SnrtError
+
+FP32 = "float32"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One row: `storage`, the dtype of activations, their gradients and the layers' saved
+    tensors; `tensor_core_math`, whether matrix products may run on tensor cores in reduced
+    precision; `loss_scaling`, whether gradients need a dynamic loss scale to stay in range."""
+
+    name: str
+    storage: str
+    tensor_core_math: bool = False
+    loss_scaling: bool = False
+
+    @property
+    def two_bytes(self):
+        """Whether activations are stored in 2 bytes."""
+        return self.storage != FP32
+
+
+PRECISIONS = {p.name: p for p in (
+    Precision("fp32", FP32),
+    Precision("tf32", FP32, tensor_core_math=True),
+    Precision("bf16", "bfloat16", tensor_core_math=True),
+    Precision("fp16", "float16", tensor_core_math=True, loss_scaling=True),
+)}
+DEFAULT = "fp32"
+
+
+class PrecisionError(SnrtError):
+    """A backend cannot run a plan's precision (the planner knows no file: the caller names it)."""
+
+
+def unsupported(precision, backend_class):
+    """A PrecisionError when Backend class `backend_class` does not run `precision`; else None."""
+    if precision_named(precision).name in backend_class.precisions:
+        return None
+    return PrecisionError(f"train.precision: the {backend_class.name} backend runs "
+                          f"{' and '.join(backend_class.precisions)}; {precision} is planned but not run yet "
+                          f"(snrt plan --precision {precision} shows its memory)")
+
+
+def precision_named(name):
+    """The Precision called `name`; an unknown one is a SnrtError listing the choices."""
+    if name not in PRECISIONS:
+        raise SnrtError(f"unknown precision {name!r}; expected one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]

@@ -1,0 +1,126 @@
+"""Precisions (snrt/precision.py) planned end to end: every buffer stored in the dtype its role
+and its layer give it, the bytes counted in that dtype by every policy, and the precisions a
+backend does not run refused in one line."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import snrt
+from snrt.backends.numpy_backend import NumpyBackend
+from snrt.cli import main
+from snrt.errors import SnrtError
+from snrt.layers.base import numel
+from snrt.precision import PRECISIONS, PrecisionError, unsupported
+from snrt.scheduler.order import ITEMSIZE
+from snrt.scheduler.planner import make_plan
+from snrt.scheduler.policies import POLICIES
+from snrt.scheduler.verify import verify_plan
+from snrt.train import Trainer
+from tests.scheduler.graphs import build, graph_recipes
+
+FP32_ROLES = ("parameter", "parameter_gradient", "optimizer_state", "state")
+
+
+def stored_as(plan, graph):
+    """{buffer name: dtype} of `plan`, and the dtype each buffer should have in bf16."""
+    expected = {}
+    for b in plan.buffers:
+        node_name, _, part = b.name.partition(":")
+        node = graph[node_name]
+        if part.startswith("partial"):  # a share of the gradient of the node's input: stored as that input
+            node = graph[node.inputs[int(part.split("@")[0].removeprefix("partial"))]]
+        if b.role in FP32_ROLES:
+            expected[b.name] = "float32"
+        elif b.dtype not in ("float32", "bfloat16"):
+            expected[b.name] = b.dtype  # labels, pooling indices, workspaces (uint8): a dtype of their own
+        elif b.role == "aux" and b.name.split(":")[1].split("@")[0] in ("mean", "inv_std"):
+            expected[b.name] = "float32"  # normalization statistics
+        elif node.layer.keeps_fp32:
+            expected[b.name] = "float32"
+        else:
+            expected[b.name] = "bfloat16"
+    return {b.name: b.dtype for b in plan.buffers}, expected
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_recipes())
+def test_every_buffer_of_every_policy_is_stored_in_the_dtype_of_its_role_and_layer(recipe):
+    graph = build(recipe)
+    for policy in POLICIES:
+        plan = make_plan(graph, 2, policy, precision="bf16")
+        verify_plan(plan)
+        actual, expected = stored_as(plan, graph)
+        assert actual == expected
+        assert all(b.nbytes == numel(b.shape) * ITEMSIZE[b.dtype] for b in plan.buffers)
+
+
+def test_bf16_halves_the_activations_and_what_offloading_copies():
+    graph = snrt.load_config("configs/cifar_resnet20.yaml").graph
+    for policy in POLICIES:
+        wide, narrow = (make_plan(graph, 16, policy, precision=p) for p in ("fp32", "bf16"))
+        if policy in ("none", "liveness"):  # the same buffers: each 2-byte one is half its fp32 twin
+            assert [b.name for b in wide.buffers] == [b.name for b in narrow.buffers]
+            for w, n in zip(wide.buffers, narrow.buffers):
+                if n.role == "workspace":  # sized by each kernel for its itemsize
+                    continue
+                assert n.nbytes * (2 if n.dtype == "bfloat16" else 1) == w.nbytes
+        assert narrow.bytes_by_role()["parameter"] == wide.bytes_by_role()["parameter"]
+        assert narrow.peak_bytes < (0.6 if policy == "none" else 0.7) * wide.peak_bytes  # fp32 parameters stay
+    offload = {p: make_plan(graph, 16, "offload", precision=p) for p in ("fp32", "fp16")}
+    assert offload["fp16"].host_bytes < 0.51 * offload["fp32"].host_bytes
+    assert offload["fp16"].copied_bytes()[0] < 0.51 * offload["fp32"].copied_bytes()[0]
+
+
+def test_fp32_and_tf32_plans_are_the_same_and_bf16_and_fp16_plans_are_the_same_bytes():
+    graph = snrt.load_config("configs/lenet.yaml").graph
+    plans = {p: make_plan(graph, 8, "superneurons", precision=p) for p in PRECISIONS}
+    assert plans["fp32"].to_json() == plans["tf32"].to_json()
+    assert plans["bf16"].peak_bytes == plans["fp16"].peak_bytes
+    assert plans["bf16"].bytes_by_dtype()["bfloat16"] == plans["fp16"].bytes_by_dtype()["float16"]
+    assert sum(plans["bf16"].peak_by_dtype().values()) == plans["bf16"].peak_bytes
+
+
+def test_an_unknown_precision_is_one_error_listing_the_choices(tmp_path, capsys):
+    graph = snrt.load_config("configs/lenet.yaml").graph
+    with pytest.raises(SnrtError, match="unknown precision 'int8'; expected one of fp32, tf32, bf16, fp16"):
+        make_plan(graph, 2, precision="int8")
+    path = tmp_path / "net.yaml"
+    path.write_text(open("configs/lenet.yaml").read().replace("train:\n", "train:\n  precision: half\n", 1))
+    assert main(["plan", str(path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "train.precision" in err and "expected one of fp32, tf32, bf16, fp16" in err and "Traceback" not in err
+
+
+def test_a_precision_the_backend_does_not_run_is_refused_naming_the_file_and_key(tmp_path, capsys):
+    assert unsupported("tf32", NumpyBackend) is None and unsupported("fp32", NumpyBackend) is None
+    assert isinstance(unsupported("bf16", NumpyBackend), PrecisionError)
+    code = main(["train", "configs/lenet.yaml", "--precision", "fp16", "--iterations", "1", "--out",
+                 str(tmp_path / "run")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "Traceback" not in err
+    assert "configs/lenet.yaml: train.precision: the cpu backend runs fp32 and tf32; fp16 is planned" in err
+    assert not (tmp_path / "run").exists()  # refused before the output folder is made
+
+
+def test_tf32_trains_on_the_cpu_exactly_as_fp32():
+    losses = {}
+    for precision in ("fp32", "tf32"):
+        config = snrt.load_config("configs/lenet.yaml", {"train.batch": 8, "train.precision": precision})
+        losses[precision] = [m.loss for m in Trainer(config).fit(iterations=3)]
+    assert np.array_equal(losses["fp32"], losses["tf32"])
+
+
+def test_snrt_plan_shows_each_dtype_and_each_layers_dtype(capsys):
+    assert main(["plan", "configs/lenet.yaml", "--precision", "bf16", "--layers", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    chosen = report["chosen"]
+    assert set(chosen["bytes_by_dtype"]) == {"bfloat16", "float32", "int64", "uint8"}
+    assert main(["plan", "configs/lenet.yaml", "--precision", "bf16", "--layers"]) == 0
+    out = capsys.readouterr().out
+    assert "in bfloat16" in out and "in float32" in out
+    rows = [line for line in out.splitlines() if "SoftmaxCrossEntropy" in line or "Conv2d" in line]
+    assert any("float32" in r and "SoftmaxCrossEntropy" in r for r in rows)
+    assert any("bfloat16" in r and "Conv2d" in r for r in rows)

@@ -8,6 +8,8 @@ the backend's arena at the planned offset.
 import time
 
 from snrt.layers.base import KernelContext, Saved
+from snrt.layers.staging import Staged, is_two_byte
+from snrt.precision import holds_floats
 from snrt.scheduler.plan import PERSISTENT_ROLES
 
 
@@ -170,9 +172,10 @@ class Executor:
         return {name: self.views[b] for name, b in pairs}
 
     def _bind_forward(self, step, node_index):
-        forward, ctx, v = self.kernels[step.node].forward, self._context(step, node_index), self.views
+        ctx, v = self._context(step, node_index), self.views
         args = (ctx, [v[b] for b in step.inputs], self._named(step.params), self._named(step.state), v[step.output],
                 self._named(step.aux))
+        forward = _kernel(self.kernels[step.node], [*args[1], args[4], *args[5].values()]).forward
         recompute, release = step.recompute, ctx.release_scratch
 
         def run():
@@ -181,12 +184,13 @@ class Executor:
         return run
 
     def _bind_backward(self, step, node_index):
-        backward, ctx, v = self.kernels[step.node].backward, self._context(step, node_index), self.views
+        ctx, v = self._context(step, node_index), self.views
         saved = Saved(tuple(v[b] if b >= 0 else None for b in step.saved_inputs),
                       v[step.saved_output] if step.saved_output >= 0 else None)
         gxs = [None if g is None else v[g[1] if g[1] >= 0 else g[0]] for g in step.grad_inputs]
         args = (ctx, v[step.grad_output], saved, self._named(step.params), self._named(step.aux), gxs,
                 self._named(step.grad_params))
+        backward = _kernel(self.kernels[step.node], [args[1], *saved.xs, saved.y, *args[4].values(), *gxs]).backward
         sums = tuple((v[g[0]], v[g[1]]) for g in step.grad_inputs if g is not None and g[1] >= 0)
         release, accumulate = ctx.release_scratch, self.backend.accumulate
         # with several ranks the gradients are complete only once summed (see _bind_allreduce_wait)
@@ -313,9 +317,14 @@ class Executor:
         if step.kind in ("forward", "recompute", "backward", "update"):
             for b in step.reads():
                 buffer = self.plan.buffers[b]
-                if buffer.dtype.startswith("float") and bool(self.xp.isnan(self.views[b]).any()):
+                if holds_floats(buffer.dtype) and bool(self.xp.isnan(self.views[b]).any()):
                     raise PlanViolation(f"step {i} ({step.kind} {step.node}) reads {buffer.name}, which holds "
                                         "poison: it was freed, never written, or not yet prefetched")
+
+
+def _kernel(kernel, arrays):
+    """`kernel`, staged in fp32 when any of its step's `arrays` is stored in 2 bytes."""
+    return Staged(kernel) if any(is_two_byte(a) for a in arrays) else kernel
 
 
 def _row_parts(row, arrays):

@@ -9,7 +9,8 @@
   fp16's narrow range needs dynamic loss scaling.
 
 The planner stores each buffer in the dtype this table and the layer give it, so every policy,
-offload and budget counts the bytes a precision really needs.
+offload and budget counts the bytes a precision really needs. Which precisions a backend runs is
+its `precisions` (the CPU: fp32, tf32 in fp32 math, bf16 through snrt/layers/staging.py).
 """
 
 from dataclasses import dataclass
@@ -53,9 +54,16 @@ def unsupported(precision, backend_class):
     """A PrecisionError when Backend class `backend_class` does not run `precision`; else None."""
     if precision_named(precision).name in backend_class.precisions:
         return None
-    return PrecisionError(f"train.precision: the {backend_class.name} backend runs "
-                          f"{' and '.join(backend_class.precisions)}; {precision} is planned but not run yet "
+    *others, last = backend_class.precisions
+    runs = f"{', '.join(others)} and {last}" if others else last
+    return PrecisionError(f"train.precision: the {backend_class.name} backend runs {runs}; {precision} is planned "
+                          f"but not run yet "
                           f"(snrt plan --precision {precision} shows its memory)")
+
+
+def holds_floats(dtype):
+    """Whether a buffer of dtype name `dtype` holds floating-point values (NaN-poisonable)."""
+    return dtype.startswith("float") or dtype == "bfloat16"
 
 
 def precision_named(name):

@@ -27,6 +27,7 @@ from numba import njit
 
 from snrt.layers.base import FLOAT32_BYTES, FORWARD, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
+from snrt.layers.staging import staged_workspace_bytes
 
 FASTMATH = {"reassoc", "contract"}
 
@@ -195,6 +196,12 @@ class CpuKernels(LayerKernels):
     def kernel_for(self, layer, in_shapes):
         kernel_class = self.REGISTRY.get(layer.type_name)
         return kernel_class(layer) if kernel_class else layer
+
+    def workspace_bytes(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        """The layer's fp32 workspace; with 2-byte tensors, after their fp32 staging (every
+        CPU kernel computes in fp32, snrt/layers/staging.py)."""
+        own = super().workspace_bytes(layer, in_shapes, phase, FLOAT32_BYTES)
+        return own if itemsize == FLOAT32_BYTES else staged_workspace_bytes(layer, in_shapes, phase, own)
 
 
 CPU_KERNELS = CpuKernels()

@@ -158,6 +158,13 @@ class KernelContext:
         """Forget every scratch view handed out so far (the next call starts at offset 0)."""
         self._used_bytes = 0
 
+    def rest(self):
+        """A KernelContext like this one whose workspace is what the scratch views handed out
+        so far left (from the next aligned offset)."""
+        start = -(-self._used_bytes // 64) * 64
+        rest = None if self.workspace is None else self.workspace[start:]
+        return KernelContext(self.xp, self.training, self.seed, self.iteration, self.node_index, rest)
+
 
 def scratch_bytes(*sizes):
     """Workspace needed for scratch arrays of the given byte sizes, with `scratch` alignment."""

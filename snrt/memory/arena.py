@@ -7,6 +7,10 @@ overlap, and memory is poisoned with NaN (float views) when it is reserved and w
 released, so a read before the write or after the free shows up in the results.
 """
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: buffers of bf16 plans are views of that dtype)
+
+from snrt.precision import holds_floats
+
 
 class ArenaError(RuntimeError):
     """A reservation outside the arena or on top of a live buffer: the plan is wrong."""
@@ -62,7 +66,7 @@ class Arena:
     def poison(self, buffer):
         """Fill `buffer` with NaN (floats) or a marker pattern (integers)."""
         view = self.bytes_of(buffer)
-        if buffer.dtype.startswith("float"):
+        if holds_floats(buffer.dtype):
             view.view(buffer.dtype)[...] = self.xp.nan
         else:
             view[...] = 0xA5

@@ -119,7 +119,7 @@ class _StepBuilder:
 
     def _workspace(self, name, phase):
         layer, in_shapes = self.graph[name].layer, self.graph.in_shapes(name, self.batch)
-        itemsize = ITEMSIZE[self._stored(layer)]
+        itemsize = ITEMSIZE[self.storage]  # of the run's tensors (a kernel of a layer keeping fp32 still reads them)
         nbytes = self.kernels.workspace_bytes(layer, in_shapes, phase, itemsize)
         return self.table.add(f"{name}:workspace:{phase}", (nbytes,), "uint8", "workspace") if nbytes else -1
 

@@ -525,6 +525,9 @@ def _summary(trainer, history, checkpoint):
         "iterations": trainer.iteration,
         "batch": trainer.batch,
         "policy": trainer.config.memory.policy,
+        "precision": trainer.config.train.precision,
+        **({"loss_scale": trainer.loss_scale.scale, "skipped_updates": sum(m.skipped for m in history)}
+           if trainer.loss_scale else {}),
         "final_loss": history[-1].loss if history else None,
         "mean_images_per_s": sum(m.images_per_s for m in timed) / len(timed) if timed else None,
         "predicted_peak_device_bytes": trainer.plan.peak_bytes,

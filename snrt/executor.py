@@ -5,6 +5,7 @@ them under `allocations`, die at `free` steps, and every array a kernel touches 
 the backend's arena at the planned offset.
 """
 
+import math
 import time
 
 from snrt.layers.base import KernelContext, Saved
@@ -58,7 +59,8 @@ class Executor:
                            "exchanged_bytes": 0, "exchanged_early_bytes": 0}
         self.exchanges = []  # gradient exchanges in flight, polled after each backward step
         self.optimizer = None
-        self.grad_squares = 0.0  # sum of the squares of this iteration's parameter gradients (clip_norm)
+        self.grad_squares = 0.0  # sum of the squares of this iteration's parameter gradients (clip_norm, loss scaling)
+        self.summing_squares, self.loss_scale, self.overflowed = False, 1.0, False  # set by run
         kinds = [s.kind for s in plan.steps]
         self.updates_deferred = "update" not in kinds or kinds.index("update") > max(
             (i for i, k in enumerate(kinds) if k == "backward"), default=-1)
@@ -105,8 +107,11 @@ class Executor:
             if step.kind in kinds:
                 self.actions[i] = wrapper(step, self.actions[i])
 
-    def run(self, feed, iteration, seed, optimizer=None, lr=0.0):
+    def run(self, feed, iteration, seed, optimizer=None, lr=0.0, loss_scale=1.0):
         """One pass over the plan. `feed` maps input node names to host arrays (batch first).
+        With a `loss_scale`, the loss's gradient is multiplied by it and the parameter
+        gradients divided by it before the updates, which are all skipped (`overflowed` True)
+        when any gradient is not finite.
 
         Returns (per-sample losses, per-sample correct flags) as host arrays, read before the
         iteration's buffers are released, or None when the graph has no loss.
@@ -114,8 +119,12 @@ class Executor:
         if optimizer is not None and optimizer.defers_updates and not self.updates_deferred:
             raise RuntimeError("this optimizer clips by the global gradient norm, but the plan updates each layer "
                                "during the backward pass: plan it with deferred_updates=True")
-        self.optimizer, self.lr, self.iteration = optimizer, lr, iteration
-        self.grad_squares = 0.0
+        if loss_scale != 1.0 and not self.updates_deferred:
+            raise RuntimeError("loss scaling skips the updates of an iteration whose gradients overflow, but the plan "
+                               "updates each layer during the backward pass: plan it with deferred_updates=True")
+        self.optimizer, self.lr, self.iteration, self.loss_scale = optimizer, lr, iteration, loss_scale
+        self.summing_squares = optimizer is not None and (optimizer.clip_norm > 0 or loss_scale != 1.0)
+        self.grad_squares, self.overflowed = 0.0, False
         for ctx in self.contexts:
             ctx.iteration, ctx.seed = iteration, seed
         arena, steps, measured = self.backend.arena, self.plan.steps, self.measured_bytes
@@ -159,7 +168,7 @@ class Executor:
         samples = self.plan.batch * self.plan.ranks  # the loss is the mean over every rank's samples
         for _, seed, _, _, weight in self.plan.losses:
             if seed >= 0:
-                self.views[seed].fill(weight / samples)
+                self.views[seed].fill(weight / samples * self.loss_scale)
 
     # ---- binding: one closure per step ------------------------------------------------
     def _context(self, step, node_index):
@@ -207,7 +216,7 @@ class Executor:
                 for exchange in exchanges:
                     exchange.poll()
                 stats["exchange_calls_s"] += time.perf_counter() - started
-            if grads and self.optimizer is not None and self.optimizer.clip_norm:  # complete here: square it
+            if grads and self.summing_squares:  # complete here: square it
                 for g in grads:
                     self.grad_squares += float(vdot(g, g))
         return run
@@ -225,8 +234,11 @@ class Executor:
                 raise RuntimeError("a training plan needs an optimizer")
             if resolved[0] is not optimizer:
                 resolved[:] = [optimizer, tuple(optimizer.settings(name, decay) for *_, name, decay in slots)]
-            update, lr, count = optimizer.update, self.lr, self.iteration + 1
-            grad_scale = optimizer.grad_scale(self.grad_squares)
+            update, lr, count, scale = optimizer.update, self.lr, self.iteration + 1, self.loss_scale
+            if scale != 1.0 and not math.isfinite(self.grad_squares):  # an overflow: no update this iteration
+                self.overflowed = True
+                return
+            grad_scale = optimizer.grad_scale(self.grad_squares / (scale * scale)) / scale
             for (param, grad, states, _, _), (weight_decay, lr_scale) in zip(slots, resolved[1]):
                 update(xp, param, grad, states, weight_decay, lr * lr_scale, count, workspace, grad_scale)
         return run
@@ -295,7 +307,7 @@ class Executor:
                 xp.copyto(total, parts[0])
                 for part in parts[1:]:
                     xp.add(total, part, out=total)
-            if self.optimizer is not None and self.optimizer.clip_norm:
+            if self.summing_squares:
                 for total, _ in adding:
                     self.grad_squares += float(vdot(total, total))
         return run

@@ -10,7 +10,7 @@
 
 The planner stores each buffer in the dtype this table and the layer give it, so every policy,
 offload and budget counts the bytes a precision really needs. Which precisions a backend runs is
-its `precisions` (the CPU: fp32, tf32 in fp32 math, bf16 through snrt/layers/staging.py).
+its `precisions` (the CPU: all four, in fp32 math, 2-byte tensors through snrt/layers/staging.py).
 """
 
 from dataclasses import dataclass
@@ -44,6 +44,28 @@ PRECISIONS = {p.name: p for p in (
     Precision("fp16", "float16", tensor_core_math=True, loss_scaling=True),
 )}
 DEFAULT = "fp32"
+
+
+@dataclass
+class LossScale:
+    """Dynamic loss scaling (fp16, as torch.amp.GradScaler): the loss's gradient is multiplied
+    by `scale` so that small gradients stay above fp16's smallest value, and the parameter
+    gradients (fp32) are divided by it before the update. An iteration whose gradients overflow
+    skips every update and halves the scale; after `growth_interval` iterations in a row without
+    an overflow the scale doubles. `good` counts those iterations."""
+
+    scale: float = 2.0 ** 16
+    good: int = 0
+    growth_interval: int = 2000
+
+    def after(self, overflowed):
+        """Move on after an iteration whose gradients did (or did not) overflow."""
+        if overflowed:
+            self.scale, self.good = self.scale / 2, 0
+        else:
+            self.good += 1
+            if self.good == self.growth_interval:
+                self.scale, self.good = self.scale * 2, 0
 
 
 class PrecisionError(SnrtError):

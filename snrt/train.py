@@ -6,6 +6,7 @@ stopped and resumed from a checkpoint continues exactly as if it never stopped.
 """
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import signal
@@ -21,6 +22,7 @@ from snrt.errors import DivergenceError, SnrtError
 from snrt.init import each_initial_parameter, each_initial_state
 from snrt.optim import learning_rate, make_optimizer
 from snrt.parallel import Solo
+from snrt.precision import LossScale, precision_named
 from snrt.runtime import plan_run, prepare
 
 
@@ -35,6 +37,8 @@ class Metrics:
     seconds: float
     images_per_s: float
     peak_device_bytes: int
+    loss_scale: float = None  # fp16: the scale of the loss's gradient this iteration (snrt.precision.LossScale)
+    skipped: bool = False  # fp16: the gradients overflowed, so no parameter was updated
 
 
 def _run_options(config, group):
@@ -44,9 +48,12 @@ def _run_options(config, group):
     if train.batch % group.size:
         raise SnrtError(f"{config.source}: train.batch: the batch {train.batch} must split evenly over the "
                         f"{group.size} ranks (it is the global batch); choose a multiple of {group.size}")
+    options = make_optimizer(train.optimizer).plan_options
+    if precision_named(train.precision).loss_scaling:  # an overflow skips every update: they wait for the backward
+        options = {**options, "deferred_updates": True}
     return dict(graph=config.graph, batch=train.batch // group.size, policy=memory.policy, budget=memory.budget,
-                training=True, **make_optimizer(train.optimizer).plan_options, group=group,
-                bucket_bytes=train.gradient_bucket, stream_parameters=memory.stream_parameters, precision=train.precision)
+                training=True, **options, group=group, bucket_bytes=train.gradient_bucket,
+                stream_parameters=memory.stream_parameters, precision=train.precision)
 
 
 class Trainer:
@@ -71,6 +78,7 @@ class Trainer:
         self.group = group or Solo()
         self.batch = train.batch
         self.optimizer = make_optimizer(train.optimizer)
+        self.loss_scale = LossScale() if precision_named(train.precision).loss_scaling else None
         self.runtime = prepare(**_run_options(config, self.group), backend=backend, check=check,
                                host_folder=memory.host_store, plan=plan,
                                values=itertools.chain(each_initial_parameter(self.graph, train.seed, train.init),
@@ -147,7 +155,9 @@ class Trainer:
             lr = learning_rate(train.schedule, train.optimizer.lr, self.iteration, total)
         start = time.perf_counter()
         with np.errstate(all="ignore"):  # an overflow is reported once, as divergence, below
-            losses, correct = self.executor.run({"data": x, "label": y}, self.iteration, train.seed, self.optimizer, lr)
+            scale = self.loss_scale.scale if self.loss_scale else 1.0
+            losses, correct = self.executor.run({"data": x, "label": y}, self.iteration, train.seed, self.optimizer, lr,
+                                                scale)
         self.backend.synchronize()
         seconds = time.perf_counter() - start
         if self.group.size == 1:
@@ -159,6 +169,9 @@ class Trainer:
             raise DivergenceError(self._divergence_message(loss, lr))
         metrics = Metrics(self.iteration, loss, accuracy, lr, seconds, self.batch / seconds,
                           self.backend.arena.peak_bytes)
+        if self.loss_scale:
+            metrics.loss_scale, metrics.skipped = scale, self.executor.overflowed
+            self.loss_scale.after(self.executor.overflowed)
         self.iteration += 1
         return metrics
 
@@ -238,7 +251,8 @@ class Trainer:
         save_checkpoint(path, tensors, {"iteration": self.iteration, "seed": self.config.train.seed,
                                         "network": self.graph.name, "graph": self.graph.fingerprint(),
                                         "optimizer": self.config.train.optimizer.type,
-                                        "batch": self.batch})
+                                        "batch": self.batch,
+                                        **({"loss_scale": dataclasses.asdict(self.loss_scale)} if self.loss_scale else {})})
 
     def restore(self, path):
         """Load a checkpoint written by `save` for the same network; training continues from it.
@@ -267,6 +281,9 @@ class Trainer:
                                   "its layers, options or connections differ")
         self.runtime.load({(node, name): arrays[key] for key, (node, name) in expected.items()})
         self.iteration = int(meta["iteration"])
+        if self.loss_scale and isinstance(meta.get("loss_scale"), dict):  # else it starts afresh
+            self.loss_scale = LossScale(**{k: meta["loss_scale"][k] for k in ("scale", "good", "growth_interval")
+                                           if k in meta["loss_scale"]})
         return describe_batch_change(meta.get("batch"), self.batch)
 
 

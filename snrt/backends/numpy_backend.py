@@ -22,7 +22,7 @@ class NumpyBackend(Backend):
     name = "cpu"
     xp = np
     cost_model = cost.CPU
-    precisions = ("fp32", "tf32", "bf16")  # a CPU has no TF32: tf32 runs in fp32 math; bf16 staged (snrt/layers/staging.py)
+    precisions = ("fp32", "tf32", "bf16", "fp16")  # no TF32 on a CPU: fp32 math; 2 bytes staged (snrt/layers/staging.py)
 
     @classmethod
     def kernel_choice(cls):

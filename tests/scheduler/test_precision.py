@@ -14,7 +14,7 @@ from snrt.config import DataConfig, TrainConfig, config_from_graph, with_setting
 from snrt.cli import main
 from snrt.errors import SnrtError
 from snrt.layers.base import numel
-from snrt.precision import PRECISIONS, PrecisionError, unsupported
+from snrt.precision import PRECISIONS, LossScale, PrecisionError, unsupported
 from snrt.scheduler.order import ITEMSIZE
 from snrt.scheduler.planner import make_plan
 from snrt.scheduler.policies import POLICIES
@@ -97,15 +97,15 @@ def test_an_unknown_precision_is_one_error_listing_the_choices(tmp_path, capsys)
     assert "train.precision" in err and "expected one of fp32, tf32, bf16, fp16" in err and "Traceback" not in err
 
 
-def test_a_precision_the_backend_does_not_run_is_refused_naming_the_file_and_key(tmp_path, capsys):
-    assert unsupported("tf32", NumpyBackend) is None and unsupported("fp32", NumpyBackend) is None
-    assert unsupported("bf16", NumpyBackend) is None
+def test_a_precision_the_backend_does_not_run_is_refused_naming_the_file_and_key(tmp_path, capsys, monkeypatch):
+    assert all(unsupported(p, NumpyBackend) is None for p in PRECISIONS)  # the CPU runs every one
+    monkeypatch.setattr(NumpyBackend, "precisions", ("fp32", "tf32"))  # a backend without 2-byte kernels
     assert isinstance(unsupported("fp16", NumpyBackend), PrecisionError)
     code = main(["train", "configs/lenet.yaml", "--precision", "fp16", "--iterations", "1", "--out",
                  str(tmp_path / "run")])
     err = " ".join(capsys.readouterr().err.split())
     assert code == 2 and "Traceback" not in err
-    assert "configs/lenet.yaml: train.precision: the cpu backend runs fp32, tf32 and bf16; fp16 is planned" in err
+    assert "configs/lenet.yaml: train.precision: the cpu backend runs fp32 and tf32; fp16 is planned" in err
     assert not (tmp_path / "run").exists()  # refused before the output folder is made
 
 
@@ -160,3 +160,51 @@ def test_bf16_follows_fp32_to_bf16_rounding_and_stores_its_tensors_in_two_bytes(
     activations = [b for b in trainer.plan.buffers if b.role == "activation" and b.name.startswith("conv")]
     assert activations and all(b.dtype == "bfloat16" for b in activations)
     assert all(b.dtype == "float32" for b in trainer.plan.buffers if b.role == "parameter")
+
+
+def test_fp16_trains_bit_identically_under_every_policy_with_its_updates_deferred():
+    config = with_settings(snrt.load_config(SMALL_RESNET), train={"precision": "fp16"})
+    assert_policies_agree(config, iterations=3)
+    trainer = Trainer(config)
+    assert trainer.executor.updates_deferred and trainer.loss_scale.scale == 2.0 ** 16
+    assert all(b.dtype == "float16" for b in trainer.plan.buffers if b.role == "activation" and "conv" in b.name)
+
+
+def test_an_fp16_iteration_whose_gradients_overflow_updates_nothing_and_halves_the_scale():
+    config = with_settings(snrt.load_config(SMALL_RESNET), train={"precision": "fp16"})
+    trainer = Trainer(config)
+    trainer.loss_scale = LossScale(scale=2.0 ** 40)  # far past fp16's largest value (65504)
+    before = trainer.host_arrays(("parameter",))
+    history = trainer.fit(iterations=2)
+    assert [m.skipped for m in history] == [True, True] and [m.loss_scale for m in history] == [2.0 ** 40, 2.0 ** 39]
+    assert all(np.isfinite(m.loss) for m in history)  # not a divergence: the loss itself is finite
+    after = trainer.host_arrays(("parameter",))
+    for key, value in before.items():
+        np.testing.assert_array_equal(after[key], value, err_msg=key)
+    assert trainer.loss_scale.scale == 2.0 ** 38
+    history = trainer.fit(iterations=40)  # it comes down until the gradients fit, then trains
+    assert not history[-1].skipped and history[-1].loss_scale < 2.0 ** 24
+    assert any(not np.array_equal(trainer.host_arrays(("parameter",))[k], v) for k, v in before.items())
+
+
+def test_the_loss_scale_grows_after_an_interval_without_overflow_and_resumes_from_a_checkpoint(tmp_path):
+    scale = LossScale(scale=8.0, growth_interval=3)
+    for overflowed, expected in [(False, 8.0), (False, 8.0), (False, 16.0), (True, 8.0), (False, 8.0)]:
+        scale.after(overflowed)
+        assert scale.scale == expected
+    config = with_settings(snrt.load_config(SMALL_RESNET), train={"precision": "fp16"})
+    trainer = Trainer(config)
+    trainer.loss_scale = LossScale(scale=2.0 ** 40)
+    trainer.fit(iterations=2)
+    trainer.save(tmp_path / "checkpoint.npz")
+    resumed = Trainer(config)
+    resumed.restore(tmp_path / "checkpoint.npz")
+    assert resumed.loss_scale == trainer.loss_scale and resumed.loss_scale.scale == 2.0 ** 38
+
+
+def test_loss_scaling_needs_a_plan_whose_updates_wait_for_the_backward_pass():
+    trainer = Trainer(snrt.load_config(SMALL_RESNET))
+    x = np.zeros((trainer.batch, *trainer.graph["data"].shape), np.float32)
+    with pytest.raises(RuntimeError, match="plan it with deferred_updates=True"):
+        trainer.executor.run({"data": x, "label": np.zeros(trainer.batch, np.int64)}, 0, 0, trainer.optimizer, 0.1,
+                             loss_scale=1024.0)

@@ -206,7 +206,8 @@ class Trainer:
         """(mean loss, accuracy) over `dataset` (default: the held-out split), in eval mode."""
         dataset = dataset if dataset is not None else self.heldout_set
         forward = prepare(self.graph, self.plan.batch, "liveness", backend=self._backend_name, training=False,
-                          check=self._check, values=self.host_arrays(("parameter", "state")))
+                          check=self._check, values=self.host_arrays(("parameter", "state")),
+                          precision=self.config.train.precision)  # evaluated as it trains
         loss_sum, correct, seen = 0.0, 0.0, 0
         # a loss that overflows is reported once, by the caller (nonfinite_evaluation), not as warnings
         with np.errstate(all="ignore"):

@@ -208,3 +208,29 @@ def test_loss_scaling_needs_a_plan_whose_updates_wait_for_the_backward_pass():
     with pytest.raises(RuntimeError, match="plan it with deferred_updates=True"):
         trainer.executor.run({"data": x, "label": np.zeros(trainer.batch, np.int64)}, 0, 0, trainer.optimizer, 0.1,
                              loss_scale=1024.0)
+
+
+@pytest.mark.parametrize("doc", [SMALL_RESNET, MODERN], ids=["resnet", "modern"])
+def test_bf16_losses_follow_pytorch_autocast_to_bf16_rounding(doc):
+    """Four SGD steps of snrt in bf16 and of PyTorch under torch.autocast (CPU, bfloat16) from the
+    same start: the losses agree to bf16's relative rounding step, 2^-8 (they differ by about
+    1e-3: PyTorch rounds other intermediate tensors), where fp32 runs agree to 2e-5
+    (tests/test_train.py)."""
+    import torch
+
+    from snrt.torch_reference import TorchNet, torch_sgd
+    from tests.test_train import batch_of
+
+    config = with_settings(snrt.load_config(doc), train={"precision": "bf16"})
+    trainer = Trainer(config)
+    net = TorchNet(config.graph, trainer.host_arrays(("parameter",)), trainer.host_arrays(("state",)))
+    sgd = torch_sgd(net, config.graph, config.train.optimizer)
+    for step in range(4):
+        x, y = batch_of(config, step)
+        ours = trainer.step(x, y, total=4).loss
+        sgd.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = net({"data": torch.tensor(x), "label": torch.tensor(y)}).float().mean()
+        loss.backward()
+        sgd.step()
+        assert ours == pytest.approx(loss.item(), rel=2 ** -8), f"step {step}"  # one bf16 rounding step

@@ -755,7 +755,9 @@ def _report(args, error, message, status, leader):
 
 
 def _error(message):
-    Console(stderr=True, markup=False, highlight=False).print(Text.assemble(("error:", "bold red"), " ", message))
+    # one line, however long: the terminal folds it, and a path in it stays whole for copying
+    Console(stderr=True, markup=False, highlight=False).print(Text.assemble(("error:", "bold red"), " ", message),
+                                                              soft_wrap=True)
 
 
 if __name__ == "__main__":

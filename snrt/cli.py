@@ -120,6 +120,12 @@ def build_parser():
     tune.add_argument("--json", action="store_true", help="print the results as JSON")
     tune.set_defaults(run=run_tune)
 
+    report = commands.add_parser("report", help="loss, accuracy, images/s and data wait of runs: a picture and a table")
+    report.add_argument("runs", nargs="+", metavar="RUN", help="run folders written by snrt train")
+    report.add_argument("--png", help="the picture (default RUN/metrics.png for one run; needed for several)")
+    report.add_argument("--json", action="store_true", help="print the table as JSON")
+    report.set_defaults(run=run_report)
+
     evaluate = commands.add_parser("eval", help="loss and accuracy of a checkpoint on the held-out split")
     _add_run_options(evaluate)
     evaluate.add_argument("--checkpoint", required=True, help="checkpoint file written by snrt train")
@@ -438,8 +444,53 @@ def _train_in(folder, checkpoint, args, config, plan, console):
                           f"batch {trainer.batch} (measured dashed)")
         except OSError as e:
             raise _cannot_write(out / "memory.png", e, kept) from None
+        _draw_run(out, kept)
     console.print(_summary_table(summary))
     return 128 + int(trainer.stop_reason) if trainer.stop_requested else 0  # the signal's conventional status
+
+
+def _draw_run(folder, kept):
+    """RUN/metrics.png of the run in `folder` (see snrt/report.py)."""
+    from snrt.report import draw_metrics, load_run  # matplotlib only once there is something to draw
+
+    try:
+        draw_metrics([load_run(folder)], folder / "metrics.png")
+    except OSError as e:
+        raise _cannot_write(folder / "metrics.png", e, kept) from None
+
+
+def run_report(args, console):
+    """Redraw each run's metrics.png (several runs: one picture side by side) and print a table."""
+    from snrt.report import draw_metrics, load_run, report_rows
+
+    runs = [load_run(folder) for folder in args.runs]
+    names = [r.name for r in runs]
+    for i, name in enumerate(names):  # two folders of the same name: tell them apart by their path
+        if names.count(name) > 1:
+            runs[i].name = str(args.runs[i])
+    path = Path(args.png) if args.png else (Path(args.runs[0]) / "metrics.png" if len(runs) == 1 else None)
+    if path is None:
+        raise SnrtError("several runs are drawn into one picture: name it with --png FILE")
+    try:
+        draw_metrics(runs, path)
+    except OSError as e:
+        raise SnrtError(f"{path}: cannot write ({e.strerror or e})") from None
+    rows = report_rows(runs)
+    if args.json:
+        print(json.dumps({"runs": rows, "png": str(path)}, indent=2))
+        return 0
+    table = Table(title="runs")
+    for header in ("run", "iterations", "final loss", "held-out accuracy", "images/s", "data wait", "peak"):
+        table.add_column(header, justify="left" if header == "run" else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(r["run"], str(r["iterations"]), f"{r['final_loss']:.4f}",
+                      "-" if r["heldout_accuracy"] is None else f"{r['heldout_accuracy']:.4f}",
+                      "-" if r["images_per_s"] is None else f"{r['images_per_s']:.1f}",
+                      "-" if r["data_wait_s"] is None else f"{r['data_wait_s'] * 1e3:.1f} ms",
+                      "-" if r["peak_device_bytes"] is None else human_bytes(r["peak_device_bytes"]))
+    console.print(table)
+    console.print(f"written {path}")
+    return 0
 
 
 def _heldout(trainer, console):
@@ -494,7 +545,7 @@ def _fit_with_metrics(trainer, folder, checkpoint, args, console):
                     metrics_failed(e)
                     trainer.stop_reason = trainer.stop_reason or "metrics write error"
                 status = (f"loss {m.loss:.4f}  acc {m.accuracy:.3f}  {m.images_per_s:.1f} img/s  "
-                          f"device {human_bytes(m.peak_device_bytes)}")
+                          f"data {m.data_wait_s * 1e3:.1f} ms  device {human_bytes(m.peak_device_bytes)}")
                 progress.update(task, completed=m.iteration + 1, status=status)
                 if args.no_progress:
                     console.print(f"iteration {m.iteration + 1}/{total}  {status}")

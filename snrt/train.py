@@ -39,6 +39,7 @@ class Metrics:
     peak_device_bytes: int
     loss_scale: float = None  # fp16: the scale of the loss's gradient this iteration (snrt.precision.LossScale)
     skipped: bool = False  # fp16: the gradients overflowed, so no parameter was updated
+    data_wait_s: float = 0.0  # how long the iteration waited for its batch
 
 
 def _run_options(config, group):
@@ -120,8 +121,11 @@ class Trainer:
         ) as batches:
             stream = iter(batches)
             while self.iteration < total and not self.stop_requested:
+                waiting = time.perf_counter()
                 x, y = next(stream)
+                waited = time.perf_counter() - waiting
                 metrics = self.step(x, y, total, None if lr_at is None else lr_at(self.iteration))
+                metrics.data_wait_s = waited
                 self._agree_to_stop()
                 history.append(metrics)
                 if on_iteration:

@@ -1,0 +1,105 @@
+"""Pictures of a run: loss, accuracy, images/s and data wait against iteration, from a run
+folder's metrics.jsonl (one JSON line per iteration) and summary.json (the held-out result).
+
+`snrt train` writes RUN/metrics.png at the end of a run and when it is stopped; `snrt report
+RUN [RUN ...]` redraws it, one run or several side by side, and prints a short table.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+from snrt.errors import SnrtError  # noqa: E402
+from snrt.runfolder import METRICS  # noqa: E402
+
+SUMMARY = "summary.json"
+PANELS = (("loss", "training loss", 1.0), ("accuracy", "accuracy", 1.0), ("images_per_s", "images/s", 1.0),
+          ("data_wait_s", "data wait (ms)", 1e3))  # (metric, axis label, scale)
+
+
+@dataclass
+class Run:
+    """One run folder's metrics (a list of dicts, one per iteration) and summary (a dict; empty
+    while the run has not finished)."""
+
+    name: str
+    metrics: list
+    summary: dict
+
+
+def load_run(folder):
+    """The Run in `folder`; SnrtError naming the file and line when it is not a run folder or a
+    line of its metrics is not a metrics record."""
+    folder = Path(folder)
+    path = folder / METRICS
+    if not path.is_file():
+        raise SnrtError(f"{folder}: not a run folder: no {METRICS} (snrt train writes one per run)")
+    metrics = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SnrtError(f"{path}: line {number} is not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("iteration"), int) or "loss" not in record:
+            raise SnrtError(f"{path}: line {number} is not a metrics record (expected an object with "
+                            "'iteration' and 'loss')")
+        metrics.append(record)
+    if not metrics:
+        raise SnrtError(f"{path}: no iterations yet")
+    summary = {}
+    if (folder / SUMMARY).is_file():
+        try:
+            summary = json.loads((folder / SUMMARY).read_text())
+        except json.JSONDecodeError as e:
+            raise SnrtError(f"{folder / SUMMARY}: not JSON ({e.msg})") from None
+    return Run(folder.name or str(folder), metrics, summary if isinstance(summary, dict) else {})
+
+
+def draw_metrics(runs, path, title=None):
+    """Write a PNG of `runs` (Runs) to `path`: one panel per metric of PANELS against iteration,
+    a line per run, the held-out accuracy of a finished run as a marker at its last iteration."""
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    for ax, (key, label, scale) in zip(axes.flat, PANELS):
+        for run in runs:
+            points = [(m["iteration"], m[key] * scale) for m in run.metrics
+                      if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+            if points:
+                ax.plot(*zip(*points), linewidth=1, label=run.name)
+            heldout = run.summary.get("heldout_accuracy")
+            if key == "accuracy" and isinstance(heldout, (int, float)):
+                ax.plot([run.metrics[-1]["iteration"]], [heldout], marker="*", markersize=11, linestyle="none",
+                        color=ax.lines[-1].get_color() if points else None, label=f"{run.name}: held-out")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("iteration")
+    axes[0][1].legend(fontsize=8)
+    fig.suptitle(title or ", ".join(r.name for r in runs))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report_rows(runs):
+    """One row per run: name, iterations, final loss, held-out accuracy, mean images/s (the first
+    iteration left out: it includes one-off costs), mean data wait, measured peak bytes."""
+    rows = []
+    for run in runs:
+        timed = run.metrics[1:] or run.metrics
+        rows.append({"run": run.name, "iterations": run.metrics[-1]["iteration"] + 1,
+                     "final_loss": run.metrics[-1]["loss"], "heldout_accuracy": run.summary.get("heldout_accuracy"),
+                     "images_per_s": _mean(m.get("images_per_s") for m in timed),
+                     "data_wait_s": _mean(m.get("data_wait_s") for m in timed),
+                     "peak_device_bytes": run.metrics[-1].get("peak_device_bytes")})
+    return rows
+
+
+def _mean(values):
+    values = [v for v in values if isinstance(v, (int, float))]
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,56 @@
+"""Pictures of a run: snrt train writes RUN/metrics.png; snrt report redraws it for one run or
+several and prints a table; a folder that is not a run is one clear line."""
+
+import json
+
+from snrt.cli import main
+
+PNG = b"\x89PNG"
+
+
+def train(folder, *flags):
+    assert main(["train", "configs/lenet.yaml", "--iterations", "3", "--batch", "8", "--out", str(folder),
+                 "--no-progress", *flags]) == 0
+
+
+def test_a_run_draws_its_metrics_and_records_how_long_it_waited_for_data(tmp_path):
+    train(tmp_path / "run")
+    assert (tmp_path / "run" / "metrics.png").read_bytes()[:4] == PNG
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in lines] == [0, 1, 2]
+    assert all(m["data_wait_s"] >= 0 for m in lines)
+
+
+def test_report_redraws_one_run_and_tables_several_side_by_side(tmp_path, capsys):
+    train(tmp_path / "a")
+    train(tmp_path / "b", "--precision", "bf16")
+    (tmp_path / "a" / "metrics.png").unlink()
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "a"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    last = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[-1])
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    (row,) = report["runs"]
+    assert row["run"] == "a" and row["iterations"] == 3 and row["final_loss"] == last["loss"]
+    assert row["heldout_accuracy"] == summary["heldout_accuracy"]
+    assert (tmp_path / "a" / "metrics.png").read_bytes()[:4] == PNG
+    both = tmp_path / "both.png"
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--png", str(both)]) == 0
+    out = capsys.readouterr().out
+    assert "a" in out and "b" in out and both.read_bytes()[:4] == PNG
+
+
+def test_report_says_in_one_line_what_is_wrong(tmp_path, capsys):
+    train(tmp_path / "run")
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "run"), str(tmp_path / "run")]) == 2
+    assert "several runs are drawn into one picture: name it with --png FILE" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{tmp_path / 'empty'}: not a run folder: no metrics.jsonl" in err and "Traceback" not in err
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
+        f.write("{not json\n")
+    assert main(["report", str(tmp_path / "run")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{tmp_path / 'run' / 'metrics.jsonl'}: line 4 is not JSON" in err

@@ -42,7 +42,8 @@ def _positive_int(text):
 def _data_spec(text):
     kind, _, path = text.partition(":")
     if kind not in DATASETS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DATASETS)} (with :PATH for npz and cifar), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DATASETS)} (with :PATH for npz, cifar and "
+                                         f"folder), got {text!r}")
     return {"type": kind, **({"path": path} if path else {})}
 
 
@@ -145,7 +146,9 @@ def _add_precision(parser):
                         help="the dtype tensors are stored in: fp32, tf32 (fp32 storage, tensor-core math), "
                              "bf16 or fp16 (2-byte activations) (overrides train.precision)")
     parser.add_argument("--data", type=_data_spec, metavar="TYPE[:PATH]",
-                        help=f"data set: {', '.join(DATASETS)}; npz and cifar take :PATH")
+                        help=f"data set: {', '.join(DATASETS)}; npz, cifar and folder (DIR/train/<class>/*) take :PATH")
+    parser.add_argument("--skip-bad-images", action="store_true", default=None,
+                        help="image folders: count and leave out unreadable images instead of stopping")
     parser.add_argument("--backend", choices=BACKENDS, help="cpu or cuda (default: cuda when CuPy finds a GPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     parser.add_argument("--threads", type=_positive_int,
@@ -167,7 +170,7 @@ def _overrides(args):
     for flag, key in (("iterations", "train.iterations"), ("lr", "train.optimizer.lr"), ("policy", "memory.policy"),
                       ("budget", "memory.budget"), ("seed", "train.seed"),
                       ("stream_parameters", "memory.stream_parameters"), ("host_store", "memory.host_store"),
-                      ("precision", "train.precision")):
+                      ("precision", "train.precision"), ("skip_bad_images", "train.data.skip_bad_images")):
         if getattr(args, flag, None) is not None:
             out[key] = getattr(args, flag)
     return out
@@ -426,6 +429,9 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     out = folder.path
     _write_run_file(out / "config.yaml", config_to_yaml(config),
                     f"nothing was trained yet (iteration {trainer.iteration})")
+    if getattr(trainer.train_set, "class_names", ()):  # an image folder: which class index is which folder
+        _write_run_file(out / "classes.json", json.dumps(dict(enumerate(trainer.train_set.class_names)), indent=2),
+                        f"nothing was trained yet (iteration {trainer.iteration})")
     history = _fit_with_metrics(trainer, folder, checkpoint, args, console)
     summary = _summary(trainer, history, checkpoint)
     if trainer.stop_requested:
@@ -579,6 +585,7 @@ def _summary(trainer, history, checkpoint):
         "precision": trainer.config.train.precision,
         **({"loss_scale": trainer.loss_scale.scale, "skipped_updates": sum(m.skipped for m in history)}
            if trainer.loss_scale else {}),
+        **({"skipped_images": len(trainer.train_set.skipped)} if getattr(trainer.train_set, "skipped", ()) else {}),
         "final_loss": history[-1].loss if history else None,
         "mean_images_per_s": sum(m.images_per_s for m in timed) / len(timed) if timed else None,
         "predicted_peak_device_bytes": trainer.plan.peak_bytes,

@@ -29,7 +29,7 @@ from snrt.scheduler import policies
 from snrt.units import Bytes, parse_bytes
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
-DATASETS = ("synthetic", "npz", "cifar10", "cifar100", "digits")
+DATASETS = ("synthetic", "npz", "cifar10", "cifar100", "digits", "folder")
 TOP_LEVEL_KEYS = ("name", "input", "vars", "train", "memory", "blocks", "network")
 LABEL_READERS = {"SoftmaxCrossEntropy"}  # layers whose default inputs are [previous, label]
 LOSSES = LABEL_READERS  # the layers a training iteration starts its backward pass from
@@ -100,12 +100,13 @@ class DataConfig:
     """Where batches come from (see snrt/data.py) and how they are augmented."""
 
     type: str = "synthetic"
-    path: str = None  # .npz file or CIFAR folder
+    path: str = None  # .npz file, CIFAR folder or image folder (DIR/train/<class>/*, snrt/images.py)
     crop_padding: int = 0  # random crop after zero padding by this many pixels (0: off)
     flip: bool = False  # random horizontal flip
     normalize: bool = True  # per-channel mean/std of the training split
     holdout: float = 0.2  # fraction held out for eval when the set has no test split
     samples: int = 2048  # size of the synthetic set
+    skip_bad_images: bool = False  # image folders: count and leave out files that are not readable images
 
 
 @dataclass

@@ -31,6 +31,7 @@ from snrt.errors import ConfigError
 
 PATH_KEY, TYPE_KEY, HOLDOUT_KEY = "train.data.path", "train.data.type", "train.data.holdout"
 _STATS_CHUNK = 1024  # samples per chunk when computing channel statistics
+_STATS_LIMIT = {"folder": 2048}  # images decoded for an image folder's statistics (snrt/images.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,9 +43,14 @@ class Dataset:
     y: np.ndarray
     classes: int
     name: str
+    draws_per_sample = False  # whether `take` wants a random generator per sample (image folders' crops)
 
     def __len__(self):
         return len(self.y)
+
+    def take(self, idx, rngs=None):
+        """(x (B, C, H, W), y) of samples `idx` (an index array or a slice)."""
+        return self.x[idx], self.y[idx]
 
     @property
     def shape(self):
@@ -63,7 +69,7 @@ def load_datasets(data, input_shape, classes, seed, per_pixel=False):
     """
     input_shape = tuple(int(s) for s in input_shape)
     loaders = {"synthetic": _load_synthetic, "npz": _load_npz, "cifar10": _load_cifar,
-               "cifar100": _load_cifar, "digits": _load_digits}
+               "cifar100": _load_cifar, "digits": _load_digits, "folder": _load_folder}
     if data.type not in loaders:
         raise ConfigError("<data>", TYPE_KEY, f"unknown data set type {data.type!r}; known: {', '.join(loaders)}")
     if per_pixel and data.type not in ("synthetic", "npz"):
@@ -372,6 +378,15 @@ def _load_digits(data, input_shape, classes, seed):
     return _split_holdout(x, digits.target.astype(np.int64), 10, "digits", data, seed)
 
 
+def _load_folder(data, input_shape, classes, seed):
+    """An image folder (snrt/images.py), decoded when batches need it."""
+    from snrt.images import load_folder  # Pillow only for image folders
+
+    _existing_path(data, "folder", "a folder holding train/<class>/<image> (and val/<class>/<image>)", True)
+    return load_folder(data, input_shape, classes, seed,
+                       lambda y: _held_out(y, classes, data, seed, str(data.path)))
+
+
 # ---- splits and statistics ------------------------------------------------------------------
 def _split_holdout(x, y, classes, name, data, seed, source="<data>"):
     """(train, held-out): a seeded, stratified fraction `data.holdout` of every class is held out
@@ -379,6 +394,13 @@ def _split_holdout(x, y, classes, name, data, seed, source="<data>"):
 
     Both splits keep the samples' original order.
     """
+    held = _held_out(y, classes, data, seed, source)
+    return (Dataset(x[~held], y[~held], classes, f"{name}/train"),
+            Dataset(x[held], y[held], classes, f"{name}/holdout"))
+
+
+def _held_out(y, classes, data, seed, source):
+    """The held-out mask of labels `y` (see _split_holdout)."""
     if not 0 < data.holdout < 1:
         raise ConfigError(source, HOLDOUT_KEY, f"expected a fraction in (0, 1), got {data.holdout}")
     n = len(y)
@@ -388,7 +410,7 @@ def _split_holdout(x, y, classes, name, data, seed, source="<data>"):
                                                f"train on and {target} to evaluate; both must be non-empty")
     rng = np.random.default_rng([seed, 3])
     shuffled = rng.permutation(n)
-    y_all, y = y, (y if y.ndim == 1 else np.zeros(n, np.int64))  # the strata
+    y = y if y.ndim == 1 else np.zeros(n, np.int64)  # the strata
     by_class = shuffled[np.argsort(y[shuffled], kind="stable")]  # random order within each class
     counts = np.bincount(y, minlength=classes)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -400,18 +422,21 @@ def _split_holdout(x, y, classes, name, data, seed, source="<data>"):
     tiebreak[shuffled] = np.arange(n)
     held = np.zeros(n, bool)
     held[np.lexsort((tiebreak, rank / counts[y]))[:target]] = True
-    return (Dataset(x[~held], y_all[~held], classes, f"{name}/train"),
-            Dataset(x[held], y_all[held], classes, f"{name}/holdout"))
+    return held
 
 
-def channel_stats(dataset):
-    """(mean (C,), std (C,)) float32 per channel over all samples and pixels; a (near) zero std becomes 1."""
-    x = dataset.x
-    count = x.shape[0] * x.shape[2] * x.shape[3]
-    total = sum(x[s:s + _STATS_CHUNK].sum(axis=(0, 2, 3), dtype=np.float64) for s in range(0, len(x), _STATS_CHUNK))
+def channel_stats(dataset, limit=None):
+    """(mean (C,), std (C,)) float32 per channel over all samples (the first `limit`) and
+    pixels; a (near) zero std becomes 1."""
+    n = len(dataset) if limit is None else min(limit, len(dataset))
+
+    def chunks():  # two passes, a chunk in memory at a time
+        return (dataset.take(slice(s, min(s + _STATS_CHUNK, n)))[0] for s in range(0, n, _STATS_CHUNK))
+    _, h, w = dataset.shape
+    count = n * h * w
+    total = sum(x.sum(axis=(0, 2, 3), dtype=np.float64) for x in chunks())
     mean = total / count
-    square = sum(((x[s:s + _STATS_CHUNK] - mean[:, None, None]) ** 2).sum(axis=(0, 2, 3))
-                 for s in range(0, len(x), _STATS_CHUNK))
+    square = sum(((x - mean[:, None, None]) ** 2).sum(axis=(0, 2, 3)) for x in chunks())
     std = np.sqrt(square / count)
     std[std < 1e-6] = 1.0  # a constant channel is left as it is, not blown up
     return mean.astype(np.float32), std.astype(np.float32)
@@ -420,8 +445,8 @@ def channel_stats(dataset):
 def normalization(data, dataset):
     """(mean, std) to normalise with: channel_stats of `dataset`, or (0, 1) when data.normalize is off."""
     if data.normalize:
-        return channel_stats(dataset)
-    c = dataset.x.shape[1]
+        return channel_stats(dataset, limit=_STATS_LIMIT.get(data.type))
+    c = dataset.shape[0]
     return np.zeros(c, np.float32), np.ones(c, np.float32)
 
 
@@ -441,11 +466,11 @@ def _channel_vector(values, c, name):
 
 def eval_batches(dataset, batch, mean, std):
     """(x, y) batches of `dataset` in order, normalised, not augmented; the last may be smaller."""
-    c = dataset.x.shape[1]
+    c = dataset.shape[0]
     mean, std = _channel_vector(mean, c, "mean"), _channel_vector(std, c, "std")
     for start in range(0, len(dataset), batch):
-        x = np.array(dataset.x[start:start + batch], dtype=np.float32)
-        yield _normalize(x, mean, std), np.array(dataset.y[start:start + batch], dtype=np.int64)
+        x, y = dataset.take(slice(start, start + batch))
+        yield _normalize(np.array(x, dtype=np.float32), mean, std), np.array(y, dtype=np.int64)
 
 
 # ---- augmentation ---------------------------------------------------------------------------
@@ -511,7 +536,7 @@ class Batches:
         self.rank, self.ranks = rank, ranks
         if len(dataset) == 0:
             raise ValueError(f"data set {dataset.name} is empty")
-        c = dataset.x.shape[1]
+        c = dataset.shape[0]
         self.dataset, self.batch, self.seed = dataset, int(batch), int(seed)
         self.mean, self.std = _channel_vector(mean, c, "mean"), _channel_vector(std, c, "std")
         self.crop_padding, self.flip, self.start, self.prefetch = int(crop_padding), bool(flip), int(start), prefetch
@@ -547,7 +572,10 @@ class Batches:
         part = self.batch // self.ranks
         start = self.rank * part
         idx = self.indices(i)[start:start + part]
-        x, y = self.dataset.x[idx], self.dataset.y[idx].astype(np.int64)
+        rngs = ([np.random.default_rng([self.seed, i, 2, start + k]) for k in range(part)]
+                if self.dataset.draws_per_sample else None)
+        x, y = self.dataset.take(idx, rngs)
+        y = y.astype(np.int64)
         if self.crop_padding or self.flip:
             rng, within = np.random.default_rng([self.seed, i, 1]), (start, self.batch)
             if y.ndim > 1:  # per-pixel labels move with their pixels

@@ -18,7 +18,7 @@ from snrt.checkpoint import remove_stale_temporaries
 from snrt.errors import SnrtError
 
 CHECKPOINT, METRICS, LOCK = "checkpoint.npz", "metrics.jsonl", ".lock"
-RUN_FILES = (CHECKPOINT, METRICS, "summary.json", "config.yaml", "memory.png", "metrics.png")
+RUN_FILES = (CHECKPOINT, METRICS, "summary.json", "config.yaml", "memory.png", "metrics.png", "classes.json")
 
 
 class RunFolderError(SnrtError):

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from snrt.backends import BACKENDS, default_backend
 from snrt.config import DATASETS, config_to_yaml, load_config, with_settings
-from snrt.checkpoint import CheckpointError, NonFiniteError
+from snrt.checkpoint import CheckpointError, NonFiniteError, load_checkpoint
 from snrt.errors import DivergenceError, SnrtError
 from snrt.optim import make_optimizer
 from snrt.parallel import Solo, first_failing_rank, launcher_rank, launcher_size, world
@@ -76,6 +76,8 @@ def build_parser():
     train.add_argument("--overwrite", action="store_true",
                        help="start over in an output folder that holds an earlier run (its files are deleted)")
     train.add_argument("--checkpoint-every", type=_positive_int, help="iterations between checkpoints")
+    train.add_argument("--init-from", metavar="FILE",
+                       help="start from these weights: safetensors or a PyTorch state dict (see snrt export)")
     train.add_argument("--check", action="store_true", help="debug mode: check arena overlaps, poison freed memory")
     train.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
     train.set_defaults(run=run_train)
@@ -126,6 +128,13 @@ def build_parser():
     report.add_argument("--png", help="the picture (default RUN/metrics.png for one run; needed for several)")
     report.add_argument("--json", action="store_true", help="print the table as JSON")
     report.set_defaults(run=run_report)
+
+    export = commands.add_parser("export", help="a run's weights as safetensors or a PyTorch state dict")
+    export.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder or a checkpoint file")
+    export.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    export.add_argument("--out", help="the file to write (default: weights.safetensors or weights.pt beside the "
+                                      "checkpoint)")
+    export.set_defaults(run=run_export)
 
     evaluate = commands.add_parser("eval", help="loss and accuracy of a checkpoint on the held-out split")
     _add_run_options(evaluate)
@@ -413,6 +422,9 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     console.print(plan_headline(trainer.plan))
     ranks = f"; {trainer.group.size} ranks, batch {trainer.plan.batch} each" if trainer.group.size > 1 else ""
     console.print(f"thread pools: {describe_pools(thread_pools())} ({usable_cores()} usable cores){ranks}")
+    if args.init_from and args.resume is None:
+        trainer.load_weights(args.init_from)
+        console.print(f"weights from {args.init_from}")
     if args.resume is not None:
         source = Path(args.resume) if args.resume else checkpoint
         note = trainer.restore(source)
@@ -715,6 +727,24 @@ def _tune_table(config, budget, points):
         table.add_row(policy, str(top.batch), human_bytes(top.arena_bytes), f"{fastest.images_per_s:.1f}",
                       str(fastest.batch))
     return table
+
+
+def run_export(args, console):
+    """Write a checkpoint's parameters and statistics (not its optimizer state) as weights."""
+    from snrt.weights import export
+
+    source = Path(args.source)
+    checkpoint = source / CHECKPOINT if source.is_dir() else source
+    arrays, _ = load_checkpoint(checkpoint)
+    weights = {key: value for key, value in arrays.items() if key.count(":") == 1}  # node:name; not node:name:state
+    out = Path(args.out) if args.out else checkpoint.with_name(
+        "weights.safetensors" if args.format == "safetensors" else "weights.pt")
+    try:
+        export(weights, out, args.format)
+    except OSError as e:
+        raise SnrtError(f"{out}: cannot write ({e.strerror or e})") from None
+    console.print(f"{len(weights)} tensors of {checkpoint} written to {out}")
+    return 0
 
 
 def run_eval(args, console):

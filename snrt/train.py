@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from snrt.optim import learning_rate, make_optimizer
 from snrt.parallel import Solo
 from snrt.precision import LossScale, precision_named
 from snrt.runtime import plan_run, prepare
+from snrt.weights import ROLES as WEIGHT_ROLES, matched, read as read_weights
 
 
 @dataclass
@@ -258,6 +260,13 @@ class Trainer:
                                         "optimizer": self.config.train.optimizer.type,
                                         "batch": self.batch,
                                         **({"loss_scale": dataclasses.asdict(self.loss_scale)} if self.loss_scale else {})})
+
+    def load_weights(self, path):
+        """Parameters and normalization statistics from a weights file (safetensors or a
+        PyTorch state dict, matched as snrt/weights.py says); the optimizer starts afresh."""
+        wanted = [((node, name), self.executor.view_of(node, name).shape)
+                  for node, name, _ in self.runtime.persistent_tensors(WEIGHT_ROLES)]
+        self.runtime.load(matched(wanted, read_weights(path), Path(path)))
 
     def restore(self, path):
         """Load a checkpoint written by `save` for the same network; training continues from it.

@@ -1,0 +1,99 @@
+"""Weights in and out: a run's parameters and BatchNorm statistics as a safetensors file or a
+PyTorch state dict, and a run started from one.
+
+Names are snrt's own with a dot, ``<node>.<name>`` (``conv2d0.weight``,
+``batchnorm0.running_mean``): what `snrt export` writes. A file read with `--init-from` is
+matched by those names when it has them all; otherwise by order and shape, the network's
+parameters and statistics in graph order against the file's tensors in the file's order (a
+PyTorch state dict keeps its module order; safetensors keeps no order, so it is matched by
+name only). A file that matches neither way is one error listing the first tensors that do
+not match. Optimizer state is neither written nor read: a run started from weights starts its
+optimizer afresh.
+
+safetensors is the `weights` extra; PyTorch files need PyTorch installed (never a run-time
+dependency otherwise).
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from snrt.errors import SnrtError
+
+FORMATS = ("safetensors", "torch")
+ROLES = ("parameter", "state")  # what weights are: trained parameters and normalization statistics
+SHOWN = 5  # mismatching tensors named in an error
+
+
+def _module(name, extra):
+    try:
+        return __import__(name, fromlist=["_"])
+    except ImportError:
+        raise SnrtError(f"{extra}: pip install {'torch' if name == 'torch' else repr('snrt[weights]')}") from None
+
+
+def export(tensors, path, fmt):
+    """Write `tensors` ({"node:name": array}, in graph order) to `path` as `fmt`."""
+    named = {key.replace(":", ".", 1): np.ascontiguousarray(value) for key, value in tensors.items()}
+    if fmt == "safetensors":
+        _module("safetensors.numpy", "writing safetensors needs safetensors").save_file(named, str(path))
+    elif fmt == "torch":
+        torch = _module("torch", "writing a PyTorch state dict needs PyTorch")
+        torch.save({key: torch.from_numpy(value) for key, value in named.items()}, str(path))
+    else:
+        raise SnrtError(f"unknown weights format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+def read(path):
+    """[(name, array)] of the weights file `path` (safetensors, or a PyTorch state dict), in
+    the file's order (safetensors: by name)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SnrtError(f"{path}: no such weights file")
+    if path.suffix == ".safetensors":
+        try:
+            loaded = _module("safetensors.numpy", "reading safetensors needs safetensors").load_file(str(path))
+        except Exception as e:  # the library's own error types
+            raise SnrtError(f"{path}: not a safetensors file ({e})") from None
+        return sorted(loaded.items())
+    torch = _module("torch", f"{path}: reading a PyTorch file needs PyTorch")
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle and zip errors alike
+        raise SnrtError(f"{path}: not a PyTorch state dict ({e})") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise SnrtError(f"{path}: expected a state dict (names to tensors), found a {type(state).__name__}")
+    return [(key, value.detach().float().numpy()) for key, value in state.items() if hasattr(value, "numpy")
+            and not key.endswith("num_batches_tracked")]
+
+
+def matched(wanted, found, path):
+    """{(node, name): array} of the file `path`'s tensors `found` ([(name, array)]) for the
+    network's `wanted` ([((node, name), shape)] in graph order), by name or else by order and
+    shape; a SnrtError listing the first mismatches when neither fits."""
+    by_name = dict(found)
+    names = [f"{node}.{name}" for (node, name), _ in wanted]
+    if all(n in by_name for n in names):
+        wrong = [f"{n}: file {list(by_name[n].shape)}, network {list(shape)}" for n, (_, shape) in zip(names, wanted)
+                 if tuple(by_name[n].shape) != tuple(shape)]
+        if wrong:
+            raise SnrtError(f"{path}: {len(wrong)} tensors have another shape than the network's: "
+                            + "; ".join(wrong[:SHOWN]))
+        return {key: by_name[n] for n, (key, _) in zip(names, wanted)}
+    if path.suffix != ".safetensors" and len(found) == len(wanted) and all(
+            tuple(a.shape) == tuple(shape) for (_, a), (_, shape) in zip(found, wanted)):
+        return {key: array for (key, _), (_, array) in zip(wanted, found)}
+    missing = [n for n in names if n not in by_name]
+    message = (f"{path}: does not match the network by name ({len(missing)} of its {len(names)} tensors missing, "
+               f"first {', '.join(missing[:SHOWN])})")
+    if path.suffix != ".safetensors":  # a state dict: say where the order fails too
+        if len(found) != len(wanted):
+            message += f"; nor by order: the file has {len(found)} tensors, the network {len(wanted)}"
+        else:
+            wrong = [f"#{i} {fname} {list(a.shape)} against {n} {list(shape)}"
+                     for i, ((fname, a), n, (_, shape)) in enumerate(zip(found, names, wanted))
+                     if tuple(a.shape) != tuple(shape)]
+            message += "; nor by order: " + "; ".join(wrong[:SHOWN])
+    raise SnrtError(message)

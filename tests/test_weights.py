@@ -1,0 +1,79 @@
+"""Weights in and out (snrt/weights.py): snrt export writes a run's parameters and statistics as
+safetensors or a PyTorch state dict; --init-from reads either back, by name or by order and
+shape, and a file that fits neither way is one error naming the first tensors that do not."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+import snrt
+from snrt.cli import main
+from snrt.errors import SnrtError
+from snrt.train import Trainer
+
+LENET = "configs/lenet.yaml"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("runs") / "lenet"
+    assert main(["train", LENET, "--iterations", "3", "--batch", "8", "--out", str(folder), "--no-progress",
+                 "--no-eval"]) == 0
+    return folder
+
+
+def trained(folder):
+    """The run's parameters and statistics, as a fresh Trainer restored from its checkpoint holds them."""
+    trainer = Trainer(snrt.load_config(LENET, {"train.batch": 8}))
+    trainer.restore(folder / "checkpoint.npz")
+    return trainer.host_arrays(("parameter", "state"))
+
+
+@pytest.mark.parametrize("fmt, name", [("safetensors", "weights.safetensors"), ("torch", "weights.pt")])
+def test_exported_weights_start_a_run_with_the_trained_parameters_and_a_fresh_optimizer(run, fmt, name):
+    assert main(["export", str(run), "--format", fmt]) == 0
+    trainer = Trainer(snrt.load_config(LENET, {"train.batch": 8}))
+    trainer.load_weights(run / name)
+    loaded, expected = trainer.host_arrays(("parameter", "state")), trained(run)
+    assert loaded.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(loaded[key], value, err_msg=str(key))
+    assert all(not v.any() for v in trainer.host_arrays(("optimizer_state",)).values())
+
+
+def test_a_state_dict_with_other_names_loads_by_order_and_shape(run, tmp_path):
+    expected = trained(run)
+    renamed = {f"features.{i}.tensor": torch.from_numpy(v) for i, v in enumerate(expected.values())}
+    renamed["features.3.num_batches_tracked"] = torch.tensor(7)  # PyTorch's BatchNorm counter: ignored
+    torch.save({"state_dict": renamed}, tmp_path / "other.pt")
+    trainer = Trainer(snrt.load_config(LENET, {"train.batch": 8}))
+    trainer.load_weights(tmp_path / "other.pt")
+    for key, value in expected.items():
+        np.testing.assert_array_equal(trainer.host_arrays(("parameter", "state"))[key], value)
+
+
+def test_weights_that_do_not_fit_say_which_tensors(run, tmp_path):
+    trainer = Trainer(snrt.load_config(LENET, {"train.batch": 8}))
+    expected = {f"{node}.{name}": v for (node, name), v in trained(run).items()}
+    wrong = dict(expected, **{"conv2d0.weight": np.zeros((1, 1, 1, 1), np.float32)})
+    save_file(wrong, tmp_path / "shape.safetensors")
+    with pytest.raises(SnrtError, match=r"1 tensors have another shape .*conv2d0.weight: file \[1, 1, 1, 1\]"):
+        trainer.load_weights(tmp_path / "shape.safetensors")
+    save_file({k: v for k, v in expected.items() if k != "linear0.bias"}, tmp_path / "short.safetensors")
+    with pytest.raises(SnrtError, match="1 of its 12 tensors missing, first linear0.bias"):
+        trainer.load_weights(tmp_path / "short.safetensors")
+    torch.save({"a": torch.zeros(3)}, tmp_path / "tiny.pt")
+    with pytest.raises(SnrtError, match="nor by order: the file has 1 tensors, the network 12"):
+        trainer.load_weights(tmp_path / "tiny.pt")
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    with pytest.raises(SnrtError, match="junk.safetensors: not a safetensors file"):
+        trainer.load_weights(tmp_path / "junk.safetensors")
+
+
+def test_the_commands_say_in_one_line_what_is_missing(tmp_path, capsys):
+    assert main(["export", str(tmp_path)]) == 2
+    assert "checkpoint.npz" in " ".join(capsys.readouterr().err.split())
+    assert main(["train", LENET, "--iterations", "1", "--out", str(tmp_path / "r"), "--init-from",
+                 str(tmp_path / "none.safetensors")]) == 2
+    assert "none.safetensors: no such weights file" in " ".join(capsys.readouterr().err.split())

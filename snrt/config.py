@@ -119,7 +119,7 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint_every: int = 0  # iterations between checkpoints (0: only at the end)
-    eval_every: int = 0  # iterations between held-out evaluations (0: only at the end)
+    eval_every: int = 0  # iterations between held-out evaluations, recorded in the metrics (0: only at the end)
     gradient_bucket: Bytes = 25 * 2**20  # data parallel: gradients exchanged per bucket (snrt/scheduler/reduce.py)
     precision: str = "fp32"  # the dtype tensors are stored and computed in (snrt/precision.py)
 

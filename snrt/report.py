@@ -71,10 +71,15 @@ def draw_metrics(runs, path, title=None):
                       if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
             if points:
                 ax.plot(*zip(*points), linewidth=1, label=run.name)
+            during = [(m["iteration"], m["heldout_accuracy"]) for m in run.metrics
+                      if isinstance(m.get("heldout_accuracy"), (int, float))]
+            if key == "accuracy" and during:  # train.eval_every's evaluations
+                ax.plot(*zip(*during), marker="o", markersize=4, linestyle="--", linewidth=1,
+                        color=ax.lines[-1].get_color() if points else None, label=f"{run.name}: held-out")
             heldout = run.summary.get("heldout_accuracy")
             if key == "accuracy" and isinstance(heldout, (int, float)):
                 ax.plot([run.metrics[-1]["iteration"]], [heldout], marker="*", markersize=11, linestyle="none",
-                        color=ax.lines[-1].get_color() if points else None, label=f"{run.name}: held-out")
+                        color=ax.lines[-1].get_color() if points else None, label=f"{run.name}: held-out, end")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     for ax in axes[1]:

@@ -42,6 +42,8 @@ class Metrics:
     loss_scale: float = None  # fp16: the scale of the loss's gradient this iteration (snrt.precision.LossScale)
     skipped: bool = False  # fp16: the gradients overflowed, so no parameter was updated
     data_wait_s: float = 0.0  # how long the iteration waited for its batch
+    heldout_loss: float = None  # every train.eval_every iterations: the held-out split's (None if not finite)
+    heldout_accuracy: float = None
 
 
 def _run_options(config, group):
@@ -128,6 +130,10 @@ class Trainer:
                 waited = time.perf_counter() - waiting
                 metrics = self.step(x, y, total, None if lr_at is None else lr_at(self.iteration))
                 metrics.data_wait_s = waited
+                if train.eval_every and self.iteration % train.eval_every == 0 and self.iteration < total:
+                    loss, accuracy = self.evaluate()  # the end of the run is evaluated by the caller
+                    if math.isfinite(loss):
+                        metrics.heldout_loss, metrics.heldout_accuracy = loss, accuracy
                 self._agree_to_stop()
                 history.append(metrics)
                 if on_iteration:

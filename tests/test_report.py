@@ -54,3 +54,17 @@ def test_report_says_in_one_line_what_is_wrong(tmp_path, capsys):
     assert main(["report", str(tmp_path / "run")]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert f"{tmp_path / 'run' / 'metrics.jsonl'}: line 4 is not JSON" in err
+
+
+def test_eval_every_records_held_out_results_without_changing_the_training(tmp_path):
+    import snrt
+    from snrt.train import Trainer
+
+    def run(every):
+        config = snrt.load_config("configs/lenet.yaml", {"train.batch": 8, "train.eval_every": every})
+        return Trainer(config).fit(iterations=6)
+    plain, evaluated = run(0), run(2)
+    assert [m.loss for m in plain] == [m.loss for m in evaluated]
+    assert [m.heldout_accuracy is not None for m in evaluated] == [False, True, False, True, False, False]
+    assert all(0 <= m.heldout_accuracy <= 1 for m in evaluated if m.heldout_accuracy is not None)
+    assert all(m.heldout_accuracy is None for m in plain)

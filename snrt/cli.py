@@ -156,6 +156,8 @@ def _add_precision(parser):
                              "bf16 or fp16 (2-byte activations) (overrides train.precision)")
     parser.add_argument("--data", type=_data_spec, metavar="TYPE[:PATH]",
                         help=f"data set: {', '.join(DATASETS)}; npz, cifar and folder (DIR/train/<class>/*) take :PATH")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="processes that decode and augment batches (train.data.workers; 0: a thread)")
     parser.add_argument("--skip-bad-images", action="store_true", default=None,
                         help="image folders: count and leave out unreadable images instead of stopping")
     parser.add_argument("--backend", choices=BACKENDS, help="cpu or cuda (default: cuda when CuPy finds a GPU)")
@@ -179,7 +181,8 @@ def _overrides(args):
     for flag, key in (("iterations", "train.iterations"), ("lr", "train.optimizer.lr"), ("policy", "memory.policy"),
                       ("budget", "memory.budget"), ("seed", "train.seed"),
                       ("stream_parameters", "memory.stream_parameters"), ("host_store", "memory.host_store"),
-                      ("precision", "train.precision"), ("skip_bad_images", "train.data.skip_bad_images")):
+                      ("precision", "train.precision"), ("skip_bad_images", "train.data.skip_bad_images"),
+                      ("workers", "train.data.workers")):
         if getattr(args, flag, None) is not None:
             out[key] = getattr(args, flag)
     return out

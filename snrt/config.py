@@ -107,6 +107,7 @@ class DataConfig:
     holdout: float = 0.2  # fraction held out for eval when the set has no test split
     samples: int = 2048  # size of the synthetic set
     skip_bad_images: bool = False  # image folders: count and leave out files that are not readable images
+    workers: int = 0  # processes preparing batches (snrt/workers.py); 0: a thread of the trainer's process
 
 
 @dataclass

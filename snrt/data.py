@@ -544,6 +544,14 @@ class Batches:
         self._stop = threading.Event()
         self._threads = []
 
+    def __getstate__(self):  # what a worker process needs (snrt/workers.py): the recipe, no threads
+        state = dict(self.__dict__)
+        del state["_perms_lock"], state["_stop"], state["_threads"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _perms_lock=threading.Lock(), _stop=threading.Event(), _threads=[])
+
     # -- pure functions of (seed, i)
     def permutation(self, epoch):
         """The sample order of `epoch` (a few recent ones are cached)."""

@@ -32,6 +32,7 @@ EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 STATS_SAMPLES = 2048  # images the normalization statistics are measured on, at most
 EVAL_RESIZE = 0.875  # input size / shorter side before the center crop (torchvision's 224 of 256)
 SCALE, RATIO, TRIES = (0.08, 1.0), (3 / 4, 4 / 3), 10  # RandomResizedCrop's defaults
+on_open = None  # called with each image's path before it is decoded (a worker process records it)
 
 
 def _pillow():
@@ -78,6 +79,8 @@ class FolderDataset:
     def _decode(self, path, rng):
         image_module = _pillow()
         c, h, w = self.shape
+        if on_open is not None:
+            on_open(path)
         try:
             with image_module.open(path) as image:
                 if rng is None:

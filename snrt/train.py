@@ -26,6 +26,7 @@ from snrt.parallel import Solo
 from snrt.precision import LossScale, precision_named
 from snrt.runtime import plan_run, prepare
 from snrt.weights import ROLES as WEIGHT_ROLES, matched, read as read_weights
+from snrt.workers import DataError, WorkerBatches
 
 
 @dataclass
@@ -118,15 +119,16 @@ class Trainer:
         total = iterations if iterations is not None else train.iterations
         every = train.checkpoint_every if checkpoint_every is None else checkpoint_every
         history = []
-        with self._interrupt_guard(), Batches(
-            self.train_set, self.batch, train.seed, self.mean, self.std,
-            crop_padding=train.data.crop_padding, flip=train.data.flip, start=self.iteration,
-            rank=self.group.rank, ranks=self.group.size,
-        ) as batches:
+        with self._interrupt_guard(), self._batches() as batches:
             stream = iter(batches)
             while self.iteration < total and not self.stop_requested:
                 waiting = time.perf_counter()
-                x, y = next(stream)
+                try:
+                    x, y = next(stream)
+                except DataError:
+                    if checkpoint:  # the iterations done so far are kept
+                        self.save(checkpoint)
+                    raise
                 waited = time.perf_counter() - waiting
                 metrics = self.step(x, y, total, None if lr_at is None else lr_at(self.iteration))
                 metrics.data_wait_s = waited
@@ -143,6 +145,15 @@ class Trainer:
             if checkpoint:  # still guarded: a signal now lets the write finish
                 self.save(checkpoint)
         return history
+
+    def _batches(self):
+        """The training batches from this iteration on: Batches, made by train.data.workers
+        processes when there are any (snrt/workers.py)."""
+        train = self.config.train
+        batches = Batches(self.train_set, self.batch, train.seed, self.mean, self.std,
+                          crop_padding=train.data.crop_padding, flip=train.data.flip, start=self.iteration,
+                          rank=self.group.rank, ranks=self.group.size, prefetch=not train.data.workers)
+        return WorkerBatches(batches, train.data.workers) if train.data.workers else batches
 
     def _agree_to_stop(self):
         """With several ranks, every rank stops after the iteration at which any rank was asked to

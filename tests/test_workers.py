@@ -1,0 +1,95 @@
+"""Worker processes (snrt/workers.py): the same batches for any number of workers, and a worker
+that dies, hangs or cannot decode a file stops the run in one line naming it, checkpoint saved."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from snrt import images, workers
+from snrt.cli import main
+from snrt.data import Batches, Dataset
+from snrt.workers import DataError, WorkerBatches
+from tests.test_images import datasets, make_folder
+
+ZERO, ONE = np.zeros(3), np.ones(3)
+
+
+class Failing(Dataset):
+    """Its fifth sample ends the process that reads it (`fate` "dies", as a decoder crash would)
+    or never finishes ("hangs"), after reporting `path` as the file it opened."""
+
+    fate = path = None
+
+    def take(self, idx, rngs=None):
+        if 5 in list(np.atleast_1d(np.arange(len(self))[idx])):
+            images.on_open and images.on_open(self.path)
+            if self.fate == "dies":
+                os._exit(3)
+            time.sleep(3600)
+        return super().take(idx, rngs)
+
+
+class Dying(Failing):
+    fate, path = "dies", "/data/train/cat/broken.jpg"
+
+
+class Hanging(Failing):
+    fate, path = "hangs", "/data/train/dog/stuck.png"
+
+
+def numbered(cls, n=12):
+    x = np.arange(n, dtype=np.float32).reshape(n, 1, 1, 1) * np.ones((1, 3, 2, 2), np.float32)
+    return cls(x, np.arange(n) % 3, 3, "numbered")
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_the_batches_are_those_of_one_process_for_any_number_of_workers(tmp_path, count):
+    train, _ = datasets(make_folder(tmp_path))
+    expected = Batches(train, 4, 3, ZERO, ONE, flip=True, start=2, prefetch=False)
+    with WorkerBatches(Batches(train, 4, 3, ZERO, ONE, flip=True, start=2, prefetch=False), count) as made:
+        for i, (x, y) in zip(range(2, 9), made):
+            ex, ey = expected.get(i)
+            np.testing.assert_array_equal(x, ex)
+            np.testing.assert_array_equal(y, ey)
+
+
+def test_a_worker_that_dies_is_named_with_the_file_it_was_reading():
+    batches = Batches(numbered(Dying), 2, 0, ZERO, ONE, prefetch=False)  # sample 5: in the first epoch
+    with WorkerBatches(batches, 1) as made, pytest.raises(DataError) as error:
+        list(zip(range(12), made))
+    assert "data worker 0 died (exit code 3) while reading /data/train/cat/broken.jpg" in str(error.value)
+
+
+def test_a_worker_that_hangs_is_named_with_the_file_it_was_reading(monkeypatch):
+    monkeypatch.setattr(workers, "HANG_S", 1.0)
+    batches = Batches(numbered(Hanging), 2, 0, ZERO, ONE, prefetch=False)
+    with WorkerBatches(batches, 1) as made, pytest.raises(DataError) as error:
+        list(zip(range(12), made))
+    assert "data worker 0 made no batch in 1 s while reading /data/train/dog/stuck.png" in str(error.value)
+
+
+def test_a_file_that_cannot_be_decoded_stops_the_run_with_its_checkpoint(tmp_path, capsys):
+    root = make_folder(tmp_path / "images")
+    jpeg = root / "train" / "dog" / "1.jpg"
+    noise = np.random.default_rng(0).integers(0, 256, (40, 40, 3), np.uint8)
+    Image.fromarray(noise).save(jpeg)
+    jpeg.write_bytes(jpeg.read_bytes()[:int(jpeg.stat().st_size * 0.8)])  # truncated: it opens, but does not decode
+    train, _ = datasets(root)
+    broken = train.files.index(jpeg)
+    seed = next(s for s in range(20) if broken not in Batches(train, 4, s, ZERO, ONE, prefetch=False).indices(0))
+    # a seed whose first batch does not hold it (an iteration runs first), and no normalization
+    # statistics (measuring them would decode it before the run starts, and stop there)
+    (tmp_path / "net.yaml").write_text(
+        "name: tiny\ninput: {shape: [3, 16, 16], classes: 3}\n"
+        f"train: {{batch: 4, iterations: 12, seed: {seed}, data: {{type: folder, path: {root}, normalize: false}}}}\n"
+        "network:\n  - {type: Conv2d, out_channels: 4, kernel: 3, padding: 1}\n  - {type: ReLU}\n"
+        "  - {type: GlobalAvgPool}\n  - {type: Linear, out_features: 3}\n  - {type: SoftmaxCrossEntropy}\n")
+    code = main(["train", str(tmp_path / "net.yaml"), "--workers", "1", "--out", str(tmp_path / "run"),
+                 "--no-progress", "--checkpoint-every", "1"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "Traceback" not in err
+    assert str(jpeg) in err and "cannot decode this image" in err
+    assert (tmp_path / "run" / "checkpoint.npz").exists()

@@ -129,11 +129,12 @@ def build_parser():
     report.add_argument("--json", action="store_true", help="print the table as JSON")
     report.set_defaults(run=run_report)
 
-    export = commands.add_parser("export", help="a run's weights as safetensors or a PyTorch state dict")
+    export = commands.add_parser("export", help="a run's weights as safetensors or a PyTorch state dict, or its "
+                                                "inference graph as ONNX")
     export.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder or a checkpoint file")
-    export.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
-    export.add_argument("--out", help="the file to write (default: weights.safetensors or weights.pt beside the "
-                                      "checkpoint)")
+    export.add_argument("--format", choices=tuple(EXPORTED), default="safetensors")
+    export.add_argument("--out", help="the file to write (default: weights.safetensors, weights.pt or model.onnx "
+                                      "beside the checkpoint)")
     export.set_defaults(run=run_export)
 
     evaluate = commands.add_parser("eval", help="loss and accuracy of a checkpoint on the held-out split")
@@ -732,18 +733,31 @@ def _tune_table(config, budget, points):
     return table
 
 
-def run_export(args, console):
-    """Write a checkpoint's parameters and statistics (not its optimizer state) as weights."""
-    from snrt.weights import export
+EXPORTED = {"safetensors": "weights.safetensors", "torch": "weights.pt", "onnx": "model.onnx"}  # format: file
 
+
+def run_export(args, console):
+    """Write a checkpoint's parameters and statistics (not its optimizer state) as weights, or
+    with the network of the run (its config.yaml) as an ONNX model."""
     source = Path(args.source)
     checkpoint = source / CHECKPOINT if source.is_dir() else source
     arrays, _ = load_checkpoint(checkpoint)
     weights = {key: value for key, value in arrays.items() if key.count(":") == 1}  # node:name; not node:name:state
-    out = Path(args.out) if args.out else checkpoint.with_name(
-        "weights.safetensors" if args.format == "safetensors" else "weights.pt")
+    out = Path(args.out) if args.out else checkpoint.with_name(EXPORTED[args.format])
     try:
-        export(weights, out, args.format)
+        if args.format == "onnx":
+            from snrt.onnx_export import to_onnx
+
+            network = checkpoint.with_name("config.yaml")
+            if not network.is_file():
+                raise SnrtError(f"{network}: not found; ONNX export needs the network, which snrt train writes "
+                                "there beside the checkpoint")
+            graph = load_config(network).graph
+            out.write_bytes(to_onnx(graph, {tuple(k.split(":")): v for k, v in weights.items()}).SerializeToString())
+        else:
+            from snrt.weights import export
+
+            export(weights, out, args.format)
     except OSError as e:
         raise SnrtError(f"{out}: cannot write ({e.strerror or e})") from None
     console.print(f"{len(weights)} tensors of {checkpoint} written to {out}")

@@ -496,7 +496,7 @@ def run_report(args, console):
     try:
         draw_metrics(runs, path)
     except OSError as e:
-        raise SnrtError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise _cannot_write(path, e) from None
     rows = report_rows(runs)
     if args.json:
         print(json.dumps({"runs": rows, "png": str(path)}, indent=2))
@@ -538,9 +538,10 @@ def _write_run_file(path, text, kept):
         raise _cannot_write(path, e, kept) from None
 
 
-def _cannot_write(path, error, kept):
-    """The SnrtError of a run file `path` that could not be written, saying what was kept."""
-    return SnrtError(f"{path}: cannot write ({error.strerror or error}); {kept}")
+def _cannot_write(path, error, kept=None):
+    """The SnrtError of a file `path` that could not be written (OSError `error`), saying what
+    was `kept` of the run."""
+    return SnrtError(f"{path}: cannot write ({error.strerror or error})" + (f"; {kept}" if kept else ""))
 
 
 def _fit_with_metrics(trainer, folder, checkpoint, args, console):
@@ -759,7 +760,7 @@ def run_export(args, console):
 
             export(weights, out, args.format)
     except OSError as e:
-        raise SnrtError(f"{out}: cannot write ({e.strerror or e})") from None
+        raise _cannot_write(out, e) from None
     console.print(f"{len(weights)} tensors of {checkpoint} written to {out}")
     return 0
 

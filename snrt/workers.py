@@ -31,11 +31,11 @@ class DataError(SnrtError):
 
 class WorkerBatches:
     """The batches of `batches` (a snrt.data.Batches) from `start` on, made by `workers`
-    processes, at most `ahead` batches in flight. Iterate it; `close()` stops the workers."""
+    processes, at most `ahead` (two per worker) in flight. Iterate it; `close()` stops them."""
 
-    def __init__(self, batches, workers, ahead=None):
+    def __init__(self, batches, workers):
         self.batches, self.workers = batches, int(workers)
-        self.ahead = ahead or 2 * self.workers
+        self.ahead = 2 * self.workers
         part, dataset = batches.batch // batches.ranks, batches.dataset
         self.shapes = (((part, *dataset.shape), np.dtype(np.float32)), ((part, *dataset.y.shape[1:]), np.dtype(np.int64)))
         context = multiprocessing.get_context("spawn")

@@ -135,7 +135,7 @@ class KernelContext:
         """A fresh view of `shape` and `dtype` carved from the workspace (contents undefined)."""
         dtype = self.xp.dtype(dtype)
         nbytes = numel(shape) * dtype.itemsize
-        start = -(-self._used_bytes // 64) * 64  # 64-byte aligned
+        start = scratch_aligned(self._used_bytes)
         capacity = 0 if self.workspace is None else self.workspace.nbytes
         if start + nbytes > capacity:
             raise RuntimeError(
@@ -161,16 +161,24 @@ class KernelContext:
     def rest(self):
         """A KernelContext like this one whose workspace is what the scratch views handed out
         so far left (from the next aligned offset)."""
-        start = -(-self._used_bytes // 64) * 64
+        start = scratch_aligned(self._used_bytes)
         rest = None if self.workspace is None else self.workspace[start:]
         return KernelContext(self.xp, self.training, self.seed, self.iteration, self.node_index, rest)
+
+
+SCRATCH_ALIGN = 64  # bytes: where each scratch view starts
+
+
+def scratch_aligned(nbytes):
+    """The first scratch offset at or after `nbytes`."""
+    return -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
 
 
 def scratch_bytes(*sizes):
     """Workspace needed for scratch arrays of the given byte sizes, with `scratch` alignment."""
     total = 0
     for size in sizes:
-        total = -(-total // 64) * 64 + size
+        total = scratch_aligned(total) + size
     return total
 
 

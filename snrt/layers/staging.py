@@ -14,10 +14,10 @@ input 2 bytes): forward: the inputs, the output, the saved tensors; backward: th
 gradient, the saved inputs, the saved output, the saved tensors, the inputs' gradients.
 """
 
-from snrt.layers.base import BACKWARD, FLOAT32_BYTES, Saved, numel, scratch_bytes
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES, Saved, numel, scratch_aligned, scratch_bytes
+from snrt.precision import PRECISIONS
 
-TWO_BYTE = ("bfloat16", "float16")
-ALIGN = 64  # KernelContext.scratch's alignment
+TWO_BYTE = tuple(p.storage for p in PRECISIONS.values() if p.two_bytes)  # dtype names of 2-byte storage
 
 
 def is_two_byte(array):
@@ -41,7 +41,7 @@ def staging_bytes(layer, in_shapes, phase):
 def staged_workspace_bytes(layer, in_shapes, phase, own_bytes):
     """Workspace of a staged step: the staging, then (aligned) the kernel's own `own_bytes`."""
     staging = staging_bytes(layer, in_shapes, phase)
-    return -(-staging // ALIGN) * ALIGN + own_bytes if own_bytes else staging
+    return scratch_aligned(staging) + own_bytes if own_bytes else staging
 
 
 class Staged:
@@ -55,7 +55,7 @@ class Staged:
         xs32 = [stage.read(x) for x in xs]
         y32 = stage.write(y)
         aux32 = {name: stage.write(a) for name, a in aux.items()}
-        self.kernel.forward(stage.rest(), xs32, params, state, y32, aux32, recompute=recompute)
+        self.kernel.forward(stage.ctx.rest(), xs32, params, state, y32, aux32, recompute=recompute)
         stage.round_back()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
@@ -64,7 +64,7 @@ class Staged:
         saved32 = Saved(tuple(stage.read(x) for x in saved.xs), stage.read(saved.y))
         aux32 = {name: stage.read(a) for name, a in aux.items()}
         gxs32 = [stage.write(g) for g in gxs]
-        self.kernel.backward(stage.rest(), gy32, saved32, params, aux32, gxs32, gparams)
+        self.kernel.backward(stage.ctx.rest(), gy32, saved32, params, aux32, gxs32, gparams)
         stage.round_back()
 
 
@@ -90,10 +90,6 @@ class _Stage:
         wide = self.ctx.scratch(array.shape, "float32")
         self.written.append((array, wide))
         return wide
-
-    def rest(self):
-        """A KernelContext like the step's, whose workspace is what the staging left."""
-        return self.ctx.rest()
 
     def round_back(self):
         for narrow, wide in self.written:

@@ -87,7 +87,8 @@ def _within_cap(session, memory):
     every segment is kept: the cap's plan under this row's name.
     """
     row = memory.recipe.row
-    cap = session.assemble(session.recipe(policy_named(row.capped_by), memory.recipe.hide_copies)).plan
+    capped = session.assemble(session.recipe(policy_named(row.capped_by), memory.recipe.hide_copies))
+    cap = capped.plan
     kept, current = set(), memory
     for _ in range(REPLAY_ROUNDS):
         if fits(current, cap.arena_bytes):
@@ -99,7 +100,7 @@ def _within_cap(session, memory):
         current = session.assemble(replace(memory.recipe, kept=tuple(sorted(kept))))
     if fits(current, cap.arena_bytes):
         return current
-    return session.assemble(session.recipe(policy_named(row.capped_by), memory.recipe.hide_copies)).named(row.name)
+    return capped.named(row.name)
 
 
 def _segments_replayed_over(plan, segments, limit):

@@ -56,7 +56,7 @@ class Session:
             _LAST.update(key=key, iteration=build_iteration(graph, batch, options), seconds={})
         self.iteration = _LAST["iteration"]
         self._known_seconds = _LAST["seconds"].setdefault(options.cost_model, {})
-        self._assemblies = {}
+        self._assemblies, self._does = {}, {}
 
     def at_batch(self, batch):
         """A Session of the same graph and options at `batch`."""
@@ -68,11 +68,14 @@ class Session:
 
     def recipe(self, row, hide_copies=True):
         """The Recipe of Policy `row`'s own plan (copies hidden behind compute, or just in time)."""
-        return Recipe(row, capabilities(row, self.options), hide_copies)
+        return Recipe(row, self.does(row), hide_copies)
 
     def does(self, row):
-        """What Policy `row` does under this session's options (a lowering.Does)."""
-        return capabilities(row, self.options)
+        """What Policy `row` does under this session's options (a lowering.Does, derived once)."""
+        does = self._does.get(row)
+        if does is None:
+            does = self._does[row] = capabilities(row, self.options)
+        return does
 
     def assemble(self, recipe):
         """The Assembly of `recipe` (lowered once per session)."""

@@ -135,6 +135,9 @@ def build_parser():
     export.add_argument("--format", choices=tuple(EXPORTED), default="safetensors")
     export.add_argument("--out", help="the file to write (default: weights.safetensors, weights.pt or model.onnx "
                                       "beside the checkpoint)")
+    export.add_argument("--names-like", metavar="FILE",
+                        help="write the tensors under the names of this weights file of the target model "
+                             "(a torchvision state dict, say), paired by name or by order and shape")
     export.set_defaults(run=run_export)
 
     evaluate = commands.add_parser("eval", help="loss and accuracy of a checkpoint on the held-out split")
@@ -745,6 +748,12 @@ def run_export(args, console):
     arrays, _ = load_checkpoint(checkpoint)
     weights = {key: value for key, value in arrays.items() if key.count(":") == 1}  # node:name; not node:name:state
     out = Path(args.out) if args.out else checkpoint.with_name(EXPORTED[args.format])
+    if args.names_like:
+        if args.format == "onnx":
+            raise SnrtError("--names-like renames weights files (safetensors, torch); an ONNX model keeps snrt's names")
+        from snrt.weights import named_like
+
+        weights = named_like(weights, args.names_like)
     try:
         if args.format == "onnx":
             from snrt.onnx_export import to_onnx

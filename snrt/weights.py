@@ -10,6 +10,12 @@ name only). A file that matches neither way is one error listing the first tenso
 not match. Optimizer state is neither written nor read: a run started from weights starts its
 optimizer afresh.
 
+Another framework's names: `snrt export --names-like FILE` writes the tensors under the names
+of a weights file of the target model (torchvision's ``resnet50().state_dict()`` saved with
+``torch.save``, say), paired by the same rule, in that file's order; entries snrt has no
+tensor for, PyTorch's BatchNorm counters (``num_batches_tracked``), are written as that file
+has them, so the result loads with ``load_state_dict(strict=True)``.
+
 safetensors is the `weights` extra; PyTorch files need PyTorch installed (never a run-time
 dependency otherwise).
 """
@@ -23,6 +29,7 @@ from snrt.errors import SnrtError
 FORMATS = ("safetensors", "torch")
 ROLES = ("parameter", "state")  # what weights are: trained parameters and normalization statistics
 SHOWN = 5  # mismatching tensors named in an error
+COUNTER = "num_batches_tracked"  # PyTorch's BatchNorm counter: no snrt tensor holds it
 
 
 def _module(name, extra):
@@ -33,7 +40,8 @@ def _module(name, extra):
 
 
 def export(tensors, path, fmt):
-    """Write `tensors` ({"node:name": array}, in graph order) to `path` as `fmt`."""
+    """Write `tensors` ({"node:name", or a name of another framework: array}, in the order to write)
+    to `path` as `fmt`."""
     named = {key.replace(":", ".", 1): np.ascontiguousarray(value) for key, value in tensors.items()}
     if fmt == "safetensors":
         _module("safetensors.numpy", "writing safetensors needs safetensors").save_file(named, str(path))
@@ -46,7 +54,7 @@ def export(tensors, path, fmt):
 
 def read(path):
     """[(name, array)] of the weights file `path` (safetensors, or a PyTorch state dict), in
-    the file's order (safetensors: by name)."""
+    the file's order (safetensors: by name); floating-point tensors as float32."""
     path = Path(path)
     if not path.is_file():
         raise SnrtError(f"{path}: no such weights file")
@@ -65,14 +73,37 @@ def read(path):
         state = state["state_dict"]
     if not isinstance(state, dict):
         raise SnrtError(f"{path}: expected a state dict (names to tensors), found a {type(state).__name__}")
-    return [(key, value.detach().float().numpy()) for key, value in state.items() if hasattr(value, "numpy")
-            and not key.endswith("num_batches_tracked")]
+    return [(key, (value.detach().float() if value.is_floating_point() else value.detach()).numpy())
+            for key, value in state.items() if hasattr(value, "numpy")]
+
+
+def _weights(found):
+    """`found` ([(name, array)]) without PyTorch's BatchNorm counters."""
+    return [(name, array) for name, array in found if not name.endswith(COUNTER)]
 
 
 def matched(wanted, found, path):
     """{(node, name): array} of the file `path`'s tensors `found` ([(name, array)]) for the
     network's `wanted` ([((node, name), shape)] in graph order), by name or else by order and
     shape; a SnrtError listing the first mismatches when neither fits."""
+    found = _weights(found)
+    arrays = dict(found)
+    return {key: arrays[name] for key, name in _paired(wanted, found, Path(path)).items()}
+
+
+def named_like(tensors, path):
+    """{file name: array} of `tensors` ({"node:name": array}, in graph order) under the names
+    of the weights file `path`, in that file's order, paired as `matched` pairs them; the
+    file's BatchNorm counters are copied as they are."""
+    found = read(path)
+    wanted = [(tuple(key.split(":", 1)), value.shape) for key, value in tensors.items()]
+    name_of = {name: "{}:{}".format(*key) for key, name in _paired(wanted, _weights(found), Path(path)).items()}
+    return {name: tensors[name_of[name]] if name in name_of else array for name, array in found}
+
+
+def _paired(wanted, found, path):
+    """{(node, name): the file's name of it}: `wanted` against `found` by snrt's names, or else
+    (a state dict) by order and shape; a SnrtError listing the first mismatches otherwise."""
     by_name = dict(found)
     names = [f"{node}.{name}" for (node, name), _ in wanted]
     if all(n in by_name for n in names):
@@ -81,10 +112,10 @@ def matched(wanted, found, path):
         if wrong:
             raise SnrtError(f"{path}: {len(wrong)} tensors have another shape than the network's: "
                             + "; ".join(wrong[:SHOWN]))
-        return {key: by_name[n] for n, (key, _) in zip(names, wanted)}
+        return {key: n for n, (key, _) in zip(names, wanted)}
     if path.suffix != ".safetensors" and len(found) == len(wanted) and all(
             tuple(a.shape) == tuple(shape) for (_, a), (_, shape) in zip(found, wanted)):
-        return {key: array for (key, _), (_, array) in zip(wanted, found)}
+        return {key: fname for (key, _), (fname, _) in zip(wanted, found)}
     missing = [n for n in names if n not in by_name]
     message = (f"{path}: does not match the network by name ({len(missing)} of its {len(names)} tensors missing, "
                f"first {', '.join(missing[:SHOWN])})")

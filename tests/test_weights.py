@@ -77,3 +77,17 @@ def test_the_commands_say_in_one_line_what_is_missing(tmp_path, capsys):
     assert main(["train", LENET, "--iterations", "1", "--out", str(tmp_path / "r"), "--init-from",
                  str(tmp_path / "none.safetensors")]) == 2
     assert "none.safetensors: no such weights file" in " ".join(capsys.readouterr().err.split())
+
+
+def test_names_like_a_reference_that_does_not_fit_names_the_tensors(run, tmp_path, capsys):
+    expected = trained(run)
+    reference = {f"net.{i}": torch.from_numpy(v) for i, v in enumerate(expected.values())}
+    reference["net.0"] = torch.zeros(2, 2)
+    torch.save(reference, tmp_path / "reference.pt")
+    assert main(["export", str(run), "--format", "torch", "--names-like", str(tmp_path / "reference.pt"),
+                 "--out", str(tmp_path / "w.pt")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "reference.pt: does not match" in err and "#0 net.0 [2, 2] against conv2d0.weight" in err
+    assert not (tmp_path / "w.pt").exists()
+    assert main(["export", str(run), "--format", "onnx", "--names-like", str(tmp_path / "reference.pt")]) == 2
+    assert "an ONNX model keeps snrt's names" in " ".join(capsys.readouterr().err.split())

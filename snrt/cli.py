@@ -161,7 +161,8 @@ def _add_precision(parser):
     parser.add_argument("--data", type=_data_spec, metavar="TYPE[:PATH]",
                         help=f"data set: {', '.join(DATASETS)}; npz, cifar and folder (DIR/train/<class>/*) take :PATH")
     parser.add_argument("--workers", type=int, metavar="N",
-                        help="processes that decode and augment batches (train.data.workers; 0: a thread)")
+                        help="processes that decode and augment batches (train.data.workers; 0: a thread; default: the "
+                             "usable cores for image folders, else 0)")
     parser.add_argument("--skip-bad-images", action="store_true", default=None,
                         help="image folders: count and leave out unreadable images instead of stopping")
     parser.add_argument("--backend", choices=BACKENDS, help="cpu or cuda (default: cuda when CuPy finds a GPU)")
@@ -428,7 +429,8 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     trainer = _make_trainer(args, config, plan)
     console.print(plan_headline(trainer.plan))
     ranks = f"; {trainer.group.size} ranks, batch {trainer.plan.batch} each" if trainer.group.size > 1 else ""
-    console.print(f"thread pools: {describe_pools(thread_pools())} ({usable_cores()} usable cores){ranks}")
+    workers = f"; {trainer.workers} data worker{'s' if trainer.workers != 1 else ''}" if trainer.workers else ""
+    console.print(f"thread pools: {describe_pools(thread_pools())} ({usable_cores()} usable cores){ranks}{workers}")
     if args.init_from and args.resume is None:
         trainer.load_weights(args.init_from)
         console.print(f"weights from {args.init_from}")
@@ -612,6 +614,7 @@ def _summary(trainer, history, checkpoint):
         "measured_peak_device_bytes": trainer.backend.arena.peak_bytes,
         "predicted_iteration_s": trainer.plan.predicted_s,
         "thread_pools": describe_pools(thread_pools()),
+        "data_workers": trainer.workers,
         "checkpoint": str(checkpoint),
     }
 

@@ -107,7 +107,8 @@ class DataConfig:
     holdout: float = 0.2  # fraction held out for eval when the set has no test split
     samples: int = 2048  # size of the synthetic set
     skip_bad_images: bool = False  # image folders: count and leave out files that are not readable images
-    workers: int = 0  # processes preparing batches (snrt/workers.py); 0: a thread of the trainer's process
+    workers: int = None  # processes preparing batches (snrt/workers.py); 0: a thread of the trainer's process;
+    # null: the usable cores for data that is decoded from files (image folders), else 0
 
 
 @dataclass
@@ -155,7 +156,7 @@ CHOICES = {
     (TrainConfig, "precision"): tuple(PRECISIONS),
     (MemoryConfig, "policy"): policies.CHOICES,
 }
-OPTIONAL_STRINGS = ("path", "host_store")  # string settings that may be null
+OPTIONAL = ("path", "host_store", "workers")  # settings that may be null
 POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "gradient_bucket"), (TrainConfig, "iterations"), (OptimizerConfig, "lr"), (ParamGroup, "lr_scale"),
             (DataConfig, "samples"), (DataConfig, "holdout"), (OptimizerConfig, "eps")}
 BELOW_ONE = {(DataConfig, "holdout"), (OptimizerConfig, "beta1"), (OptimizerConfig, "beta2")}  # fractions
@@ -385,7 +386,9 @@ def _check_setting(source, key, cls, name, annotation, value):
         if (cls, name) in POSITIVE and value <= 0:
             raise ConfigError(source, key, f"expected a positive byte size, got {value!r}")
         return value
-    if annotation is str and not (value is None and name in OPTIONAL_STRINGS):
+    if value is None and name in OPTIONAL:
+        return None
+    if annotation is str:
         if not isinstance(value, str):
             raise ConfigError(source, key, f"expected a string, got {_kind(value)}")
         choices = CHOICES.get((cls, name))

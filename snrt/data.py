@@ -44,6 +44,7 @@ class Dataset:
     classes: int
     name: str
     draws_per_sample = False  # whether `take` wants a random generator per sample (image folders' crops)
+    decodes = False  # in memory: a thread prepares batches fast enough, no worker processes by default
 
     def __len__(self):
         return len(self.y)

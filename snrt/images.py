@@ -61,6 +61,8 @@ class FolderDataset:
     def __len__(self):
         return len(self.y)
 
+    decodes = True  # each batch is read from files: worth worker processes (train.data.workers)
+
     @property
     def draws_per_sample(self):
         """Whether `take` wants a random generator per sample (the training crops)."""

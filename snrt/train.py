@@ -25,6 +25,7 @@ from snrt.optim import learning_rate, make_optimizer
 from snrt.parallel import Solo
 from snrt.precision import LossScale, precision_named
 from snrt.runtime import plan_run, prepare
+from snrt.threads import usable_cores
 from snrt.weights import ROLES as WEIGHT_ROLES, matched, read as read_weights
 from snrt.workers import DataError, WorkerBatches
 
@@ -149,11 +150,20 @@ class Trainer:
     def _batches(self):
         """The training batches from this iteration on: Batches, made by train.data.workers
         processes when there are any (snrt/workers.py)."""
-        train = self.config.train
+        train, workers = self.config.train, self.workers
         batches = Batches(self.train_set, self.batch, train.seed, self.mean, self.std,
                           crop_padding=train.data.crop_padding, flip=train.data.flip, start=self.iteration,
-                          rank=self.group.rank, ranks=self.group.size, prefetch=not train.data.workers)
-        return WorkerBatches(batches, train.data.workers) if train.data.workers else batches
+                          rank=self.group.rank, ranks=self.group.size, prefetch=not workers)
+        return WorkerBatches(batches, workers) if workers else batches
+
+    @property
+    def workers(self):
+        """The processes preparing batches: train.data.workers, or when it is null the usable
+        cores for data decoded from files (image folders) and none for data in memory."""
+        workers = self.config.train.data.workers
+        if workers is None:
+            return usable_cores() if self.train_set.decodes else 0
+        return workers
 
     def _agree_to_stop(self):
         """With several ranks, every rank stops after the iteration at which any rank was asked to

@@ -14,6 +14,7 @@ from snrt.config import DataConfig
 from snrt.data import Batches, eval_batches, load_datasets
 from snrt.errors import ConfigError
 from snrt.images import FolderDataset, _random_resized_crop
+from snrt.threads import usable_cores
 
 CLASSES = ("cat", "dog", "eel")
 
@@ -104,6 +105,10 @@ def test_a_run_trains_on_a_folder_and_writes_its_classes(tmp_path):
                     {"type": "SoftmaxCrossEntropy"}]}))
     assert main(["train", str(tmp_path / "net.yaml"), "--out", str(out), "--no-progress"]) == 0
     assert json.loads((out / "classes.json").read_text()) == {"0": "cat", "1": "dog", "2": "eel"}
+    assert json.loads((out / "summary.json").read_text())["data_workers"] == usable_cores()  # decoding: the default
+    assert main(["train", str(tmp_path / "net.yaml"), "--out", str(tmp_path / "synthetic"), "--no-progress",
+                 "--data", "synthetic"]) == 0
+    assert json.loads((tmp_path / "synthetic" / "summary.json").read_text())["data_workers"] == 0  # in memory
 
 
 @pytest.mark.parametrize("damage, where, says", [

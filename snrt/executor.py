@@ -164,7 +164,7 @@ class Executor:
 
     def _feed(self, feed):
         for name, b in self.plan.inputs:
-            self.backend.upload(self.views[b], feed[name])
+            self.backend.feed(self.views[b], feed[name])
         samples = self.plan.batch * self.plan.ranks  # the loss is the mean over every rank's samples
         for _, seed, _, _, weight in self.plan.losses:
             if seed >= 0:

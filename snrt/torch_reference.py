@@ -5,12 +5,31 @@ Imports torch (the test and bench extras); nothing in the training path imports 
 `TorchNet(graph, params, state)` evaluates the same graph with torch.nn.functional ops and
 torch-owned parameters, so a whole training run can be compared with PyTorch's autograd and
 torch.optim.SGD.
+
+`torchvision()` imports torchvision (its models and transforms), on PyTorch's CPU build too.
 """
+
+import sys
+import types
 
 import torch
 import torch.nn.functional as F
 
 from snrt.optim import make_optimizer
+
+
+def torchvision():
+    """The torchvision package. PyTorch's CPU build cannot load the compiled operators of
+    torchvision's PyPI wheel (detection ops such as nms, which no classifier or transform
+    uses); then its pure-Python models and transforms are imported without registering them."""
+    try:
+        import torchvision
+    except RuntimeError:  # "operator torchvision::nms does not exist"
+        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+            del sys.modules[name]
+        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
+        import torchvision
+    return torchvision
 
 
 def _pool_args(layer):

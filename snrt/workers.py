@@ -3,9 +3,10 @@
 Batch i is a pure function of (seed, i) (snrt/data.py's Batches.get), so any process may make
 it: N worker processes (started with "spawn": no copy of the trainer's threads) each take batch
 numbers from a queue, decode and augment into one of `ahead` slots of shared memory, and say
-which slot holds which batch; the trainer reads the batches in order, copying each out of its
-slot, and hands the slot back. The batch at iteration i is the same for any number of
-workers. Nothing is pickled but the batch numbers and the Batches recipe, sent once.
+which slot holds which batch; the trainer reads the batches in order, straight from their
+slots, and hands each slot back when it asks for the next batch. The batch at iteration i is
+the same for any number of workers. Nothing is pickled but the batch numbers and the Batches
+recipe, sent once.
 
 A worker that dies, or that spends more than `HANG_S` on one batch, stops the run with one line
 naming the worker and the file it was reading (each worker records it in a shared string), as
@@ -31,11 +32,15 @@ class DataError(SnrtError):
 
 class WorkerBatches:
     """The batches of `batches` (a snrt.data.Batches) from `start` on, made by `workers`
-    processes, at most `ahead` (two per worker) in flight. Iterate it; `close()` stops them."""
+    processes, at most `ahead` (two per worker) in flight. Iterate it; `close()` stops them.
+
+    Each batch is arrays over its slot of shared memory, not a copy: it stays valid until the
+    next batch is asked for, when its slot goes back to the workers."""
 
     def __init__(self, batches, workers):
         self.batches, self.workers = batches, int(workers)
         self.ahead = 2 * self.workers
+        self.received = 0  # batches the workers have made
         part, dataset = batches.batch // batches.ranks, batches.dataset
         self.shapes = (((part, *dataset.shape), np.dtype(np.float32)), ((part, *dataset.y.shape[1:]), np.dtype(np.int64)))
         context = multiprocessing.get_context("spawn")
@@ -60,8 +65,8 @@ class WorkerBatches:
             while i not in ready:
                 ready.update(self._next_done())
             slot = ready.pop(i)
-            yield self._copied(slot)
-            free.append(slot)
+            yield self._arrays(slot)
+            free.append(slot)  # the caller asked for the next batch: it is done with this one
             i += 1
 
     def _next_done(self):
@@ -74,7 +79,7 @@ class WorkerBatches:
                 for k, p in enumerate(self.processes):
                     if not p.is_alive():
                         raise DataError(f"data worker {k} died (exit code {p.exitcode})"
-                                        f"{self._while_reading(k)}") from None
+                                        f"{self._while_reading(k) or self._at_start()}") from None
                 if time.monotonic() - started > HANG_S:
                     busy = next((k for k in range(self.workers) if self.reading[k].value), 0)
                     raise DataError(f"data worker {busy} made no batch in {HANG_S:.0f} s"
@@ -82,18 +87,27 @@ class WorkerBatches:
                 continue
             if message[0] == "error":
                 raise DataError(message[1])
+            self.received += 1
             return {message[1]: message[2]}
+
+    def _at_start(self):
+        """Why a worker may die before any batch: spawn runs the main script again."""
+        if self.received:
+            return ""
+        return (" before any batch was made; workers are started with spawn, which imports the main script again: "
+                "a script that trains with workers must start under `if __name__ == \"__main__\":` (or set "
+                "train.data.workers to 0)")
 
     def _while_reading(self, k):
         path = self.reading[k].value.decode(errors="replace")
         return f" while reading {path}" if path else ""
 
-    def _copied(self, slot):
-        """(x, y) copied out of `slot`."""
+    def _arrays(self, slot):
+        """(x, y): arrays over `slot`'s shared memory, not copies."""
         (xs, xt), (ys, yt) = self.shapes
         view = np.frombuffer(self.memory, np.uint8, self.slot_bytes, slot * self.slot_bytes)
-        x = view[:int(np.prod(xs)) * xt.itemsize].view(xt).reshape(xs).copy()
-        return x, view[x.nbytes:].view(yt).reshape(ys).copy()
+        x = view[:int(np.prod(xs)) * xt.itemsize].view(xt).reshape(xs)
+        return x, view[x.nbytes:].view(yt).reshape(ys)
 
     def close(self):
         """Stop the workers."""

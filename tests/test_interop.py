@@ -3,9 +3,6 @@ random weights and statistics, imported with --init-from give PyTorch's eval log
 run exported with --names-like loads into the torchvision model with strict=True and gives
 snrt's logits."""
 
-import sys
-import types
-
 import numpy as np
 import pytest
 import torch
@@ -13,8 +10,9 @@ import yaml
 
 import snrt
 from snrt.cli import main
-from snrt.train import Trainer
 from snrt.runtime import prepare
+from snrt.torch_reference import torchvision
+from snrt.train import Trainer
 
 SIZE = 64  # input side: every stride of the three networks still leaves a pixel
 
@@ -55,17 +53,7 @@ NETWORKS = {"resnet18": RESNET18, "resnet50": "configs/resnet50.yaml", "mobilene
 
 @pytest.fixture(scope="module")
 def models():
-    """torchvision.models. The CPU build of PyTorch cannot load the compiled operators of
-    torchvision's wheel (detection ops such as nms, which no classifier uses); its pure-Python
-    model definitions are imported without registering them."""
-    try:
-        import torchvision
-    except RuntimeError:  # "operator torchvision::nms does not exist"
-        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
-            del sys.modules[name]
-        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
-        import torchvision
-    return torchvision.models
+    return torchvision().models
 
 
 def randomized(model, seed):

@@ -2,7 +2,10 @@
 that dies, hangs or cannot decode a file stops the run in one line naming it, checkpoint saved."""
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from snrt.workers import DataError, WorkerBatches
 from tests.test_images import datasets, make_folder
 
 ZERO, ONE = np.zeros(3), np.ones(3)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Failing(Dataset):
@@ -45,7 +49,7 @@ def numbered(cls, n=12):
     return cls(x, np.arange(n) % 3, 3, "numbered")
 
 
-@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("count", [1, 2, 4])
 def test_the_batches_are_those_of_one_process_for_any_number_of_workers(tmp_path, count):
     train, _ = datasets(make_folder(tmp_path))
     expected = Batches(train, 4, 3, ZERO, ONE, flip=True, start=2, prefetch=False)
@@ -61,6 +65,18 @@ def test_a_worker_that_dies_is_named_with_the_file_it_was_reading():
     with WorkerBatches(batches, 1) as made, pytest.raises(DataError) as error:
         list(zip(range(12), made))
     assert "data worker 0 died (exit code 3) while reading /data/train/cat/broken.jpg" in str(error.value)
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_workers_die(tmp_path):
+    script = tmp_path / "train_script.py"  # spawn imports it again in the worker, which starts workers itself
+    script.write_text("import numpy as np\nfrom snrt.data import Dataset, Batches\nfrom snrt.workers import WorkerBatches\n"
+                      "data = Dataset(np.zeros((8, 1, 2, 2), np.float32), np.zeros(8, np.int64), 2, 'zeros')\n"
+                      "with WorkerBatches(Batches(data, 2, 0, [0.0], [1.0], prefetch=False), 1) as made:\n"
+                      "    next(iter(made))\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode != 0
+    assert "data worker 0 died (exit code 1) before any batch was made" in run.stderr
+    assert 'if __name__ == "__main__":' in run.stderr
 
 
 def test_a_worker_that_hangs_is_named_with_the_file_it_was_reading(monkeypatch):

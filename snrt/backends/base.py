@@ -91,6 +91,11 @@ class Backend(ABC):
         """Copy host `array` into the device array `view`."""
         view[...] = self.xp.asarray(array)
 
+    def feed(self, view, array):
+        """Copy an iteration's input batch, host `array`, into its device array `view`: an
+        upload, which a device backend may stage so that the host does not wait for it."""
+        self.upload(view, array)
+
     @abstractmethod
     def to_host(self, array):
         """A host (NumPy) copy of a device array."""

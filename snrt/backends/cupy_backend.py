@@ -12,7 +12,8 @@ cuda_layers.py (the kernels), cudnn_graphs.py and cuda_kernels.py (the per-layer
 - arena: one device allocation of `plan.arena_bytes` (`Arena(cupy, ...)`, from a memory
   pool of its own), carved into views at the planned offsets; every tensor and every
   workspace is such a view;
-- pinned host memory: `cupyx.empty_pinned`, only when the plan offloads (`host_bytes` > 0);
+- pinned host memory: `cupyx.empty_pinned`, for the host store only when the plan offloads
+  (`host_bytes` > 0), and two slots per input that batches are fed through (`feed`);
 - streams: compute (one per process, made current on the creating thread, so every CuPy
   kernel, cuBLAS and cuDNN call, the executor's own xp calls included, runs on it in
   program order), device-to-host and host-to-device (per backend), all
@@ -71,6 +72,7 @@ from snrt.parallel import launcher_local_rank, launcher_size
 from snrt.scheduler import cost
 from snrt.summary import human_bytes
 
+FEED_SLOTS = 2  # pinned buffers per input: one is filled while the copy out of the other is queued
 NCCL_TYPES = {"float32": 7, "float64": 8}  # ncclFloat32, ncclFloat64 (nccl.h's ncclDataType_t)
 
 
@@ -222,6 +224,7 @@ class CupyBackend(Backend):
         with cupy.cuda.using_allocator(self._arena_pool.malloc):
             self.arena = Arena(cupy, arena_bytes, check=check)
         self.host = HostStore(cupyx.empty_pinned((host_bytes,), dtype=np.uint8) if host_bytes > 0 else None)
+        self._feed_slots = {}  # {input view's address: [(pinned batch, its copy's event)], next first}
         self.kernels.set_stream(self.compute_stream)
         self._origin = cupy.cuda.Event()
         self._origin.record(self.compute_stream)
@@ -310,6 +313,22 @@ class CupyBackend(Backend):
         """Copy host `array` into the device `view` without a staging allocation (on the
         compute stream)."""
         view.set(np.ascontiguousarray(array, dtype=view.dtype).reshape(view.shape), stream=self.compute_stream)
+
+    def feed(self, view, array):
+        """Copy an input batch into `view` through pinned memory, on the compute stream (the
+        view is an arena buffer the previous iteration may still be using): a DMA the host
+        queues and does not wait for. Each input has FEED_SLOTS pinned slots used in turn; a
+        slot is refilled once the copy out of it is done."""
+        slots = self._feed_slots.get(view.data.ptr)
+        if slots is None:
+            slots = self._feed_slots[view.data.ptr] = [
+                (cupyx.empty_pinned(view.shape, dtype=view.dtype), cupy.cuda.Event()) for _ in range(FEED_SLOTS)]
+        staged, copied = slots[0]
+        slots.append(slots.pop(0))  # the next batch goes to the next slot
+        copied.synchronize()
+        staged[...] = np.asarray(array).reshape(view.shape)
+        view.set(staged, stream=self.compute_stream)
+        copied.record(self.compute_stream)
 
     def synchronize(self):
         """Wait for the compute and both copy streams."""

@@ -291,6 +291,29 @@ def test_copies_overlap_compute_in_cuda_event_timings(cupy):
     assert overlap > 0.1 * copy_total
 
 
+def test_batches_are_fed_through_pinned_slots_in_turn(cupy):
+    """Each input batch goes through one of two pinned slots of its view, taken in turn; a
+    slot is refilled only after its copy is done, so batches fed back to back without a
+    synchronization each arrive whole, in order."""
+    from snrt.backends.cupy_backend import FEED_SLOTS, CupyBackend
+
+    backend = CupyBackend(1 << 20)
+    try:
+        view = cupy.empty((4, 3, 64, 64), np.float32)
+        arrived = []
+        for k in range(5):
+            backend.feed(view, np.full(view.shape, k, np.float32))
+            arrived.append(view.copy())  # on the compute stream, like the iteration that reads it
+        assert [float(a.min()) for a in arrived] == [float(a.max()) for a in arrived] == [0, 1, 2, 3, 4]
+        slots = backend._feed_slots[view.data.ptr]
+        assert len(slots) == FEED_SLOTS
+        host_memory = 1  # cudaMemoryTypeHost
+        assert all(cupy.cuda.runtime.pointerGetAttributes(staged.ctypes.data).type == host_memory
+                   for staged, _ in slots)
+    finally:
+        backend.close()
+
+
 def test_a_cuda_training_run_prints_nothing_after_its_summary(tmp_path):
     """No library object outlives the interpreter (cuDNN graphs, tensors and the handle are
     released at exit): stderr stays empty and the summary table is the last thing printed."""

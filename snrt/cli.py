@@ -151,6 +151,7 @@ def _add_run_options(parser):
     parser.add_argument("config", help="network YAML file, e.g. configs/resnet2500.yaml")
     parser.add_argument("--batch", type=_positive_int, help="batch size (overrides train.batch)")
     parser.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
+    parser.add_argument("--classes", type=_positive_int, help="classes of the classifier (overrides input.classes)")
     _add_precision(parser)
 
 
@@ -183,7 +184,8 @@ def _overrides(args):
     if getattr(args, "data", None):
         for key, value in args.data.items():
             out[f"train.data.{key}"] = value
-    for flag, key in (("iterations", "train.iterations"), ("lr", "train.optimizer.lr"), ("policy", "memory.policy"),
+    for flag, key in (("classes", "input.classes"), ("iterations", "train.iterations"), ("lr", "train.optimizer.lr"),
+                      ("policy", "memory.policy"),
                       ("budget", "memory.budget"), ("seed", "train.seed"),
                       ("stream_parameters", "memory.stream_parameters"), ("host_store", "memory.host_store"),
                       ("precision", "train.precision"), ("skip_bad_images", "train.data.skip_bad_images"),

@@ -285,7 +285,8 @@ def _load_cifar(data, input_shape, classes, seed):
     root = _existing_path(data, data.type, expected, want_dir=True)
     if classes != n_classes:
         raise ConfigError(str(root), TYPE_KEY, f"{data.type} has {n_classes} classes but the network's input.classes "
-                                               f"is {classes}; set input.classes: {n_classes}")
+                                               f"is {classes}; set input.classes: {n_classes} "
+                                               f"(or --classes {n_classes})")
     if input_shape != _CIFAR_IMAGE:
         _shape_mismatch(str(root), TYPE_KEY, _CIFAR_IMAGE, input_shape, data.type)
     for folder, train_files, test_file, reader in layouts:
@@ -371,7 +372,8 @@ def _load_digits(data, input_shape, classes, seed):
     except ImportError:
         raise ConfigError("<data>", TYPE_KEY, "data set type 'digits' needs scikit-learn: pip install scikit-learn") from None
     if classes != 10:
-        raise ConfigError("<data>", TYPE_KEY, f"digits has 10 classes but the network's input.classes is {classes}; set input.classes: 10")
+        raise ConfigError("<data>", TYPE_KEY, f"digits has 10 classes but the network's input.classes is {classes}; "
+                          "set input.classes: 10 (or --classes 10)")
     if input_shape != (1, 8, 8):
         _shape_mismatch("<data>", TYPE_KEY, (1, 8, 8), input_shape, "digits")
     digits = load_digits()

@@ -2,7 +2,7 @@
 
 Classes are the folders of DIR/train sorted by name (index 0 first); without DIR/val a seeded,
 stratified fraction train.data.holdout of train is held out. Images are decoded with Pillow
-(the `images` extra) when a batch needs them, with torchvision's semantics:
+(the `data` extra) when a batch needs them, with torchvision's semantics:
 
 - training: RandomResizedCrop to the input size (a crop of 8% to 100% of the image's area, of
   aspect ratio 3/4 to 4/3, ten tries, else the largest centered crop of a ratio in range;
@@ -39,7 +39,7 @@ def _pillow():
     try:
         from PIL import Image
     except ImportError:
-        raise ConfigError("<data>", "train.data.type", "image folders need Pillow: pip install 'snrt[images]'") from None
+        raise ConfigError("<data>", "train.data.type", "image folders need Pillow: pip install 'snrt[data]'") from None
     return Image
 
 
@@ -146,7 +146,8 @@ def load_folder(data, input_shape, classes, seed, held_out):
         raise ConfigError(str(train_dir), "train.data.path", "no class folders (expected train/<class>/<image>)")
     if len(names) != classes:
         raise ConfigError("<data>", "input.classes", f"{train_dir} has {len(names)} class folders, the network's "
-                                                     f"input.classes is {classes}; set input.classes: {len(names)}")
+                                                     f"input.classes is {classes}; set input.classes: {len(names)} "
+                                                     f"(or --classes {len(names)})")
     skipped = []
     files, y = _listed(train_dir, names, data.skip_bad_images, skipped)
     shape = tuple(input_shape)

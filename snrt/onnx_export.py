@@ -1,4 +1,4 @@
-"""ONNX export: a network's inference graph with its weights (the `onnx` extra), opset 17.
+"""ONNX export: a network's inference graph with its weights (the `interop` extra), opset 17.
 
 Each node becomes the ONNX operators that compute its eval-mode forward: Conv2d -> Conv,
 BatchNorm -> BatchNormalization (running statistics), Linear -> Flatten + Gemm, GlobalAvgPool ->
@@ -52,7 +52,7 @@ def to_onnx(graph, weights, name=None):
         import onnx
         from onnx import TensorProto, helper, numpy_helper
     except ImportError:
-        raise SnrtError("ONNX export needs onnx: pip install 'snrt[onnx]'") from None
+        raise SnrtError("ONNX export needs onnx: pip install 'snrt[interop]'") from None
     emit, inputs, outputs = _Emitter(helper, numpy_helper, graph), [], []
     labels = {i for n in graph.nodes.values() if n.layer.type_name == "SoftmaxCrossEntropy" for i in n.inputs[1:]}
     for node in graph.nodes.values():

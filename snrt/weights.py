@@ -16,7 +16,7 @@ of a weights file of the target model (torchvision's ``resnet50().state_dict()``
 tensor for, PyTorch's BatchNorm counters (``num_batches_tracked``), are written as that file
 has them, so the result loads with ``load_state_dict(strict=True)``.
 
-safetensors is the `weights` extra; PyTorch files need PyTorch installed (never a run-time
+safetensors is in the `interop` extra; PyTorch files need PyTorch installed (never a run-time
 dependency otherwise).
 """
 
@@ -36,7 +36,7 @@ def _module(name, extra):
     try:
         return __import__(name, fromlist=["_"])
     except ImportError:
-        raise SnrtError(f"{extra}: pip install {'torch' if name == 'torch' else repr('snrt[weights]')}") from None
+        raise SnrtError(f"{extra}: pip install {'torch' if name == 'torch' else repr('snrt[interop]')}") from None
 
 
 def export(tensors, path, fmt):

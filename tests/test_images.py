@@ -111,6 +111,19 @@ def test_a_run_trains_on_a_folder_and_writes_its_classes(tmp_path):
     assert json.loads((tmp_path / "synthetic" / "summary.json").read_text())["data_workers"] == 0  # in memory
 
 
+def test_a_network_with_other_classes_is_told_the_folders_count(tmp_path, capsys):
+    root = make_folder(tmp_path / "images")
+    (tmp_path / "net.yaml").write_text(json.dumps({
+        "name": "tiny", "input": {"shape": [3, 16, 16], "classes": 7},
+        "train": {"batch": 4, "iterations": 1, "data": {"type": "folder", "path": str(root), "workers": 0}},
+        "network": [{"type": "GlobalAvgPool"}, {"type": "Linear", "out_features": "$classes"}, {"type": "SoftmaxCrossEntropy"}]}))
+    assert main(["train", str(tmp_path / "net.yaml"), "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "has 3 class folders, the network's input.classes is 7; set input.classes: 3 (or --classes 3)" in err
+    assert main(["train", str(tmp_path / "net.yaml"), "--out", str(tmp_path / "run"), "--no-progress",
+                 "--classes", "3"]) == 0
+
+
 @pytest.mark.parametrize("damage, where, says", [
     (lambda r: (r / "train" / "dog" / "notes.txt").write_text("hello"), "train/dog/notes.txt", "not an image (.txt"),
     (lambda r: (r / "train" / "dog" / "0.png").write_bytes(b"not a png at all"), "train/dog/0.png",

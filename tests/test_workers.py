@@ -109,3 +109,24 @@ def test_a_file_that_cannot_be_decoded_stops_the_run_with_its_checkpoint(tmp_pat
     assert code == 2 and "Traceback" not in err
     assert str(jpeg) in err and "cannot decode this image" in err
     assert (tmp_path / "run" / "checkpoint.npz").exists()
+
+
+def test_a_run_resumed_with_other_workers_ends_where_an_uninterrupted_one_does(tmp_path):
+    root = make_folder(tmp_path / "images")
+    (tmp_path / "net.yaml").write_text(
+        "name: tiny\ninput: {shape: [3, 16, 16], classes: 3}\n"
+        f"train: {{batch: 4, iterations: 4, data: {{type: folder, path: {root}, flip: true}}}}\n"
+        "network:\n  - {type: Conv2d, out_channels: 4, kernel: 3, padding: 1}\n  - {type: ReLU}\n"
+        "  - {type: GlobalAvgPool}\n  - {type: Linear, out_features: 3}\n  - {type: SoftmaxCrossEntropy}\n")
+
+    def train(out, *flags):
+        assert main(["train", str(tmp_path / "net.yaml"), "--out", str(tmp_path / out), "--no-progress", "--no-eval",
+                     *flags]) == 0
+        return np.load(tmp_path / out / "checkpoint.npz")
+
+    whole = train("whole", "--workers", "2")
+    train("parts", "--workers", "0", "--iterations", "2")
+    resumed = train("parts", "--workers", "1", "--resume")
+    assert sorted(whole.files) == sorted(resumed.files)
+    for name in whole.files:
+        np.testing.assert_array_equal(whole[name], resumed[name], err_msg=name)

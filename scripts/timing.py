@@ -194,7 +194,7 @@ def time_torch(config, warmup, iterations, label=None, schedule=False, adjust=No
         params = adjust(params) if adjust else params
         if keep_initial:
             kept.append(params)
-        net = TorchNet(graph, params, initial_state(graph))
+        net = TorchNet(graph, params, initial_state(graph), torch_dropout=True)  # timed, not compared
         net.train()
         sgd = torch_sgd(net, graph, opt)
         loss_of = forward(net, graph) if forward else (lambda x, y: net({"data": x, "label": y}).mean())

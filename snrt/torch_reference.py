@@ -84,11 +84,14 @@ OPS = {
 
 
 class TorchNet(torch.nn.Module):
-    """The graph as a torch module; parameters named "node:param", state as buffers."""
+    """The graph as a torch module; parameters named "node:param", state as buffers.
 
-    def __init__(self, graph, params, state):
+    Dropout in training draws other masks than snrt's, so it raises unless `torch_dropout`
+    (for benchmarks that time rather than compare): then torch's own dropout runs."""
+
+    def __init__(self, graph, params, state, torch_dropout=False):
         super().__init__()
-        self.graph = graph
+        self.graph, self.torch_dropout = graph, torch_dropout
         self.params = torch.nn.ParameterDict(
             {f"{n}:{k}".replace(".", "/"): torch.nn.Parameter(torch.tensor(v)) for (n, k), v in params.items()})
         self.state = {(n, k): torch.tensor(v) for (n, k), v in state.items()}
@@ -101,8 +104,12 @@ class TorchNet(torch.nn.Module):
                 values[node.name] = torch.as_tensor(feed[node.name])
                 continue
             layer = node.layer
-            if layer.type_name in ("Dropout", "Dropout2d"):
-                raise NotImplementedError("dropout masks differ from torch's; compare without Dropout")
+            if layer.type_name in ("Dropout", "Dropout2d") and self.training:
+                if not self.torch_dropout:
+                    raise NotImplementedError("dropout masks differ from torch's; compare without Dropout")
+                drop = F.dropout if layer.type_name == "Dropout" else F.dropout2d
+                values[node.name] = drop(values[node.inputs[0]], layer.p, training=True)
+                continue
             p = {k: self.params[f"{node.name}:{k}".replace(".", "/")] for k in layer.param_specs(
                 self.graph.in_shapes(node.name, 1))}
             s = {k: v for (n, k), v in self.state.items() if n == node.name}

@@ -25,12 +25,11 @@ this file (`cache=True`): about 0.7 s the first time, under 0.3 s to load in a n
 import numpy as np
 from numba import njit
 
+from snrt.backends.cpu_common import FASTMATH, LayerLike
+from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
 from snrt.layers.base import FLOAT32_BYTES, FORWARD, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
 from snrt.layers.staging import staged_workspace_bytes
-
-FASTMATH = {"reassoc", "contract"}
-
 
 @njit(cache=True, fastmath=FASTMATH)
 def channel_sums(a, b, c):
@@ -118,23 +117,6 @@ def maxpool_backward(gy, argmax, kh, kw, sh, sw, ph, pw, gx):
                         gx[s, c, hi, wi] += gy[s, c, r, q]
 
 
-class LayerLike:
-    """Base of the compiled kernels: what a kernel does not define (its facts: shapes, specs,
-    saves; and a forward or backward it leaves to the layer) is the layer's; a kernel needs
-    no workspace unless it says so (the planner reserves what the kernel asks)."""
-
-    name = "numba"
-
-    def __init__(self, layer):
-        self.layer = layer
-
-    def __getattr__(self, name):
-        return getattr(self.layer, name)
-
-    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
-        return 0
-
-
 class CompiledBatchNorm(LayerLike):
     """BatchNorm's training steps by the kernels above; eval steps run the layer's own code.
     Same contract as snrt.layers.norm.BatchNorm: aux `mean` and `inv_std`, running statistics
@@ -191,11 +173,14 @@ class CompiledMaxPool(LayerLike):
 class CpuKernels(LayerKernels):
     """The CPU's kernel of every layer: a compiled kernel where REGISTRY has one, else the layer."""
 
-    REGISTRY = {"BatchNorm": CompiledBatchNorm, "ReLU": CompiledReLU, "MaxPool": CompiledMaxPool}
+    REGISTRY = {"BatchNorm": (CompiledBatchNorm,), "ReLU": (CompiledReLU,), "MaxPool": (CompiledMaxPool,),
+                "Conv2d": (CompiledDepthwiseConv2d,)}  # type name: the kernels to ask, in turn
 
     def kernel_for(self, layer, in_shapes):
-        kernel_class = self.REGISTRY.get(layer.type_name)
-        return kernel_class(layer) if kernel_class else layer
+        for kernel_class in self.REGISTRY.get(layer.type_name, ()):
+            if kernel_class.serves(layer, in_shapes):
+                return kernel_class(layer)
+        return layer
 
     def workspace_bytes(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """The layer's fp32 workspace; with 2-byte tensors, after their fp32 staging (every

@@ -2,6 +2,8 @@ import numpy as np
 import pytest
 import torch
 
+from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
+from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.errors import ShapeError
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved, scratch_bytes
 from snrt.layers.conv import Conv2d, ConvTranspose2d
@@ -46,6 +48,32 @@ def _check(shape, **options):
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_conv2d(options):
     _check((2, 4, 7, 6), **options)
+
+
+@pytest.mark.parametrize("options", [
+    dict(out_channels=4, kernel=3, padding=1),
+    dict(out_channels=4, kernel=3, padding=1, stride=2, bias=False),
+    dict(out_channels=8, kernel=3, padding=1),  # channel multiplier 2
+    dict(out_channels=4, kernel=5, padding=2, stride=2),
+    dict(out_channels=4, kernel=7, padding=3),  # ConvNeXt's
+    dict(out_channels=4, kernel=3, padding=2, dilation=2),
+    dict(out_channels=4, kernel=(3, 1), stride=(1, 3), padding=(2, 0)),
+    dict(out_channels=4, kernel=3),  # no padding
+    dict(out_channels=4, kernel=2, stride=3, padding=4),  # padding wider than the taps reach
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_compiled_depthwise_convolution(options):
+    x = np.random.default_rng(1).standard_normal((2, 4, 9, 8))
+    layer = Conv2d(groups=4, **options)
+    kernel = CPU_KERNELS.kernel_for(layer, [x.shape])
+    assert isinstance(kernel, CompiledDepthwiseConv2d)
+    check_layer(kernel, [x], _reference(layer))
+
+
+def test_only_depthwise_convolutions_get_the_depthwise_kernel():
+    shape = [(2, 4, 9, 8)]
+    for groups, compiled in ((1, False), (2, False), (4, True)):
+        kernel = CPU_KERNELS.kernel_for(Conv2d(out_channels=8, kernel=3, groups=groups), shape)
+        assert isinstance(kernel, CompiledDepthwiseConv2d) is compiled
 
 
 def test_conv2d_kernel_covers_input():

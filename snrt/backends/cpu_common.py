@@ -10,9 +10,9 @@ FASTMATH = {"reassoc", "contract"}
 
 class LayerLike:
     """Base of the compiled kernels: what a kernel does not define (its facts: shapes, specs,
-    saves; and a forward or backward it leaves to the layer) is the layer's. A kernel uses no
-    workspace unless it says so; the planner reserves the layer's own (LayerKernels), which
-    covers what every kernel here uses."""
+    saves; and a forward or backward it leaves to the layer) is the layer's, its workspace
+    included (a kernel may run the layer's own code for some calls, eval mode say); a kernel
+    that never does says what it needs. The planner reserves what the kernel says."""
 
     name = "numba"
 
@@ -28,4 +28,4 @@ class LayerLike:
         return getattr(self.layer, name)
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
-        return 0
+        return self.layer.workspace_bytes(in_shapes, phase, itemsize)

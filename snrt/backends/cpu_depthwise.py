@@ -1,32 +1,45 @@
-"""Depthwise convolution on the CPU: a compiled direct kernel, no column matrix.
+"""Depthwise convolution on the CPU: compiled direct kernels, no column matrix.
 
 A convolution with as many groups as input channels (MobileNetV2's and EfficientNet's 3x3 and
 5x5, ConvNeXt's 7x7) has one input channel per group: the layer's im2col and per-group GEMMs
-turn each output pixel into a dot product of kh*kw numbers, thousands of tiny GEMMs. Here
-each input plane is copied once into a zero-padded plane, and each output row is summed tap
-by tap in a row buffer that stays in cache: for every (i, j) of the kernel, weight[o, i, j]
-times the padded row the tap reads. The data gradient scatters the same way into a padded
-plane; the weight gradient is a dot product per tap, each row's in float32 and the rows' in
-float64. Offsets into the padded planes are unsigned, so the inner loops carry no
-negative-index wraparound and vectorize.
+turn each output pixel into a dot product of kh*kw numbers, thousands of tiny GEMMs. Two
+direct kernels replace them, each where it measured faster (`ROWS_MIN_WIDTH`):
 
-x (N, C, H, W), weight (O, 1, kh, kw) with O = C * m (m outputs per input channel), bias (O,),
-y (N, O, Ho, Wo); any stride, padding and dilation. Serial like the other CPU kernels (with
-numba's OpenMP threads, MobileNetV2 trained at half the speed: they and OpenBLAS's threads take
-the two cores from each other). Sums run in a fixed order, so the same inputs give the same
-bits in every run and policy.
+- by rows, for maps at least ROWS_MIN_WIDTH wide: each input plane is copied into a
+  zero-padded plane, and each output row is summed tap by tap in a row buffer (in cache);
+  the data gradient scatters the same way into a padded plane, the weight gradient is a dot
+  product per tap. Offsets into the padded planes are unsigned, so the inner loops carry no
+  negative-index wraparound and vectorize along the row.
+- channels last, for narrower maps (deep in a network, where rows are short and channels
+  many): one sample at a time, its input zero-padded as (Hp, Wp, O) (input channel o // m
+  repeated for each of its m outputs) and its output as (Ho, Wo, O); each output pixel takes
+  its taps as multiply-adds over a contiguous row of O channels. The data gradient scatters
+  into a padded (Hp, Wp, O) gradient, summed over each input channel's m outputs on the way
+  back.
+
+Weight gradients sum rows (or one sample's pixels) in the input's dtype and those sums in
+float64. x (N, C, H, W), weight (O, 1, kh, kw) with O = C * m, bias (O,), y (N, O, Ho, Wo);
+any stride, padding and dilation; every buffer in the planned workspace. Serial like the other
+CPU kernels (with numba's OpenMP threads, MobileNetV2 trained at half the speed: they and
+OpenBLAS's threads take the two cores from each other). Sums run in a fixed order, so the
+same inputs give the same bits in every run and policy.
 """
 
 import numpy as np
 from numba import njit, uint64
 
 from snrt.backends.cpu_common import FASTMATH, LayerLike
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
+
+SUM_BYTES = 8  # the weight gradient's sums over rows or samples are float64
+ROWS_MIN_WIDTH = 16  # output widths from which rows beat channels last (results/bench_layers.md)
 
 
+# ---- by rows ------------------------------------------------------------------------------
 @njit(cache=True)
-def _padded(x, s, c, ph, pw, plane):
-    """Copy x[s, c] (H, W) into the interior of `plane`, flat (H + 2ph) x (W + 2pw), whose
-    border is zero."""
+def _padded_plane(x, s, c, ph, pw, plane):
+    """plane[(r + ph) * Wp + q + pw] = x[s, c, r, q]: the interior of a flat zero-bordered
+    (Hp, Wp) plane."""
     h, w = x.shape[2], x.shape[3]
     width = w + 2 * pw
     for r in range(h):
@@ -35,21 +48,18 @@ def _padded(x, s, c, ph, pw, plane):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def depthwise_forward(x, weight, bias, sh, sw, ph, pw, dh, dw, y):
+def rows_forward(x, weight, bias, sh, sw, ph, pw, dh, dw, plane, row, y):
     """y[n, o] = bias[o] + sum over taps (i, j) of weight[o, i, j] * x[n, o // m] at the tap;
-    weight (O, kh, kw), bias (O,) or empty. Each input plane is copied once into a zero-padded
-    plane; each output row is summed tap by tap in a row of its own (in cache). Offsets are
-    unsigned, so the inner loops carry no negative-index wraparound and vectorize."""
+    weight (O, kh, kw), bias (O,) or empty; plane (Hp * Wp,) and row (Wo,): workspace."""
     n, outs, ho, wo = y.shape
-    channels, h, w = x.shape[1], x.shape[2], x.shape[3]
+    channels, w = x.shape[1], x.shape[3]
     m = outs // channels
     kh, kw = weight.shape[1], weight.shape[2]
     width = w + 2 * pw
+    plane[:] = 0.0
     for c in range(channels):
-        plane = np.zeros((h + 2 * ph) * width, x.dtype)
-        row = np.empty(wo, x.dtype)
         for s in range(n):
-            _padded(x, s, c, ph, pw, plane)
+            _padded_plane(x, s, c, ph, pw, plane)
             for o in range(c * m, (c + 1) * m):
                 for r in range(ho):
                     row[:] = bias[o] if bias.size else 0.0
@@ -64,16 +74,15 @@ def depthwise_forward(x, weight, bias, sh, sw, ph, pw, dh, dw, y):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def depthwise_grad_input(gy, weight, sh, sw, ph, pw, dh, dw, gx):
+def rows_grad_input(gy, weight, sh, sw, ph, pw, dh, dw, plane, gx):
     """gx[n, c] = sum over c's outputs o and taps of weight[o, i, j] * gy[n, o], scattered back
-    to the input positions the tap read (into a zero-padded plane, whose interior is gx)."""
+    to the input positions the tap read (in the padded `plane`, whose interior is gx)."""
     n, channels, h, w = gx.shape
     outs, ho, wo = gy.shape[1], gy.shape[2], gy.shape[3]
     m = outs // channels
     kh, kw = weight.shape[1], weight.shape[2]
     width = w + 2 * pw
     for c in range(channels):
-        plane = np.empty((h + 2 * ph) * width, gx.dtype)
         for s in range(n):
             plane[:] = 0.0
             for o in range(c * m, (c + 1) * m):
@@ -90,62 +99,210 @@ def depthwise_grad_input(gy, weight, sh, sw, ph, pw, dh, dw, gx):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def depthwise_grad_weight(gy, x, sh, sw, ph, pw, dh, dw, gweight, gbias):
-    """gweight[o, i, j] = sum over n and output positions of gy[n, o] * x[n, o // m] at the
-    tap (each row's sum in float32, the rows' in float64); gbias[o] = sum of gy[:, o] (when
-    gbias is not empty)."""
+def rows_grad_weight(gy, x, sh, sw, ph, pw, dh, dw, plane, sums, gweight, gbias):
+    """gweight[o, 0, i, j] = sum over n and output pixels of gy[n, o] * x[n, o // m] at the tap;
+    gbias[o] = sum of gy[:, o] (when not empty); sums (kh * kw + 1,) float64: workspace."""
     n, outs, ho, wo = gy.shape
-    channels, h, w = x.shape[1], x.shape[2], x.shape[3]
-    m = outs // channels
-    kh, kw = gweight.shape[1], gweight.shape[2]
-    width = w + 2 * pw
+    m = outs // x.shape[1]
+    kh, kw = gweight.shape[2], gweight.shape[3]
+    width = x.shape[3] + 2 * pw
+    plane[:] = 0.0
     for o in range(outs):
-        c = o // m
-        plane = np.zeros((h + 2 * ph) * width, x.dtype)
-        sums = np.zeros((kh, kw), np.float64)
-        bias_sum = 0.0
+        sums[:] = 0.0
         for s in range(n):
-            _padded(x, s, c, ph, pw, plane)
+            _padded_plane(x, s, o // m, ph, pw, plane)
             for r in range(ho):
                 if gbias.size:
-                    row_sum = np.float32(0.0)
+                    row_sum = gy[s, o, r, 0] * 0.0
                     for q in range(uint64(wo)):
                         row_sum += gy[s, o, r, q]
-                    bias_sum += row_sum
+                    sums[kh * kw] += row_sum
                 for i in range(kh):
                     top = uint64((r * sh + i * dh) * width)
                     for j in range(kw):
                         start = top + uint64(j * dw)
-                        row_sum = np.float32(0.0)
+                        row_sum = gy[s, o, r, 0] * 0.0
                         for q in range(uint64(wo)):
                             row_sum += gy[s, o, r, q] * plane[start + q * uint64(sw)]
-                        sums[i, j] += row_sum
+                        sums[i * kw + j] += row_sum
         for i in range(kh):
             for j in range(kw):
-                gweight[o, i, j] = sums[i, j]
+                gweight[o, 0, i, j] = sums[i * kw + j]
         if gbias.size:
-            gbias[o] = bias_sum
+            gbias[o] = sums[kh * kw]
+
+
+# ---- channels last ------------------------------------------------------------------------
+
+
+
+@njit(cache=True)
+def _channels_last(x, s, m, ph, pw, padded):
+    """padded[r + ph, q + pw, o] = x[s, o // m, r, q]; the border of `padded` (Hp, Wp, O) is
+    set to zero."""
+    h, w, outs = x.shape[2], x.shape[3], padded.shape[2]
+    padded[:ph] = 0.0
+    padded[ph + h:] = 0.0
+    padded[:, :pw] = 0.0
+    padded[:, pw + w:] = 0.0
+    for r in range(h):
+        for q in range(w):
+            for o in range(outs):
+                padded[r + ph, q + pw, o] = x[s, o // m, r, q]
+
+
+@njit(cache=True)
+def _transposed(gy, s, out):
+    """out[r, q, o] = gy[s, o, r, q]."""
+    outs, ho, wo = gy.shape[1], gy.shape[2], gy.shape[3]
+    for r in range(ho):
+        for q in range(wo):
+            for o in range(outs):
+                out[r, q, o] = gy[s, o, r, q]
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def channels_last_forward(x, taps, bias, sh, sw, ph, pw, dh, dw, padded, rows, y):
+    """y[n, o] = bias[o] + sum over taps (i, j) of taps[i, j, o] * x[n, o // m] at the tap.
+    taps (kh, kw, O): the weight, channels last; bias (O,) or empty; padded (Hp, Wp, O) and
+    rows (Ho, Wo, O): workspace."""
+    n, outs, ho, wo = y.shape
+    m = outs // x.shape[1]
+    kh, kw = taps.shape[0], taps.shape[1]
+    for s in range(n):
+        _channels_last(x, s, m, ph, pw, padded)
+        for r in range(ho):
+            for q in range(wo):
+                out = rows[r, q]
+                for o in range(outs):
+                    out[o] = bias[o] if bias.size else 0.0
+                for i in range(kh):
+                    for j in range(kw):
+                        tap, source = taps[i, j], padded[r * sh + i * dh, q * sw + j * dw]
+                        for o in range(outs):
+                            out[o] += tap[o] * source[o]
+        for o in range(outs):
+            for r in range(ho):
+                for q in range(wo):
+                    y[s, o, r, q] = rows[r, q, o]
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def channels_last_backward(gy, x, taps, sh, sw, ph, pw, dh, dw, padded, rows, partial, sums, gx, gweight, gbias):
+    """The gradients of channels_last_forward, each where asked (gx, gweight, gbias may be empty):
+    gweight[o, 0, i, j] = sum over samples and output pixels of gy * x at the tap; gbias[o] =
+    sum of gy[:, o]; gx[n, c] = the taps' products with gy scattered back to the input pixels
+    they read, summed over c's m outputs. Workspace: padded (Hp, Wp, O), rows (Ho, Wo, O),
+    partial (kh * kw + 1, O) in x's dtype per sample, sums (kh * kw + 1, O) float64 (the last row:
+    the bias's)."""
+    n, outs, ho, wo = gy.shape
+    channels, h, w = x.shape[1], x.shape[2], x.shape[3]
+    m = outs // channels
+    kh, kw = taps.shape[0], taps.shape[1]
+    sums[:] = 0.0
+    for s in range(n):
+        _transposed(gy, s, rows)
+        if gweight.size or gbias.size:
+            _channels_last(x, s, m, ph, pw, padded)
+            partial[:] = 0.0
+            for r in range(ho):
+                for q in range(wo):
+                    grad = rows[r, q]
+                    for o in range(outs):
+                        partial[kh * kw, o] += grad[o]
+                    for i in range(kh):
+                        for j in range(kw):
+                            into, source = partial[i * kw + j], padded[r * sh + i * dh, q * sw + j * dw]
+                            for o in range(outs):
+                                into[o] += grad[o] * source[o]
+            for k in range(kh * kw + 1):
+                for o in range(outs):
+                    sums[k, o] += partial[k, o]
+        if gx.size:
+            padded[:] = 0.0
+            for r in range(ho):
+                for q in range(wo):
+                    grad = rows[r, q]
+                    for i in range(kh):
+                        for j in range(kw):
+                            tap, into = taps[i, j], padded[r * sh + i * dh, q * sw + j * dw]
+                            for o in range(outs):
+                                into[o] += tap[o] * grad[o]
+            for c in range(channels):
+                for r in range(h):
+                    for q in range(w):
+                        total = padded[r + ph, q + pw, c * m]
+                        for k in range(1, m):
+                            total += padded[r + ph, q + pw, c * m + k]
+                        gx[s, c, r, q] = total
+    for o in range(gweight.shape[0]):
+        for i in range(kh):
+            for j in range(kw):
+                gweight[o, 0, i, j] = sums[i * kw + j, o]
+    for o in range(gbias.shape[0]):
+        gbias[o] = sums[kh * kw, o]
 
 
 class CompiledDepthwiseConv2d(LayerLike):
-    """Conv2d with groups equal to its input channels, by the kernels above."""
+    """Conv2d with groups equal to its input channels, by rows or channels last (see the module
+    docstring), in a workspace of its own (`workspace_bytes`)."""
 
     @staticmethod
     def serves(layer, in_shapes):
         return layer.groups > 1 and layer.groups == in_shapes[0][1]
+
+    def _workspace_shapes(self, in_shapes, phase):
+        """[(shape, dtype: None for the input's)] the kernel carves from its workspace, in order."""
+        _, _, h, w = in_shapes[0]
+        _, outs, ho, wo = self.layer.infer_shape(in_shapes)
+        (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
+        padded = (h + 2 * ph, w + 2 * pw)
+        if wo >= ROWS_MIN_WIDTH:
+            if phase == BACKWARD:
+                return [(padded, None), ((kh * kw + 1,), np.float64)]
+            return [(padded, None), ((wo,), None)]
+        shapes = [((kh, kw, outs), None), ((*padded, outs), None), ((ho, wo, outs), None)]
+        if phase == BACKWARD:
+            shapes += [((kh * kw + 1, outs), None), ((kh * kw + 1, outs), np.float64)]
+        return shapes
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return scratch_bytes(*(int(np.prod(shape)) * (np.dtype(dtype).itemsize if dtype else itemsize)
+                               for shape, dtype in self._workspace_shapes(in_shapes, phase)))
+
+    def _workspace(self, ctx, x, phase):
+        return [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in self._workspace_shapes([x.shape], phase)]
 
     def _geometry(self):
         (sh, sw), (ph, pw), (dh, dw) = self.layer.stride, self.layer.padding, self.layer.dilation
         return sh, sw, ph, pw, dh, dw
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        weight = params["weight"]
+        x, weight = xs[0], params["weight"]
         bias = params["bias"] if self.layer.bias else weight[:0, 0, 0, 0]
-        depthwise_forward(xs[0], weight[:, 0], bias, *self._geometry(), y)
+        work = self._workspace(ctx, x, FORWARD)
+        if len(work) == 2:  # by rows
+            plane, row = work
+            rows_forward(x, weight[:, 0], bias, *self._geometry(), plane.reshape(-1), row, y)
+        else:
+            taps, padded, rows = work
+            taps[...] = weight[:, 0].transpose(1, 2, 0)
+            channels_last_forward(x, taps, bias, *self._geometry(), padded, rows, y)
+        ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        weight = params["weight"]
-        if gxs[0] is not None:
-            depthwise_grad_input(gy, weight[:, 0], *self._geometry(), gxs[0])
+        x, weight = saved.xs[0], params["weight"]
         gbias = gparams["bias"] if self.layer.bias else weight[:0, 0, 0, 0]
-        depthwise_grad_weight(gy, saved.xs[0], *self._geometry(), gparams["weight"][:, 0], gbias)
+        work = self._workspace(ctx, x, BACKWARD)
+        if len(work) == 2:  # by rows
+            plane, sums = work
+            rows_grad_weight(gy, x, *self._geometry(), plane.reshape(-1), sums, gparams["weight"], gbias)
+            if gxs[0] is not None:
+                rows_grad_input(gy, weight[:, 0], *self._geometry(), plane.reshape(-1), gxs[0])
+        else:
+            taps, padded, rows, partial, sums = work
+            taps[...] = weight[:, 0].transpose(1, 2, 0)
+            gx = gxs[0] if gxs[0] is not None else x[:0]  # empty: not asked for
+            channels_last_backward(gy, x, taps, *self._geometry(), padded, rows, partial, sums, gx,
+                                   gparams["weight"], gbias)
+        ctx.release_scratch()

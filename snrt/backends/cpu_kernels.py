@@ -27,7 +27,8 @@ from numba import njit
 
 from snrt.backends.cpu_common import FASTMATH, LayerLike
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
-from snrt.layers.base import FLOAT32_BYTES, FORWARD, LayerKernels, by_channel
+from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
+from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
 from snrt.layers.staging import staged_workspace_bytes
 
@@ -157,12 +158,9 @@ class CompiledReLU(LayerLike):
 
 
 class CompiledMaxPool(LayerLike):
-    """MaxPool with a one-pass backward that needs no workspace (the layer's makes a pass per
-    window offset); forward is the layer's (a compiled forward measured slower than its
-    strided NumPy maxima), with the layer's workspace."""
-
-    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
-        return self.layer.workspace_bytes(in_shapes, phase, itemsize) if phase == FORWARD else 0
+    """MaxPool with a one-pass backward that uses none of its workspace (the layer's makes a
+    pass per window offset, in the workspace the plan still reserves); forward is the layer's
+    (a compiled forward measured slower than its strided NumPy maxima)."""
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         if gxs[0] is not None:
@@ -174,7 +172,8 @@ class CpuKernels(LayerKernels):
     """The CPU's kernel of every layer: a compiled kernel where REGISTRY has one, else the layer."""
 
     REGISTRY = {"BatchNorm": (CompiledBatchNorm,), "ReLU": (CompiledReLU,), "MaxPool": (CompiledMaxPool,),
-                "Conv2d": (CompiledDepthwiseConv2d,)}  # type name: the kernels to ask, in turn
+                "Conv2d": (CompiledDepthwiseConv2d,), "GroupNorm": (CompiledGroupNorm,),
+                "LayerNorm": (CompiledLayerNorm,)}  # type name: the kernels to ask, in turn
 
     def kernel_for(self, layer, in_shapes):
         for kernel_class in self.REGISTRY.get(layer.type_name, ()):
@@ -185,7 +184,7 @@ class CpuKernels(LayerKernels):
     def workspace_bytes(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """The layer's fp32 workspace; with 2-byte tensors, after their fp32 staging (every
         CPU kernel computes in fp32, snrt/layers/staging.py)."""
-        own = super().workspace_bytes(layer, in_shapes, phase, FLOAT32_BYTES)
+        own = self.kernel_for(layer, in_shapes).workspace_bytes(in_shapes, phase, FLOAT32_BYTES)
         return own if itemsize == FLOAT32_BYTES else staged_workspace_bytes(layer, in_shapes, phase, own)
 
 

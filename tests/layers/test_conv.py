@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
+from snrt.backends.cpu_depthwise import ROWS_MIN_WIDTH, CompiledDepthwiseConv2d
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.errors import ShapeError
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved, scratch_bytes
@@ -61,9 +61,11 @@ def test_conv2d(options):
     dict(out_channels=4, kernel=3),  # no padding
     dict(out_channels=4, kernel=2, stride=3, padding=4),  # padding wider than the taps reach
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_compiled_depthwise_convolution(options):
-    x = np.random.default_rng(1).standard_normal((2, 4, 9, 8))
+@pytest.mark.parametrize("shape", [(2, 4, 9, 8), (2, 4, 5, 70)], ids=["channels-last", "rows"])
+def test_compiled_depthwise_convolution(options, shape):
+    x = np.random.default_rng(1).standard_normal(shape)
     layer = Conv2d(groups=4, **options)
+    assert (layer.infer_shape([shape])[3] >= ROWS_MIN_WIDTH) == (shape[3] == 70)  # each algorithm in turn
     kernel = CPU_KERNELS.kernel_for(layer, [x.shape])
     assert isinstance(kernel, CompiledDepthwiseConv2d)
     check_layer(kernel, [x], _reference(layer))

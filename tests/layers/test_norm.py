@@ -5,8 +5,9 @@ import torch.nn.functional as F
 
 from snrt.errors import ShapeError
 from snrt.layers.base import BACKWARD, FORWARD
-from snrt.backends.cpu_kernels import CompiledBatchNorm
-from snrt.layers.norm import LRN, BatchNorm
+from snrt.backends.cpu_kernels import CPU_KERNELS, CompiledBatchNorm
+from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
+from snrt.layers.norm import LRN, BatchNorm, GroupNorm, LayerNorm
 from tests.layers.harness import check_layer, make_params, make_state, run_backward, run_forward
 
 
@@ -225,27 +226,31 @@ def test_lrn_option_validation(options, name):
         LRN(**options)
 
 
+@pytest.mark.parametrize("kernel", [lambda layer: layer, CompiledGroupNorm], ids=["numpy", "compiled"])
 @pytest.mark.parametrize("groups, shape", [(1, (2, 6, 3, 4)), (3, (2, 6, 3, 4)), (6, (3, 6, 2, 2)), (2, (4, 6))])
-def test_group_norm_matches_pytorch(groups, shape):
-    from snrt.layers.norm import GroupNorm
-
+def test_group_norm_matches_pytorch(groups, shape, kernel):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape) * 2 + 1
     params = {"weight": rng.uniform(0.5, 1.5, shape[1]), "bias": rng.standard_normal(shape[1])}
-    check_layer(GroupNorm(groups=groups), [x], lambda xs, p: torch.nn.functional.group_norm(
+    check_layer(kernel(GroupNorm(groups=groups)), [x], lambda xs, p: torch.nn.functional.group_norm(
         xs[0], groups, p["weight"], p["bias"], 1e-5), params=params)
 
 
+@pytest.mark.parametrize("kernel", [lambda layer: layer, CompiledLayerNorm], ids=["numpy", "compiled"])
 @pytest.mark.parametrize("shape", [(2, 5, 3, 4), (4, 7)])
-def test_layer_norm_over_channels_matches_pytorch(shape):
-    from snrt.layers.norm import LayerNorm
+def test_layer_norm_over_channels_matches_pytorch(shape, kernel):
     from snrt.torch_reference import OPS
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape) * 3 - 1
     params = {"weight": rng.uniform(0.5, 1.5, shape[1]), "bias": rng.standard_normal(shape[1])}
     layer = LayerNorm()
-    check_layer(layer, [x], lambda xs, p: OPS["LayerNorm"](layer, xs, p, {}, True), params=params)
+    check_layer(kernel(layer), [x], lambda xs, p: OPS["LayerNorm"](layer, xs, p, {}, True), params=params)
+
+
+def test_the_cpu_runs_group_and_layer_norm_compiled():
+    assert isinstance(CPU_KERNELS.kernel_for(GroupNorm(groups=4), [(2, 8, 3, 3)]), CompiledGroupNorm)
+    assert isinstance(CPU_KERNELS.kernel_for(LayerNorm(), [(2, 8, 3, 3)]), CompiledLayerNorm)
 
 
 def test_group_and_layer_norm_options_and_shapes():

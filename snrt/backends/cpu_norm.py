@@ -1,0 +1,220 @@
+"""GroupNorm and LayerNorm on the CPU: compiled kernels of two passes over the input.
+
+The layers' NumPy code (snrt/layers/norm.py's _Normalize) makes eight to fourteen passes with
+broadcasts; these kernels make two in each direction, one sample (or group) at a time while
+its values are in cache:
+
+- LayerNorm over the channels of x (N, C, K): every position's C channels are normalised, so
+  the sums run per position over rows of K contiguous values (the inner loops vectorize
+  along K): forward the sums of x and x^2, then y; backward the sums of gh = gy * weight and
+  gh * xhat with the parameter gradients, then gx.
+- GroupNorm of x viewed (N * groups, C / groups, K): each group's values are one contiguous
+  block, normalised as a whole: its sums in one pass, then y = x * scale + shift per channel;
+  backward, per channel, the sums of gy and gy * x, from which gx is a * gy + b * x + d per
+  channel, as in the BatchNorm kernel.
+
+Sums are float64 (var = E[x^2] - mean^2, as in the BatchNorm kernel), each in a fixed order,
+so the same inputs give the same bits in every run and policy. The kernels never run the
+layers' code, so they say what workspace they need: float64 sums.
+"""
+
+import numpy as np
+from numba import njit
+
+from snrt.backends.cpu_common import FASTMATH, LayerLike
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
+
+SUM_BYTES = 8  # float64 sums
+
+
+# ---- LayerNorm: statistics per position, over the channels -----------------------------------
+@njit(cache=True, fastmath=FASTMATH)
+def layer_norm_forward(x, weight, bias, eps, mean, inv_std, sums, y):
+    """y[n, c, k] = (x - mean[n, 0, k]) * inv_std[n, 0, k] * weight[c] + bias[c], the
+    statistics over c (written to mean and inv_std (N, 1, K)); sums (2, K) float64."""
+    n, channels, width = x.shape
+    for s in range(n):
+        sums[:] = 0.0
+        for c in range(channels):
+            for k in range(width):
+                v = np.float64(x[s, c, k])
+                sums[0, k] += v
+                sums[1, k] += v * v
+        for k in range(width):
+            mu = sums[0, k] / channels
+            mean[s, 0, k] = mu
+            inv_std[s, 0, k] = 1.0 / np.sqrt(max(sums[1, k] / channels - mu * mu, 0.0) + eps)
+        for c in range(channels):
+            scale, shift = weight[c], bias[c]
+            for k in range(width):
+                y[s, c, k] = (x[s, c, k] - mean[s, 0, k]) * (inv_std[s, 0, k] * scale) + shift
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def layer_norm_backward(x, gy, weight, mean, inv_std, sums, parameter_sums, gx, gweight, gbias):
+    """With xhat = (x - mean) inv_std and gh = gy * weight[c]: gx = inv_std (gh - mean_c(gh) -
+    xhat mean_c(gh xhat)) (unless gx is empty), gweight[c] = sum gy xhat, gbias[c] = sum gy.
+    sums (2, K) and parameter_sums (2, C): float64."""
+    n, channels, width = x.shape
+    parameter_sums[:] = 0.0
+    for s in range(n):
+        sums[:] = 0.0
+        for c in range(channels):
+            scale = weight[c]
+            by_weight = 0.0
+            by_bias = 0.0
+            for k in range(width):
+                xhat = (x[s, c, k] - mean[s, 0, k]) * inv_std[s, 0, k]
+                g = np.float64(gy[s, c, k])
+                sums[0, k] += g * scale
+                sums[1, k] += g * scale * xhat
+                by_weight += g * xhat
+                by_bias += g
+            parameter_sums[0, c] += by_weight
+            parameter_sums[1, c] += by_bias
+        if gx.size == 0:
+            continue
+        for c in range(channels):
+            scale = weight[c]
+            for k in range(width):
+                istd = inv_std[s, 0, k]
+                xhat = (x[s, c, k] - mean[s, 0, k]) * istd
+                gx[s, c, k] = istd * (gy[s, c, k] * scale - sums[0, k] / channels - xhat * (sums[1, k] / channels))
+    for c in range(channels):
+        gweight[c] = parameter_sums[0, c]
+        gbias[c] = parameter_sums[1, c]
+
+
+# ---- GroupNorm: statistics per group, over its channels and positions ----------------------
+@njit(cache=True, fastmath=FASTMATH)
+def group_norm_forward(x, weight, bias, eps, groups, mean, inv_std, y):
+    """x and y viewed (N * groups, C / groups, K); per block a: mean[a] and inv_std[a] (written,
+    shape (A, 1, 1)), then y = x * scale + shift with scale = weight[c] * inv_std, shift =
+    bias[c] - mean * scale for each channel c of the block."""
+    blocks, per_group, width = x.shape
+    count = per_group * width
+    for a in range(blocks):
+        total = 0.0
+        squares = 0.0
+        for cg in range(per_group):
+            for k in range(width):
+                v = np.float64(x[a, cg, k])
+                total += v
+                squares += v * v
+        mu = total / count
+        istd = 1.0 / np.sqrt(max(squares / count - mu * mu, 0.0) + eps)
+        mean[a, 0, 0], inv_std[a, 0, 0] = mu, istd
+        for cg in range(per_group):
+            c = a % groups * per_group + cg
+            scale = weight[c] * istd
+            shift = bias[c] - mu * scale
+            for k in range(width):
+                y[a, cg, k] = x[a, cg, k] * scale + shift
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def group_norm_backward(x, gy, weight, mean, inv_std, groups, channel_sums, parameter_sums, gx, gweight, gbias):
+    """Per block a (as in group_norm_forward) of M values, per channel c of it: S = sum gy and
+    P = sum gy x (channel_sums (2, C / groups) float64); over the blocks gbias[c] = sum of S and
+    gweight[c] = sum of (P - mean S) inv_std = sum gy xhat (parameter_sums (2, C) float64);
+    unless gx is empty, gx = weight[c] inv_std gy + b x + d, the _Normalize gradient per
+    channel, with gh = gy weight: b = -inv_std^2 sum(gh xhat) / M, d = -inv_std sum(gh) / M -
+    b mean."""
+    blocks, per_group, width = x.shape
+    count = per_group * width
+    parameter_sums[:] = 0.0
+    for a in range(blocks):
+        mu, istd = np.float64(mean[a, 0, 0]), np.float64(inv_std[a, 0, 0])
+        gh_sum = 0.0
+        gh_xhat_sum = 0.0
+        for cg in range(per_group):
+            c = a % groups * per_group + cg
+            total = 0.0
+            products = 0.0
+            for k in range(width):
+                g = np.float64(gy[a, cg, k])
+                total += g
+                products += g * x[a, cg, k]
+            channel_sums[0, cg], channel_sums[1, cg] = total, products
+            by_xhat = (products - mu * total) * istd  # sum gy xhat over the channel
+            parameter_sums[0, c] += by_xhat
+            parameter_sums[1, c] += total
+            gh_sum += weight[c] * total
+            gh_xhat_sum += weight[c] * by_xhat
+        if gx.size == 0:
+            continue
+        b = -istd * istd * gh_xhat_sum / count
+        d = -istd * gh_sum / count - b * mu
+        for cg in range(per_group):
+            scale = weight[a % groups * per_group + cg] * istd
+            for k in range(width):
+                gx[a, cg, k] = scale * gy[a, cg, k] + b * x[a, cg, k] + d
+    for c in range(gweight.shape[0]):
+        gweight[c] = parameter_sums[0, c]
+        gbias[c] = parameter_sums[1, c]
+
+
+class _CompiledNormalize(LayerLike):
+    """A normalisation layer's kernel whose workspace is float64 sums of the shapes
+    `_sums_shapes` gives."""
+
+    def _sums_shapes(self, in_shapes, phase):
+        raise NotImplementedError
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return scratch_bytes(*(int(np.prod(shape)) * SUM_BYTES for shape in self._sums_shapes(in_shapes, phase)))
+
+    def _sums(self, ctx, x, phase):
+        return [ctx.scratch(shape, np.float64) for shape in self._sums_shapes([x.shape], phase)]
+
+
+class CompiledLayerNorm(_CompiledNormalize):
+    """LayerNorm by layer_norm_forward and layer_norm_backward, on the (N, C, K) view."""
+
+    def _sums_shapes(self, in_shapes, phase):
+        _, channels, width = self.layer._view(tuple(in_shapes[0]))
+        return [(2, width), (2, channels)] if phase == BACKWARD else [(2, width)]
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        view = self.layer._view(x.shape)
+        (sums,) = self._sums(ctx, x, FORWARD)
+        layer_norm_forward(x.reshape(view), params["weight"], params["bias"], self.layer.eps, aux["mean"],
+                           aux["inv_std"], sums, y.reshape(view))
+        ctx.release_scratch()
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        x, view = saved.xs[0], self.layer._view(saved.xs[0].shape)
+        sums, parameter_sums = self._sums(ctx, x, BACKWARD)
+        gx = gxs[0].reshape(view) if gxs[0] is not None else x.reshape(view)[:0]  # empty: not asked for
+        layer_norm_backward(x.reshape(view), gy.reshape(view), params["weight"], aux["mean"], aux["inv_std"], sums,
+                            parameter_sums, gx, gparams["weight"], gparams["bias"])
+        ctx.release_scratch()
+
+
+class CompiledGroupNorm(_CompiledNormalize):
+    """GroupNorm by group_norm_forward and group_norm_backward, on the (N * groups, C / groups,
+    K) view (the layer's statistics, (N * groups, 1, 1), are the same values)."""
+
+    def _block_view(self, shape):
+        groups = self.layer.groups
+        return (shape[0] * groups, shape[1] // groups, int(np.prod(shape[2:], dtype=np.int64)))
+
+    def _sums_shapes(self, in_shapes, phase):
+        channels = in_shapes[0][1]
+        return [(2, channels // self.layer.groups), (2, channels)] if phase == BACKWARD else []
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        view = self._block_view(x.shape)
+        group_norm_forward(x.reshape(view), params["weight"], params["bias"], self.layer.eps, self.layer.groups,
+                           aux["mean"], aux["inv_std"], y.reshape(view))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        x = saved.xs[0]
+        view = self._block_view(x.shape)
+        channel_sums, parameter_sums = self._sums(ctx, x, BACKWARD)
+        gx = gxs[0].reshape(view) if gxs[0] is not None else x.reshape(view)[:0]  # empty: not asked for
+        group_norm_backward(x.reshape(view), gy.reshape(view), params["weight"], aux["mean"], aux["inv_std"],
+                            self.layer.groups, channel_sums, parameter_sums, gx, gparams["weight"], gparams["bias"])
+        ctx.release_scratch()

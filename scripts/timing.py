@@ -184,8 +184,6 @@ def time_torch(config, warmup, iterations, label=None, schedule=False, adjust=No
     torch.set_num_threads(CORES)
     graph, train = config.graph, config.train
     opt, total = train.optimizer, warmup + iterations
-    if opt.type != "sgd":
-        raise SystemExit(f"{graph.name}: optimizer {opt.type!r}; the PyTorch reference trains with SGD only")
     data = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in training_batches(config, total)]
     kept = []
 

@@ -26,8 +26,12 @@ weight gradient of later chunks through one (O, C/groups*kh*kw) workspace array;
 TRANSPOSED_WEIGHT_GRAD_MAX_OUT output channels per group every chunk's weight gradient is
 computed transposed into a (C/groups*kh*kw, O/groups) array instead (a faster GEMM there).
 
-A 1x1 kernel with stride 1, no padding and no dilation needs no column matrix: x[n] (C, H*W)
-already is one. Its forward uses no workspace; its backward only the weight-gradient partial.
+A 1x1 kernel with stride 1, no padding and no dilation on a map of at least `GEMM_COLUMNS`
+pixels needs no column matrix: x[n] (C, H*W) already is one, a GEMM's worth of columns. Its
+forward uses no workspace; its backward only the weight-gradient partial. On smaller maps it
+groups samples like any other kernel (its column matrix a copy of the chunk's x): one GEMM
+per sample of a 7x7 map would have 49 columns, and a weight gradient per sample rewrites all
+of gW through the partial for each.
 """
 
 import functools
@@ -194,10 +198,11 @@ class Conv2d(Layer):
             specs["bias"] = ParamSpec((self.out_channels,), "zeros", fan_in, fan_out, decay=False)
         return specs
 
-    def _is_pointwise(self):
-        """1x1 kernel, stride 1, no padding, no dilation: the input is its own column matrix."""
+    def _is_direct(self, ho, wo):
+        """1x1 kernel, stride 1, no padding, no dilation, on a map of at least `gemm_columns`
+        pixels: each sample's input is its own column matrix, a GEMM's worth."""
         return (self.kernel == (1, 1) and self.stride == (1, 1) and self.padding == (0, 0)
-                and self.dilation == (1, 1))
+                and self.dilation == (1, 1) and ho * wo >= self.gemm_columns)
 
     def _chunking(self, n, c, ho, wo, phase):
         """(samples, output rows) per GEMM: about `gemm_columns` columns, whole rows.
@@ -207,10 +212,10 @@ class Conv2d(Layer):
         adds run much slower on band-length rows. Smaller samples are grouped. A tap's copy
         moves at least `tap_elements` (C * columns), so that few input channels do not turn
         im2col into a loop of tiny numpy calls. Chunks are balanced so the last one is not
-        much smaller than the rest. The 1x1 path works sample by sample (its column matrix
-        is x[n] itself).
+        much smaller than the rest. The direct 1x1 path works sample by sample (its column
+        matrix is x[n] itself).
         """
-        if self._is_pointwise():
+        if self._is_direct(ho, wo):
             return 1, ho
         columns = max(self.gemm_columns, -(-self.tap_elements // c))
         rows = min(ho, -(-columns // wo))
@@ -234,7 +239,7 @@ class Conv2d(Layer):
         o, g = self.out_channels, self.groups
         nb, rb = self._chunking(n, c, ho, wo, phase)
         shapes = []
-        if not self._is_pointwise():
+        if not self._is_direct(ho, wo):
             shapes.append((c * kh * kw, nb * rb * wo))  # column matrix of one chunk
         if nb > 1:
             shapes.append((o, nb * rb * wo))  # the chunk's y or gy, batch-transposed
@@ -252,7 +257,7 @@ class Conv2d(Layer):
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """Column matrix of one batch chunk, staging for its output, weight-gradient partial.
 
-        See the module docstring; the 1x1 fast path needs no workspace in forward.
+        See the module docstring; the direct 1x1 path needs no workspace in forward.
         """
         return scratch_bytes(*(numel(shape) * itemsize for shape in self._scratch_shapes(in_shapes, phase)))
 
@@ -372,12 +377,12 @@ class Conv2d(Layer):
         staging (O, nb*rb*Wo) is None when chunks are single samples; partial (G, Og,
         Cg*kh*kw), or (G, Cg*kh*kw, Og) for a transposed weight gradient, is None in forward
         and when a weight gradient of one chunk goes straight into gW (or none is computed).
-        On the 1x1 path col is x[n0] itself, (C, H*W), or None without x.
+        On the direct 1x1 path col is x[n0] itself, (C, H*W), or None without x.
         """
         n, c = x_shape[:2]
         shapes = self._scratch_shapes([x_shape], phase, weight_grad=x is not None)
         buffers = [ctx.scratch(shape, dtype) for shape in shapes]
-        col_buffer = None if self._is_pointwise() else buffers.pop(0)
+        col_buffer = None if self._is_direct(*out_hw) else buffers.pop(0)
         staging = buffers.pop(0) if self._chunking(n, c, *out_hw, phase)[0] > 1 else None
         partial = buffers.pop(0) if buffers else None
 
@@ -449,7 +454,7 @@ class Conv2d(Layer):
                                           partial, first=n0 == 0)
             if gx is None:
                 continue
-            if self._is_pointwise():  # the column gradient is the input gradient
+            if self._is_direct(ho, wo):  # the column gradient is the input gradient
                 xp.matmul(weight_t, gyt, out=gx[n0].reshape(g, c // g, m))
                 continue
             xp.matmul(weight_t, gyt, out=col.reshape(g, -1, k * m))  # column gradient, over col

@@ -148,12 +148,15 @@ def test_conv2d_workspace():
     weight_grad_t = 4 * 9 * 3 * 8  # 3 output channels: the weight gradient is computed transposed
     assert layer.workspace_bytes(shape, FORWARD, 8) == scratch_bytes(col, out)
     assert layer.workspace_bytes(shape, BACKWARD, 8) == scratch_bytes(col, out, weight_grad_t)
-    pointwise = Conv2d(out_channels=3, kernel=1)
-    assert pointwise.workspace_bytes(shape, FORWARD, 4) == 0
-    assert pointwise.workspace_bytes(shape, BACKWARD, 4) == scratch_bytes(3 * 4 * 4)
-    assert pointwise.workspace_bytes([(1, 4, 7, 6)], BACKWARD, 4) == scratch_bytes(3 * 4 * 4)
+    pointwise, big = Conv2d(out_channels=3, kernel=1), [(2, 4, 32, 32)]  # 1024 pixels: x[n] is the column matrix
+    assert pointwise.workspace_bytes(big, FORWARD, 4) == 0
+    assert pointwise.workspace_bytes(big, BACKWARD, 4) == scratch_bytes(3 * 4 * 4)
+    assert pointwise.workspace_bytes([(1, 4, 32, 32)], BACKWARD, 4) == scratch_bytes(3 * 4 * 4)
     wide = Conv2d(out_channels=128, kernel=1)  # more than 64 outputs: gy col^T into gW directly
-    assert wide.workspace_bytes([(1, 4, 7, 6)], BACKWARD, 4) == 0
+    assert wide.workspace_bytes([(1, 4, 32, 32)], BACKWARD, 4) == 0
+    # a small map groups the samples as other kernels do: a copy of x as the column matrix, gy staged
+    assert pointwise.workspace_bytes(shape, FORWARD, 4) == scratch_bytes(4 * 2 * 42 * 4, 3 * 2 * 42 * 4)
+    assert pointwise.workspace_bytes(shape, BACKWARD, 4) == scratch_bytes(4 * 2 * 42 * 4, 3 * 2 * 42 * 4, 3 * 4 * 4)
 
 
 def test_conv2d_workspace_is_one_chunk():

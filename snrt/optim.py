@@ -8,11 +8,55 @@ the gradient (overwritten), `states` the parameter's buffers in `state_names` or
 `weight_decay` and `lr` the parameter's own (`settings` applies the parameter groups),
 `count` the 1-based number of updates so far (Adam's bias correction) and `workspace` a uint8
 buffer of at least w.nbytes.
+
+On the CPU (NumPy arrays, contiguous as arena views are) each update is one compiled pass over
+the parameter, its gradient and its state (`sgd_step`, `adam_step`), where the NumPy code
+makes five to twelve; other array modules (CuPy) run the NumPy-style code.
 """
 
 import fnmatch
 import math
 from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from snrt.backends.cpu_common import COMPILED
+
+
+@njit(**COMPILED)
+def sgd_step(w, g, m, weight_decay, momentum, nesterov, lr):
+    """SGD's update of flat w in one pass (m empty: no momentum); g is overwritten."""
+    for i in range(w.size):
+        gi = g[i] + weight_decay * w[i]
+        step = gi
+        if m.size:
+            m[i] = momentum * m[i] + gi
+            step = gi + momentum * m[i] if nesterov else m[i]
+        g[i] = gi
+        w[i] -= lr * step
+
+
+@njit(**COMPILED)
+def adam_step(w, g, m, v, coefficients, decoupled):
+    """Adam's (AdamW's when `decoupled`) update of flat w in one pass. `coefficients` (w's
+    dtype, so that no value is widened): decay (wd, or AdamW's lr * wd), beta1, 1 - beta1,
+    beta2, 1 - beta2, eps, lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t)."""
+    decay, beta1, rest1, beta2, rest2, eps, step_size, correction2 = coefficients
+    for i in range(w.size):
+        gi = g[i]
+        if decoupled:
+            w[i] *= 1 - decay
+        else:
+            gi += decay * w[i]
+        m[i] = beta1 * m[i] + rest1 * gi
+        v[i] = beta2 * v[i] + rest2 * gi * gi
+        w[i] -= step_size * (m[i] / (np.sqrt(v[i]) * correction2 + eps))
+
+
+def _compiled(xp, *arrays):
+    """Whether the compiled steps apply: NumPy arrays, every one contiguous (a flat view)."""
+    return xp is np and all(a.flags.c_contiguous for a in arrays)
 
 
 def _temporary(workspace, w):
@@ -90,6 +134,10 @@ class SGD(Optimizer):
         return ("momentum",) if self.momentum else ()
 
     def apply(self, xp, w, g, states, weight_decay, lr, count, workspace):
+        if _compiled(xp, w, g, *states):
+            m = states[0].reshape(-1) if states else w.reshape(-1)[:0]
+            sgd_step(w.reshape(-1), g.reshape(-1), m, weight_decay, self.momentum, self.nesterov, lr)
+            return
         tmp = _temporary(workspace, w)
         if weight_decay:
             xp.multiply(w, weight_decay, out=tmp)
@@ -127,6 +175,12 @@ class Adam(Optimizer):
 
     def apply(self, xp, w, g, states, weight_decay, lr, count, workspace):
         m, v = states
+        if _compiled(xp, w, g, m, v):
+            coefficients = np.array([lr * weight_decay if self.decoupled else weight_decay, self.beta1, 1 - self.beta1,
+                                     self.beta2, 1 - self.beta2, self.eps, lr / (1 - self.beta1 ** count),
+                                     1 / math.sqrt(1 - self.beta2 ** count)], w.dtype)
+            adam_step(w.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), coefficients, self.decoupled)
+            return
         tmp = _temporary(workspace, w)
         if weight_decay:
             if self.decoupled:

@@ -1,4 +1,4 @@
-"""What the CPU's compiled kernels share: numba's floating-point options and `LayerLike`, the
+"""What the CPU's compiled kernels share: numba's options (`COMPILED`) and `LayerLike`, the
 base that makes a kernel stand in for its layer."""
 
 from snrt.layers.base import FLOAT32_BYTES
@@ -6,6 +6,10 @@ from snrt.layers.base import FLOAT32_BYTES
 # reassociation lets numba vectorize a sum, in one order fixed by the compiled code (the same
 # bits every run); contraction fuses multiply-adds. Nothing that changes NaN or inf handling.
 FASTMATH = {"reassoc", "contract"}
+# The options of every compiled loop: cached machine code, the flags above, and NumPy's error
+# model, under which a division by zero gives inf or NaN as NumPy's does (no raised error:
+# without it every division carries a zero test and no loop with one vectorizes).
+COMPILED = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy"}
 
 
 class LayerLike:

@@ -28,7 +28,7 @@ same inputs give the same bits in every run and policy.
 import numpy as np
 from numba import njit, uint64
 
-from snrt.backends.cpu_common import FASTMATH, LayerLike
+from snrt.backends.cpu_common import COMPILED, LayerLike
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
 
 SUM_BYTES = 8  # the weight gradient's sums over rows or samples are float64
@@ -47,7 +47,7 @@ def _padded_plane(x, s, c, ph, pw, plane):
             plane[(r + ph) * width + q + pw] = x[s, c, r, q]
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def rows_forward(x, weight, bias, sh, sw, ph, pw, dh, dw, plane, row, y):
     """y[n, o] = bias[o] + sum over taps (i, j) of weight[o, i, j] * x[n, o // m] at the tap;
     weight (O, kh, kw), bias (O,) or empty; plane (Hp * Wp,) and row (Wo,): workspace."""
@@ -73,7 +73,7 @@ def rows_forward(x, weight, bias, sh, sw, ph, pw, dh, dw, plane, row, y):
                         y[s, o, r, q] = row[q]
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def rows_grad_input(gy, weight, sh, sw, ph, pw, dh, dw, plane, gx):
     """gx[n, c] = sum over c's outputs o and taps of weight[o, i, j] * gy[n, o], scattered back
     to the input positions the tap read (in the padded `plane`, whose interior is gx)."""
@@ -98,7 +98,7 @@ def rows_grad_input(gy, weight, sh, sw, ph, pw, dh, dw, plane, gx):
                     gx[s, c, r, q] = plane[(r + ph) * width + q + pw]
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def rows_grad_weight(gy, x, sh, sw, ph, pw, dh, dw, plane, sums, gweight, gbias):
     """gweight[o, 0, i, j] = sum over n and output pixels of gy[n, o] * x[n, o // m] at the tap;
     gbias[o] = sum of gy[:, o] (when not empty); sums (kh * kw + 1,) float64: workspace."""
@@ -161,7 +161,7 @@ def _transposed(gy, s, out):
                 out[r, q, o] = gy[s, o, r, q]
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def channels_last_forward(x, taps, bias, sh, sw, ph, pw, dh, dw, padded, rows, y):
     """y[n, o] = bias[o] + sum over taps (i, j) of taps[i, j, o] * x[n, o // m] at the tap.
     taps (kh, kw, O): the weight, channels last; bias (O,) or empty; padded (Hp, Wp, O) and
@@ -187,7 +187,7 @@ def channels_last_forward(x, taps, bias, sh, sw, ph, pw, dh, dw, padded, rows, y
                     y[s, o, r, q] = rows[r, q, o]
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def channels_last_backward(gy, x, taps, sh, sw, ph, pw, dh, dw, padded, rows, partial, sums, gx, gweight, gbias):
     """The gradients of channels_last_forward, each where asked (gx, gweight, gbias may be empty):
     gweight[o, 0, i, j] = sum over samples and output pixels of gy * x at the tap; gbias[o] =

@@ -8,11 +8,12 @@ five to eight passes with per-channel broadcasts whose inner loops are only H*W 
 are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2). ReLU's backward in one
 pass (the layer's makes two) and MaxPool's backward in one pass without workspace (the
 layer's makes one per window offset). Compiled forwards of ReLU and MaxPool measured no
-faster than the layers' NumPy code, so those stay the layers'.
+faster than the layers' NumPy code, so those stay the layers'. Depthwise convolution
+(cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py) have modules of their own.
 
 Determinism: kernels are serial (no thread pool to fight OpenBLAS's spinning threads on a
-small machine) and compiled with `reassoc` and `contract` only, so a sum is vectorised in
-one order fixed by the compiled code: the same inputs give the same bits in every run and
+small machine) and compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a
+sum is vectorised in one order fixed by the compiled code: the same inputs give the same bits in every run and
 every policy (a recomputed BatchNorm reproduces the stored output); NaN and inf propagate
 (check mode relies on it).
 
@@ -25,14 +26,14 @@ this file (`cache=True`): about 0.7 s the first time, under 0.3 s to load in a n
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import FASTMATH, LayerLike
+from snrt.backends.cpu_common import COMPILED, LayerLike
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
 from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
 from snrt.layers.staging import staged_workspace_bytes
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def channel_sums(a, b, c):
     """(sum of a[:, c, :], sum of a[:, c, :] * b[:, c, :]) in float64; a, b (N, C, K)."""
     total = 0.0
@@ -45,7 +46,7 @@ def channel_sums(a, b, c):
     return total, products
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def batchnorm_forward(x, weight, bias, eps, y, mean, inv_std, var, scale_shift):
     """Per channel c of x (N, C, K): mean[c], biased var[c] (float64) and inv_std[c] over the
     N*K values, then y = x * scale + shift with scale = weight * inv_std and shift = bias -
@@ -67,7 +68,7 @@ def batchnorm_forward(x, weight, bias, eps, y, mean, inv_std, var, scale_shift):
                 y[i, c, j] = x[i, c, j] * a + b
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def batchnorm_backward(x, gy, weight, mean, inv_std, gweight, gbias, gx, coefficients):
     """Per channel c: gbias = sum(gy), gweight = sum(gy * xhat) (float64 sums), then, unless
     gx has no samples, gx = a * gy + b * x + d with a = weight * inv_std, b = -a * inv_std *

@@ -21,14 +21,14 @@ layers' code, so they say what workspace they need: float64 sums.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import FASTMATH, LayerLike
+from snrt.backends.cpu_common import COMPILED, LayerLike
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
 
 SUM_BYTES = 8  # float64 sums
 
 
 # ---- LayerNorm: statistics per position, over the channels -----------------------------------
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def layer_norm_forward(x, weight, bias, eps, mean, inv_std, sums, y):
     """y[n, c, k] = (x - mean[n, 0, k]) * inv_std[n, 0, k] * weight[c] + bias[c], the
     statistics over c (written to mean and inv_std (N, 1, K)); sums (2, K) float64."""
@@ -50,7 +50,7 @@ def layer_norm_forward(x, weight, bias, eps, mean, inv_std, sums, y):
                 y[s, c, k] = (x[s, c, k] - mean[s, 0, k]) * (inv_std[s, 0, k] * scale) + shift
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def layer_norm_backward(x, gy, weight, mean, inv_std, sums, parameter_sums, gx, gweight, gbias):
     """With xhat = (x - mean) inv_std and gh = gy * weight[c]: gx = inv_std (gh - mean_c(gh) -
     xhat mean_c(gh xhat)) (unless gx is empty), gweight[c] = sum gy xhat, gbias[c] = sum gy.
@@ -86,7 +86,7 @@ def layer_norm_backward(x, gy, weight, mean, inv_std, sums, parameter_sums, gx, 
 
 
 # ---- GroupNorm: statistics per group, over its channels and positions ----------------------
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def group_norm_forward(x, weight, bias, eps, groups, mean, inv_std, y):
     """x and y viewed (N * groups, C / groups, K); per block a: mean[a] and inv_std[a] (written,
     shape (A, 1, 1)), then y = x * scale + shift with scale = weight[c] * inv_std, shift =
@@ -112,7 +112,7 @@ def group_norm_forward(x, weight, bias, eps, groups, mean, inv_std, y):
                 y[a, cg, k] = x[a, cg, k] * scale + shift
 
 
-@njit(cache=True, fastmath=FASTMATH)
+@njit(**COMPILED)
 def group_norm_backward(x, gy, weight, mean, inv_std, groups, channel_sums, parameter_sums, gx, gweight, gbias):
     """Per block a (as in group_norm_forward) of M values, per channel c of it: S = sum gy and
     P = sum gy x (channel_sums (2, C / groups) float64); over the blocks gbias[c] = sum of S and

@@ -63,6 +63,7 @@ def main():
     parser.add_argument("--iterations", type=int, default=2, help="timed iterations per process, after 1 warm-up")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-torch", dest="torch", action="store_false", help="leave PyTorch out")
+    parser.add_argument("--json", action="store_true", help="also print the medians as one tagged JSON line")
     args = parser.parse_args()
     sides = [(f"{side} {policy}", root, "snrt", policy) for side, root in (("before", args.before), ("after", args.after))
              for policy in args.policies]
@@ -83,6 +84,10 @@ def main():
         if label.startswith("after "):
             versus.insert(0, f"{m / median['before ' + label[6:]] - 1:+.0%} vs before")
         print(f"  {label:24s} {m:7.3f} s  {'  '.join(versus):28s} first losses {losses[label]}")
+    if args.json:
+        print(TAG + json.dumps({"network": args.network, "size": args.size, "batch": args.batch, "rounds": args.rounds,
+                                "iterations": args.iterations, "seconds": median, "losses": losses,
+                                "load_average": [load_before[0], os.getloadavg()[0]]}))
 
 
 if __name__ == "__main__":

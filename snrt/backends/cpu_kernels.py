@@ -26,6 +26,7 @@ this file (`cache=True`): about 0.7 s the first time, under 0.3 s to load in a n
 import numpy as np
 from numba import njit
 
+from snrt.backends.cpu_activation import CompiledActivation
 from snrt.backends.cpu_common import COMPILED, LayerLike
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
@@ -174,7 +175,7 @@ class CpuKernels(LayerKernels):
 
     REGISTRY = {"BatchNorm": (CompiledBatchNorm,), "ReLU": (CompiledReLU,), "MaxPool": (CompiledMaxPool,),
                 "Conv2d": (CompiledDepthwiseConv2d,), "GroupNorm": (CompiledGroupNorm,),
-                "LayerNorm": (CompiledLayerNorm,)}  # type name: the kernels to ask, in turn
+                "LayerNorm": (CompiledLayerNorm,), "GELU": (CompiledActivation,), "SiLU": (CompiledActivation,)}  # type name: the kernels to ask, in turn
 
     def kernel_for(self, layer, in_shapes):
         for kernel_class in self.REGISTRY.get(layer.type_name, ()):

@@ -2,9 +2,10 @@ import numpy as np
 import pytest
 import torch
 
-from snrt.backends.cpu_kernels import CompiledReLU
+from snrt.backends.cpu_activation import CompiledActivation
+from snrt.backends.cpu_kernels import CPU_KERNELS, CompiledReLU
 from snrt.layers.activation import ELU, GELU, Identity, LeakyReLU, ReLU, ReLU6, Sigmoid, SiLU, Softmax, Tanh
-from snrt.layers.base import KernelContext, Saved
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from tests.layers.harness import check_layer
 
 
@@ -55,6 +56,38 @@ def test_compiled_relu(shape):
     kernel.backward(KernelContext(np), gy, Saved((None,), y), {}, {}, [got], {})
     np.testing.assert_array_equal(got, expected)
     assert np.isnan(got.flat[0])
+
+
+COMPILED_ACTIVATIONS = [(layer, reference) for layer, reference in ACTIVATIONS if type(layer) in (GELU, SiLU)]
+
+
+@pytest.mark.parametrize("layer, reference", COMPILED_ACTIVATIONS, ids=[repr(l) for l, _ in COMPILED_ACTIVATIONS])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 700)])  # 700 * 3: two blocks of the kernel
+def test_compiled_gelu_and_silu(layer, reference, shape):
+    """The CPU backend's kernels (float32; float64 runs the layer's code) by the same checks."""
+    kernel = CPU_KERNELS.kernel_for(layer, [shape])
+    assert isinstance(kernel, CompiledActivation)
+    check_layer(kernel, [away_from_zero(shape)], reference)
+
+
+@pytest.mark.parametrize("layer, reference", COMPILED_ACTIVATIONS, ids=[repr(l) for l, _ in COMPILED_ACTIVATIONS])
+def test_compiled_gelu_and_silu_over_a_wide_range(layer, reference):
+    """From -80 to 80 (the exponential's clamped range and beyond) the kernels' values and
+    gradients agree with PyTorch's to 1e-6 (GELU's erf formula is within 1.5e-7, times |x|;
+    where PyTorch's tanh saturates to 1 in float32 its tanh-form gradient is 0, the kernel's a
+    few 1e-7), and NaN stays NaN."""
+    x = np.concatenate([np.linspace(-80, 80, 8001), [np.nan]]).astype(np.float32)
+    kernel = CPU_KERNELS.kernel_for(layer, [x.shape])
+    y, (gx,) = np.empty_like(x), [np.empty_like(x)]
+    workspace = [np.zeros(kernel.workspace_bytes([x.shape], phase), np.uint8) for phase in (FORWARD, BACKWARD)]
+    kernel.forward(KernelContext(np, workspace=workspace[0]), [x], {}, {}, y, {})
+    kernel.backward(KernelContext(np, workspace=workspace[1]), np.ones_like(x), Saved((x,), y), {}, {}, [gx], {})
+    t = torch.tensor(x[:-1], requires_grad=True)
+    out = reference([t], {})
+    out.sum().backward()
+    np.testing.assert_allclose(y[:-1], out.detach().numpy(), rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(gx[:-1], t.grad.numpy(), rtol=2e-6, atol=1e-6)
+    assert np.isnan(y[-1]) and np.isnan(gx[-1])
 
 
 def test_sigmoid_is_finite_for_large_inputs():

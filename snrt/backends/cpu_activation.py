@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit
 
 from snrt.backends.cpu_common import COMPILED, LayerLike
-from snrt.layers.activation import _ERF_A, _ERF_P, _TANH_GELU_C, _TANH_GELU_K
+from snrt.layers.activation import ERF_A, ERF_P, TANH_GELU_C, TANH_GELU_K
 from snrt.layers.base import FLOAT32_BYTES, scratch_bytes
 
 BLOCK = 1024  # values per block
@@ -33,9 +33,9 @@ EXP_LOW, EXP_HIGH = F(-87.0), F(88.0)  # exp of either is a normal float32
 LOG2E, LN2_HI, LN2_LO = F(1 / math.log(2)), F(0.693145751953125), F(1.4286068203094173e-06)
 TAYLOR = tuple(F(1 / math.factorial(k)) for k in range(2, 8))
 ONE, HALF = F(1.0), F(0.5)
-ERF_P, ERF_A = F(_ERF_P), tuple(F(a) for a in _ERF_A)
+ERF_P32, ERF_A32 = F(ERF_P), tuple(F(a) for a in ERF_A)
 INV_SQRT_2, INV_SQRT_2PI = F(1 / math.sqrt(2)), F(1 / math.sqrt(2 * math.pi))
-TANH_2C, TANH_K, TANH_3K = F(2 * _TANH_GELU_C), F(_TANH_GELU_K), F(3 * _TANH_GELU_K)
+TANH_2C, TANH_K, TANH_3K = F(2 * TANH_GELU_C), F(TANH_GELU_K), F(3 * TANH_GELU_K)
 GELU_EXACT, GELU_TANH, SILU = 0, 1, 2  # the activations, by what their exponential's argument is
 
 
@@ -65,8 +65,9 @@ def _exp_parts(t):
 def _cdf(kind, v, e):
     """Phi(v) (the sigmoid for SiLU) given e = exp(_exponent(kind, v))."""
     if kind == GELU_EXACT:
-        t = ONE / (ONE + ERF_P * abs(v * INV_SQRT_2))
-        erf = ONE - t * (ERF_A[0] + t * (ERF_A[1] + t * (ERF_A[2] + t * (ERF_A[3] + t * ERF_A[4])))) * e
+        t = ONE / (ONE + ERF_P32 * abs(v * INV_SQRT_2))
+        a1, a2, a3, a4, a5 = ERF_A32
+        erf = ONE - t * (a1 + t * (a2 + t * (a3 + t * (a4 + t * a5)))) * e
         return HALF + HALF * (erf if v >= 0 else -erf)
     return ONE / (ONE + e)
 

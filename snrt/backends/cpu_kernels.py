@@ -30,6 +30,7 @@ from snrt.backends.cpu_activation import CompiledActivation
 from snrt.backends.cpu_common import COMPILED, LayerLike
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
+from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledNearestUpsample
 from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
 from snrt.layers.staging import staged_workspace_bytes
@@ -173,9 +174,11 @@ class CompiledMaxPool(LayerLike):
 class CpuKernels(LayerKernels):
     """The CPU's kernel of every layer: a compiled kernel where REGISTRY has one, else the layer."""
 
-    REGISTRY = {"BatchNorm": (CompiledBatchNorm,), "ReLU": (CompiledReLU,), "MaxPool": (CompiledMaxPool,),
-                "Conv2d": (CompiledDepthwiseConv2d,), "GroupNorm": (CompiledGroupNorm,),
-                "LayerNorm": (CompiledLayerNorm,), "GELU": (CompiledActivation,), "SiLU": (CompiledActivation,)}  # type name: the kernels to ask, in turn
+    REGISTRY = {  # type name: the kernels to ask, in turn
+        "BatchNorm": (CompiledBatchNorm,), "ReLU": (CompiledReLU,), "MaxPool": (CompiledMaxPool,),
+        "Conv2d": (CompiledDepthwiseConv2d,), "GroupNorm": (CompiledGroupNorm,), "LayerNorm": (CompiledLayerNorm,),
+        "GELU": (CompiledActivation,), "SiLU": (CompiledActivation,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
+        "Upsample": (CompiledNearestUpsample,)}
 
     def kernel_for(self, layer, in_shapes):
         for kernel_class in self.REGISTRY.get(layer.type_name, ()):

@@ -209,9 +209,9 @@ class ELU(_OneScratch):
 
 # erf(z) for z >= 0 as 1 - t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) exp(-z^2), t = 1 / (1 + p z)
 # (Abramowitz and Stegun 7.1.26, absolute error below 1.5e-7), odd for z < 0.
-_ERF_P = 0.3275911
-_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
-_TANH_GELU_C, _TANH_GELU_K = math.sqrt(2 / math.pi), 0.044715
+ERF_P = 0.3275911
+ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+TANH_GELU_C, TANH_GELU_K = math.sqrt(2 / math.pi), 0.044715
 
 
 @register
@@ -235,18 +235,18 @@ class GELU(_OneScratch):
         """out = Phi(x); `work` (x's shape) is clobbered."""
         if self.approximate == "tanh":
             xp.multiply(x, x, out=out)
-            out *= _TANH_GELU_K
+            out *= TANH_GELU_K
             out += 1
             out *= x
-            out *= _TANH_GELU_C
+            out *= TANH_GELU_C
             xp.tanh(out, out=out)
         else:  # erf(z), z = x / sqrt 2, by the formula above on |z|, then its sign
             xp.abs(x, out=out)
-            out *= _ERF_P / math.sqrt(2)
+            out *= ERF_P / math.sqrt(2)
             out += 1
             xp.reciprocal(out, out=out)  # t
-            xp.multiply(out, _ERF_A[4], out=work)
-            for a in reversed(_ERF_A[:4]):  # Horner: work = t (a1 + t (a2 + ...))
+            xp.multiply(out, ERF_A[4], out=work)
+            for a in reversed(ERF_A[:4]):  # Horner: work = t (a1 + t (a2 + ...))
                 work += a
                 work *= out
             xp.multiply(x, x, out=out)
@@ -274,10 +274,10 @@ class GELU(_OneScratch):
         if self.approximate == "tanh":
             # Phi + x Phi' = Phi (1 + 4 (1 - Phi) x c (1 + 3 k x^2) / 2), as 1 - tanh^2 = 4 Phi (1 - Phi)
             xp.multiply(x, x, out=gx)
-            gx *= 3 * _TANH_GELU_K
+            gx *= 3 * TANH_GELU_K
             gx += 1
             gx *= x
-            gx *= 2 * _TANH_GELU_C
+            gx *= 2 * TANH_GELU_C
             xp.subtract(1, cdf, out=cdf)
             gx *= cdf
             gx += 1

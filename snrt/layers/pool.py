@@ -266,7 +266,7 @@ class GlobalAvgPool(Layer):
             ctx.xp.multiply(gy[:, :, None, None], 1.0 / (gx.shape[2] * gx.shape[3]), out=gx)
 
 
-def _adaptive_bins(size, out):
+def adaptive_bins(size, out):
     """PyTorch's adaptive pooling windows along one axis: bin i covers [floor(i size / out),
     ceil((i + 1) size / out)); neighbouring bins overlap when out does not divide size."""
     return [(i * size // out, -(-(i + 1) * size // out)) for i in range(out)]
@@ -291,7 +291,7 @@ class AdaptiveAvgPool(Layer):
         return (*in_shapes[0][:2], *self.output)
 
     def _bins(self, shape):
-        return [(r, c) for r in _adaptive_bins(shape[2], self.output[0]) for c in _adaptive_bins(shape[3], self.output[1])]
+        return [(r, c) for r in adaptive_bins(shape[2], self.output[0]) for c in adaptive_bins(shape[3], self.output[1])]
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from snrt.errors import ShapeError
 from snrt.layers.base import BACKWARD, FORWARD
-from snrt.backends.cpu_kernels import CompiledMaxPool
+from snrt.backends.cpu_kernels import CPU_KERNELS, CompiledMaxPool
 from snrt.layers.pool import AvgPool, GlobalAvgPool, MaxPool
 from tests.layers.harness import check_layer, run_backward, run_forward
 
@@ -174,23 +174,29 @@ def test_costs_and_workspace():
 
 @pytest.mark.parametrize("shape, output", [((2, 3, 7, 5), (3, 2)), ((2, 3, 6, 6), 3), ((1, 2, 5, 7), 1),
                                            ((1, 2, 4, 4), (4, 4)), ((1, 2, 3, 3), (5, 2))])
-def test_adaptive_avg_pool_matches_pytorch_bins(shape, output):
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
+def test_adaptive_avg_pool_matches_pytorch_bins(shape, output, compiled):
     from snrt.layers.pool import AdaptiveAvgPool
 
     x = np.random.default_rng(0).standard_normal(shape)
-    check_layer(AdaptiveAvgPool(output=output), [x],
-                lambda xs, p: torch.nn.functional.adaptive_avg_pool2d(xs[0], output))
+    layer = AdaptiveAvgPool(output=output)
+    kernel = CPU_KERNELS.kernel_for(layer, [shape]) if compiled else layer
+    assert (kernel is layer) != compiled
+    check_layer(kernel, [x], lambda xs, p: torch.nn.functional.adaptive_avg_pool2d(xs[0], output))
 
 
 @pytest.mark.parametrize("scale", [2, (3, 2), 1])
 @pytest.mark.parametrize("mode", ["nearest", "bilinear"])
-def test_upsample_matches_pytorch(scale, mode):
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "cpu-kernels"])
+def test_upsample_matches_pytorch(scale, mode, compiled):
     from snrt.layers.pool import Upsample
     from snrt.torch_reference import OPS
 
     layer = Upsample(scale=scale, mode=mode)
     x = np.random.default_rng(0).standard_normal((2, 3, 4, 5))
-    check_layer(layer, [x], lambda xs, p: OPS["Upsample"](layer, xs, p, {}, True))
+    kernel = CPU_KERNELS.kernel_for(layer, [x.shape]) if compiled else layer
+    assert (kernel is layer) != (compiled and mode == "nearest")  # bilinear: the layer's GEMMs
+    check_layer(kernel, [x], lambda xs, p: OPS["Upsample"](layer, xs, p, {}, True))
     assert layer.infer_shape([x.shape]) == (2, 3, 4 * layer.scale[0], 5 * layer.scale[1])
 
 

@@ -9,7 +9,8 @@ are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2). ReLU's bac
 pass (the layer's makes two) and MaxPool's backward in one pass without workspace (the
 layer's makes one per window offset). Compiled forwards of ReLU and MaxPool measured no
 faster than the layers' NumPy code, so those stay the layers'. Depthwise convolution
-(cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py) have modules of their own.
+(cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py), GELU and SiLU (cpu_activation.py),
+AdaptiveAvgPool and nearest Upsample (cpu_resample.py) have modules of their own.
 
 Determinism: kernels are serial (no thread pool to fight OpenBLAS's spinning threads on a
 small machine) and compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a

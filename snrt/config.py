@@ -108,7 +108,7 @@ class DataConfig:
     samples: int = 2048  # size of the synthetic set
     skip_bad_images: bool = False  # image folders: count and leave out files that are not readable images
     workers: int = None  # processes preparing batches (snrt/workers.py); 0: a thread of the trainer's process;
-    # null: the usable cores for data that is decoded from files (image folders), else 0
+    # null: for data decoded from files (image folders) the usable cores over the ranks on this host, else 0
 
 
 @dataclass

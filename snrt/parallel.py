@@ -22,6 +22,7 @@ from snrt.errors import SnrtError
 LAUNCHER_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 LAUNCHER_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
 LAUNCHER_LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")  # rank among this host's
+LAUNCHER_LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")  # processes on this host
 
 
 class Solo:
@@ -84,6 +85,11 @@ def launcher_rank():
 def launcher_local_rank():
     """This process's rank among the processes the launcher started on this host (its GPU)."""
     return _launcher_value(LAUNCHER_LOCAL_RANK_VARIABLES, 0)
+
+
+def launcher_local_size():
+    """The number of processes the launcher started on this host (1 without a launcher)."""
+    return _launcher_value(LAUNCHER_LOCAL_SIZE_VARIABLES, 1)
 
 
 def _launcher_value(names, default):

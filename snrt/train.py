@@ -22,7 +22,7 @@ from snrt.data import Batches, eval_batches, load_datasets, normalization
 from snrt.errors import DivergenceError, SnrtError
 from snrt.init import each_initial_parameter, each_initial_state
 from snrt.optim import learning_rate, make_optimizer
-from snrt.parallel import Solo
+from snrt.parallel import Solo, launcher_local_size
 from snrt.precision import LossScale, precision_named
 from snrt.runtime import plan_run, prepare
 from snrt.threads import usable_cores
@@ -158,11 +158,12 @@ class Trainer:
 
     @property
     def workers(self):
-        """The processes preparing batches: train.data.workers, or when it is null the usable
-        cores for data decoded from files (image folders) and none for data in memory."""
+        """The processes preparing batches: train.data.workers, or when it is null, for data
+        decoded from files (image folders), the usable cores shared among the ranks on this
+        host (at least one each); none for data in memory."""
         workers = self.config.train.data.workers
         if workers is None:
-            return usable_cores() if self.train_set.decodes else 0
+            return max(1, usable_cores() // launcher_local_size()) if self.train_set.decodes else 0
         return workers
 
     def _agree_to_stop(self):

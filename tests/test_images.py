@@ -111,6 +111,16 @@ def test_a_run_trains_on_a_folder_and_writes_its_classes(tmp_path):
     assert json.loads((tmp_path / "synthetic" / "summary.json").read_text())["data_workers"] == 0  # in memory
 
 
+def test_ranks_on_one_host_share_its_cores_among_their_default_workers(tmp_path, monkeypatch):
+    trainer = snrt.Trainer(network(make_folder(tmp_path)))
+    monkeypatch.setattr(snrt.train, "usable_cores", lambda: 8)
+    for variable, ranks, workers in (("MPI_LOCALNRANKS", "1", 8), ("MPI_LOCALNRANKS", "3", 2),
+                                     ("OMPI_COMM_WORLD_LOCAL_SIZE", "16", 1)):
+        monkeypatch.delenv("MPI_LOCALNRANKS", raising=False)
+        monkeypatch.setenv(variable, ranks)
+        assert trainer.workers == workers
+
+
 def test_a_network_with_other_classes_is_told_the_folders_count(tmp_path, capsys):
     root = make_folder(tmp_path / "images")
     (tmp_path / "net.yaml").write_text(json.dumps({

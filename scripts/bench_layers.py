@@ -11,7 +11,8 @@ back to back as in training: no wait for idle CPUs before a round by default (af
 pause every call starts with parked threads and cold caches, which inflates small kernels
 several times). Shapes: CIFAR ResNet layers at batch 32, ResNet-50 layers at batch 8, and the
 newer layers as MobileNetV2, SE-ResNet-50, ConvNeXt-T (batch 8, 224x224 input) and U-Net
-(batch 4, 256x256) use them. PyTorch's side is snrt.torch_reference's function of each layer.
+(batch 4, 256x256) use them, and the deep small maps of EfficientNet-B0 and ConvNeXt-T at
+64x64. PyTorch's side is snrt.torch_reference's function of each layer.
 Writes results/bench_layers.{json,md}.
 
     python scripts/bench_layers.py [--repeats 7] [--out results/bench_layers]
@@ -74,6 +75,10 @@ CASES = [
     # the newer layers, at the sizes of the zoo networks that use them
     ("depthwise 3x3 144 @56 b8", conv(out_channels=144, kernel=3, padding=1, groups=144), [(8, 144, 56, 56)]),
     ("depthwise 7x7 96 @56 b8", conv(out_channels=96, kernel=7, padding=3, groups=96), [(8, 96, 56, 56)]),
+    ("depthwise 5x5 672 @4 b8", conv(out_channels=672, kernel=5, padding=2, groups=672), [(8, 672, 4, 4)]),
+    ("depthwise 5x5 1152 @2 b8", conv(out_channels=1152, kernel=5, padding=2, groups=1152), [(8, 1152, 2, 2)]),
+    ("conv 1x1 384->1536 @4 b8", conv(out_channels=1536, kernel=1), [(8, 384, 4, 4)]),
+    ("conv 1x1 3072->768 @2 b8", conv(out_channels=768, kernel=1), [(8, 3072, 2, 2)]),
     ("convtranspose 2x2/2 128->64 @128 b4", ConvTranspose2d(out_channels=64, kernel=2, stride=2, bias=False),
      [(4, 128, 128, 128)]),
     ("batchnorm affine false 64 @112 b8", BatchNorm(affine=False), [(8, 64, 112, 112)]),

@@ -26,14 +26,13 @@ from snrt.backends.cpu_common import COMPILED
 
 @njit(**COMPILED)
 def sgd_step(w, g, m, weight_decay, momentum, nesterov, lr):
-    """SGD's update of flat w in one pass (m empty: no momentum); g is overwritten."""
+    """SGD's update of flat w in one pass (m empty: no momentum); g is only read."""
     for i in range(w.size):
         gi = g[i] + weight_decay * w[i]
         step = gi
         if m.size:
             m[i] = momentum * m[i] + gi
             step = gi + momentum * m[i] if nesterov else m[i]
-        g[i] = gi
         w[i] -= lr * step
 
 

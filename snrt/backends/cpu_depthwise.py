@@ -31,7 +31,6 @@ from numba import njit, uint64
 from snrt.backends.cpu_common import COMPILED, LayerLike
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
 
-SUM_BYTES = 8  # the weight gradient's sums over rows or samples are float64
 ROWS_MIN_WIDTH = 16  # output widths from which rows beat channels last (results/bench_layers.md)
 
 
@@ -189,7 +188,7 @@ def channels_last_forward(x, taps, bias, sh, sw, ph, pw, dh, dw, padded, rows, y
 
 @njit(**COMPILED)
 def channels_last_backward(gy, x, taps, sh, sw, ph, pw, dh, dw, padded, rows, partial, sums, gx, gweight, gbias):
-    """The gradients of channels_last_forward, each where asked (gx, gweight, gbias may be empty):
+    """The gradients of channels_last_forward (gx and gbias may be empty: not asked for):
     gweight[o, 0, i, j] = sum over samples and output pixels of gy * x at the tap; gbias[o] =
     sum of gy[:, o]; gx[n, c] = the taps' products with gy scattered back to the input pixels
     they read, summed over c's m outputs. Workspace: padded (Hp, Wp, O), rows (Ho, Wo, O),
@@ -202,22 +201,21 @@ def channels_last_backward(gy, x, taps, sh, sw, ph, pw, dh, dw, padded, rows, pa
     sums[:] = 0.0
     for s in range(n):
         _transposed(gy, s, rows)
-        if gweight.size or gbias.size:
-            _channels_last(x, s, m, ph, pw, padded)
-            partial[:] = 0.0
-            for r in range(ho):
-                for q in range(wo):
-                    grad = rows[r, q]
-                    for o in range(outs):
-                        partial[kh * kw, o] += grad[o]
-                    for i in range(kh):
-                        for j in range(kw):
-                            into, source = partial[i * kw + j], padded[r * sh + i * dh, q * sw + j * dw]
-                            for o in range(outs):
-                                into[o] += grad[o] * source[o]
-            for k in range(kh * kw + 1):
+        _channels_last(x, s, m, ph, pw, padded)
+        partial[:] = 0.0
+        for r in range(ho):
+            for q in range(wo):
+                grad = rows[r, q]
                 for o in range(outs):
-                    sums[k, o] += partial[k, o]
+                    partial[kh * kw, o] += grad[o]
+                for i in range(kh):
+                    for j in range(kw):
+                        into, source = partial[i * kw + j], padded[r * sh + i * dh, q * sw + j * dw]
+                        for o in range(outs):
+                            into[o] += grad[o] * source[o]
+        for k in range(kh * kw + 1):
+            for o in range(outs):
+                sums[k, o] += partial[k, o]
         if gx.size:
             padded[:] = 0.0
             for r in range(ho):

@@ -121,6 +121,9 @@ def snrt_kernels(layer, xs, params, rng):
         kernel.backward(KernelContext(np, workspace=workspace[BACKWARD]), gy, saved, params, aux, gxs, gparams)
 
     forward()  # aux (BatchNorm statistics, MaxPool argmax) for backward
+    if hasattr(kernel, "chosen"):  # measured per phase: "forward's/backward's"
+        name = "/".join(getattr(kernel.chosen(in_shapes, phase), "name", "im2col") for phase in (FORWARD, BACKWARD))
+        return forward, backward, name
     return forward, backward, getattr(kernel, "name", "numpy")
 
 
@@ -187,7 +190,9 @@ def main(argv=None):
              f"PyTorch {meta['torch']}; load average {meta['load_average'][0]:.2f} when it started. "
              f"`python scripts/bench_layers.py` (best of {args.repeats} after a warm-up, ms; "
              "speed = PyTorch ms / snrt ms, above 1 snrt is faster; kernel = what the CPU backend runs: "
-             "numpy = the layer's own code, numba = snrt/backends/cpu_kernels.py).", ""]
+             "numpy = the layer's own code, numba = snrt/backends/cpu_kernels.py; for dense stride-1 "
+             "convolutions forward's/backward's, whichever measured faster here: im2col = the layer's, "
+             "direct = snrt/backends/cpu_conv.py).", ""]
     lines += table(["layer", "kernel", "snrt fwd", "torch fwd", "fwd speed", "snrt bwd", "torch bwd", "bwd speed"], [
         [r["layer"], r["kernel"], f"{r['snrt_forward_ms']:.2f}", f"{r['torch_forward_ms']:.2f}",
          f"{r['torch_forward_ms'] / r['snrt_forward_ms']:.2f}x", f"{r['snrt_backward_ms']:.2f}",

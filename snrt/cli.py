@@ -403,6 +403,7 @@ def _plan_run(args, config):
     folder."""
     from snrt.train import Trainer
 
+    limit_threads(args.threads or usable_cores())  # before planning: CPU kernels size their workspace by it
     return Trainer.plan_for(config, backend=args.backend or default_backend(), group=args.group)
 
 

@@ -8,12 +8,14 @@ five to eight passes with per-channel broadcasts whose inner loops are only H*W 
 are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2). ReLU's backward in one
 pass (the layer's makes two) and MaxPool's backward in one pass without workspace (the
 layer's makes one per window offset). Compiled forwards of ReLU and MaxPool measured no
-faster than the layers' NumPy code, so those stay the layers'. Depthwise convolution
+faster than the layers' NumPy code, so those stay the layers'. Dense stride-1 convolution
+runs by the layer's im2col or by the direct kernel of cpu_conv.py, whichever measured faster
+for its shape and phase on this machine (cpu_choice.py). Depthwise convolution
 (cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py), GELU and SiLU (cpu_activation.py),
 AdaptiveAvgPool and nearest Upsample (cpu_resample.py) have modules of their own.
 
 Determinism: kernels are serial (no thread pool to fight OpenBLAS's spinning threads on a
-small machine) and compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a
+small machine; the direct convolution's threads each compute whole outputs) and compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a
 sum is vectorised in one order fixed by the compiled code: the same inputs give the same bits in every run and
 every policy (a recomputed BatchNorm reproduces the stored output); NaN and inf propagate
 (check mode relies on it).
@@ -29,6 +31,7 @@ from numba import njit
 
 from snrt.backends.cpu_activation import CompiledActivation
 from snrt.backends.cpu_common import COMPILED, LayerLike
+from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
 from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledNearestUpsample
@@ -177,7 +180,7 @@ class CpuKernels(LayerKernels):
 
     REGISTRY = {  # type name: the kernels to ask, in turn
         "BatchNorm": (CompiledBatchNorm,), "ReLU": (CompiledReLU,), "MaxPool": (CompiledMaxPool,),
-        "Conv2d": (CompiledDepthwiseConv2d,), "GroupNorm": (CompiledGroupNorm,), "LayerNorm": (CompiledLayerNorm,),
+        "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d), "GroupNorm": (CompiledGroupNorm,), "LayerNorm": (CompiledLayerNorm,),
         "GELU": (CompiledActivation,), "SiLU": (CompiledActivation,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
         "Upsample": (CompiledNearestUpsample,)}
 

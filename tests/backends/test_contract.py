@@ -44,8 +44,8 @@ def test_the_cpu_backend_carries_a_plan_out_through_the_contract():
         view[...] = 0
         backend.prefetch(buffer, buffer).wait()
         np.testing.assert_array_equal(backend.to_host(view).ravel(), np.arange(view.size))
-        conv = next(n for n in graph.nodes.values() if n.layer.type_name == "Conv2d")
-        assert backend.kernel_for(conv.layer, graph.in_shapes(conv.name, 4)) is conv.layer  # the layer's own
+        linear = next(n for n in graph.nodes.values() if n.layer.type_name == "Linear")
+        assert backend.kernel_for(linear.layer, graph.in_shapes(linear.name, 4)) is linear.layer  # the layer's own
         norm = next(n for n in graph.nodes.values() if n.layer.type_name == "BatchNorm")
         assert backend.kernel_for(norm.layer, graph.in_shapes(norm.name, 4)).name == "numba"  # compiled
     finally:

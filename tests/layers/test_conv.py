@@ -2,9 +2,12 @@ import numpy as np
 import pytest
 import torch
 
+import snrt.threads
+from snrt.backends import cpu_choice
+from snrt.backends.cpu_conv import ChosenConv2d, DirectConv2d
 from snrt.backends.cpu_depthwise import ROWS_MIN_WIDTH, CompiledDepthwiseConv2d
 from snrt.backends.cpu_kernels import CPU_KERNELS
-from snrt.errors import ShapeError
+from snrt.errors import ShapeError, SnrtError
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved, scratch_bytes
 from snrt.layers.conv import Conv2d, ConvTranspose2d
 from tests.layers.harness import check_layer
@@ -76,6 +79,113 @@ def test_only_depthwise_convolutions_get_the_depthwise_kernel():
     for groups, compiled in ((1, False), (2, False), (4, True)):
         kernel = CPU_KERNELS.kernel_for(Conv2d(out_channels=8, kernel=3, groups=groups), shape)
         assert isinstance(kernel, CompiledDepthwiseConv2d) is compiled
+
+
+@pytest.mark.parametrize("options", [
+    dict(out_channels=3, kernel=3, padding=1),
+    dict(out_channels=5, kernel=3),  # no padding
+    dict(out_channels=6, kernel=(2, 3), padding=(0, 1), bias=False),
+    dict(out_channels=3, kernel=5, padding=4),  # padding as wide as the data gradient allows
+    dict(out_channels=9, kernel=(7, 1), padding=(3, 0)),
+    dict(out_channels=7, kernel=(1, 3), padding=(0, 1)),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("shape", [(2, 4, 7, 6), (3, 17, 9, 11)])
+def test_direct_convolution(options, shape):
+    x = np.random.default_rng(1).standard_normal(shape)
+    layer = Conv2d(**options)
+    assert DirectConv2d.serves(layer, [shape])
+    check_layer(DirectConv2d(layer), [x], _reference(layer))
+
+
+@pytest.mark.parametrize("options, served", [
+    (dict(out_channels=4, kernel=3, padding=1), True),
+    (dict(out_channels=4, kernel=3, padding=1, stride=2), False),
+    (dict(out_channels=4, kernel=3, padding=2, dilation=2), False),
+    (dict(out_channels=4, kernel=3, padding=1, groups=2), False),
+    (dict(out_channels=4, kernel=1), False),  # a GEMM already
+    (dict(out_channels=4, kernel=3, padding=3), False),  # the data gradient's padding would be negative
+])
+def test_direct_convolution_serves_stride_one_dense_kernels(options, served):
+    assert DirectConv2d.serves(Conv2d(**options), [(2, 4, 9, 9)]) is served
+    kernel = CPU_KERNELS.kernel_for(Conv2d(**options), [(2, 4, 9, 9)])
+    assert isinstance(kernel, ChosenConv2d) is served
+
+
+def _direct_run(layer, x, params, gy, threads, monkeypatch):
+    """Forward and backward of DirectConv2d on `threads` kernel threads, each in exactly the
+    workspace it declares: (y, gx, gweight, gbias)."""
+    monkeypatch.setattr(snrt.threads, "_LIMIT", [threads])
+    kernel = DirectConv2d(layer)
+    ws = {phase: np.zeros(kernel.workspace_bytes([x.shape], phase), np.uint8) for phase in (FORWARD, BACKWARD)}
+    y = np.full(gy.shape, np.nan, np.float32)
+    kernel.forward(KernelContext(np, workspace=ws[FORWARD]), [x], params, {}, y, {})
+    gx = np.full_like(x, np.nan)
+    grads = {k: np.full_like(v, np.nan) for k, v in params.items()}
+    kernel.backward(KernelContext(np, workspace=ws[BACKWARD]), gy, Saved(xs=(x,)), params, {}, [gx], grads)
+    return y, gx, grads["weight"], grads["bias"]
+
+
+def test_direct_convolution_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
+    rng = np.random.default_rng(5)
+    layer = Conv2d(out_channels=6, kernel=3, padding=1)
+    x = rng.standard_normal((3, 5, 10, 9), dtype=np.float32)
+    params = {k: rng.standard_normal(s.shape, dtype=np.float32) for k, s in layer.param_specs([x.shape]).items()}
+    gy = rng.standard_normal(layer.infer_shape([x.shape]), dtype=np.float32)
+    one = _direct_run(layer, x, params, gy, 1, monkeypatch)
+    for threads in (2, 3, 7):  # 7: more threads than rows for some
+        for a, b in zip(one, _direct_run(layer, x, params, gy, threads, monkeypatch)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_direct_convolution_runs_on_fewer_threads_in_a_workspace_planned_for_fewer(monkeypatch):
+    rng = np.random.default_rng(6)
+    layer = Conv2d(out_channels=4, kernel=3, padding=1, bias=False)
+    x = rng.standard_normal((2, 3, 8, 8), dtype=np.float32)
+    weight = rng.standard_normal((4, 3, 3, 3), dtype=np.float32)
+    monkeypatch.setattr(snrt.threads, "_LIMIT", [1])
+    kernel = DirectConv2d(layer)
+    ws = np.zeros(kernel.workspace_bytes([x.shape], FORWARD), np.uint8)
+    monkeypatch.setattr(snrt.threads, "_LIMIT", [4])  # limited after planning
+    y = np.empty((2, 4, 8, 8), np.float32)
+    kernel.forward(KernelContext(np, workspace=ws), [x], {"weight": weight}, {}, y, {})
+    expected = torch.nn.functional.conv2d(torch.tensor(x), torch.tensor(weight), padding=1).numpy()
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_convolution_algorithm_is_measured_once_and_kept_on_disk(monkeypatch, tmp_path):
+    monkeypatch.setenv("SNRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_choice, "_CHOSEN", {})
+    timed = []
+    real = cpu_choice.fastest
+    monkeypatch.setattr(cpu_choice, "fastest", lambda *args: timed.append(args[2:]) or real(*args))
+    layer, shape = Conv2d(out_channels=4, kernel=3, padding=1), [(2, 3, 8, 8)]
+    kernel = CPU_KERNELS.kernel_for(layer, shape)
+    chosen = {phase: kernel.chosen(shape, phase) for phase in (FORWARD, BACKWARD)}
+    assert all(isinstance(k, (Conv2d, DirectConv2d)) for k in chosen.values())
+    assert timed == [(shape, FORWARD), (shape, BACKWARD)]
+    kernel.workspace_bytes(shape, FORWARD)  # asked again: remembered
+    assert len(timed) == 2
+    monkeypatch.setattr(cpu_choice, "_CHOSEN", {})  # a new process: the file answers
+    assert {phase: type(kernel.chosen(shape, phase)) for phase in chosen} == {p: type(k) for p, k in chosen.items()}
+    assert len(timed) == 2
+    (tmp_path / "cpu-kernels.json").write_text("{not json")  # damaged: measured again
+    monkeypatch.setattr(cpu_choice, "_CHOSEN", {})
+    kernel.chosen(shape, FORWARD)
+    assert len(timed) == 3
+
+
+@pytest.mark.parametrize("name, kind", [("im2col", Conv2d), ("direct", DirectConv2d)])
+def test_convolution_algorithm_can_be_forced(monkeypatch, name, kind):
+    monkeypatch.setenv("SNRT_CPU_KERNELS", name)
+    kernel = CPU_KERNELS.kernel_for(Conv2d(out_channels=4, kernel=3, padding=1), [(2, 3, 8, 8)])
+    assert isinstance(kernel.chosen([(2, 3, 8, 8)], BACKWARD), kind)
+
+
+def test_unknown_forced_algorithm_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("SNRT_CPU_KERNELS", "winograd")
+    kernel = CPU_KERNELS.kernel_for(Conv2d(out_channels=4, kernel=3, padding=1), [(2, 3, 8, 8)])
+    with pytest.raises(SnrtError, match="SNRT_CPU_KERNELS is 'winograd': expected 'measure' or one of 'im2col', 'direct'"):
+        kernel.workspace_bytes([(2, 3, 8, 8)], FORWARD)
 
 
 def test_conv2d_kernel_covers_input():

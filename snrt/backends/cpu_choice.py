@@ -1,0 +1,148 @@
+"""Which of several CPU kernels runs a layer at a shape: measured once per machine, then kept.
+
+Like cuDNN's find, `choose` times each candidate kernel on random fp32 data of the shape (the
+best of `ROUNDS` calls, after one untimed call that also compiles it), keeps the fastest,
+and remembers it: in this process, and in a JSON file per machine, so later runs start with
+the same choice and do not measure again. Once chosen, a shape's kernel never changes, so a
+run's results are deterministic and every policy runs the same kernels; processes that start
+together (the ranks of a data-parallel job) take turns through a lock on the file, so the
+first measures and the others read its choice, and every rank runs the same kernels as a
+single process would. The measurement happens at planning time, when the planner first asks
+for the workspace, in memory of its own outside any run's arena.
+
+`SNRT_CPU_KERNELS` overrides the choice: `measure` (the default), or a candidate's name
+(`im2col`, `direct`) to run that one wherever it serves. The file is
+`$SNRT_CACHE_DIR/cpu-kernels.json` (default `$XDG_CACHE_HOME/snrt`, else `~/.cache/snrt`);
+its entries are keyed by the CPU model, so a file shared between machines (a home directory
+on a cluster) keeps each model's own choices. They are not keyed by the number of threads,
+which would let a run with --threads 1 compute other bits than the same run with 2 (it
+keeps the choice measured with the threads of the first run). A file that is unreadable or
+damaged is measured over; one that cannot be written leaves the choices in this process
+only.
+"""
+
+import fcntl
+import json
+import os
+import platform
+import time
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from snrt.errors import SnrtError
+from snrt.layers.base import FORWARD, KernelContext, Saved
+
+VARIABLE = "SNRT_CPU_KERNELS"
+ROUNDS = 5  # timed calls of each candidate
+_CHOSEN = {}  # key: candidate name, this process's choices
+
+
+def cache_path():
+    """The choices file: $SNRT_CACHE_DIR, $XDG_CACHE_HOME/snrt or ~/.cache/snrt, cpu-kernels.json."""
+    folder = os.environ.get("SNRT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "snrt"
+    return Path(folder) / "cpu-kernels.json"
+
+
+@lru_cache(maxsize=1)
+def cpu_model():
+    """The processor's model name (/proc/cpuinfo), else platform's description of it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read(path):
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write(path, key, name):
+    """Add key: name to the file (re-read first: another process may have added its own)."""
+    entries = _read(path)
+    entries[key] = name
+    try:
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        partial.replace(path)
+    except OSError:
+        pass  # the choice still holds in this process
+
+
+def choose(layer, in_shapes, phase, candidates):
+    """The name of the candidate kernel ({name: kernel}) that runs `phase` of `layer` at
+    `in_shapes` (see the module docstring)."""
+    forced = os.environ.get(VARIABLE, "measure")
+    if forced in candidates:
+        return forced
+    if forced != "measure":
+        raise SnrtError(f"environment variable {VARIABLE} is {forced!r}: expected 'measure' or one of "
+                        f"{', '.join(repr(name) for name in candidates)}")
+    key = f"{cpu_model()} | {layer!r} | {[list(s) for s in in_shapes]} | {phase}"
+    if key not in _CHOSEN:
+        path = cache_path()
+        with _locked(path):  # ranks starting together: one measures, the others read its choice
+            name = _read(path).get(key)
+            if name not in candidates:
+                name = fastest(candidates, layer, in_shapes, phase)
+                _write(path, key, name)
+        _CHOSEN[key] = name
+    return _CHOSEN[key]
+
+
+@contextmanager
+def _locked(path):
+    """Hold an exclusive lock on `path`'s lock file (none when it cannot be made)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def fastest(candidates, layer, in_shapes, phase):
+    """The name of the candidate whose best time over ROUNDS rounds is least. A round calls
+    each candidate once, in turn, on the same random fp32 data; one untimed round first (it
+    also compiles), so that each candidate runs after the others as it will in a network."""
+    calls = {name: _call(kernel, layer, in_shapes, phase) for name, kernel in candidates.items()}
+    best = dict.fromkeys(calls, float("inf"))
+    for round_ in range(ROUNDS + 1):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if round_:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return min(best, key=best.get)
+
+
+def _call(kernel, layer, in_shapes, phase):
+    """A function that runs `kernel`'s `phase` on random fp32 data of `in_shapes`."""
+    rng = np.random.default_rng(0)
+
+    def array(shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    xs = [array(shape) for shape in in_shapes]
+    params = {name: array(spec.shape) for name, spec in layer.param_specs(in_shapes).items()}
+    out_shape = layer.infer_shape(in_shapes)
+    ctx = KernelContext(np, True, 0, 0, 0, np.empty(kernel.workspace_bytes(in_shapes, phase), np.uint8))
+    if phase == FORWARD:
+        y = np.empty(out_shape, np.float32)
+        return lambda: kernel.forward(ctx, xs, params, {}, y, {})
+    gy, gxs = array(out_shape), [np.empty_like(x) for x in xs]
+    gparams = {name: np.empty_like(value) for name, value in params.items()}
+    saved = Saved(xs=xs, y=None)
+    return lambda: kernel.backward(ctx, gy, saved, params, {}, gxs, gparams)

@@ -1,0 +1,362 @@
+"""Dense convolution on the CPU without the column matrix: compiled dot products over rows
+stacked channels last.
+
+The layer's im2col copies every input value kh*kw times into a column matrix before its
+GEMM; for 3x3 kernels on small maps (CIFAR's ResNets) that copy costs as much as the GEMM.
+Here each band of output rows packs its input once, channels last and zero-padded, with
+the kh input rows each output row reads stacked side by side:
+
+    stacked[r*Wp + q, i*C + c] = xpad[n, c, h + i, q]     (output row r = (n, h), 0 <= q < Wp)
+
+so that output pixel (h, w)'s whole window, over (j, i, c), is the one contiguous run
+stacked[r*Wp + w : r*Wp + w + kw, :] of K = kw*kh*C numbers, and its value one dot product
+with the weight repacked as wt[o, (j, i, c)] = W[o, c, i, j]. The kernel computes 4 pixels
+by 4 output channels at a time: 16 dot products in one loop over K, which the compiler turns
+into 16 vector accumulators (8 loads for 16 multiply-adds). The packing moves each input
+value kh times, in cache, where im2col writes kh*kw copies to memory.
+
+- forward: y = conv(x, W) + b, output rows split evenly among the kernel threads, each
+  packing and computing its own bands of `BAND_ROWS` rows in buffers of its own;
+- data gradient: for stride 1, gx is the convolution of gy zero-padded by (kh-1-ph,
+  kw-1-pw) with the flipped, transposed weight W'[c, o, i, j] = W[o, c, kh-1-i, kw-1-j],
+  so the same kernel computes it;
+- weight gradient: with gy padded to Wp columns (zeros past Wo), tap column j is one BLAS
+  GEMM over a chunk of rows, gW[:, :, :, j] (O, kh*C) += gyq (O, R*Wp) @ stacked[j : j +
+  R*Wp] (R*Wp, kh*C): no copy per tap, the shift is a view. The zero columns of gyq meet
+  input values outside their windows, so a non-finite input value can turn a weight
+  gradient that would be infinite into NaN (both are non-finite, which is what check mode
+  looks for).
+
+Serves stride 1, dilation 1, one group, a kernel larger than 1x1 and padding at most kernel-1
+(so the data gradient's padding is not negative); everything else is the layer's im2col.
+Kernel threads: `snrt.threads.kernel_threads()`, each an OS thread running compiled code
+without the GIL. Each output value is one thread's dot product in an order fixed by the
+compiled code, so results do not depend on the number of threads: the same bits in every
+run and policy.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from numba import njit
+
+from snrt.backends.cpu_common import COMPILED, LayerLike
+from snrt.backends.cpu_choice import choose
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
+from snrt.threads import kernel_threads
+
+BAND_ROWS = 4  # output rows packed at a time by a thread (in cache while their dot products run)
+GRAD_WEIGHT_ELEMENTS = 1 << 20  # stacked values per weight-gradient chunk: about 4 MB of fp32
+KERNEL = dict(COMPILED, nogil=True)
+
+
+@njit(**KERNEL)
+def stack_rows(x, n, ha, hb, ph, pw, kh, band, out):
+    """out[(h - ha)*Wp + q, i*C + c] = xpad[n, c, h + i, q] for output rows h in [ha, hb) of
+    sample n (xpad: x zero-padded by ph rows and pw columns, Wp = W + 2*pw). x (N, C, H, W);
+    band (B + kh - 1, Wp, C) scratch, B >= 1 output rows a pass; out (at least (hb - ha)*Wp,
+    kh*C)."""
+    _, channels, height, width = x.shape
+    rows, wp, _ = band.shape
+    step = rows - kh + 1
+    for h0 in range(ha, hb, step):
+        h1 = min(hb, h0 + step)
+        for b in range(h1 - h0 + kh - 1):  # input rows h0 - ph ... into band[b], channels last
+            hi = h0 + b - ph
+            row = band[b]
+            if hi < 0 or hi >= height:
+                row[:] = 0
+                continue
+            row[:pw] = 0
+            row[pw + width:] = 0
+            for c in range(channels):
+                src = x[n, c, hi]
+                for q in range(width):
+                    row[q + pw, c] = src[q]
+        for h in range(h0, h1):
+            base = (h - ha) * wp
+            for i in range(kh):
+                row = band[h - h0 + i]
+                for q in range(wp):
+                    dst = out[base + q]
+                    for c in range(channels):
+                        dst[i * channels + c] = row[q, c]
+
+
+@njit(**KERNEL)
+def stack_span(x, ho, ph, pw, kh, first, r0, r1, band, out):
+    """stack_rows over output rows r0 <= r < r1 (r = n*Ho + h, across samples) into out from
+    its row (r0 - first)*Wp on."""
+    wp = band.shape[1]
+    r = r0
+    while r < r1:
+        n, ha = r // ho, r % ho
+        hb = min(ho, ha + r1 - r)
+        stack_rows(x, n, ha, hb, ph, pw, kh, band, out[(r - first) * wp:])
+        r += hb - ha
+
+
+@njit(**KERNEL)
+def dot_rows(stacked, wt, bias, n, ha, hb, wp, y):
+    """y[n, o, h, w] = bias[o] + stacked[(h - ha)*Wp + w :][:K] . wt[o] for h in [ha, hb), with
+    stacked flat rows of kh*C (see stack_rows) and wt (O, K). Blocks of 4 pixels by 4 output
+    channels; a block past the last pixel or channel repeats it (same value, written twice).
+    Empty bias: none."""
+    outs, k = wt.shape
+    wo = y.shape[3]
+    width = stacked.shape[1]
+    flat = stacked.reshape(-1)
+    for h in range(ha, hb):
+        base = (h - ha) * wp
+        for w0 in range(0, wo, 4):
+            c0, c1, c2, c3 = min(w0, wo - 1), min(w0 + 1, wo - 1), min(w0 + 2, wo - 1), min(w0 + 3, wo - 1)
+            r0 = flat[(base + c0) * width:][:k]
+            r1 = flat[(base + c1) * width:][:k]
+            r2 = flat[(base + c2) * width:][:k]
+            r3 = flat[(base + c3) * width:][:k]
+            for o0 in range(0, outs, 4):
+                q0, q1, q2, q3 = o0, min(o0 + 1, outs - 1), min(o0 + 2, outs - 1), min(o0 + 3, outs - 1)
+                k0, k1, k2, k3 = wt[q0], wt[q1], wt[q2], wt[q3]
+                a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0)
+                a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0)
+                for t in range(k):
+                    x0, x1, x2, x3 = r0[t], r1[t], r2[t], r3[t]
+                    b0, b1, b2, b3 = k0[t], k1[t], k2[t], k3[t]
+                    a00 += x0 * b0
+                    a01 += x0 * b1
+                    a02 += x0 * b2
+                    a03 += x0 * b3
+                    a10 += x1 * b0
+                    a11 += x1 * b1
+                    a12 += x1 * b2
+                    a13 += x1 * b3
+                    a20 += x2 * b0
+                    a21 += x2 * b1
+                    a22 += x2 * b2
+                    a23 += x2 * b3
+                    a30 += x3 * b0
+                    a31 += x3 * b1
+                    a32 += x3 * b2
+                    a33 += x3 * b3
+                if bias.size:
+                    e0, e1, e2, e3 = bias[q0], bias[q1], bias[q2], bias[q3]
+                    a00, a10, a20, a30 = a00 + e0, a10 + e0, a20 + e0, a30 + e0
+                    a01, a11, a21, a31 = a01 + e1, a11 + e1, a21 + e1, a31 + e1
+                    a02, a12, a22, a32 = a02 + e2, a12 + e2, a22 + e2, a32 + e2
+                    a03, a13, a23, a33 = a03 + e3, a13 + e3, a23 + e3, a33 + e3
+                yq0, yq1, yq2, yq3 = y[n, q0, h], y[n, q1, h], y[n, q2, h], y[n, q3, h]
+                yq0[c0], yq1[c0], yq2[c0], yq3[c0] = a00, a01, a02, a03
+                yq0[c1], yq1[c1], yq2[c1], yq3[c1] = a10, a11, a12, a13
+                yq0[c2], yq1[c2], yq2[c2], yq3[c2] = a20, a21, a22, a23
+                yq0[c3], yq1[c3], yq2[c3], yq3[c3] = a30, a31, a32, a33
+
+
+@njit(**KERNEL)
+def convolve_rows(x, wt, bias, ph, pw, kh, kw, r0, r1, band, stacked, y):
+    """y rows r0 <= r < r1 (r = n*Ho + h) of the stride-1 convolution of x (N, C, H, W),
+    zero-padded by (ph, pw), with wt (O, kw*kh*C) (see dot_rows), band by band of at most
+    stacked.shape[0] // Wp output rows."""
+    ho = y.shape[2]
+    wp = band.shape[1]
+    rows = (stacked.shape[0] - kw + 1) // wp
+    r = r0
+    while r < r1:
+        n, ha = r // ho, r % ho
+        hb = min(ho, ha + rows, ha + r1 - r)
+        used = stacked[:(hb - ha) * wp + kw - 1]
+        stack_rows(x, n, ha, hb, ph, pw, kh, band, used)
+        used[(hb - ha) * wp:] = 0
+        dot_rows(used, wt, bias, n, ha, hb, wp, y)
+        r += hb - ha
+
+
+@njit(**KERNEL)
+def grad_weight_operands(x, gy, ph, pw, kh, first, r0, r1, band, stacked, gyq):
+    """For output rows r0 <= r < r1 of a chunk starting at row `first`: their stacked input
+    rows (stack_span) and gyq[o, (r - first)*Wp + w] = gy[n, o, h, w] (r = n*Ho + h), 0 for
+    Wo <= w < Wp."""
+    outs, ho, wo = gy.shape[1], gy.shape[2], gy.shape[3]
+    wp = band.shape[1]
+    stack_span(x, ho, ph, pw, kh, first, r0, r1, band, stacked)
+    for r in range(r0, r1):
+        n, h = r // ho, r % ho
+        base = (r - first) * wp
+        for o in range(outs):
+            dst = gyq[o, base:base + wp]
+            src = gy[n, o, h]
+            for w in range(wo):
+                dst[w] = src[w]
+            dst[wo:] = 0
+
+
+def _size(shapes, itemsize):
+    """Workspace bytes of scratch arrays of `shapes`."""
+    return scratch_bytes(*(numel(shape) * itemsize for shape in shapes))
+
+
+_POOL = {}  # thread count: its ThreadPoolExecutor
+
+
+def run_split(function, start, stop, per_thread_args, shared_args):
+    """function(*shared_args, r0, r1, *per_thread_args[t]) for thread t's even share [r0, r1)
+    of range(start, stop), on the kernel threads; returns when all are done (raising the
+    first error)."""
+    threads = len(per_thread_args)
+    bounds = [start + (stop - start) * t // threads for t in range(threads + 1)]
+    calls = [(*shared_args, bounds[t], bounds[t + 1], *per_thread_args[t]) for t in range(threads)]
+    if threads == 1:
+        function(*calls[0])
+        return
+    pool = _POOL.get(threads) or _POOL.setdefault(threads, ThreadPoolExecutor(threads, "snrt-kernel"))
+    for future in [pool.submit(function, *call) for call in calls]:
+        future.result()
+
+
+class DirectConv2d(LayerLike):
+    """Conv2d by the stacked-rows kernels above where they serve (see the module docstring),
+    in a workspace of its own (`workspace_bytes`)."""
+
+    name = "direct"
+
+    @staticmethod
+    def serves(layer, in_shapes):
+        (kh, kw), (ph, pw) = layer.kernel, layer.padding
+        return (layer.groups == 1 and layer.stride == (1, 1) and layer.dilation == (1, 1) and kh * kw > 1
+                and ph <= kh - 1 and pw <= kw - 1)
+
+    # ---- workspace ---------------------------------------------------------------------
+    def _band_shape(self, channels, width):
+        """A band (BAND_ROWS + kh - 1, Wp, channels) for packing an input of `channels`
+        channels, Wp wide (see stack_rows)."""
+        return (BAND_ROWS + self.layer.kernel[0] - 1, width, channels)
+
+    def _rows_shapes(self, channels, width, threads):
+        """Per thread: a band and stacked rows (BAND_ROWS*Wp + kw - 1, kh*channels)."""
+        kh, kw = self.layer.kernel
+        return [(threads, *self._band_shape(channels, width)), (threads, BAND_ROWS * width + kw - 1, kh * channels)]
+
+    def _grad_weight_rows(self, in_shapes):
+        """Output rows per weight-gradient chunk: about GRAD_WEIGHT_ELEMENTS stacked values."""
+        n, c, _, w = in_shapes[0]
+        (kh, _), (_, pw) = self.layer.kernel, self.layer.padding
+        ho = self.layer.infer_shape(in_shapes)[2]
+        return max(1, min(n * ho, GRAD_WEIGHT_ELEMENTS // ((w + 2 * pw) * kh * c)))
+
+    def _forward_shapes(self, in_shapes, threads):
+        _, c, _, w = in_shapes[0]
+        o, (kh, kw), pw = self.layer.out_channels, self.layer.kernel, self.layer.padding[1]
+        return [(o, kw * kh * c), *self._rows_shapes(c, w + 2 * pw, threads)]
+
+    def _grad_input_shapes(self, in_shapes, threads):
+        _, c, _, w = in_shapes[0]
+        o, (kh, kw) = self.layer.out_channels, self.layer.kernel
+        return [(c, kw * kh * o), *self._rows_shapes(o, w + kw - 1, threads)]
+
+    def _grad_weight_shapes(self, in_shapes, threads):
+        _, c, _, w = in_shapes[0]
+        o, (kh, kw), pw = self.layer.out_channels, self.layer.kernel, self.layer.padding[1]
+        rows, wp = self._grad_weight_rows(in_shapes), w + 2 * pw
+        return [(rows * wp + kw - 1, kh * c), (o, rows * wp), (kw, o, kh * c), (threads, *self._band_shape(c, wp))]
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        """Forward: the repacked weight and each thread's band and stacked rows. Backward: the
+        larger of the weight gradient's (a chunk's stacked rows, its padded gy, the kw partial
+        products, one band) and the data gradient's (the flipped weight, each thread's rows);
+        they run one after the other."""
+        threads = kernel_threads()
+        if phase != BACKWARD:
+            return _size(self._forward_shapes(in_shapes, threads), itemsize)
+        return max(_size(self._grad_weight_shapes(in_shapes, threads), itemsize),
+                   _size(self._grad_input_shapes(in_shapes, threads), itemsize))
+
+    @staticmethod
+    def _threads(ctx, shapes_for, itemsize):
+        """The kernel threads, fewer if the planned workspace was sized for fewer (threads
+        limited after planning): the most for which shapes_for(threads) fits."""
+        threads = kernel_threads()
+        while threads > 1 and _size(shapes_for(threads), itemsize) > ctx.workspace.nbytes:
+            threads -= 1
+        return threads
+
+    # ---- kernels -----------------------------------------------------------------------
+    def _convolve(self, ctx, x, weight_t, bias, padding, y, shapes_for):
+        """y = the stride-1 convolution of x padded by `padding` with weight_t (O, C, kh, kw),
+        plus bias, on the kernel threads; shapes_for: _forward_shapes or _grad_input_shapes."""
+        in_shapes = [x.shape]
+        threads = self._threads(ctx, lambda count: shapes_for(in_shapes, count), x.dtype.itemsize)
+        wt, bands, stacked = (ctx.scratch(shape, x.dtype) for shape in shapes_for(in_shapes, threads))
+        wt.reshape(weight_t.shape[0], *weight_t.shape[2:][::-1], weight_t.shape[1])[...] = weight_t.transpose(0, 3, 2, 1)
+        kh, kw = self.layer.kernel
+        rows = y.shape[0] * y.shape[2]
+        run_split(convolve_rows, 0, rows, list(zip(bands, stacked, [y] * len(bands))),
+                  (x, wt, bias, *padding, kh, kw))
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x, weight = xs[0], params["weight"]
+        bias = params["bias"] if self.layer.bias else weight[:0, 0, 0, 0]
+        self._convolve(ctx, x, weight, bias, self.layer.padding, y, self._forward_shapes)
+        ctx.release_scratch()
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        x, weight = saved.xs[0], params["weight"]
+        if self.layer.bias:
+            n, o = gy.shape[:2]
+            np.sum(gy.reshape(n, o, -1), axis=(0, 2), out=gparams["bias"])
+        self._grad_weight(ctx, gy, x, gparams["weight"])
+        ctx.release_scratch()
+        if gxs[0] is not None:
+            (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
+            flipped = weight[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)  # (C, O, kh, kw)
+            self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (kh - 1 - ph, kw - 1 - pw), gxs[0],
+                           lambda in_shapes, threads: self._grad_input_shapes([x.shape], threads))
+            ctx.release_scratch()
+
+    def _grad_weight(self, ctx, gy, x, gweight):
+        """gweight (O, C, kh, kw) = sum over chunks of rows, per tap column j, of gyq @ stacked
+        shifted by j (see the module docstring)."""
+        n, c, _, w = x.shape
+        o, ho = gy.shape[1], gy.shape[2]
+        (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
+        wp = w + 2 * pw
+        threads = self._threads(ctx, lambda count: self._grad_weight_shapes([x.shape], count), x.dtype.itemsize)
+        stacked, gyq, partial, bands = (ctx.scratch(shape, x.dtype)
+                                        for shape in self._grad_weight_shapes([x.shape], threads))
+        chunk = self._grad_weight_rows([x.shape])
+        by_tap = partial.reshape(kw, o, kh, c).transpose(1, 3, 2, 0)  # (O, C, kh, kw) view
+        for r0 in range(0, n * ho, chunk):
+            r1 = min(n * ho, r0 + chunk)
+            run_split(grad_weight_operands, r0, r1, [(band, stacked, gyq) for band in bands],
+                      (x, gy, ph, pw, kh, r0))
+            columns = (r1 - r0) * wp
+            stacked[columns:columns + kw - 1] = 0
+            for j in range(kw):
+                np.matmul(gyq[:, :columns], stacked[j:j + columns], out=partial[j])
+            if r0 == 0:
+                np.copyto(gweight, by_tap)
+            else:
+                gweight += by_tap
+
+
+class ChosenConv2d(LayerLike):
+    """Conv2d, each phase (forward, backward) by whichever of the layer's im2col and
+    DirectConv2d measured faster at its shape on this machine (snrt/backends/cpu_choice.py),
+    where DirectConv2d serves."""
+
+    serves = staticmethod(DirectConv2d.serves)
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.candidates = {"im2col": layer, "direct": DirectConv2d(layer)}
+
+    def chosen(self, in_shapes, phase):
+        """The kernel that runs `phase` at `in_shapes`."""
+        return self.candidates[choose(self.layer, in_shapes, phase, self.candidates)]
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return self.chosen(in_shapes, phase).workspace_bytes(in_shapes, phase, itemsize)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        self.chosen([xs[0].shape], FORWARD).forward(ctx, xs, params, state, y, aux, recompute)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        self.chosen([saved.xs[0].shape], BACKWARD).backward(ctx, gy, saved, params, aux, gxs, gparams)

@@ -35,6 +35,7 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's snrt, whatever the installed copy points at
+import snrt  # noqa: E402,F401  (before numpy: it sets OpenBLAS's thread timeout, as the `snrt` command does)
 
 RESULT_TAG = "TIMING_RESULT "  # a worker's JSON line on its stdout
 WORKER_FLAG = "--timing-worker"

@@ -50,3 +50,13 @@ def test_limit_threads_caps_numpys_pool_and_those_loaded_later():
     assert any("numpy" in path for path, _ in pools) and any("scipy" in path for path, _ in pools)
     assert all(n == 1 for _, n in pools)
     assert value == 64.0
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "4"), ("20", "20")])
+def test_importing_snrt_first_has_openblas_threads_sleep_at_once_unless_the_user_chose(preset, expected):
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if preset:
+        env["OPENBLAS_THREAD_TIMEOUT"] = preset
+    code = "import os, snrt; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.strip() == expected

@@ -20,12 +20,13 @@ value kh times, in cache, where im2col writes kh*kw copies to memory.
 - data gradient: for stride 1, gx is the convolution of gy zero-padded by (kh-1-ph,
   kw-1-pw) with the flipped, transposed weight W'[c, o, i, j] = W[o, c, kh-1-i, kw-1-j],
   so the same kernel computes it;
-- weight gradient: with gy padded to Wp columns (zeros past Wo), tap column j is one BLAS
-  GEMM over a chunk of rows, gW[:, :, :, j] (O, kh*C) += gyq (O, R*Wp) @ stacked[j : j +
-  R*Wp] (R*Wp, kh*C): no copy per tap, the shift is a view. The zero columns of gyq meet
-  input values outside their windows, so a non-finite input value can turn a weight
-  gradient that would be infinite into NaN (both are non-finite, which is what check mode
-  looks for).
+- weight gradient: gW[o, (j, i, c)] sums gy[n, o, h, w] times the pixel's window over the
+  pixels, 4 pixels by 4 output channels at a time (each window value loaded once for 16
+  multiply-adds into 4 rows of gW), chunk by chunk of `GRAD_WEIGHT_ELEMENTS` stacked values,
+  the output channels split among the threads. A block past a row's last pixel has weight 0
+  there, so a non-finite input value can turn a weight gradient that would be infinite into
+  NaN (both are non-finite, which is what check mode looks for). No BLAS call: OpenBLAS's
+  threads, which spin a while after each call, do not compete with the kernel threads.
 
 Serves stride 1, dilation 1, one group, a kernel larger than 1x1 and padding at most kernel-1
 (so the data gradient's padding is not negative); everything else is the layer's im2col.
@@ -171,22 +172,60 @@ def convolve_rows(x, wt, bias, ph, pw, kh, kw, r0, r1, band, stacked, y):
 
 
 @njit(**KERNEL)
-def grad_weight_operands(x, gy, ph, pw, kh, first, r0, r1, band, stacked, gyq):
-    """For output rows r0 <= r < r1 of a chunk starting at row `first`: their stacked input
-    rows (stack_span) and gyq[o, (r - first)*Wp + w] = gy[n, o, h, w] (r = n*Ho + h), 0 for
-    Wo <= w < Wp."""
+def _add_products(d, a, s0, s1, s2, s3):
+    """d[t] += a[0]*s0[t] + a[1]*s1[t] + a[2]*s2[t] + a[3]*s3[t] over d's length."""
+    a0, a1, a2, a3 = a[0], a[1], a[2], a[3]
+    for t in range(d.size):
+        d[t] += a0 * s0[t] + a1 * s1[t] + a2 * s2[t] + a3 * s3[t]
+
+
+@njit(**KERNEL)
+def _add_products4(d, a, s0, s1, s2, s3):
+    """_add_products for the 4 rows of d (4, K) with the 4 rows of a (4, 4) at once: each s[t]
+    loaded once for 16 multiply-adds."""
+    d0, d1, d2, d3 = d[0], d[1], d[2], d[3]
+    a00, a01, a02, a03 = a[0, 0], a[0, 1], a[0, 2], a[0, 3]
+    a10, a11, a12, a13 = a[1, 0], a[1, 1], a[1, 2], a[1, 3]
+    a20, a21, a22, a23 = a[2, 0], a[2, 1], a[2, 2], a[2, 3]
+    a30, a31, a32, a33 = a[3, 0], a[3, 1], a[3, 2], a[3, 3]
+    for t in range(d0.size):
+        x0, x1, x2, x3 = s0[t], s1[t], s2[t], s3[t]
+        d0[t] += a00 * x0 + a01 * x1 + a02 * x2 + a03 * x3
+        d1[t] += a10 * x0 + a11 * x1 + a12 * x2 + a13 * x3
+        d2[t] += a20 * x0 + a21 * x1 + a22 * x2 + a23 * x3
+        d3[t] += a30 * x0 + a31 * x1 + a32 * x2 + a33 * x3
+
+
+@njit(**KERNEL)
+def weight_grad_rows(stacked, gy, first, rows, wp, b0, b1, gw):
+    """gw[o, t] += sum over the output pixels (h, w) of `rows` output rows from row `first` (r =
+    n*Ho + h) of gy[n, o, h, w] * (pixel's window in stacked)[t], for the output channels o of
+    blocks b0 <= b < b1 of 4 (the last block may be short). Pixels go 4 at a time (past the
+    row's end with weight 0), each channel in the same order whatever the blocks, so the sums do
+    not depend on how blocks are split among threads."""
     outs, ho, wo = gy.shape[1], gy.shape[2], gy.shape[3]
-    wp = band.shape[1]
-    stack_span(x, ho, ph, pw, kh, first, r0, r1, band, stacked)
-    for r in range(r0, r1):
-        n, h = r // ho, r % ho
-        base = (r - first) * wp
-        for o in range(outs):
-            dst = gyq[o, base:base + wp]
-            src = gy[n, o, h]
-            for w in range(wo):
-                dst[w] = src[w]
-            dst[wo:] = 0
+    k = gw.shape[1]
+    width = stacked.shape[1]
+    flat = stacked.reshape(-1)
+    a = np.zeros((outs, 4), gw.dtype)  # gy of a block's pixels, 0 past the row's end
+    for rr in range(rows):
+        n, h = (first + rr) // ho, (first + rr) % ho
+        base = rr * wp
+        for w0 in range(0, wo, 4):
+            c1, c2, c3 = min(w0 + 1, wo - 1), min(w0 + 2, wo - 1), min(w0 + 3, wo - 1)
+            s0 = flat[(base + w0) * width:][:k]
+            s1 = flat[(base + c1) * width:][:k]
+            s2 = flat[(base + c2) * width:][:k]
+            s3 = flat[(base + c3) * width:][:k]
+            for o in range(4 * b0, min(outs, 4 * b1)):
+                for q in range(4):
+                    a[o, q] = gy[n, o, h, w0 + q] if w0 + q < wo else 0
+            for b in range(b0, b1):
+                if 4 * b + 4 <= outs:
+                    _add_products4(gw[4 * b:4 * b + 4], a[4 * b:4 * b + 4], s0, s1, s2, s3)
+                else:
+                    for o in range(4 * b, outs):
+                        _add_products(gw[o], a[o], s0, s1, s2, s3)
 
 
 def _size(shapes, itemsize):
@@ -256,7 +295,7 @@ class DirectConv2d(LayerLike):
         _, c, _, w = in_shapes[0]
         o, (kh, kw), pw = self.layer.out_channels, self.layer.kernel, self.layer.padding[1]
         rows, wp = self._grad_weight_rows(in_shapes), w + 2 * pw
-        return [(rows * wp + kw - 1, kh * c), (o, rows * wp), (kw, o, kh * c), (threads, *self._band_shape(c, wp))]
+        return [(rows * wp + kw - 1, kh * c), (o, kw * kh * c), (threads, *self._band_shape(c, wp))]
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """Forward: the repacked weight and each thread's band and stacked rows. Backward: the
@@ -312,29 +351,22 @@ class DirectConv2d(LayerLike):
             ctx.release_scratch()
 
     def _grad_weight(self, ctx, gy, x, gweight):
-        """gweight (O, C, kh, kw) = sum over chunks of rows, per tap column j, of gyq @ stacked
-        shifted by j (see the module docstring)."""
+        """gweight (O, C, kh, kw) = the sum, over chunks of output rows, of weight_grad_rows on
+        the chunk's stacked rows, kept as (O, kw*kh*C) until the end."""
         n, c, _, w = x.shape
         o, ho = gy.shape[1], gy.shape[2]
         (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
         wp = w + 2 * pw
         threads = self._threads(ctx, lambda count: self._grad_weight_shapes([x.shape], count), x.dtype.itemsize)
-        stacked, gyq, partial, bands = (ctx.scratch(shape, x.dtype)
-                                        for shape in self._grad_weight_shapes([x.shape], threads))
+        stacked, sums, bands = (ctx.scratch(shape, x.dtype) for shape in self._grad_weight_shapes([x.shape], threads))
+        sums[...] = 0
         chunk = self._grad_weight_rows([x.shape])
-        by_tap = partial.reshape(kw, o, kh, c).transpose(1, 3, 2, 0)  # (O, C, kh, kw) view
         for r0 in range(0, n * ho, chunk):
             r1 = min(n * ho, r0 + chunk)
-            run_split(grad_weight_operands, r0, r1, [(band, stacked, gyq) for band in bands],
-                      (x, gy, ph, pw, kh, r0))
-            columns = (r1 - r0) * wp
-            stacked[columns:columns + kw - 1] = 0
-            for j in range(kw):
-                np.matmul(gyq[:, :columns], stacked[j:j + columns], out=partial[j])
-            if r0 == 0:
-                np.copyto(gweight, by_tap)
-            else:
-                gweight += by_tap
+            run_split(stack_span, r0, r1, [(band, stacked) for band in bands], (x, ho, ph, pw, kh, r0))
+            stacked[(r1 - r0) * wp:(r1 - r0) * wp + kw - 1] = 0
+            run_split(weight_grad_rows, 0, -(-o // 4), [(sums,)] * threads, (stacked, gy, r0, r1 - r0, wp))
+        np.copyto(gweight, sums.reshape(o, kw, kh, c).transpose(0, 3, 2, 1))
 
 
 class ChosenConv2d(LayerLike):

@@ -11,13 +11,14 @@ when a signal may already arrive) stays light.
 import importlib
 import os
 
-# OpenBLAS's threads spin for about 2**28 cycles (~0.1 s) after each GEMM before they sleep,
-# holding cores that snrt's own threads need right after it (the direct convolution's kernel
-# threads, the compiled kernels, the copy streams): ResNet-50 at 112x112 trained 16% faster on a
-# 2-core machine with them sleeping at once (2**4 cycles). OpenBLAS reads this when numpy loads
-# it, so it holds where snrt is imported before numpy (the `snrt` command); a value the user
-# set is kept.
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+# OpenBLAS's threads spin for 2**28 cycles (~0.1 s) after each GEMM before they sleep, holding
+# cores that snrt's own threads need right after it (the direct convolution's kernel threads,
+# the compiled kernels, the copy streams). 2**16 cycles (~20 us) still bridges back-to-back
+# GEMMs. Measured on a 2-core machine, seconds an iteration, processes taking turns: CIFAR
+# ResNet-110 b32 0.99 (2**28) -> 0.84 (2**16) or 0.82 (2**4); ResNet-50 112x112 b8 0.55 ->
+# 0.51 (2**16) but 0.52 -> 0.58 (2**4). OpenBLAS reads this when numpy loads it, so it holds
+# where snrt is imported before numpy (the `snrt` command); a value the user set is kept.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 
 _EXPORTS = {
     "Config": "snrt.config", "load_config": "snrt.config",

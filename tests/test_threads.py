@@ -52,7 +52,7 @@ def test_limit_threads_caps_numpys_pool_and_those_loaded_later():
     assert value == 64.0
 
 
-@pytest.mark.parametrize("preset, expected", [(None, "4"), ("20", "20")])
+@pytest.mark.parametrize("preset, expected", [(None, "16"), ("4", "4")])
 def test_importing_snrt_first_has_openblas_threads_sleep_at_once_unless_the_user_chose(preset, expected):
     env = {k: v for k, v in __import__("os").environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     if preset:

@@ -36,6 +36,7 @@ compiled code, so results do not depend on the number of threads: the same bits 
 run and policy.
 """
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -233,7 +234,7 @@ def _size(shapes, itemsize):
     return scratch_bytes(*(numel(shape) * itemsize for shape in shapes))
 
 
-_POOL = {}  # thread count: its ThreadPoolExecutor
+_POOL = {}  # (process id, thread count): its ThreadPoolExecutor (a forked child makes its own)
 
 
 def run_split(function, start, stop, per_thread_args, shared_args):
@@ -246,7 +247,8 @@ def run_split(function, start, stop, per_thread_args, shared_args):
     if threads == 1:
         function(*calls[0])
         return
-    pool = _POOL.get(threads) or _POOL.setdefault(threads, ThreadPoolExecutor(threads, "snrt-kernel"))
+    key = (os.getpid(), threads)
+    pool = _POOL.get(key) or _POOL.setdefault(key, ThreadPoolExecutor(threads, "snrt-kernel"))
     for future in [pool.submit(function, *call) for call in calls]:
         future.result()
 

@@ -1,3 +1,6 @@
+import multiprocessing
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -122,7 +125,7 @@ def _direct_run(layer, x, params, gy, threads, monkeypatch):
     gx = np.full_like(x, np.nan)
     grads = {k: np.full_like(v, np.nan) for k, v in params.items()}
     kernel.backward(KernelContext(np, workspace=ws[BACKWARD]), gy, Saved(xs=(x,)), params, {}, [gx], grads)
-    return y, gx, grads["weight"], grads["bias"]
+    return y, gx, grads["weight"], grads.get("bias")
 
 
 def test_direct_convolution_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
@@ -150,6 +153,31 @@ def test_direct_convolution_runs_on_fewer_threads_in_a_workspace_planned_for_few
     kernel.forward(KernelContext(np, workspace=ws), [x], {"weight": weight}, {}, y, {})
     expected = torch.nn.functional.conv2d(torch.tensor(x), torch.tensor(weight), padding=1).numpy()
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_direct_convolution_runs_in_a_child_forked_after_it_ran(monkeypatch):
+    """`snrt plan` forks a child that plans (and may measure kernels) while the parent goes on:
+    the child must not wait on the parent's kernel threads, which it does not have."""
+    rng = np.random.default_rng(7)
+    layer = Conv2d(out_channels=4, kernel=3, padding=1, bias=False)
+    x = rng.standard_normal((2, 3, 8, 8), dtype=np.float32)
+    weight = rng.standard_normal((4, 3, 3, 3), dtype=np.float32)
+    gy = rng.standard_normal((2, 4, 8, 8), dtype=np.float32)
+    y = _direct_run(layer, x, {"weight": weight}, gy, 2, monkeypatch)[0]  # the parent's pool exists now
+    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
+
+    def child():
+        send.send(_direct_run(layer, x, {"weight": weight}, gy, 2, monkeypatch)[0])
+        os._exit(0)
+
+    process = multiprocessing.get_context("fork").Process(target=child, daemon=True)
+    process.start()
+    try:
+        assert receive.poll(60), "the forked child hung"
+        np.testing.assert_array_equal(receive.recv(), y)
+    finally:
+        process.kill()
+        process.join()
 
 
 def test_convolution_algorithm_is_measured_once_and_kept_on_disk(monkeypatch, tmp_path):

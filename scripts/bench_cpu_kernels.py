@@ -10,8 +10,10 @@ Writes results/cpu_kernels.{json,md}.
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from reproduce_common import RESULTS, machine, meta_line, save_json, save_markdown, table
@@ -39,6 +41,7 @@ def main():
     meta = machine()
     before = subprocess.run(["git", "-C", args.before, "log", "-1", "--format=%h %s"], capture_output=True,
                             text=True).stdout.strip()[:60]
+    os.environ["SNRT_CACHE_DIR"] = tempfile.mkdtemp(prefix="snrt-bench-")  # kernel choices measured afresh
     rows = [compared(args.before, *case, args.rounds) for case in CASES]
     save_json(RESULTS, "cpu_kernels", {"meta": meta, "before": before, "rows": rows})
     save_markdown(RESULTS, "cpu_kernels", [
@@ -47,7 +50,11 @@ def main():
         f"`python scripts/bench_cpu_kernels.py --before CHECKOUT --rounds {args.rounds}` (before: `{before}`): "
         f"median seconds of one training iteration (policy none, fp32, synthetic data) over {args.rounds} rounds "
         "of 2 iterations after a warm-up, each side in fresh processes taking turns (scripts/compare_speed.py); "
-        "PyTorch runs the same graph in NCHW (snrt.torch_reference.TorchNet) with the same optimizer.", "",
+        "PyTorch runs the same graph in NCHW (snrt.torch_reference.TorchNet) with the same optimizer. Both "
+        f"sides ran with OPENBLAS_THREAD_TIMEOUT={os.environ.get('OPENBLAS_THREAD_TIMEOUT')} (set when this "
+        "script imported snrt; the before checkout's processes inherit it), so after / before is the kernels' "
+        "change alone (results/blas_timeout.md measures the timeout). Dense stride-1 convolutions run the kernel "
+        "measured faster for their shape (snrt/backends/cpu_choice.py), measured afresh for this run.", "",
         *table(["network", "image", "batch", "PyTorch s", "before s", "after s", "after / before", "vs PyTorch before",
                 "vs PyTorch after"],
                [[r["network"], r["size"], r["batch"], f"{r['seconds']['torch']:.3f}",

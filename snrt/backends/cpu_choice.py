@@ -1,7 +1,8 @@
 """Which of several CPU kernels runs a layer at a shape: measured once per machine, then kept.
 
-Like cuDNN's find, `choose` times each candidate kernel on random fp32 data of the shape (the
-best of `ROUNDS` calls, after one untimed call that also compiles it), keeps the fastest,
+Like cuDNN's find, `choose` times each candidate kernel on random fp32 data of the shape, its
+batch cut to about MEASURED_ELEMENTS input values (the best of `ROUNDS` calls, after one
+untimed call that also compiles it), keeps the fastest,
 and remembers it: in this process, and in a JSON file per machine, so later runs start with
 the same choice and do not measure again. Once chosen, a shape's kernel never changes, so a
 run's results are deterministic and every policy runs the same kernels; processes that start
@@ -23,6 +24,7 @@ only.
 
 import fcntl
 import json
+import math
 import os
 import platform
 import time
@@ -37,6 +39,7 @@ from snrt.layers.base import FORWARD, KernelContext, Saved
 
 VARIABLE = "SNRT_CPU_KERNELS"
 ROUNDS = 5  # timed calls of each candidate
+MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
 _CHOSEN = {}  # key: candidate name, this process's choices
 
 
@@ -87,6 +90,7 @@ def choose(layer, in_shapes, phase, candidates):
     if forced != "measure":
         raise SnrtError(f"environment variable {VARIABLE} is {forced!r}: expected 'measure' or one of "
                         f"{', '.join(repr(name) for name in candidates)}")
+    in_shapes = measured_shapes(in_shapes)
     key = f"{cpu_model()} | {layer!r} | {[list(s) for s in in_shapes]} | {phase}"
     if key not in _CHOSEN:
         path = cache_path()
@@ -97,6 +101,16 @@ def choose(layer, in_shapes, phase, candidates):
                 _write(path, key, name)
         _CHOSEN[key] = name
     return _CHOSEN[key]
+
+
+def measured_shapes(in_shapes):
+    """`in_shapes` with the batch cut to the samples whose first input holds about
+    MEASURED_ELEMENTS values (at least one sample): the choice for a bigger batch is the one
+    measured at that batch, so that a search over batch sizes measures each layer once, in
+    bounded time and memory."""
+    per_sample = max(1, math.prod(in_shapes[0][1:]))
+    batch = max(1, min(in_shapes[0][0], MEASURED_ELEMENTS // per_sample))
+    return [(batch, *shape[1:]) for shape in in_shapes]
 
 
 @contextmanager

@@ -202,6 +202,19 @@ def test_convolution_algorithm_is_measured_once_and_kept_on_disk(monkeypatch, tm
     assert len(timed) == 3
 
 
+def test_big_batches_share_one_measurement_at_a_bounded_batch(monkeypatch, tmp_path):
+    monkeypatch.setenv("SNRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_choice, "_CHOSEN", {})
+    monkeypatch.setattr(cpu_choice, "MEASURED_ELEMENTS", 3 * 8 * 8 * 5)  # 5 samples of (3, 8, 8)
+    timed = []
+    real = cpu_choice.fastest
+    monkeypatch.setattr(cpu_choice, "fastest", lambda *args: timed.append(args[2]) or real(*args))
+    layer = Conv2d(out_channels=4, kernel=3, padding=1)
+    for batch in (64, 7, 5, 3):
+        CPU_KERNELS.kernel_for(layer, [(batch, 3, 8, 8)]).chosen([(batch, 3, 8, 8)], FORWARD)
+    assert timed == [[(5, 3, 8, 8)], [(3, 3, 8, 8)]]  # 64, 7 and 5 samples: measured once, at 5
+
+
 @pytest.mark.parametrize("name, kind", [("im2col", Conv2d), ("direct", DirectConv2d)])
 def test_convolution_algorithm_can_be_forced(monkeypatch, name, kind):
     monkeypatch.setenv("SNRT_CPU_KERNELS", name)

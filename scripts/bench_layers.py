@@ -191,7 +191,7 @@ def main(argv=None):
              f"`python scripts/bench_layers.py` (best of {args.repeats} after a warm-up, ms; "
              "speed = PyTorch ms / snrt ms, above 1 snrt is faster; kernel = what the CPU backend runs: "
              "numpy = the layer's own code, numba = snrt/backends/cpu_kernels.py; for dense stride-1 "
-             "convolutions forward's/backward's, whichever measured faster here: im2col = the layer's, "
+             "convolutions forward's/backward's as measured here: im2col = the layer's, "
              "direct = snrt/backends/cpu_conv.py).", ""]
     lines += table(["layer", "kernel", "snrt fwd", "torch fwd", "fwd speed", "snrt bwd", "torch bwd", "bwd speed"], [
         [r["layer"], r["kernel"], f"{r['snrt_forward_ms']:.2f}", f"{r['torch_forward_ms']:.2f}",

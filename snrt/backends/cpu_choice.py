@@ -2,7 +2,8 @@
 
 Like cuDNN's find, `choose` times each candidate kernel on random fp32 data of the shape, its
 batch cut to about MEASURED_ELEMENTS input values (the best of `ROUNDS` calls, after one
-untimed call that also compiles it), keeps the fastest,
+untimed call that also compiles it), keeps the fastest (the default, the first candidate,
+unless another is at least 10% faster: `pick`),
 and remembers it: in this process, and in a JSON file per machine, so later runs start with
 the same choice and do not measure again. Once chosen, a shape's kernel never changes, so a
 run's results are deterministic and every policy runs the same kernels; processes that start
@@ -39,6 +40,7 @@ from snrt.layers.base import FORWARD, KernelContext, Saved
 
 VARIABLE = "SNRT_CPU_KERNELS"
 ROUNDS = 5  # timed calls of each candidate
+MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
 _CHOSEN = {}  # key: candidate name, this process's choices
 
@@ -69,10 +71,10 @@ def _read(path):
     return entries if isinstance(entries, dict) else {}
 
 
-def _write(path, key, name):
-    """Add key: name to the file (re-read first: another process may have added its own)."""
+def _write(path, key, entry):
+    """Add key: entry to the file (re-read first: another process may have added its own)."""
     entries = _read(path)
-    entries[key] = name
+    entries[key] = entry
     try:
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
@@ -95,10 +97,12 @@ def choose(layer, in_shapes, phase, candidates):
     if key not in _CHOSEN:
         path = cache_path()
         with _locked(path):  # ranks starting together: one measures, the others read its choice
-            name = _read(path).get(key)
+            entry = _read(path).get(key)
+            name = entry.get("kernel") if isinstance(entry, dict) else None
             if name not in candidates:
-                name = fastest(candidates, layer, in_shapes, phase)
-                _write(path, key, name)
+                seconds = fastest(candidates, layer, in_shapes, phase)
+                name = pick(seconds)
+                _write(path, key, {"kernel": name, "seconds": seconds})
         _CHOSEN[key] = name
     return _CHOSEN[key]
 
@@ -128,9 +132,9 @@ def _locked(path):
 
 
 def fastest(candidates, layer, in_shapes, phase):
-    """The name of the candidate whose best time over ROUNDS rounds is least. A round calls
-    each candidate once, in turn, on the same random fp32 data; one untimed round first (it
-    also compiles), so that each candidate runs after the others as it will in a network."""
+    """{name: best seconds} of each candidate over ROUNDS rounds. A round calls each candidate
+    once, in turn, on the same random fp32 data; one untimed round first (it also compiles),
+    so that each candidate runs after the others as it will in a network."""
     calls = {name: _call(kernel, layer, in_shapes, phase) for name, kernel in candidates.items()}
     best = dict.fromkeys(calls, float("inf"))
     for round_ in range(ROUNDS + 1):
@@ -139,7 +143,16 @@ def fastest(candidates, layer, in_shapes, phase):
             call()
             if round_:
                 best[name] = min(best[name], time.perf_counter() - start)
-    return min(best, key=best.get)
+    return best
+
+
+def pick(seconds):
+    """The first candidate of `seconds` ({name: seconds}, the default first), unless another
+    took at most MARGIN of its time: a near tie, within what a shared machine's noise and a
+    network's cold caches move, keeps the default."""
+    default = next(iter(seconds))
+    best = min(seconds, key=seconds.get)
+    return best if seconds[best] <= MARGIN * seconds[default] else default
 
 
 def _call(kernel, layer, in_shapes, phase):

@@ -372,9 +372,9 @@ class DirectConv2d(LayerLike):
 
 
 class ChosenConv2d(LayerLike):
-    """Conv2d, each phase (forward, backward) by whichever of the layer's im2col and
-    DirectConv2d measured faster at its shape on this machine (snrt/backends/cpu_choice.py),
-    where DirectConv2d serves."""
+    """Conv2d, each phase (forward, backward) by the layer's im2col, or by DirectConv2d where
+    it serves and measured at least 10% faster at the shape on this machine
+    (snrt/backends/cpu_choice.py)."""
 
     serves = staticmethod(DirectConv2d.serves)
 

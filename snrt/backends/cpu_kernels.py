@@ -9,8 +9,8 @@ are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2). ReLU's bac
 pass (the layer's makes two) and MaxPool's backward in one pass without workspace (the
 layer's makes one per window offset). Compiled forwards of ReLU and MaxPool measured no
 faster than the layers' NumPy code, so those stay the layers'. Dense stride-1 convolution
-runs by the layer's im2col or by the direct kernel of cpu_conv.py, whichever measured faster
-for its shape and phase on this machine (cpu_choice.py). Depthwise convolution
+runs by the layer's im2col, or by the direct kernel of cpu_conv.py where that measured at least
+10% faster for its shape and phase on this machine (cpu_choice.py). Depthwise convolution
 (cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py), GELU and SiLU (cpu_activation.py),
 AdaptiveAvgPool and nearest Upsample (cpu_resample.py) have modules of their own.
 

@@ -1,3 +1,4 @@
+import json
 import multiprocessing
 import os
 
@@ -193,6 +194,10 @@ def test_convolution_algorithm_is_measured_once_and_kept_on_disk(monkeypatch, tm
     assert timed == [(shape, FORWARD), (shape, BACKWARD)]
     kernel.workspace_bytes(shape, FORWARD)  # asked again: remembered
     assert len(timed) == 2
+    entries = json.loads((tmp_path / "cpu-kernels.json").read_text())
+    assert sorted(entry["kernel"] for entry in entries.values()) == sorted(
+        "direct" if isinstance(k, DirectConv2d) else "im2col" for k in chosen.values())
+    assert all(set(entry["seconds"]) == {"im2col", "direct"} for entry in entries.values())
     monkeypatch.setattr(cpu_choice, "_CHOSEN", {})  # a new process: the file answers
     assert {phase: type(kernel.chosen(shape, phase)) for phase in chosen} == {p: type(k) for p, k in chosen.items()}
     assert len(timed) == 2
@@ -200,6 +205,16 @@ def test_convolution_algorithm_is_measured_once_and_kept_on_disk(monkeypatch, tm
     monkeypatch.setattr(cpu_choice, "_CHOSEN", {})
     kernel.chosen(shape, FORWARD)
     assert len(timed) == 3
+
+
+@pytest.mark.parametrize("seconds, chosen", [
+    ({"im2col": 1.0, "direct": 0.85}, "direct"),
+    ({"im2col": 1.0, "direct": 0.95}, "im2col"),  # a near tie keeps the default
+    ({"im2col": 1.0, "direct": 1.5}, "im2col"),
+    ({"im2col": 0.5, "direct": 2.0, "other": 0.4}, "other"),
+])
+def test_another_kernel_replaces_the_default_only_when_clearly_faster(seconds, chosen):
+    assert cpu_choice.pick(seconds) == chosen
 
 
 def test_big_batches_share_one_measurement_at_a_bounded_batch(monkeypatch, tmp_path):

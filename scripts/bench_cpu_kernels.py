@@ -53,9 +53,9 @@ def main():
         "PyTorch runs the same graph in NCHW (snrt.torch_reference.TorchNet) with the same optimizer. Both "
         f"sides ran with OPENBLAS_THREAD_TIMEOUT={os.environ.get('OPENBLAS_THREAD_TIMEOUT')} (set when this "
         "script imported snrt; the before checkout's processes inherit it), so after / before is the kernels' "
-        "change alone (results/blas_timeout.md measures the timeout). Dense stride-1 convolutions run the direct kernel "
-        "where it measured at least 10% faster than im2col for their shape (snrt/backends/cpu_choice.py), measured afresh "
-        "for this run.", "",
+        "change alone (results/blas_timeout.md measures the timeout). Dense stride-1 convolutions run the "
+        "direct kernel where it measured at least 10% faster than im2col for their shape "
+        "(snrt/backends/cpu_choice.py), measured afresh for this run.", "",
         *table(["network", "image", "batch", "PyTorch s", "before s", "after s", "after / before", "vs PyTorch before",
                 "vs PyTorch after"],
                [[r["network"], r["size"], r["batch"], f"{r['seconds']['torch']:.3f}",

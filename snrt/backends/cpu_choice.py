@@ -47,8 +47,8 @@ _CHOSEN = {}  # key: candidate name, this process's choices
 
 def cache_path():
     """The choices file: $SNRT_CACHE_DIR, $XDG_CACHE_HOME/snrt or ~/.cache/snrt, cpu-kernels.json."""
-    folder = os.environ.get("SNRT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "snrt"
-    return Path(folder) / "cpu-kernels.json"
+    caches = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(os.environ.get("SNRT_CACHE_DIR") or caches / "snrt") / "cpu-kernels.json"
 
 
 @lru_cache(maxsize=1)

@@ -326,8 +326,8 @@ class DirectConv2d(LayerLike):
         in_shapes = [x.shape]
         threads = self._threads(ctx, lambda count: shapes_for(in_shapes, count), x.dtype.itemsize)
         wt, bands, stacked = (ctx.scratch(shape, x.dtype) for shape in shapes_for(in_shapes, threads))
-        wt.reshape(weight_t.shape[0], *weight_t.shape[2:][::-1], weight_t.shape[1])[...] = weight_t.transpose(0, 3, 2, 1)
-        kh, kw = self.layer.kernel
+        outs, channels, kh, kw = weight_t.shape
+        wt.reshape(outs, kw, kh, channels)[...] = weight_t.transpose(0, 3, 2, 1)  # wt[o, (j, i, c)]
         rows = y.shape[0] * y.shape[2]
         run_split(convolve_rows, 0, rows, list(zip(bands, stacked, [y] * len(bands))),
                   (x, wt, bias, *padding, kh, kw))

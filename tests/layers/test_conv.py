@@ -240,7 +240,8 @@ def test_convolution_algorithm_can_be_forced(monkeypatch, name, kind):
 def test_unknown_forced_algorithm_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("SNRT_CPU_KERNELS", "winograd")
     kernel = CPU_KERNELS.kernel_for(Conv2d(out_channels=4, kernel=3, padding=1), [(2, 3, 8, 8)])
-    with pytest.raises(SnrtError, match="SNRT_CPU_KERNELS is 'winograd': expected 'measure' or one of 'im2col', 'direct'"):
+    expected = "SNRT_CPU_KERNELS is 'winograd': expected 'measure' or one of 'im2col', 'direct'"
+    with pytest.raises(SnrtError, match=expected):
         kernel.workspace_bytes([(2, 3, 8, 8)], FORWARD)
 
 

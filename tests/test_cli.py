@@ -75,6 +75,19 @@ def test_train_writes_metrics_checkpoint_summary_and_timeline(tmp_path):
     assert main(["eval", LENET, *SYNTHETIC, "--batch", "8", "--checkpoint", str(out / "checkpoint.npz")]) == 0
 
 
+@pytest.mark.parametrize("forced, expected", [
+    ("direct", "direct kernel for 2 of the 2 dense stride-1 convolutions' forwards, 2 of their backwards "
+               "(SNRT_CPU_KERNELS=direct)"),
+    ("im2col", "direct kernel for 0 of the 2 dense stride-1 convolutions' forwards, 0 of their backwards "
+               "(SNRT_CPU_KERNELS=im2col)"),
+])
+def test_train_says_which_kernel_runs_the_convolutions(tmp_path, capsys, monkeypatch, forced, expected):
+    monkeypatch.setenv("SNRT_CPU_KERNELS", forced)
+    assert main(["train", LENET, *SYNTHETIC, "--iterations", "1", "--batch", "4", "--out", str(tmp_path / "run"),
+                 "--no-progress", "--no-eval"]) == 0
+    assert expected in " ".join(capsys.readouterr().out.split())
+
+
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "snrt.cli", "train", LENET, *SYNTHETIC, "--iterations", "100000",

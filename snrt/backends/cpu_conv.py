@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit
 
 from snrt.backends.cpu_common import COMPILED, LayerLike
-from snrt.backends.cpu_choice import choose
+from snrt.backends.cpu_choice import VARIABLE, cache_path, choose
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
@@ -394,3 +394,19 @@ class ChosenConv2d(LayerLike):
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         self.chosen([saved.xs[0].shape], BACKWARD).backward(ctx, gy, saved, params, aux, gxs, gparams)
+
+
+def describe_choices(executor):
+    """'direct kernel for F of the N dense stride-1 convolutions' forwards, B of their
+    backwards (choices: FILE)': what the choices among `executor`'s kernels came to ('' when
+    it has none to make)."""
+    chosen = [(kernel, executor.graph.in_shapes(name, executor.plan.batch))
+              for name, kernel in executor.kernels.items() if isinstance(kernel, ChosenConv2d)]
+    if not chosen:
+        return ""
+    direct = [sum(isinstance(kernel.chosen(shapes, phase), DirectConv2d) for kernel, shapes in chosen)
+              for phase in (FORWARD, BACKWARD)]
+    forced = os.environ.get(VARIABLE, "measure")
+    where = f"choices: {cache_path()}" if forced == "measure" else f"{VARIABLE}={forced}"
+    return (f"direct kernel for {direct[0]} of the {len(chosen)} dense stride-1 convolutions' forwards, "
+            f"{direct[1]} of their backwards ({where})")

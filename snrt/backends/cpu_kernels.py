@@ -26,10 +26,13 @@ numba compiles a kernel on its first call for each dtype and caches the machine 
 this file (`cache=True`): about 0.7 s the first time, under 0.3 s to load in a new process.
 """
 
+import os
+
 import numpy as np
 from numba import njit
 
 from snrt.backends.cpu_activation import CompiledActivation
+from snrt.backends.cpu_choice import VARIABLE
 from snrt.backends.cpu_common import COMPILED, LayerLike
 from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
@@ -189,6 +192,12 @@ class CpuKernels(LayerKernels):
             if kernel_class.serves(layer, in_shapes):
                 return kernel_class(layer)
         return layer
+
+    @staticmethod
+    def settings():
+        """SNRT_CPU_KERNELS as it is now: an iteration planned under another value sized the
+        convolutions' workspace for other kernels (snrt/scheduler/session.py keeps one)."""
+        return os.environ.get(VARIABLE, "measure")
 
     def workspace_bytes(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """The layer's fp32 workspace; with 2-byte tensors, after their fp32 staging (every

@@ -264,7 +264,9 @@ class LayerKernels:
 
     A kernel choice answers two questions the same way at plan time and at run time: which
     kernel runs a layer at given input shapes (`kernel_for`), and how much workspace that
-    kernel wants (`workspace_bytes`, what the planner reserves). The backends bring their own:
+    kernel wants (`workspace_bytes`, what the planner reserves). One whose answers also depend
+    on something outside it (an environment variable) offers `settings()`, which the planner
+    compares before it reuses an iteration it built. The backends bring their own:
     snrt/backends/cpu_kernels.py (compiled CPU kernels) and cuda_kernels.py (cuDNN, cuBLAS,
     CUDA kernels).
     """

@@ -51,7 +51,8 @@ class Session:
     def __init__(self, graph, batch, options):
         self.graph, self.batch, self.options = graph, batch, options
         inputs = tuple(repr(n.layer) for n in graph.nodes.values() if not n.inputs)  # shapes and dtypes
-        key = (graph.fingerprint(), inputs, batch, options.iteration_key())
+        settings = getattr(options.kernels, "settings", None)  # what else decides the kernel choice's answers
+        key = (graph.fingerprint(), inputs, batch, options.iteration_key(), settings and settings())
         if _LAST.get("key") != key:
             _LAST.update(key=key, iteration=build_iteration(graph, batch, options), seconds={})
         self.iteration = _LAST["iteration"]

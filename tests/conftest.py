@@ -1,7 +1,12 @@
 """Every test process keeps its measured CPU kernel choices (snrt/backends/cpu_choice.py) in a
-folder of its own, not in the user's cache."""
+folder of its own, not in the user's cache, removed when the tests end. The commands the tests
+start inherit it."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
-os.environ.setdefault("SNRT_CACHE_DIR", tempfile.mkdtemp(prefix="snrt-test-cache-"))
+if "SNRT_CACHE_DIR" not in os.environ:
+    os.environ["SNRT_CACHE_DIR"] = tempfile.mkdtemp(prefix="snrt-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["SNRT_CACHE_DIR"], ignore_errors=True)

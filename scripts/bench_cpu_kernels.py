@@ -16,10 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from compare_speed import TAG
 from reproduce_common import RESULTS, machine, meta_line, save_json, save_markdown, table
 
 HERE = Path(__file__).resolve().parent
-TAG = "COMPARE_SPEED_RESULT "
 CASES = [("mobilenet_v2", 64, 8), ("efficientnet_b0", 64, 8), ("convnext_tiny", 64, 8), ("resnet50", 112, 8),
          ("cifar_resnet110", 32, 32), ("cifar_resnet164", 32, 16)]
 

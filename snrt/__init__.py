@@ -14,9 +14,9 @@ import os
 # OpenBLAS's threads spin for 2**28 cycles (~0.1 s) after each GEMM before they sleep, holding
 # cores that snrt's own threads need right after it (the direct convolution's kernel threads,
 # the compiled kernels, the copy streams). 2**16 cycles (~20 us) still bridges back-to-back
-# GEMMs. Measured on a 2-core machine, seconds an iteration, processes taking turns: CIFAR
-# ResNet-110 b32 0.99 (2**28) -> 0.84 (2**16) or 0.82 (2**4); ResNet-50 112x112 b8 0.55 ->
-# 0.51 (2**16) but 0.52 -> 0.58 (2**4). OpenBLAS reads this when numpy loads it, so it holds
+# GEMMs. On a 2-core machine (results/blas_timeout.md), seconds an iteration at 2**28, 2**16
+# and 2**4 cycles: CIFAR ResNet-110 b32 0.98, 0.79, 0.85; ResNet-50 112x112 b8 0.51, 0.50,
+# 0.51 (an earlier, noisier comparison found 2**4 10% slower there). OpenBLAS reads this when numpy loads it, so it holds
 # where snrt is imported before numpy (the `snrt` command); a value the user set is kept.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 

@@ -1,9 +1,10 @@
 """Thread pools: how many threads the CPU kernels use, set explicitly rather than guessed.
 
 A CPU run uses two pools: BLAS's (numpy's OpenBLAS, for the GEMMs of Conv2d and Linear) and
-the kernel threads of snrt's direct convolution (snrt/backends/cpu_conv.py; its other compiled
-kernels are serial, and each copy stream is one thread), sized by `kernel_threads()`. A BLAS library sizes its pool by the cores it sees, which is wrong in
-a container with a CPU quota (it sees the host's cores) and when two runs share a machine;
+the kernel threads of snrt's direct convolution (snrt/backends/cpu_conv.py; the other
+compiled kernels are serial, and each copy stream is one thread), sized by
+`kernel_threads()`. A BLAS library sizes its pool by the cores it sees, which is wrong in a
+container with a CPU quota (it sees the host's cores) and when two runs share a machine;
 more threads than cores then take turns and every GEMM slows down. `usable_cores()` counts
 the cores this process may really use (its CPU affinity and its cgroup's CPU quota), and
 `limit_threads(n)` caps every BLAS and OpenMP pool loaded in the process at n, through
@@ -51,7 +52,7 @@ def usable_cores(root=CGROUP):
 
 
 POOL_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-_LIMIT = []  # the count of the last limit_threads call, if any
+_LIMIT = []  # [the count of the last limit_threads call], or [] before any
 
 
 def kernel_threads():
@@ -59,7 +60,7 @@ def kernel_threads():
     call, else this process's usable cores (counted once)."""
     if not _LIMIT:
         _LIMIT.append(usable_cores())
-    return _LIMIT[-1]
+    return _LIMIT[0]
 
 
 def limit_threads(count):
@@ -67,7 +68,7 @@ def limit_threads(count):
     process: the pools loaded now through threadpoolctl, those a library loads later (numba
     loads scipy's OpenBLAS on its first compile) through the variables they read when they
     load. Returns `thread_pools()` after the change."""
-    _LIMIT.append(count)
+    _LIMIT[:] = [count]
     for variable in POOL_VARIABLES:
         os.environ[variable] = str(count)
     threadpool_limits(limits=count)

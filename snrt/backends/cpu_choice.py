@@ -2,15 +2,15 @@
 
 Like cuDNN's find, `choose` times each candidate kernel on random fp32 data of the shape, its
 batch cut to about MEASURED_ELEMENTS input values (the best of `ROUNDS` calls, after one
-untimed call that also compiles it), keeps the fastest (the default, the first candidate,
-unless another is at least 10% faster: `pick`),
-and remembers it: in this process, and in a JSON file per machine, so later runs start with
-the same choice and do not measure again. Once chosen, a shape's kernel never changes, so a
-run's results are deterministic and every policy runs the same kernels; processes that start
-together (the ranks of a data-parallel job) take turns through a lock on the file, so the
-first measures and the others read its choice, and every rank runs the same kernels as a
-single process would. The measurement happens at planning time, when the planner first asks
-for the workspace, in memory of its own outside any run's arena.
+untimed call that also compiles it), keeps the default (the first candidate) unless another
+is at least 10% faster (`pick`), and remembers the choice: in this process, and in a JSON
+file per machine, so later runs start with the same choice and do not measure again. Once
+chosen, a shape's kernel never changes, so a run's results are deterministic and every
+policy runs the same kernels; processes that start together (the ranks of a data-parallel
+job) take turns through a lock on the file, so the first measures and the others read its
+choice, and every rank runs the same kernels as a single process would. The measurement
+happens at planning time, when the planner first asks for the workspace, in memory of its
+own outside any run's arena.
 
 `SNRT_CPU_KERNELS` overrides the choice: `measure` (the default), or a candidate's name
 (`im2col`, `direct`) to run that one wherever it serves. The file is
@@ -43,6 +43,11 @@ ROUNDS = 5  # timed calls of each candidate
 MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
 _CHOSEN = {}  # key: candidate name, this process's choices
+
+
+def setting():
+    """SNRT_CPU_KERNELS as it is now: 'measure' (the default) or the name of a kernel to force."""
+    return os.environ.get(VARIABLE, "measure")
 
 
 def cache_path():
@@ -86,7 +91,7 @@ def _write(path, key, entry):
 def choose(layer, in_shapes, phase, candidates):
     """The name of the candidate kernel ({name: kernel}) that runs `phase` of `layer` at
     `in_shapes` (see the module docstring)."""
-    forced = os.environ.get(VARIABLE, "measure")
+    forced = setting()
     if forced in candidates:
         return forced
     if forced != "measure":
@@ -100,7 +105,7 @@ def choose(layer, in_shapes, phase, candidates):
             entry = _read(path).get(key)
             name = entry.get("kernel") if isinstance(entry, dict) else None
             if name not in candidates:
-                seconds = fastest(candidates, layer, in_shapes, phase)
+                seconds = best_seconds(candidates, layer, in_shapes, phase)
                 name = pick(seconds)
                 _write(path, key, {"kernel": name, "seconds": seconds})
         _CHOSEN[key] = name
@@ -131,7 +136,7 @@ def _locked(path):
         yield
 
 
-def fastest(candidates, layer, in_shapes, phase):
+def best_seconds(candidates, layer, in_shapes, phase):
     """{name: best seconds} of each candidate over ROUNDS rounds. A round calls each candidate
     once, in turn, on the same random fp32 data; one untimed round first (it also compiles),
     so that each candidate runs after the others as it will in a network."""

@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit
 
 from snrt.backends.cpu_common import COMPILED, LayerLike
-from snrt.backends.cpu_choice import VARIABLE, cache_path, choose
+from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
@@ -301,9 +301,9 @@ class DirectConv2d(LayerLike):
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """Forward: the repacked weight and each thread's band and stacked rows. Backward: the
-        larger of the weight gradient's (a chunk's stacked rows, its padded gy, the kw partial
-        products, one band) and the data gradient's (the flipped weight, each thread's rows);
-        they run one after the other."""
+        larger of the weight gradient's (a chunk's stacked rows, the (O, K) sums, each thread's
+        band) and the data gradient's (the flipped weight, each thread's band and rows); they
+        run one after the other."""
         threads = kernel_threads()
         if phase != BACKWARD:
             return _size(self._forward_shapes(in_shapes, threads), itemsize)
@@ -322,10 +322,10 @@ class DirectConv2d(LayerLike):
     # ---- kernels -----------------------------------------------------------------------
     def _convolve(self, ctx, x, weight_t, bias, padding, y, shapes_for):
         """y = the stride-1 convolution of x padded by `padding` with weight_t (O, C, kh, kw),
-        plus bias, on the kernel threads; shapes_for: _forward_shapes or _grad_input_shapes."""
-        in_shapes = [x.shape]
-        threads = self._threads(ctx, lambda count: shapes_for(in_shapes, count), x.dtype.itemsize)
-        wt, bands, stacked = (ctx.scratch(shape, x.dtype) for shape in shapes_for(in_shapes, threads))
+        plus bias, on the kernel threads; shapes_for(threads): its workspace arrays
+        (_forward_shapes or _grad_input_shapes of the layer's input)."""
+        threads = self._threads(ctx, shapes_for, x.dtype.itemsize)
+        wt, bands, stacked = (ctx.scratch(shape, x.dtype) for shape in shapes_for(threads))
         outs, channels, kh, kw = weight_t.shape
         wt.reshape(outs, kw, kh, channels)[...] = weight_t.transpose(0, 3, 2, 1)  # wt[o, (j, i, c)]
         rows = y.shape[0] * y.shape[2]
@@ -335,7 +335,7 @@ class DirectConv2d(LayerLike):
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x, weight = xs[0], params["weight"]
         bias = params["bias"] if self.layer.bias else weight[:0, 0, 0, 0]
-        self._convolve(ctx, x, weight, bias, self.layer.padding, y, self._forward_shapes)
+        self._convolve(ctx, x, weight, bias, self.layer.padding, y, lambda t: self._forward_shapes([x.shape], t))
         ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
@@ -349,7 +349,7 @@ class DirectConv2d(LayerLike):
             (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
             flipped = weight[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)  # (C, O, kh, kw)
             self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (kh - 1 - ph, kw - 1 - pw), gxs[0],
-                           lambda in_shapes, threads: self._grad_input_shapes([x.shape], threads))
+                           lambda t: self._grad_input_shapes([x.shape], t))
             ctx.release_scratch()
 
     def _grad_weight(self, ctx, gy, x, gweight):
@@ -406,7 +406,7 @@ def describe_choices(executor):
         return ""
     direct = [sum(isinstance(kernel.chosen(shapes, phase), DirectConv2d) for kernel, shapes in chosen)
               for phase in (FORWARD, BACKWARD)]
-    forced = os.environ.get(VARIABLE, "measure")
+    forced = setting()
     where = f"choices: {cache_path()}" if forced == "measure" else f"{VARIABLE}={forced}"
     return (f"direct kernel for {direct[0]} of the {len(chosen)} dense stride-1 convolutions' forwards, "
             f"{direct[1]} of their backwards ({where})")

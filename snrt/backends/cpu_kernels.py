@@ -15,8 +15,9 @@ runs by the layer's im2col, or by the direct kernel of cpu_conv.py where that me
 AdaptiveAvgPool and nearest Upsample (cpu_resample.py) have modules of their own.
 
 Determinism: kernels are serial (no thread pool to fight OpenBLAS's spinning threads on a
-small machine; the direct convolution's threads each compute whole outputs) and compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a
-sum is vectorised in one order fixed by the compiled code: the same inputs give the same bits in every run and
+small machine), except the direct convolution, whose threads each compute whole outputs; all
+are compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a sum is vectorised
+in one order fixed by the compiled code: the same inputs give the same bits in every run and
 every policy (a recomputed BatchNorm reproduces the stored output); NaN and inf propagate
 (check mode relies on it).
 
@@ -26,13 +27,11 @@ numba compiles a kernel on its first call for each dtype and caches the machine 
 this file (`cache=True`): about 0.7 s the first time, under 0.3 s to load in a new process.
 """
 
-import os
-
 import numpy as np
 from numba import njit
 
 from snrt.backends.cpu_activation import CompiledActivation
-from snrt.backends.cpu_choice import VARIABLE
+from snrt.backends.cpu_choice import setting
 from snrt.backends.cpu_common import COMPILED, LayerLike
 from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
@@ -183,9 +182,9 @@ class CpuKernels(LayerKernels):
 
     REGISTRY = {  # type name: the kernels to ask, in turn
         "BatchNorm": (CompiledBatchNorm,), "ReLU": (CompiledReLU,), "MaxPool": (CompiledMaxPool,),
-        "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d), "GroupNorm": (CompiledGroupNorm,), "LayerNorm": (CompiledLayerNorm,),
-        "GELU": (CompiledActivation,), "SiLU": (CompiledActivation,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
-        "Upsample": (CompiledNearestUpsample,)}
+        "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d), "GroupNorm": (CompiledGroupNorm,),
+        "LayerNorm": (CompiledLayerNorm,), "GELU": (CompiledActivation,), "SiLU": (CompiledActivation,),
+        "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,), "Upsample": (CompiledNearestUpsample,)}
 
     def kernel_for(self, layer, in_shapes):
         for kernel_class in self.REGISTRY.get(layer.type_name, ()):
@@ -197,7 +196,7 @@ class CpuKernels(LayerKernels):
     def settings():
         """SNRT_CPU_KERNELS as it is now: an iteration planned under another value sized the
         convolutions' workspace for other kernels (snrt/scheduler/session.py keeps one)."""
-        return os.environ.get(VARIABLE, "measure")
+        return setting()
 
     def workspace_bytes(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """The layer's fp32 workspace; with 2-byte tensors, after their fp32 staging (every

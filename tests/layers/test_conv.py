@@ -185,8 +185,8 @@ def test_convolution_algorithm_is_measured_once_and_kept_on_disk(monkeypatch, tm
     monkeypatch.setenv("SNRT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_choice, "_CHOSEN", {})
     timed = []
-    real = cpu_choice.fastest
-    monkeypatch.setattr(cpu_choice, "fastest", lambda *args: timed.append(args[2:]) or real(*args))
+    real = cpu_choice.best_seconds
+    monkeypatch.setattr(cpu_choice, "best_seconds", lambda *args: timed.append(args[2:]) or real(*args))
     layer, shape = Conv2d(out_channels=4, kernel=3, padding=1), [(2, 3, 8, 8)]
     kernel = CPU_KERNELS.kernel_for(layer, shape)
     chosen = {phase: kernel.chosen(shape, phase) for phase in (FORWARD, BACKWARD)}
@@ -222,8 +222,8 @@ def test_big_batches_share_one_measurement_at_a_bounded_batch(monkeypatch, tmp_p
     monkeypatch.setattr(cpu_choice, "_CHOSEN", {})
     monkeypatch.setattr(cpu_choice, "MEASURED_ELEMENTS", 3 * 8 * 8 * 5)  # 5 samples of (3, 8, 8)
     timed = []
-    real = cpu_choice.fastest
-    monkeypatch.setattr(cpu_choice, "fastest", lambda *args: timed.append(args[2]) or real(*args))
+    real = cpu_choice.best_seconds
+    monkeypatch.setattr(cpu_choice, "best_seconds", lambda *args: timed.append(args[2]) or real(*args))
     layer = Conv2d(out_channels=4, kernel=3, padding=1)
     for batch in (64, 7, 5, 3):
         CPU_KERNELS.kernel_for(layer, [(batch, 3, 8, 8)]).chosen([(batch, 3, 8, 8)], FORWARD)

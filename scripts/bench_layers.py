@@ -15,7 +15,7 @@ newer layers as MobileNetV2, SE-ResNet-50, ConvNeXt-T (batch 8, 224x224 input) a
 64x64. PyTorch's side is snrt.torch_reference's function of each layer.
 Writes results/bench_layers.{json,md}.
 
-    python scripts/bench_layers.py [--repeats 7] [--out results/bench_layers]
+    python scripts/bench_layers.py [--repeats 7] [--out results/bench_layers] [--only TEXT ...]
 """
 
 import os
@@ -38,12 +38,14 @@ from bench_conv import time_rounds  # noqa: E402
 from reproduce_common import machine, table  # noqa: E402
 
 from snrt.backends.numpy_backend import NumpyBackend  # noqa: E402
-from snrt.layers.activation import ELU, GELU, ReLU, ReLU6, SiLU, Softmax  # noqa: E402
+from snrt.layers.activation import ELU, GELU, ReLU, ReLU6, Sigmoid, SiLU, Softmax  # noqa: E402
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved  # noqa: E402
 from snrt.layers.conv import Conv2d, ConvTranspose2d  # noqa: E402
-from snrt.layers.join import Add, Mul, Scale  # noqa: E402
-from snrt.layers.norm import BatchNorm, GroupNorm, LayerNorm  # noqa: E402
-from snrt.layers.pool import AdaptiveAvgPool, MaxPool, Upsample  # noqa: E402
+from snrt.layers.dropout import Dropout  # noqa: E402
+from snrt.layers.join import Add, Concat, Mul, Scale  # noqa: E402
+from snrt.layers.linear import Linear  # noqa: E402
+from snrt.layers.norm import LRN, BatchNorm, GroupNorm, LayerNorm  # noqa: E402
+from snrt.layers.pool import AdaptiveAvgPool, AvgPool, GlobalAvgPool, MaxPool, Upsample  # noqa: E402
 from snrt.torch_reference import OPS  # noqa: E402
 
 
@@ -95,6 +97,14 @@ CASES = [
     ("upsample nearest 2x 128 @64 b4", Upsample(scale=2), [(4, 128, 64, 64)]),
     ("upsample bilinear 2x 128 @64 b4", Upsample(scale=2, mode="bilinear"), [(4, 128, 64, 64)]),
     ("adaptiveavgpool 7 512 @14 b8", AdaptiveAvgPool(output=7), [(8, 512, 14, 14)]),
+    ("sigmoid 144 @56 b8", Sigmoid(), [(8, 144, 56, 56)]),
+    ("avgpool 2x2/2 256 @28 b8", AvgPool(kernel=2, stride=2), [(8, 256, 28, 28)]),
+    ("globalavgpool 2048 @7 b8", GlobalAvgPool(), [(8, 2048, 7, 7)]),
+    ("lrn 5 96 @55 b8", LRN(size=5, alpha=1e-4, beta=0.75, k=1.0), [(8, 96, 55, 55)]),
+    ("concat 128+32 @28 b8", Concat(), [(8, 128, 28, 28), (8, 32, 28, 28)]),
+    ("linear 2048->1000 b8", Linear(out_features=1000), [(8, 2048)]),
+    ("linear 9216->4096 b8", Linear(out_features=4096), [(8, 9216)]),
+    ("dropout 0.5 4096 b8", Dropout(p=0.5), [(8, 4096)]),
 ]
 
 
@@ -127,11 +137,15 @@ def snrt_kernels(layer, xs, params, rng):
     return forward, backward, getattr(kernel, "name", "numpy")
 
 
+# PyTorch's side of layers whose values snrt.torch_reference does not compare (other random masks)
+TIMED_ONLY = {"Dropout": lambda l, xs, p, s, t: torch.nn.functional.dropout(xs[0], l.p, training=True)}
+
+
 def torch_function(layer, in_shapes):
     """The PyTorch function of `layer` in training mode (snrt.torch_reference.OPS):
     f(inputs, params) -> output; BatchNorm's running statistics are torch tensors of its own."""
     state = {k: torch.full(s.shape, s.fill) for k, s in layer.state_specs(in_shapes).items()}
-    op = OPS[layer.type_name]
+    op = OPS.get(layer.type_name) or TIMED_ONLY[layer.type_name]
     return lambda xs, p: op(layer, xs, p, state, True)
 
 
@@ -158,6 +172,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per kernel, after one warm-up")
     parser.add_argument("--out", default="results/bench_layers", help="path without suffix for .json and .md")
+    parser.add_argument("--only", nargs="+", metavar="TEXT", help="time only the layers whose name contains a TEXT")
     parser.add_argument("--settle", action=argparse.BooleanOptionalAction, default=False,
                         help="wait for idle CPUs before each timing round (Linux; off: kernels run back to back)")
     args = parser.parse_args(argv)
@@ -166,6 +181,8 @@ def main(argv=None):
     start = time.perf_counter()
     rows = []
     for name, layer, in_shapes in CASES:
+        if args.only and not any(text in name for text in args.only):
+            continue
         rng = np.random.default_rng(0)
         xs = [rng.standard_normal(shape).astype(np.float32) for shape in in_shapes]
         params = {k: (rng.standard_normal(s.shape) * 0.05 + (1 if s.init in ("ones", "constant") else 0))

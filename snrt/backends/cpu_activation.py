@@ -1,21 +1,30 @@
-"""GELU and SiLU on the CPU: compiled kernels with an exponential that vectorizes.
+"""Activations on the CPU: compiled kernels, with an exponential that vectorizes.
 
-The layers' NumPy code (snrt/layers/activation.py) makes six to twenty passes over the tensor
-and a scratch tensor. These kernels go over it once, a block of BLOCK values at a time: a
-first loop takes the one exponential each activation needs, a second finishes the value.
-numba would call the C library's expf one value at a time (about 5 ns each, slower than
-NumPy's SIMD exp), so the exponential is written out: exp(v) = 2^n e^r with n = round(v /
-ln 2) and |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 7 (relative error under 2e-7
-in float32), 2^n the bits (n + 127) << 23 of a float32, built in an int32 block. Arguments are
-clamped to [EXP_LOW, EXP_HIGH] (where the true value is a denormal, 0 or beyond float32, this
-gives about 1e-38 or 1.6e38); a NaN or infinite input gives NaN (where PyTorch gives inf for
-+inf: a run with infinite activations has diverged either way).
+The layers' NumPy code (snrt/layers/activation.py) makes two to twenty passes over the tensor
+and a scratch tensor. These kernels go over it once. GELU (both forms), SiLU, Sigmoid and ELU
+take one exponential per value, a block of BLOCK values at a time: a first loop takes the
+exponentials, a second finishes the values. numba would call the C library's expf one value
+at a time (about 5 ns each, slower than NumPy's SIMD exp), so the exponential is written out:
+exp(v) = 2^n e^r with n = round(v / ln 2) and |r| <= ln 2 / 2, e^r - 1 by its Taylor
+polynomial of degree 7 (relative error under 2e-7 in float32), 2^n the bits (n + 127) << 23 of
+a float32, built in an int32 block. ELU's exp(v) - 1 is 2^n (e^r - 1) + (2^n - 1), accurate
+near 0 where exp(v) - 1 would cancel. Arguments are clamped to [EXP_LOW, EXP_HIGH] (where the
+true value is a denormal, 0 or beyond float32, this gives about 1e-38 or 1.6e38); a NaN or
+infinite input gives NaN (where PyTorch gives inf for +inf: a run with infinite activations
+has diverged either way).
 
 GELU's exact form takes erf from the same formula as the layer (Abramowitz and Stegun 7.1.26,
 absolute error under 1.5e-7), whose exponential exp(-x^2 / 2) is also sqrt(2 pi) Phi'(x); its
-tanh form and SiLU's sigmoid are 1 / (1 + exp(-t)). Backward recomputes what it needs from
-the input, as the layers do: gx = gy (Phi + x Phi') for GELU, gy s (1 + x (1 - s)) for SiLU.
-The kernels' workspace is the two blocks. float32 only; other dtypes run the layer's code.
+tanh form, SiLU's and Sigmoid's sigmoid are 1 / (1 + exp(-t)). GELU's and SiLU's backward
+recompute what they need from the input, as the layers do: gx = gy (Phi + x Phi') for GELU,
+gy s (1 + x (1 - s)) for SiLU. ReLU, ReLU6, Sigmoid and ELU read their output: gx = gy
+sign(y), gy [0 < y < 6], gy (1 - y) y and gy (y > 0 ? 1 : y + alpha), in one pass (a NaN in y gives NaN). ReLU's and
+ReLU6's forwards are one pass of comparisons that keep a NaN.
+
+The exponential's kernels run on the kernel threads (cpu_common.run_split) for tensors of at
+least SPLIT_VALUES values, each thread with its own two blocks of workspace; the others,
+bound by memory more than by arithmetic, run on one. float32 only; other dtypes run the
+layer's code.
 """
 
 import math
@@ -23,20 +32,25 @@ import math
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import COMPILED, LayerLike
+from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, run_split
 from snrt.layers.activation import ERF_A, ERF_P, TANH_GELU_C, TANH_GELU_K
-from snrt.layers.base import FLOAT32_BYTES, scratch_bytes
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
+from snrt.threads import kernel_threads
 
 BLOCK = 1024  # values per block
+SPLIT_VALUES = 1 << 17  # a tensor of fewer values runs on one thread (a hand-off costs tens of µs)
 F = np.float32  # every constant below is float32, so that no value is widened
 EXP_LOW, EXP_HIGH = F(-87.0), F(88.0)  # exp of either is a normal float32
 LOG2E, LN2_HI, LN2_LO = F(1 / math.log(2)), F(0.693145751953125), F(1.4286068203094173e-06)
 TAYLOR = tuple(F(1 / math.factorial(k)) for k in range(2, 8))
-ONE, HALF = F(1.0), F(0.5)
+ZERO, ONE, HALF, SIX = F(0.0), F(1.0), F(0.5), F(6.0)
 ERF_P32, ERF_A32 = F(ERF_P), tuple(F(a) for a in ERF_A)
 INV_SQRT_2, INV_SQRT_2PI = F(1 / math.sqrt(2)), F(1 / math.sqrt(2 * math.pi))
 TANH_2C, TANH_K, TANH_3K = F(2 * TANH_GELU_C), F(TANH_GELU_K), F(3 * TANH_GELU_K)
-GELU_EXACT, GELU_TANH, SILU = 0, 1, 2  # the activations, by what their exponential's argument is
+# the activations: the first four by what their exponential's argument is; the last two take none
+GELU_EXACT, GELU_TANH, SILU, SIGMOID, ELU, RELU, RELU6 = range(7)
+KINDS = {"SiLU": SILU, "Sigmoid": SIGMOID, "ELU": ELU, "ReLU": RELU, "ReLU6": RELU6}
+READS_OUTPUT = (SIGMOID, ELU, RELU, RELU6)  # backward from y; GELU's and SiLU's from x
 
 
 @njit(inline="always")
@@ -46,24 +60,26 @@ def _exponent(kind, v):
         return -HALF * v * v  # exp(-z^2), z = v / sqrt 2
     if kind == GELU_TANH:
         return -TANH_2C * v * (ONE + TANH_K * v * v)  # (1 + tanh(u)) / 2 = 1 / (1 + exp(-2u))
+    if kind == ELU:
+        return v
     return -v  # the sigmoid
 
 
 @njit(inline="always")
 def _exp_parts(t):
-    """(e^r, n + 128) of exp(t) = 2^n e^r, t clamped to [EXP_LOW, EXP_HIGH]."""
+    """(e^r - 1, n + 128) of exp(t) = 2^n e^r, t clamped to [EXP_LOW, EXP_HIGH]."""
     c = t if t > EXP_LOW else EXP_LOW
     c = c if c < EXP_HIGH else EXP_HIGH
     k = np.int32(c * LOG2E + F(128.5))  # truncating a positive number: the floor
     n = F(k) - F(128.0)
     r = c - n * LN2_HI - n * LN2_LO
     a2, a3, a4, a5, a6, a7 = TAYLOR
-    return ONE + r * (ONE + r * (a2 + r * (a3 + r * (a4 + r * (a5 + r * (a6 + r * a7)))))), k
+    return r * (ONE + r * (a2 + r * (a3 + r * (a4 + r * (a5 + r * (a6 + r * a7)))))), k
 
 
 @njit(inline="always")
 def _cdf(kind, v, e):
-    """Phi(v) (the sigmoid for SiLU) given e = exp(_exponent(kind, v))."""
+    """Phi(v) (the sigmoid for SiLU and Sigmoid) given e = exp(_exponent(kind, v))."""
     if kind == GELU_EXACT:
         t = ONE / (ONE + ERF_P32 * abs(v * INV_SQRT_2))
         a1, a2, a3, a4, a5 = ERF_A32
@@ -74,33 +90,39 @@ def _cdf(kind, v, e):
 
 @njit(inline="always")
 def _exponentials(kind, x, mantissas, powers, count):
-    """mantissas[:count] and powers[:count] (int32 bits of 2^n) of exp(_exponent(kind, x))."""
+    """mantissas[:count] and powers[:count] (int32 bits of 2^n) of exp(_exponent(kind, x)) =
+    mantissa 2^n; for ELU the mantissa less 1, e^r - 1."""
     for i in range(count):
         t = _exponent(kind, x[i])
-        mantissa, k = _exp_parts(t)
-        mantissas[i] = mantissa + (t - t)  # NaN and infinite arguments give NaN
+        less_one, k = _exp_parts(t)
+        mantissas[i] = (less_one if kind == ELU else ONE + less_one) + (t - t)  # NaN, inf give NaN
         powers[i] = (k - np.int32(1)) << np.int32(23)
 
 
-@njit(**COMPILED)
-def activation_forward(kind, x, y, mantissas, powers):
-    """y = x * cdf(x) over flat x, a block at a time."""
+@njit(**THREADED)
+def exponential_forward(kind, alpha, x, y, r0, r1, mantissas, powers):
+    """y[r0:r1] = the activation of x[r0:r1] (flat), a block at a time."""
     scales = powers.view(np.float32)
-    for start in range(0, x.size, BLOCK):
-        count = min(BLOCK, x.size - start)
+    for start in range(r0, r1, BLOCK):
+        count = min(BLOCK, r1 - start)
         xs, ys = x[start:start + count], y[start:start + count]
         _exponentials(kind, xs, mantissas, powers, count)
         for i in range(count):
-            v = xs[i]
-            ys[i] = v * _cdf(kind, v, mantissas[i] * scales[i])
+            v, m, s = xs[i], mantissas[i], scales[i]
+            if kind == ELU:  # alpha (exp(v) - 1) = alpha (2^n (e^r - 1) + 2^n - 1)
+                ys[i] = v if v > ZERO else alpha * (m * s + (s - ONE))
+            elif kind == SIGMOID:
+                ys[i] = _cdf(kind, v, m * s)
+            else:
+                ys[i] = v * _cdf(kind, v, m * s)
 
 
-@njit(**COMPILED)
-def activation_backward(kind, x, gy, gx, mantissas, powers):
-    """gx = gy * d(x cdf(x))/dx over flat x, a block at a time."""
+@njit(**THREADED)
+def exponential_backward(kind, x, gy, gx, r0, r1, mantissas, powers):
+    """gx[r0:r1] = gy * d(x cdf(x))/dx over flat x[r0:r1] (GELU, SiLU), a block at a time."""
     scales = powers.view(np.float32)
-    for start in range(0, x.size, BLOCK):
-        count = min(BLOCK, x.size - start)
+    for start in range(r0, r1, BLOCK):
+        count = min(BLOCK, r1 - start)
         xs, gys, gxs = x[start:start + count], gy[start:start + count], gx[start:start + count]
         _exponentials(kind, xs, mantissas, powers, count)
         for i in range(count):
@@ -115,33 +137,80 @@ def activation_backward(kind, x, gy, gx, mantissas, powers):
             gxs[i] = gys[i] * slope
 
 
+@njit(**THREADED)
+def clip_forward(kind, x, y):
+    """y = max(x, 0) (ReLU) or min(max(x, 0), 6) (ReLU6) over flat x; a NaN stays NaN."""
+    for i in range(x.size):
+        v = x[i]
+        v = ZERO if v <= ZERO else v
+        y[i] = SIX if kind == RELU6 and v >= SIX else v
+
+
+@njit(**THREADED)
+def output_backward(kind, alpha, y, gy, gx):
+    """gx = gy * dy/dx as a function of the output y, over flat arrays (READS_OUTPUT)."""
+    for i in range(y.size):
+        v = y[i]
+        if kind == RELU:
+            gx[i] = np.sign(v) * gy[i]  # y >= 0: the 0/1 mask, and a NaN in y stays visible
+        elif kind == RELU6:
+            gx[i] = gy[i] * (ONE if ZERO < v < SIX else ZERO * v)  # 0 * NaN: a NaN in y stays visible
+        elif kind == SIGMOID:
+            gx[i] = (ONE - v) * v * gy[i]
+        else:
+            gx[i] = gy[i] if v > ZERO else gy[i] * (v + alpha)
+
+
 class CompiledActivation(LayerLike):
-    """GELU (either form) or SiLU by the kernels above."""
+    """GELU (either form), SiLU, Sigmoid, ELU, ReLU and ReLU6 by the kernels above."""
 
     def _kind(self):
-        if self.layer.type_name == "SiLU":
-            return SILU
-        return GELU_TANH if self.layer.approximate == "tanh" else GELU_EXACT
+        if self.layer.type_name == "GELU":
+            return GELU_TANH if self.layer.approximate == "tanh" else GELU_EXACT
+        return KINDS[self.layer.type_name]
+
+    def _alpha(self):
+        return F(getattr(self.layer, "alpha", 0.0))
+
+    def _blocks_bytes(self, phase, threads):
+        """Each thread's two blocks where `phase` takes exponentials, else none."""
+        takes_exp = self._kind() not in ((RELU, RELU6) if phase == FORWARD else READS_OUTPUT)
+        return scratch_bytes(*[BLOCK * FLOAT32_BYTES] * (2 * threads)) if takes_exp else 0
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         if itemsize != FLOAT32_BYTES:
             return self.layer.workspace_bytes(in_shapes, phase, itemsize)
-        return scratch_bytes(BLOCK * FLOAT32_BYTES, BLOCK * FLOAT32_BYTES)
+        return self._blocks_bytes(phase, kernel_threads())
 
-    def _blocks(self, ctx):
-        return ctx.scratch((BLOCK,), np.float32), ctx.scratch((BLOCK,), np.int32)
+    def _exponentials_split(self, ctx, phase, function, shared, size):
+        """function(*shared, r0, r1, mantissas, powers) over range(size), split among the
+        threads that fit the workspace when size >= SPLIT_VALUES."""
+        threads = fitting_threads(ctx.workspace.nbytes, lambda count: self._blocks_bytes(phase, count))
+        threads = max(1, min(threads, size // SPLIT_VALUES))
+        blocks = [(ctx.scratch((BLOCK,), np.float32), ctx.scratch((BLOCK,), np.int32)) for _ in range(threads)]
+        run_split(function, 0, size, blocks, shared)
+        ctx.release_scratch()
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        if xs[0].dtype != np.float32:
+        x = xs[0]
+        if x.dtype != np.float32:
             return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
-        activation_forward(self._kind(), xs[0].reshape(-1), y.reshape(-1), *self._blocks(ctx))
-        ctx.release_scratch()
+        kind = self._kind()
+        if kind in (RELU, RELU6):
+            clip_forward(kind, x.reshape(-1), y.reshape(-1))
+            return
+        self._exponentials_split(ctx, FORWARD, exponential_forward, (kind, self._alpha(), x.reshape(-1),
+                                                                      y.reshape(-1)), x.size)
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        x = saved.xs[0]
         if gxs[0] is None:
             return
-        if x.dtype != np.float32:
+        kind = self._kind()
+        given = saved.y if kind in READS_OUTPUT else saved.xs[0]
+        if given.dtype != np.float32:
             return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
-        activation_backward(self._kind(), x.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1), *self._blocks(ctx))
-        ctx.release_scratch()
+        if kind in READS_OUTPUT:
+            output_backward(kind, self._alpha(), given.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1))
+            return
+        self._exponentials_split(ctx, BACKWARD, exponential_backward, (kind, given.reshape(-1), gy.reshape(-1),
+                                                                        gxs[0].reshape(-1)), given.size)

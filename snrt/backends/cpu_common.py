@@ -1,7 +1,18 @@
-"""What the CPU's compiled kernels share: numba's options (`COMPILED`) and `LayerLike`, the
-base that makes a kernel stand in for its layer."""
+"""What the CPU's compiled kernels share: numba's options (`COMPILED`, `THREADED`), the kernel
+threads (`run_split`, `fitting_threads`) and `LayerLike`, the base that makes a kernel stand in
+for its layer.
+
+Kernel threads: `snrt.threads.kernel_threads()` OS threads of a pool per process, each running
+compiled code that releases the GIL (`THREADED`). A kernel splits its work so that every
+output value is one thread's, computed in an order fixed by the compiled code: results do not
+depend on the number of threads.
+"""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 from snrt.layers.base import FLOAT32_BYTES
+from snrt.threads import kernel_threads
 
 # reassociation lets numba vectorize a sum, in one order fixed by the compiled code (the same
 # bits every run); contraction fuses multiply-adds. Nothing that changes NaN or inf handling.
@@ -10,6 +21,34 @@ FASTMATH = {"reassoc", "contract"}
 # model, under which a division by zero gives inf or NaN as NumPy's does (no raised error:
 # without it every division carries a zero test and no loop with one vectorizes).
 COMPILED = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy"}
+THREADED = dict(COMPILED, nogil=True)  # for kernels that run on the kernel threads
+
+_POOL = {}  # (process id, thread count): its ThreadPoolExecutor (a forked child makes its own)
+
+
+def run_split(function, start, stop, per_thread_args, shared_args):
+    """function(*shared_args, r0, r1, *per_thread_args[t]) for thread t's even share [r0, r1)
+    of range(start, stop), on the kernel threads; returns when all are done (raising the
+    first error)."""
+    threads = len(per_thread_args)
+    bounds = [start + (stop - start) * t // threads for t in range(threads + 1)]
+    calls = [(*shared_args, bounds[t], bounds[t + 1], *per_thread_args[t]) for t in range(threads)]
+    if threads == 1:
+        function(*calls[0])
+        return
+    key = (os.getpid(), threads)
+    pool = _POOL.get(key) or _POOL.setdefault(key, ThreadPoolExecutor(threads, "snrt-kernel"))
+    for future in [pool.submit(function, *call) for call in calls]:
+        future.result()
+
+
+def fitting_threads(workspace_bytes, bytes_for):
+    """The kernel threads, fewer if a planned workspace of `workspace_bytes` was sized for fewer
+    (threads limited after planning): the most for which bytes_for(threads) fits."""
+    threads = kernel_threads()
+    while threads > 1 and bytes_for(threads) > workspace_bytes:
+        threads -= 1
+    return threads
 
 
 class LayerLike:

@@ -30,29 +30,24 @@ value kh times, in cache, where im2col writes kh*kw copies to memory.
 
 Serves stride 1, dilation 1, one group, a kernel larger than 1x1 and padding at most kernel-1
 (so the data gradient's padding is not negative); everything else is the layer's im2col.
-Kernel threads: `snrt.threads.kernel_threads()`, each an OS thread running compiled code
-without the GIL. Each output value is one thread's dot product in an order fixed by the
-compiled code, so results do not depend on the number of threads: the same bits in every
-run and policy.
+Kernel threads (cpu_common.run_split): each output value is one thread's dot product in an
+order fixed by the compiled code, so results do not depend on the number of threads: the same
+bits in every run and policy.
 """
-
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import COMPILED, LayerLike
+from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, run_split
 from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
 BAND_ROWS = 4  # output rows packed at a time by a thread (in cache while their dot products run)
 GRAD_WEIGHT_ELEMENTS = 1 << 20  # stacked values per weight-gradient chunk: about 4 MB of fp32
-KERNEL = dict(COMPILED, nogil=True)
 
 
-@njit(**KERNEL)
+@njit(**THREADED)
 def stack_rows(x, n, ha, hb, ph, pw, kh, band, out):
     """out[(h - ha)*Wp + q, i*C + c] = xpad[n, c, h + i, q] for output rows h in [ha, hb) of
     sample n (xpad: x zero-padded by ph rows and pw columns, Wp = W + 2*pw). x (N, C, H, W);
@@ -85,7 +80,7 @@ def stack_rows(x, n, ha, hb, ph, pw, kh, band, out):
                         dst[i * channels + c] = row[q, c]
 
 
-@njit(**KERNEL)
+@njit(**THREADED)
 def stack_span(x, ho, ph, pw, kh, first, r0, r1, band, out):
     """stack_rows over output rows r0 <= r < r1 (r = n*Ho + h, across samples) into out from
     its row (r0 - first)*Wp on."""
@@ -98,7 +93,7 @@ def stack_span(x, ho, ph, pw, kh, first, r0, r1, band, out):
         r += hb - ha
 
 
-@njit(**KERNEL)
+@njit(**THREADED)
 def dot_rows(stacked, wt, bias, n, ha, hb, wp, y):
     """y[n, o, h, w] = bias[o] + stacked[(h - ha)*Wp + w :][:K] . wt[o] for h in [ha, hb), with
     stacked flat rows of kh*C (see stack_rows) and wt (O, K). Blocks of 4 pixels by 4 output
@@ -153,7 +148,7 @@ def dot_rows(stacked, wt, bias, n, ha, hb, wp, y):
                 yq0[c3], yq1[c3], yq2[c3], yq3[c3] = a30, a31, a32, a33
 
 
-@njit(**KERNEL)
+@njit(**THREADED)
 def convolve_rows(x, wt, bias, ph, pw, kh, kw, r0, r1, band, stacked, y):
     """y rows r0 <= r < r1 (r = n*Ho + h) of the stride-1 convolution of x (N, C, H, W),
     zero-padded by (ph, pw), with wt (O, kw*kh*C) (see dot_rows), band by band of at most
@@ -172,7 +167,7 @@ def convolve_rows(x, wt, bias, ph, pw, kh, kw, r0, r1, band, stacked, y):
         r += hb - ha
 
 
-@njit(**KERNEL)
+@njit(**THREADED)
 def _add_products(d, a, s0, s1, s2, s3):
     """d[t] += a[0]*s0[t] + a[1]*s1[t] + a[2]*s2[t] + a[3]*s3[t] over d's length."""
     a0, a1, a2, a3 = a[0], a[1], a[2], a[3]
@@ -180,7 +175,7 @@ def _add_products(d, a, s0, s1, s2, s3):
         d[t] += a0 * s0[t] + a1 * s1[t] + a2 * s2[t] + a3 * s3[t]
 
 
-@njit(**KERNEL)
+@njit(**THREADED)
 def _add_products4(d, a, s0, s1, s2, s3):
     """_add_products for the 4 rows of d (4, K) with the 4 rows of a (4, 4) at once: each s[t]
     loaded once for 16 multiply-adds."""
@@ -197,7 +192,7 @@ def _add_products4(d, a, s0, s1, s2, s3):
         d3[t] += a30 * x0 + a31 * x1 + a32 * x2 + a33 * x3
 
 
-@njit(**KERNEL)
+@njit(**THREADED)
 def weight_grad_rows(stacked, gy, first, rows, wp, b0, b1, gw):
     """gw[o, t] += sum over the output pixels (h, w) of `rows` output rows from row `first` (r =
     n*Ho + h) of gy[n, o, h, w] * (pixel's window in stacked)[t], for the output channels o of
@@ -232,25 +227,6 @@ def weight_grad_rows(stacked, gy, first, rows, wp, b0, b1, gw):
 def _size(shapes, itemsize):
     """Workspace bytes of scratch arrays of `shapes`."""
     return scratch_bytes(*(numel(shape) * itemsize for shape in shapes))
-
-
-_POOL = {}  # (process id, thread count): its ThreadPoolExecutor (a forked child makes its own)
-
-
-def run_split(function, start, stop, per_thread_args, shared_args):
-    """function(*shared_args, r0, r1, *per_thread_args[t]) for thread t's even share [r0, r1)
-    of range(start, stop), on the kernel threads; returns when all are done (raising the
-    first error)."""
-    threads = len(per_thread_args)
-    bounds = [start + (stop - start) * t // threads for t in range(threads + 1)]
-    calls = [(*shared_args, bounds[t], bounds[t + 1], *per_thread_args[t]) for t in range(threads)]
-    if threads == 1:
-        function(*calls[0])
-        return
-    key = (os.getpid(), threads)
-    pool = _POOL.get(key) or _POOL.setdefault(key, ThreadPoolExecutor(threads, "snrt-kernel"))
-    for future in [pool.submit(function, *call) for call in calls]:
-        future.result()
 
 
 class DirectConv2d(LayerLike):
@@ -312,12 +288,8 @@ class DirectConv2d(LayerLike):
 
     @staticmethod
     def _threads(ctx, shapes_for, itemsize):
-        """The kernel threads, fewer if the planned workspace was sized for fewer (threads
-        limited after planning): the most for which shapes_for(threads) fits."""
-        threads = kernel_threads()
-        while threads > 1 and _size(shapes_for(threads), itemsize) > ctx.workspace.nbytes:
-            threads -= 1
-        return threads
+        """The kernel threads that fit the planned workspace with arrays shapes_for(threads)."""
+        return fitting_threads(ctx.workspace.nbytes, lambda threads: _size(shapes_for(threads), itemsize))
 
     # ---- kernels -----------------------------------------------------------------------
     def _convolve(self, ctx, x, weight_t, bias, padding, y, shapes_for):

@@ -5,21 +5,21 @@ BatchNorm in training, compiled with numba: one channel at a time, its statistic
 or gradient sums (backward) and then its output, while the channel's values are still in
 cache: two passes over the channel, one trip through memory, where the NumPy layer makes
 five to eight passes with per-channel broadcasts whose inner loops are only H*W long. Sums
-are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2). ReLU's backward in one
-pass (the layer's makes two) and MaxPool's backward in one pass without workspace (the
-layer's makes one per window offset). Compiled forwards of ReLU and MaxPool measured no
-faster than the layers' NumPy code, so those stay the layers'. Dense stride-1 convolution
-runs by the layer's im2col, or by the direct kernel of cpu_conv.py where that measured at least
-10% faster for its shape and phase on this machine (cpu_choice.py). Depthwise convolution
-(cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py), GELU and SiLU (cpu_activation.py),
-AdaptiveAvgPool and nearest Upsample (cpu_resample.py) have modules of their own.
+are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2). A tensor of at least
+SPLIT_CHANNELWISE values has its channels split among the kernel threads. MaxPool's backward
+in one pass without workspace (the layer's makes one per window offset); a compiled forward
+measured no faster than the layer's strided NumPy maxima, so that stays the layer's. Dense
+stride-1 convolution runs by the layer's im2col, or by the direct kernel of cpu_conv.py where
+that measured at least 10% faster for its shape and phase on this machine (cpu_choice.py).
+Depthwise convolution (cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py), the
+activations (cpu_activation.py), AdaptiveAvgPool and nearest Upsample (cpu_resample.py), and
+the channel products of Mul and Scale (cpu_channel.py) have modules of their own.
 
-Determinism: kernels are serial (no thread pool to fight OpenBLAS's spinning threads on a
-small machine), except the direct convolution, whose threads each compute whole outputs; all
-are compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a sum is vectorised
-in one order fixed by the compiled code: the same inputs give the same bits in every run and
-every policy (a recomputed BatchNorm reproduces the stored output); NaN and inf propagate
-(check mode relies on it).
+Determinism: a kernel on the kernel threads (cpu_common.run_split) gives each output value to
+one thread; all are compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a sum
+is vectorised in one order fixed by the compiled code: the same inputs give the same bits in
+every run, every policy and on any number of threads (a recomputed BatchNorm reproduces the
+stored output); NaN and inf propagate (check mode relies on it).
 
 Kernels are "layer-like", as the CUDA ones are (snrt/backends/cuda_layers.py): the layer's
 `forward`, `backward` and `workspace_bytes` signatures, everything else from the layer.
@@ -31,8 +31,9 @@ import numpy as np
 from numba import njit
 
 from snrt.backends.cpu_activation import CompiledActivation
+from snrt.backends.cpu_channel import CompiledGateMul, CompiledScale
 from snrt.backends.cpu_choice import setting
-from snrt.backends.cpu_common import COMPILED, LayerLike
+from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, run_split
 from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
@@ -40,6 +41,9 @@ from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledNearestU
 from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
 from snrt.layers.staging import staged_workspace_bytes
+from snrt.threads import kernel_threads
+
+SPLIT_CHANNELWISE = 1 << 20  # BatchNorm runs on one thread below this many values (measured break-even ~2^19)
 
 @njit(**COMPILED)
 def channel_sums(a, b, c):
@@ -54,15 +58,15 @@ def channel_sums(a, b, c):
     return total, products
 
 
-@njit(**COMPILED)
-def batchnorm_forward(x, weight, bias, eps, y, mean, inv_std, var, scale_shift):
-    """Per channel c of x (N, C, K): mean[c], biased var[c] (float64) and inv_std[c] over the
+@njit(**THREADED)
+def batchnorm_forward(x, weight, bias, eps, y, mean, inv_std, var, scale_shift, c0, c1):
+    """Per channel c in [c0, c1) of x (N, C, K): mean[c], biased var[c] (float64) and inv_std[c] over the
     N*K values, then y = x * scale + shift with scale = weight * inv_std and shift = bias -
     mean * scale (kept in scale_shift (2, C), x's dtype). Empty weight and bias: weight 1,
     bias 0 (BatchNorm without its affine part)."""
-    n, channels, k = x.shape
+    n, _, k = x.shape
     count = n * k
-    for c in range(channels):
+    for c in range(c0, c1):
         total, squares = channel_sums(x, x, c)
         mu = total / count
         var[c] = max(squares / count - mu * mu, 0.0)
@@ -76,15 +80,15 @@ def batchnorm_forward(x, weight, bias, eps, y, mean, inv_std, var, scale_shift):
                 y[i, c, j] = x[i, c, j] * a + b
 
 
-@njit(**COMPILED)
-def batchnorm_backward(x, gy, weight, mean, inv_std, gweight, gbias, gx, coefficients):
-    """Per channel c: gbias = sum(gy), gweight = sum(gy * xhat) (float64 sums), then, unless
+@njit(**THREADED)
+def batchnorm_backward(x, gy, weight, mean, inv_std, gweight, gbias, gx, coefficients, c0, c1):
+    """Per channel c in [c0, c1): gbias = sum(gy), gweight = sum(gy * xhat) (float64 sums), then, unless
     gx has no samples, gx = a * gy + b * x + d with a = weight * inv_std, b = -a * inv_std *
     gweight / M, d = -b * mean - a * gbias / M (kept in coefficients (3, C), x's dtype).
     Empty weight, gweight and gbias: weight 1, the sums are not stored."""
-    n, channels, k = x.shape
+    n, _, k = x.shape
     count = n * k
-    for c in range(channels):
+    for c in range(c0, c1):
         sum_gy, sum_gy_x = channel_sums(gy, x, c)
         mu, istd = np.float64(mean[c]), np.float64(inv_std[c])
         sum_gy_xhat = (sum_gy_x - mu * sum_gy) * istd
@@ -105,14 +109,6 @@ def batchnorm_backward(x, gy, weight, mean, inv_std, gweight, gbias, gx, coeffic
 
 
 @njit(cache=True)
-def relu_backward(y, gy, gx):
-    """gx = sign(y) * gy over flat arrays, one pass (the layer's own code makes two); sign keeps
-    a NaN in y visible in gx."""
-    for i in range(y.size):
-        gx[i] = np.sign(y[i]) * gy[i]
-
-
-@njit(cache=True)
 def maxpool_backward(gy, argmax, kh, kw, sh, sw, ph, pw, gx):
     """gx = 0, then each gy[n, c, r, q] added at its window's argmax (when inside x)."""
     gx[...] = 0.0
@@ -125,6 +121,12 @@ def maxpool_backward(gy, argmax, kh, kw, sh, sw, ph, pw, gx):
                     hi, wi = r * sh - ph + k // kw, q * sw - pw + k % kw
                     if 0 <= hi < h and 0 <= wi < w:
                         gx[s, c, hi, wi] += gy[s, c, r, q]
+
+
+def _split(x3):
+    """No per-thread arguments, one tuple per thread: the kernel threads for a tensor of at
+    least SPLIT_CHANNELWISE values (each thread a share of the channels), else one."""
+    return [()] * (kernel_threads() if x3.size >= SPLIT_CHANNELWISE else 1)
 
 
 class CompiledBatchNorm(LayerLike):
@@ -140,8 +142,8 @@ class CompiledBatchNorm(LayerLike):
         n, channels, k = x3.shape
         var = np.empty(channels, np.float64)
         none = np.empty(0, x3.dtype)  # no affine part: weight 1, bias 0
-        batchnorm_forward(x3, params.get("weight", none), params.get("bias", none), self.layer.eps, by_channel(y),
-                          aux["mean"], aux["inv_std"], var, np.empty((2, channels), x3.dtype))
+        run_split(batchnorm_forward, 0, channels, _split(x3), (x3, params.get("weight", none), params.get("bias", none),
+                  self.layer.eps, by_channel(y), aux["mean"], aux["inv_std"], var, np.empty((2, channels), x3.dtype)))
         if not recompute:
             count = n * k
             blend_running(state["running_mean"], aux["mean"], self.layer.momentum)
@@ -153,17 +155,9 @@ class CompiledBatchNorm(LayerLike):
         x3 = by_channel(saved.xs[0])
         gx3 = by_channel(gxs[0]) if gxs[0] is not None else x3[:0]  # no samples: sums only
         none = np.empty(0, x3.dtype)  # no affine part: weight 1, no parameter gradients
-        batchnorm_backward(x3, by_channel(gy), params.get("weight", none), aux["mean"], aux["inv_std"],
-                           gparams.get("weight", none), gparams.get("bias", none), gx3,
-                           np.empty((3, x3.shape[1]), x3.dtype))
-
-
-class CompiledReLU(LayerLike):
-    """ReLU with a one-pass backward; forward (one np.maximum) is the layer's."""
-
-    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        if gxs[0] is not None:
-            relu_backward(saved.y.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1))
+        run_split(batchnorm_backward, 0, x3.shape[1], _split(x3), (
+            x3, by_channel(gy), params.get("weight", none), aux["mean"], aux["inv_std"], gparams.get("weight", none),
+            gparams.get("bias", none), gx3, np.empty((3, x3.shape[1]), x3.dtype)))
 
 
 class CompiledMaxPool(LayerLike):
@@ -181,10 +175,11 @@ class CpuKernels(LayerKernels):
     """The CPU's kernel of every layer: a compiled kernel where REGISTRY has one, else the layer."""
 
     REGISTRY = {  # type name: the kernels to ask, in turn
-        "BatchNorm": (CompiledBatchNorm,), "ReLU": (CompiledReLU,), "MaxPool": (CompiledMaxPool,),
+        "BatchNorm": (CompiledBatchNorm,), "MaxPool": (CompiledMaxPool,),
         "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d), "GroupNorm": (CompiledGroupNorm,),
-        "LayerNorm": (CompiledLayerNorm,), "GELU": (CompiledActivation,), "SiLU": (CompiledActivation,),
-        "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,), "Upsample": (CompiledNearestUpsample,)}
+        "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
+        "Upsample": (CompiledNearestUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),
+        **{name: (CompiledActivation,) for name in ("GELU", "SiLU", "Sigmoid", "ELU", "ReLU", "ReLU6")}}
 
     def kernel_for(self, layer, in_shapes):
         for kernel_class in self.REGISTRY.get(layer.type_name, ()):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from snrt.backends.cpu_activation import CompiledActivation
-from snrt.backends.cpu_kernels import CPU_KERNELS, CompiledReLU
+from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.layers.activation import ELU, GELU, Identity, LeakyReLU, ReLU, ReLU6, Sigmoid, SiLU, Softmax, Tanh
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from tests.layers.harness import check_layer
@@ -45,7 +45,8 @@ def test_activation(layer, reference, shape):
 def test_compiled_relu(shape):
     """The CPU backend's ReLU kernel: the same checks, and the same bits as the layer's code,
     a NaN in the saved output included (check mode's poison must stay visible)."""
-    kernel = CompiledReLU(ReLU())
+    kernel = CPU_KERNELS.kernel_for(ReLU(), [shape])
+    assert isinstance(kernel, CompiledActivation)
     check_layer(kernel, [away_from_zero(shape)], lambda xs, p: torch.relu(xs[0]))
     rng = np.random.default_rng(1)
     y = np.maximum(rng.standard_normal(shape), 0).astype(np.float32)
@@ -58,12 +59,13 @@ def test_compiled_relu(shape):
     assert np.isnan(got.flat[0])
 
 
-COMPILED_ACTIVATIONS = [(layer, reference) for layer, reference in ACTIVATIONS if type(layer) in (GELU, SiLU)]
+COMPILED_ACTIVATIONS = [(layer, reference) for layer, reference in ACTIVATIONS
+                        if type(layer) in (GELU, SiLU, Sigmoid, ELU, ReLU, ReLU6)]
 
 
 @pytest.mark.parametrize("layer, reference", COMPILED_ACTIVATIONS, ids=[repr(l) for l, _ in COMPILED_ACTIVATIONS])
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 700)])  # 700 * 3: two blocks of the kernel
-def test_compiled_gelu_and_silu(layer, reference, shape):
+def test_compiled_activations(layer, reference, shape):
     """The CPU backend's kernels (float32; float64 runs the layer's code) by the same checks."""
     kernel = CPU_KERNELS.kernel_for(layer, [shape])
     assert isinstance(kernel, CompiledActivation)
@@ -71,7 +73,7 @@ def test_compiled_gelu_and_silu(layer, reference, shape):
 
 
 @pytest.mark.parametrize("layer, reference", COMPILED_ACTIVATIONS, ids=[repr(l) for l, _ in COMPILED_ACTIVATIONS])
-def test_compiled_gelu_and_silu_over_a_wide_range(layer, reference):
+def test_compiled_activations_over_a_wide_range(layer, reference):
     """From -80 to 80 (the exponential's clamped range and beyond) the kernels' values and
     gradients agree with PyTorch's to 1e-6 (GELU's erf formula is within 1.5e-7, times |x|;
     where PyTorch's tanh saturates to 1 in float32 its tanh-form gradient is 0, the kernel's a

@@ -2,6 +2,8 @@ import numpy as np
 import pytest
 import torch
 
+from snrt.backends.cpu_channel import CompiledGateMul, CompiledScale
+from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.errors import ShapeError
 from snrt.layers.join import Add, Concat, Mul, Scale
 from tests.layers.harness import check_layer
@@ -49,6 +51,26 @@ def test_mul_with_a_gate_of_any_broadcastable_shape(x_shape, gate_shape):
         return xs[0] * gate
 
     check_layer(Mul(), [x, g], reference)
+
+
+@pytest.mark.parametrize("x_shape, gate_shape, compiled", [
+    ((2, 3, 4, 5), (2, 3), True), ((3, 4, 7, 2), (3, 4, 1, 1), True), ((2, 3, 4), (2, 3), True),
+    ((2, 3, 4, 5), (2, 3, 4, 5), False), ((2, 3, 4, 5), (2, 1, 4, 1), False), ((2, 3), (2, 3), False),
+])
+def test_the_cpu_backend_multiplies_by_a_channel_gate_with_a_kernel_of_its_own(x_shape, gate_shape, compiled):
+    """The compiled channel-gate product (float32; float64 runs the layer's code) by the same
+    checks; other gates are the layer's."""
+    kernel = CPU_KERNELS.kernel_for(Mul(), [x_shape, gate_shape])
+    assert isinstance(kernel, CompiledGateMul) == compiled
+    x, g = randn(*x_shape), randn(*gate_shape, seed=1)
+    check_layer(kernel, [x, g], lambda xs, p: xs[0] * xs[1].reshape(xs[1].shape + (1,) * (xs[0].dim() - xs[1].dim())))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 6, 9)])
+def test_the_cpu_backend_scales_channels_with_a_kernel_of_its_own(shape):
+    kernel = CPU_KERNELS.kernel_for(Scale(init=0.3), [shape])
+    assert isinstance(kernel, CompiledScale)
+    check_layer(kernel, [randn(*shape)], lambda xs, p: xs[0] * p["weight"].reshape(1, -1, *([1] * (len(shape) - 2))))
 
 
 @pytest.mark.parametrize("gate_shape", [(2, 4), (2, 3, 2), (1, 3), (2, 3, 4, 5, 1)])

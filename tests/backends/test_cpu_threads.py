@@ -1,0 +1,59 @@
+"""The CPU kernels that run on the kernel threads give the same bits on any number of them,
+also in a workspace planned for fewer threads than run (threads limited after planning)."""
+
+import numpy as np
+import pytest
+
+import snrt.threads
+from snrt.backends import cpu_activation, cpu_kernels
+from snrt.backends.cpu_common import run_split
+from snrt.backends.cpu_kernels import CPU_KERNELS
+from snrt.layers.activation import ELU, GELU, Sigmoid, SiLU
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
+from snrt.layers.norm import BatchNorm
+from tests.layers.harness import make_params, make_state
+
+SHAPE = (2, 8, 256, 260)  # over 2^20 values: BatchNorm and the activations split it among threads
+LAYERS = [BatchNorm(), BatchNorm(affine=False), SiLU(), GELU(), GELU(approximate="tanh"), Sigmoid(), ELU(alpha=0.5)]
+
+
+def run(layer, x, gy, planned_threads, threads, monkeypatch):
+    """(y, gx, parameter gradients...) of the CPU kernel, its workspace planned with
+    `planned_threads` kernel threads and run with `threads`; asserts how many threads ran each
+    phase: `threads` for BatchNorm (no workspace), else as many as the workspace was planned for
+    (Sigmoid's and ELU's backward are one pass on one thread, without run_split)."""
+    used = []
+
+    def counted(function, start, stop, per_thread_args, shared_args):
+        used.append(len(per_thread_args))
+        run_split(function, start, stop, per_thread_args, shared_args)
+
+    for module in (cpu_activation, cpu_kernels):
+        monkeypatch.setattr(module, "run_split", counted)
+    monkeypatch.setattr(snrt.threads, "_LIMIT", [planned_threads])
+    kernel = CPU_KERNELS.kernel_for(layer, [x.shape])
+    workspace = {phase: np.zeros(kernel.workspace_bytes([x.shape], phase), np.uint8) for phase in (FORWARD, BACKWARD)}
+    monkeypatch.setattr(snrt.threads, "_LIMIT", [threads])
+    params = make_params(layer, [x.shape], np.random.default_rng(1))
+    state = make_state(layer, [x.shape])
+    aux = {k: np.empty(s.shape, np.float32) for k, s in layer.aux_specs([x.shape]).items()}
+    y = np.full_like(x, np.nan)
+    kernel.forward(KernelContext(np, workspace=workspace[FORWARD]), [x], params, state, y, aux)
+    gx = np.full_like(x, np.nan)
+    grads = {k: np.full_like(v, np.nan) for k, v in params.items()}
+    kernel.backward(KernelContext(np, workspace=workspace[BACKWARD]), gy, Saved((x,), y), params, aux, [gx], grads)
+    phases = 1 if isinstance(layer, (Sigmoid, ELU)) else 2
+    assert used == [threads if isinstance(layer, BatchNorm) else planned_threads] * phases
+    return [y, gx, *grads.values()]
+
+
+@pytest.mark.parametrize("layer", LAYERS, ids=repr)
+def test_a_threaded_cpu_kernel_gives_the_same_bits_on_any_number_of_threads(layer, monkeypatch):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(SHAPE, dtype=np.float32)
+    gy = rng.standard_normal(SHAPE, dtype=np.float32)
+    one = run(layer, x, gy, 1, 1, monkeypatch)
+    assert not any(np.isnan(a).any() for a in one)
+    for planned, threads in ((2, 2), (3, 3), (1, 4)):  # (1, 4): limited to 4 after planning for 1
+        for a, b in zip(one, run(layer, x, gy, planned, threads, monkeypatch)):
+            np.testing.assert_array_equal(a, b)

@@ -6,14 +6,12 @@ or gradient sums (backward) and then its output, while the channel's values are 
 cache: two passes over the channel, one trip through memory, where the NumPy layer makes
 five to eight passes with per-channel broadcasts whose inner loops are only H*W long. Sums
 are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2). A tensor of at least
-SPLIT_CHANNELWISE values has its channels split among the kernel threads. MaxPool's backward
-in one pass without workspace (the layer's makes one per window offset); a compiled forward
-measured no faster than the layer's strided NumPy maxima, so that stays the layer's. Dense
-stride-1 convolution runs by the layer's im2col, or by the direct kernel of cpu_conv.py where
+SPLIT_CHANNELWISE values has its channels split among the kernel threads. Dense stride-1 convolution runs by the layer's im2col, or by the direct kernel of cpu_conv.py where
 that measured at least 10% faster for its shape and phase on this machine (cpu_choice.py).
 Depthwise convolution (cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py), the
-activations (cpu_activation.py), AdaptiveAvgPool and nearest Upsample (cpu_resample.py), and
-the channel products of Mul and Scale (cpu_channel.py) have modules of their own.
+activations (cpu_activation.py), MaxPool (cpu_pool.py), AdaptiveAvgPool and nearest Upsample
+(cpu_resample.py), and the channel products of Mul and Scale (cpu_channel.py) have modules of
+their own.
 
 Determinism: a kernel on the kernel threads (cpu_common.run_split) gives each output value to
 one thread; all are compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a sum
@@ -36,6 +34,7 @@ from snrt.backends.cpu_choice import setting
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, run_split
 from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
+from snrt.backends.cpu_pool import CompiledMaxPool
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
 from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledNearestUpsample
 from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
@@ -108,21 +107,6 @@ def batchnorm_backward(x, gy, weight, mean, inv_std, gweight, gbias, gx, coeffic
                 gx[i, c, j] = ca * gy[i, c, j] + cb * x[i, c, j] + cd
 
 
-@njit(cache=True)
-def maxpool_backward(gy, argmax, kh, kw, sh, sw, ph, pw, gx):
-    """gx = 0, then each gy[n, c, r, q] added at its window's argmax (when inside x)."""
-    gx[...] = 0.0
-    n, channels, h, w = gx.shape
-    for s in range(n):
-        for c in range(channels):
-            for r in range(gy.shape[2]):
-                for q in range(gy.shape[3]):
-                    k = argmax[s, c, r, q]
-                    hi, wi = r * sh - ph + k // kw, q * sw - pw + k % kw
-                    if 0 <= hi < h and 0 <= wi < w:
-                        gx[s, c, hi, wi] += gy[s, c, r, q]
-
-
 def _split(x3):
     """No per-thread arguments, one tuple per thread: the kernel threads for a tensor of at
     least SPLIT_CHANNELWISE values (each thread a share of the channels), else one."""
@@ -158,17 +142,6 @@ class CompiledBatchNorm(LayerLike):
         run_split(batchnorm_backward, 0, x3.shape[1], _split(x3), (
             x3, by_channel(gy), params.get("weight", none), aux["mean"], aux["inv_std"], gparams.get("weight", none),
             gparams.get("bias", none), gx3, np.empty((3, x3.shape[1]), x3.dtype)))
-
-
-class CompiledMaxPool(LayerLike):
-    """MaxPool with a one-pass backward that uses none of its workspace (the layer's makes a
-    pass per window offset, in the workspace the plan still reserves); forward is the layer's
-    (a compiled forward measured slower than its strided NumPy maxima)."""
-
-    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        if gxs[0] is not None:
-            layer = self.layer
-            maxpool_backward(gy, aux["argmax"], *layer.kernel, *layer.stride, *layer.padding, gxs[0])
 
 
 class CpuKernels(LayerKernels):

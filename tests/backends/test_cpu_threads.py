@@ -5,16 +5,18 @@ import numpy as np
 import pytest
 
 import snrt.threads
-from snrt.backends import cpu_activation, cpu_kernels
+from snrt.backends import cpu_activation, cpu_kernels, cpu_pool
 from snrt.backends.cpu_common import run_split
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.layers.activation import ELU, GELU, Sigmoid, SiLU
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.norm import BatchNorm
+from snrt.layers.pool import MaxPool
 from tests.layers.harness import make_params, make_state
 
-SHAPE = (2, 8, 256, 260)  # over 2^20 values: BatchNorm and the activations split it among threads
-LAYERS = [BatchNorm(), BatchNorm(affine=False), SiLU(), GELU(), GELU(approximate="tanh"), Sigmoid(), ELU(alpha=0.5)]
+SHAPE = (2, 8, 256, 260)  # over 2^20 values: each kernel here splits it among the kernel threads
+LAYERS = [BatchNorm(), BatchNorm(affine=False), SiLU(), GELU(), GELU(approximate="tanh"), Sigmoid(), ELU(alpha=0.5),
+          MaxPool(kernel=3, stride=2, padding=1), MaxPool(kernel=2)]
 
 
 def run(layer, x, gy, planned_threads, threads, monkeypatch):
@@ -28,7 +30,7 @@ def run(layer, x, gy, planned_threads, threads, monkeypatch):
         used.append(len(per_thread_args))
         run_split(function, start, stop, per_thread_args, shared_args)
 
-    for module in (cpu_activation, cpu_kernels):
+    for module in (cpu_activation, cpu_kernels, cpu_pool):
         monkeypatch.setattr(module, "run_split", counted)
     monkeypatch.setattr(snrt.threads, "_LIMIT", [planned_threads])
     kernel = CPU_KERNELS.kernel_for(layer, [x.shape])
@@ -36,14 +38,16 @@ def run(layer, x, gy, planned_threads, threads, monkeypatch):
     monkeypatch.setattr(snrt.threads, "_LIMIT", [threads])
     params = make_params(layer, [x.shape], np.random.default_rng(1))
     state = make_state(layer, [x.shape])
-    aux = {k: np.empty(s.shape, np.float32) for k, s in layer.aux_specs([x.shape]).items()}
-    y = np.full_like(x, np.nan)
+    aux = {k: np.empty(s.shape, np.float32 if s.dtype == "compute" else s.dtype)
+           for k, s in layer.aux_specs([x.shape]).items()}
+    y = np.full(layer.infer_shape([x.shape]), np.nan, np.float32)
     kernel.forward(KernelContext(np, workspace=workspace[FORWARD]), [x], params, state, y, aux)
     gx = np.full_like(x, np.nan)
     grads = {k: np.full_like(v, np.nan) for k, v in params.items()}
-    kernel.backward(KernelContext(np, workspace=workspace[BACKWARD]), gy, Saved((x,), y), params, aux, [gx], grads)
+    kernel.backward(KernelContext(np, workspace=workspace[BACKWARD]), gy[tuple(map(slice, y.shape))], Saved((x,), y),
+                    params, aux, [gx], grads)
     phases = 1 if isinstance(layer, (Sigmoid, ELU)) else 2
-    assert used == [threads if isinstance(layer, BatchNorm) else planned_threads] * phases
+    assert used == [threads if isinstance(layer, (BatchNorm, MaxPool)) else planned_threads] * phases
     return [y, gx, *grads.values()]
 
 

@@ -5,7 +5,8 @@ import torch.nn.functional as F
 
 from snrt.errors import ShapeError
 from snrt.layers.base import BACKWARD, FORWARD
-from snrt.backends.cpu_kernels import CPU_KERNELS, CompiledMaxPool
+from snrt.backends.cpu_kernels import CPU_KERNELS
+from snrt.backends.cpu_pool import CompiledMaxPool
 from snrt.layers.pool import AvgPool, GlobalAvgPool, MaxPool
 from tests.layers.harness import check_layer, run_backward, run_forward
 
@@ -87,6 +88,18 @@ def test_max_pool_argmax_is_the_window_index(kernel_of):
     np.testing.assert_array_equal(aux["argmax"], 3)  # bottom-right of every 2x2 window
     _, aux = run_forward(kernel_of(MaxPool(kernel=3, stride=2, padding=1)), [x], {})
     np.testing.assert_array_equal(aux["argmax"][0, 0], [[8, 8], [8, 8]])
+
+
+@pytest.mark.parametrize("kernel, stride, padding, ceil_mode, shape", WINDOWS)
+def test_the_compiled_max_pool_forward_is_the_layers_bit_for_bit_nan_included(kernel, stride, padding, ceil_mode,
+                                                                                shape):
+    layer = MaxPool(**_pool_kwargs(kernel, stride, padding, ceil_mode))
+    assert isinstance(CPU_KERNELS.kernel_for(layer, [shape]), CompiledMaxPool)
+    x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    x.flat[::7] = np.nan
+    expected, got = run_forward(layer, [x], {}), run_forward(CompiledMaxPool(layer), [x], {})
+    np.testing.assert_array_equal(got[0], expected[0])
+    np.testing.assert_array_equal(got[1]["argmax"], expected[1]["argmax"])
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 2, 1, 1)])

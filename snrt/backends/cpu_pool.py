@@ -1,0 +1,108 @@
+"""MaxPool on the CPU: compiled loops over each (sample, channel) map, the maps split among
+the kernel threads.
+
+The layer's NumPy code (snrt/layers/pool.py) makes four strided passes over the whole batch
+per window offset, each through a scratch tensor of the output's size. Here each output row
+takes its window's rows one offset at a time: forward keeps the running maximum and the
+offset of the first one (a strict improvement, as the layer and PyTorch; a NaN in the window
+makes the output NaN, as NumPy's maximum does); backward adds each gy at its window's argmax.
+Neither needs workspace. Maps are independent and each is one thread's, so results do not
+depend on the number of threads: the forward's values and indices are the layer's, bit for
+bit.
+"""
+
+import numpy as np
+from numba import njit
+
+from snrt.backends.cpu_common import THREADED, LayerLike, run_split
+from snrt.layers.base import FLOAT32_BYTES
+from snrt.threads import kernel_threads
+
+SPLIT_VALUES = 1 << 18  # outputs below which a pooling runs on one thread
+
+
+@njit(inline="always")
+def _span(offset, out_size, in_size, stride, pad):
+    """Output indices [lo, hi) whose window element `offset` lies inside the input (as
+    snrt.layers.pool's _axis_span)."""
+    lo = max(0, -(-(pad - offset) // stride))
+    hi = min(out_size, (in_size - 1 + pad - offset) // stride + 1)
+    return lo, hi
+
+
+@njit(inline="always")
+def _row_max(row, stride, offset, k, q0, q1, best, index):
+    """best[q], index[q] = max(best[q], row[q*stride + offset]) and k where that is a strict
+    improvement, for q in [q0, q1); a NaN in row makes best[q] NaN."""
+    for q in range(q0, q1):
+        v, b = row[q * stride + offset], best[q]
+        better = v > b
+        best[q] = v if better or v != v else b
+        index[q] = k if better else index[q]
+
+
+@njit(**THREADED)
+def maxpool_forward(x, kh, kw, sh, sw, ph, pw, y, argmax, m0, m1):
+    """y and argmax (the window offset i*kw + j of the first maximum) of the maps m in
+    [m0, m1) of the (N*C) maps of x (N, C, H, W)."""
+    _, channels, h, w = x.shape
+    ho, wo = y.shape[2], y.shape[3]
+    for m in range(m0, m1):
+        s, c = m // channels, m % channels
+        for r in range(ho):
+            best, index = y[s, c, r], argmax[s, c, r]
+            best[:] = -np.inf
+            index[:] = 0
+            for i in range(kh):
+                hi = r * sh - ph + i
+                if hi < 0 or hi >= h:
+                    continue
+                row = x[s, c, hi]
+                for j in range(kw):
+                    q0, q1 = _span(j, wo, w, sw, pw)
+                    k = index.dtype.type(i * kw + j)
+                    _row_max(row, sw, j - pw, k, q0, q1, best, index)
+
+
+@njit(**THREADED)
+def maxpool_backward(gy, argmax, kh, kw, sh, sw, ph, pw, gx, m0, m1):
+    """gx = 0, then each gy[n, c, r, q] added at its window's argmax (when inside x), for the
+    maps in [m0, m1)."""
+    _, channels, h, w = gx.shape
+    for m in range(m0, m1):
+        s, c = m // channels, m % channels
+        gx[s, c] = 0.0
+        for r in range(gy.shape[2]):
+            for q in range(gy.shape[3]):
+                k = argmax[s, c, r, q]
+                hi, wi = r * sh - ph + k // kw, q * sw - pw + k % kw
+                if 0 <= hi < h and 0 <= wi < w:
+                    gx[s, c, hi, wi] += gy[s, c, r, q]
+
+
+def _threads(outputs):
+    """One per-thread argument tuple (none) per thread that a pooling of `outputs` runs on."""
+    return [()] * (kernel_threads() if outputs >= SPLIT_VALUES else 1)
+
+
+class CompiledMaxPool(LayerLike):
+    """MaxPool by the kernels above, without workspace (the layer's passes need two scratch
+    tensors of the output's size)."""
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return 0
+
+    def _geometry(self):
+        layer = self.layer
+        return (*layer.kernel, *layer.stride, *layer.padding)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        run_split(maxpool_forward, 0, x.shape[0] * x.shape[1], _threads(y.size), (x, *self._geometry(), y,
+                                                                                  aux["argmax"]))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx = gxs[0]
+        if gx is not None:
+            run_split(maxpool_backward, 0, gx.shape[0] * gx.shape[1], _threads(gy.size),
+                      (gy, aux["argmax"], *self._geometry(), gx))

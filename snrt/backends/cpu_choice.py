@@ -16,7 +16,8 @@ own outside any run's arena.
 (`im2col`, `direct`) to run that one wherever it serves. The file is
 `$SNRT_CACHE_DIR/cpu-kernels.json` (default `$XDG_CACHE_HOME/snrt`, else `~/.cache/snrt`);
 its entries are keyed by the CPU model, so a file shared between machines (a home directory
-on a cluster) keeps each model's own choices. They are not keyed by the number of threads,
+on a cluster) keeps each model's own choices, and by `REVISION`, so that choices measured
+against earlier kernels are measured again. They are not keyed by the number of threads,
 which would let a run with --threads 1 compute other bits than the same run with 2 (it
 keeps the choice measured with the threads of the first run). A file that is unreadable or
 damaged is measured over; one that cannot be written leaves the choices in this process
@@ -42,6 +43,7 @@ VARIABLE = "SNRT_CPU_KERNELS"
 ROUNDS = 5  # timed calls of each candidate
 MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
+REVISION = 2  # of the candidate kernels: raised when one changes (2: the planes' weight gradient)
 _CHOSEN = {}  # key: candidate name, this process's choices
 
 
@@ -98,7 +100,7 @@ def choose(layer, in_shapes, phase, candidates):
         raise SnrtError(f"environment variable {VARIABLE} is {forced!r}: expected 'measure' or one of "
                         f"{', '.join(repr(name) for name in candidates)}")
     in_shapes = measured_shapes(in_shapes)
-    key = f"{cpu_model()} | {layer!r} | {[list(s) for s in in_shapes]} | {phase}"
+    key = f"{cpu_model()} | r{REVISION} | {layer!r} | {[list(s) for s in in_shapes]} | {phase}"
     if key not in _CHOSEN:
         path = cache_path()
         with _locked(path):  # ranks starting together: one measures, the others read its choice

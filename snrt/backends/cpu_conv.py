@@ -20,13 +20,21 @@ value kh times, in cache, where im2col writes kh*kw copies to memory.
 - data gradient: for stride 1, gx is the convolution of gy zero-padded by (kh-1-ph,
   kw-1-pw) with the flipped, transposed weight W'[c, o, i, j] = W[o, c, kh-1-i, kw-1-j],
   so the same kernel computes it;
-- weight gradient: gW[o, (j, i, c)] sums gy[n, o, h, w] times the pixel's window over the
-  pixels, 4 pixels by 4 output channels at a time (each window value loaded once for 16
-  multiply-adds into 4 rows of gW), chunk by chunk of `GRAD_WEIGHT_ELEMENTS` stacked values,
-  the output channels split among the threads. A block past a row's last pixel has weight 0
-  there, so a non-finite input value can turn a weight gradient that would be infinite into
-  NaN (both are non-finite, which is what check mode looks for). No BLAS call: OpenBLAS's
-  threads, which spin a while after each call, do not compete with the kernel threads.
+- weight gradient: x is copied into zero-padded planes, channel by channel with the samples
+  one after the other, xp[c, t] for t = n*Hp*Wp + h*Wp + w (Hp = H + 2ph, Wp = W + 2pw), and
+  gy likewise into gp[o, t] at the top left of the same Hp x Wp planes, zeros around it. Then
+
+      gW[o, c, i, j] = sum over t of gp[o, t] * xp[c, t + i*Wp + j]
+
+  since output pixel (h, w)'s window element (i, j) is xp at its t shifted by i*Wp + j, and gp
+  is 0 wherever t is no output pixel: one long dot product of two contiguous rows per weight,
+  across all the samples of a chunk (`GRAD_WEIGHT_ELEMENTS` padded values of x and gy). The
+  kernel computes 4 output channels by 4 taps (c, i, j) at a time, 16 dot products in one
+  loop (8 loads for 16 multiply-adds, one horizontal sum per chunk); the blocks are split among
+  the threads, the chunks summed in order. A tap past an output row's end meets gp's zeros, so
+  a non-finite input value can turn a weight gradient that would be infinite into NaN (both
+  are non-finite, which is what check mode looks for). No BLAS call: OpenBLAS's threads, which
+  spin a while after each call, do not compete with the kernel threads.
 
 Serves stride 1, dilation 1, one group, a kernel larger than 1x1 and padding at most kernel-1
 (so the data gradient's padding is not negative); everything else is the layer's im2col.
@@ -44,7 +52,7 @@ from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_by
 from snrt.threads import kernel_threads
 
 BAND_ROWS = 4  # output rows packed at a time by a thread (in cache while their dot products run)
-GRAD_WEIGHT_ELEMENTS = 1 << 20  # stacked values per weight-gradient chunk: about 4 MB of fp32
+GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chunk: about 4 MB of fp32
 
 
 @njit(**THREADED)
@@ -80,17 +88,34 @@ def stack_rows(x, n, ha, hb, ph, pw, kh, band, out):
                         dst[i * channels + c] = row[q, c]
 
 
-@njit(**THREADED)
-def stack_span(x, ho, ph, pw, kh, first, r0, r1, band, out):
-    """stack_rows over output rows r0 <= r < r1 (r = n*Ho + h, across samples) into out from
-    its row (r0 - first)*Wp on."""
-    wp = band.shape[1]
-    r = r0
-    while r < r1:
-        n, ha = r // ho, r % ho
-        hb = min(ho, ha + r1 - r)
-        stack_rows(x, n, ha, hb, ph, pw, kh, band, out[(r - first) * wp:])
-        r += hb - ha
+@njit(inline="always")
+def _dots4x4(a0, a1, a2, a3, b0, b1, b2, b3, length):
+    """((a0.b0, a0.b1, a0.b2, a0.b3), (a1.b0, ...), ...): the 16 dot products over [0, length)
+    of 4 rows by 4 rows, in one loop (8 loads for 16 multiply-adds; the compiler keeps 16 vector
+    accumulators and sums each across its lanes once at the end)."""
+    zero = a0.dtype.type(0)
+    s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero
+    s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = zero
+    for t in range(length):
+        x0, x1, x2, x3 = a0[t], a1[t], a2[t], a3[t]
+        v0, v1, v2, v3 = b0[t], b1[t], b2[t], b3[t]
+        s00 += x0 * v0
+        s01 += x0 * v1
+        s02 += x0 * v2
+        s03 += x0 * v3
+        s10 += x1 * v0
+        s11 += x1 * v1
+        s12 += x1 * v2
+        s13 += x1 * v3
+        s20 += x2 * v0
+        s21 += x2 * v1
+        s22 += x2 * v2
+        s23 += x2 * v3
+        s30 += x3 * v0
+        s31 += x3 * v1
+        s32 += x3 * v2
+        s33 += x3 * v3
+    return (s00, s01, s02, s03), (s10, s11, s12, s13), (s20, s21, s22, s23), (s30, s31, s32, s33)
 
 
 @njit(**THREADED)
@@ -114,27 +139,8 @@ def dot_rows(stacked, wt, bias, n, ha, hb, wp, y):
             for o0 in range(0, outs, 4):
                 q0, q1, q2, q3 = o0, min(o0 + 1, outs - 1), min(o0 + 2, outs - 1), min(o0 + 3, outs - 1)
                 k0, k1, k2, k3 = wt[q0], wt[q1], wt[q2], wt[q3]
-                a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0)
-                a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0)
-                for t in range(k):
-                    x0, x1, x2, x3 = r0[t], r1[t], r2[t], r3[t]
-                    b0, b1, b2, b3 = k0[t], k1[t], k2[t], k3[t]
-                    a00 += x0 * b0
-                    a01 += x0 * b1
-                    a02 += x0 * b2
-                    a03 += x0 * b3
-                    a10 += x1 * b0
-                    a11 += x1 * b1
-                    a12 += x1 * b2
-                    a13 += x1 * b3
-                    a20 += x2 * b0
-                    a21 += x2 * b1
-                    a22 += x2 * b2
-                    a23 += x2 * b3
-                    a30 += x3 * b0
-                    a31 += x3 * b1
-                    a32 += x3 * b2
-                    a33 += x3 * b3
+                (a00, a01, a02, a03), (a10, a11, a12, a13), (a20, a21, a22, a23), (a30, a31, a32, a33) = \
+                    _dots4x4(r0, r1, r2, r3, k0, k1, k2, k3, k)
                 if bias.size:
                     e0, e1, e2, e3 = bias[q0], bias[q1], bias[q2], bias[q3]
                     a00, a10, a20, a30 = a00 + e0, a10 + e0, a20 + e0, a30 + e0
@@ -168,60 +174,42 @@ def convolve_rows(x, wt, bias, ph, pw, kh, kw, r0, r1, band, stacked, y):
 
 
 @njit(**THREADED)
-def _add_products(d, a, s0, s1, s2, s3):
-    """d[t] += a[0]*s0[t] + a[1]*s1[t] + a[2]*s2[t] + a[3]*s3[t] over d's length."""
-    a0, a1, a2, a3 = a[0], a[1], a[2], a[3]
-    for t in range(d.size):
-        d[t] += a0 * s0[t] + a1 * s1[t] + a2 * s2[t] + a3 * s3[t]
+def pad_planes(x, n0, n1, ph, pw, hp, wp, planes, c0, c1):
+    """planes[c, (n - n0)*hp*wp + (ph + h)*wp + pw + w] = x[n, c, h, w] for the samples n0 <= n <
+    n1 and channels c0 <= c < c1 of x (N, C, H, W); zeros elsewhere in those rows of planes."""
+    _, _, h, w = x.shape
+    for c in range(c0, c1):
+        planes[c] = 0
+        for n in range(n0, n1):
+            for r in range(h):
+                start = (n - n0) * hp * wp + (ph + r) * wp + pw
+                planes[c, start:start + w] = x[n, c, r]
 
 
 @njit(**THREADED)
-def _add_products4(d, a, s0, s1, s2, s3):
-    """_add_products for the 4 rows of d (4, K) with the 4 rows of a (4, 4) at once: each s[t]
-    loaded once for 16 multiply-adds."""
-    d0, d1, d2, d3 = d[0], d[1], d[2], d[3]
-    a00, a01, a02, a03 = a[0, 0], a[0, 1], a[0, 2], a[0, 3]
-    a10, a11, a12, a13 = a[1, 0], a[1, 1], a[1, 2], a[1, 3]
-    a20, a21, a22, a23 = a[2, 0], a[2, 1], a[2, 2], a[2, 3]
-    a30, a31, a32, a33 = a[3, 0], a[3, 1], a[3, 2], a[3, 3]
-    for t in range(d0.size):
-        x0, x1, x2, x3 = s0[t], s1[t], s2[t], s3[t]
-        d0[t] += a00 * x0 + a01 * x1 + a02 * x2 + a03 * x3
-        d1[t] += a10 * x0 + a11 * x1 + a12 * x2 + a13 * x3
-        d2[t] += a20 * x0 + a21 * x1 + a22 * x2 + a23 * x3
-        d3[t] += a30 * x0 + a31 * x1 + a32 * x2 + a33 * x3
-
-
-@njit(**THREADED)
-def weight_grad_rows(stacked, gy, first, rows, wp, b0, b1, gw):
-    """gw[o, t] += sum over the output pixels (h, w) of `rows` output rows from row `first` (r =
-    n*Ho + h) of gy[n, o, h, w] * (pixel's window in stacked)[t], for the output channels o of
-    blocks b0 <= b < b1 of 4 (the last block may be short). Pixels go 4 at a time (past the
-    row's end with weight 0), each channel in the same order whatever the blocks, so the sums do
-    not depend on how blocks are split among threads."""
-    outs, ho, wo = gy.shape[1], gy.shape[2], gy.shape[3]
-    k = gw.shape[1]
-    width = stacked.shape[1]
-    flat = stacked.reshape(-1)
-    a = np.zeros((outs, 4), gw.dtype)  # gy of a block's pixels, 0 past the row's end
-    for rr in range(rows):
-        n, h = (first + rr) // ho, (first + rr) % ho
-        base = rr * wp
-        for w0 in range(0, wo, 4):
-            c1, c2, c3 = min(w0 + 1, wo - 1), min(w0 + 2, wo - 1), min(w0 + 3, wo - 1)
-            s0 = flat[(base + w0) * width:][:k]
-            s1 = flat[(base + c1) * width:][:k]
-            s2 = flat[(base + c2) * width:][:k]
-            s3 = flat[(base + c3) * width:][:k]
-            for o in range(4 * b0, min(outs, 4 * b1)):
-                for q in range(4):
-                    a[o, q] = gy[n, o, h, w0 + q] if w0 + q < wo else 0
-            for b in range(b0, b1):
-                if 4 * b + 4 <= outs:
-                    _add_products4(gw[4 * b:4 * b + 4], a[4 * b:4 * b + 4], s0, s1, s2, s3)
-                else:
-                    for o in range(4 * b, outs):
-                        _add_products(gw[o], a[o], s0, s1, s2, s3)
+def weight_grad_planes(gp, xp, length, wp, add, gw, b0, b1):
+    """gw[o, c, i, j] = (add: gw + ) the dot product of gp[o, :length] and xp[c, i*wp + j:][:length]
+    for the blocks b0 <= b < b1 of 4 output channels by 4 taps (c, i, j) (a block past the last
+    channel or tap computes it again, written once). gp (O, >= length), xp (C, >=
+    length + (kh-1)*wp + kw-1), gw (O, C, kh, kw)."""
+    outs, channels, kh, kw = gw.shape
+    taps = channels * kh * kw
+    tap_blocks = (taps + 3) // 4
+    for b in range(b0, b1):
+        o0, k0 = 4 * (b // tap_blocks), 4 * (b % tap_blocks)
+        o = (o0, min(o0 + 1, outs - 1), min(o0 + 2, outs - 1), min(o0 + 3, outs - 1))
+        k = (k0, min(k0 + 1, taps - 1), min(k0 + 2, taps - 1), min(k0 + 3, taps - 1))
+        g0, g1, g2, g3 = gp[o[0]], gp[o[1]], gp[o[2]], gp[o[3]]
+        x0 = xp[k[0] // (kh * kw), (k[0] % (kh * kw)) // kw * wp + k[0] % kw:]
+        x1 = xp[k[1] // (kh * kw), (k[1] % (kh * kw)) // kw * wp + k[1] % kw:]
+        x2 = xp[k[2] // (kh * kw), (k[2] % (kh * kw)) // kw * wp + k[2] % kw:]
+        x3 = xp[k[3] // (kh * kw), (k[3] % (kh * kw)) // kw * wp + k[3] % kw:]
+        sums = _dots4x4(g0, g1, g2, g3, x0, x1, x2, x3, length)
+        for d in range(min(4, outs - o0)):  # not the repeats: with `add` they would add twice
+            for e in range(min(4, taps - k0)):
+                c, tap = k[e] // (kh * kw), k[e] % (kh * kw)
+                i, j = tap // kw, tap % kw
+                gw[o[d], c, i, j] = sums[d][e] + (gw[o[d], c, i, j] if add else 0)
 
 
 def _size(shapes, itemsize):
@@ -252,12 +240,17 @@ class DirectConv2d(LayerLike):
         kh, kw = self.layer.kernel
         return [(threads, *self._band_shape(channels, width)), (threads, BAND_ROWS * width + kw - 1, kh * channels)]
 
-    def _grad_weight_rows(self, in_shapes):
-        """Output rows per weight-gradient chunk: about GRAD_WEIGHT_ELEMENTS stacked values."""
-        n, c, _, w = in_shapes[0]
-        (kh, _), (_, pw) = self.layer.kernel, self.layer.padding
-        ho = self.layer.infer_shape(in_shapes)[2]
-        return max(1, min(n * ho, GRAD_WEIGHT_ELEMENTS // ((w + 2 * pw) * kh * c)))
+    def _plane(self, in_shapes):
+        """(Hp, Wp): the zero-padded input's plane, which the weight gradient lays out gy in too."""
+        _, _, h, w = in_shapes[0]
+        ph, pw = self.layer.padding
+        return h + 2 * ph, w + 2 * pw
+
+    def _grad_weight_samples(self, in_shapes):
+        """Samples per weight-gradient chunk: about GRAD_WEIGHT_ELEMENTS padded x and gy values."""
+        n, c = in_shapes[0][:2]
+        hp, wp = self._plane(in_shapes)
+        return max(1, min(n, GRAD_WEIGHT_ELEMENTS // ((c + self.layer.out_channels) * hp * wp)))
 
     def _forward_shapes(self, in_shapes, threads):
         _, c, _, w = in_shapes[0]
@@ -269,21 +262,23 @@ class DirectConv2d(LayerLike):
         o, (kh, kw) = self.layer.out_channels, self.layer.kernel
         return [(c, kw * kh * o), *self._rows_shapes(o, w + kw - 1, threads)]
 
-    def _grad_weight_shapes(self, in_shapes, threads):
-        _, c, _, w = in_shapes[0]
-        o, (kh, kw), pw = self.layer.out_channels, self.layer.kernel, self.layer.padding[1]
-        rows, wp = self._grad_weight_rows(in_shapes), w + 2 * pw
-        return [(rows * wp + kw - 1, kh * c), (o, kw * kh * c), (threads, *self._band_shape(c, wp))]
+    def _grad_weight_shapes(self, in_shapes):
+        """A chunk's padded planes of x, (C, L + (kh-1)*Wp + kw-1) (the taps read past the last
+        plane), and of gy, (O, L), L = samples * Hp * Wp."""
+        c = in_shapes[0][1]
+        (kh, kw), (hp, wp) = self.layer.kernel, self._plane(in_shapes)
+        length = self._grad_weight_samples(in_shapes) * hp * wp
+        return [(c, length + (kh - 1) * wp + kw - 1), (self.layer.out_channels, length)]
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """Forward: the repacked weight and each thread's band and stacked rows. Backward: the
-        larger of the weight gradient's (a chunk's stacked rows, the (O, K) sums, each thread's
-        band) and the data gradient's (the flipped weight, each thread's band and rows); they
-        run one after the other."""
+        larger of the weight gradient's (a chunk's padded planes of x and gy) and the data
+        gradient's (the flipped weight, each thread's band and rows); they run one after the
+        other."""
         threads = kernel_threads()
         if phase != BACKWARD:
             return _size(self._forward_shapes(in_shapes, threads), itemsize)
-        return max(_size(self._grad_weight_shapes(in_shapes, threads), itemsize),
+        return max(_size(self._grad_weight_shapes(in_shapes), itemsize),
                    _size(self._grad_input_shapes(in_shapes, threads), itemsize))
 
     @staticmethod
@@ -325,22 +320,21 @@ class DirectConv2d(LayerLike):
             ctx.release_scratch()
 
     def _grad_weight(self, ctx, gy, x, gweight):
-        """gweight (O, C, kh, kw) = the sum, over chunks of output rows, of weight_grad_rows on
-        the chunk's stacked rows, kept as (O, kw*kh*C) until the end."""
-        n, c, _, w = x.shape
-        o, ho = gy.shape[1], gy.shape[2]
-        (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
-        wp = w + 2 * pw
-        threads = self._threads(ctx, lambda count: self._grad_weight_shapes([x.shape], count), x.dtype.itemsize)
-        stacked, sums, bands = (ctx.scratch(shape, x.dtype) for shape in self._grad_weight_shapes([x.shape], threads))
-        sums[...] = 0
-        chunk = self._grad_weight_rows([x.shape])
-        for r0 in range(0, n * ho, chunk):
-            r1 = min(n * ho, r0 + chunk)
-            run_split(stack_span, r0, r1, [(band, stacked) for band in bands], (x, ho, ph, pw, kh, r0))
-            stacked[(r1 - r0) * wp:(r1 - r0) * wp + kw - 1] = 0
-            run_split(weight_grad_rows, 0, -(-o // 4), [(sums,)] * threads, (stacked, gy, r0, r1 - r0, wp))
-        np.copyto(gweight, sums.reshape(o, kw, kh, c).transpose(0, 3, 2, 1))
+        """gweight (O, C, kh, kw) by weight_grad_planes, chunk by chunk of samples, each chunk's
+        planes padded by the kernel threads (a share of the channels each), its blocks of
+        weights split among them, the chunks added in order."""
+        n = x.shape[0]
+        (ph, pw), (hp, wp) = self.layer.padding, self._plane([x.shape])
+        xp, gp = (ctx.scratch(shape, x.dtype) for shape in self._grad_weight_shapes([x.shape]))
+        threads = [()] * kernel_threads()
+        outs, channels, kh, kw = gweight.shape
+        blocks = -(-outs // 4) * -(-channels * kh * kw // 4)
+        chunk = self._grad_weight_samples([x.shape])
+        for n0 in range(0, n, chunk):
+            n1 = min(n, n0 + chunk)
+            run_split(pad_planes, 0, channels, threads, (x, n0, n1, ph, pw, hp, wp, xp))
+            run_split(pad_planes, 0, outs, threads, (gy, n0, n1, 0, 0, hp, wp, gp))
+            run_split(weight_grad_planes, 0, blocks, threads, (gp, xp, (n1 - n0) * hp * wp, wp, n0 > 0, gweight))
 
 
 class ChosenConv2d(LayerLike):

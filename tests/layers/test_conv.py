@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import snrt.threads
-from snrt.backends import cpu_choice
+from snrt.backends import cpu_choice, cpu_conv
 from snrt.backends.cpu_conv import ChosenConv2d, DirectConv2d
 from snrt.backends.cpu_depthwise import ROWS_MIN_WIDTH, CompiledDepthwiseConv2d
 from snrt.backends.cpu_kernels import CPU_KERNELS
@@ -99,6 +99,16 @@ def test_direct_convolution(options, shape):
     layer = Conv2d(**options)
     assert DirectConv2d.serves(layer, [shape])
     check_layer(DirectConv2d(layer), [x], _reference(layer))
+
+
+@pytest.mark.parametrize("elements", [1, 2000])  # a chunk per sample; two samples a chunk, the last short
+def test_the_direct_weight_gradient_sums_its_chunks_of_samples(elements, monkeypatch):
+    monkeypatch.setattr(cpu_conv, "GRAD_WEIGHT_ELEMENTS", elements)
+    layer = Conv2d(out_channels=5, kernel=(3, 2), padding=(1, 0))
+    x = np.random.default_rng(2).standard_normal((5, 6, 7, 8))
+    kernel = DirectConv2d(layer)
+    assert kernel._grad_weight_samples([x.shape]) == (1 if elements == 1 else 2)
+    check_layer(kernel, [x], _reference(layer))
 
 
 @pytest.mark.parametrize("options, served", [

@@ -6,12 +6,13 @@ or gradient sums (backward) and then its output, while the channel's values are 
 cache: two passes over the channel, one trip through memory, where the NumPy layer makes
 five to eight passes with per-channel broadcasts whose inner loops are only H*W long. Sums
 are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2). A tensor of at least
-SPLIT_CHANNELWISE values has its channels split among the kernel threads. Dense stride-1 convolution runs by the layer's im2col, or by the direct kernel of cpu_conv.py where
-that measured at least 10% faster for its shape and phase on this machine (cpu_choice.py).
+SPLIT_CHANNELWISE values has its channels split among the kernel threads. Dense stride-1
+convolution runs by the layer's im2col, or by the direct kernel of cpu_conv.py where that
+measured at least 10% faster for its shape and phase on this machine (cpu_choice.py).
 Depthwise convolution (cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py), the
-activations (cpu_activation.py), MaxPool (cpu_pool.py), AdaptiveAvgPool and nearest Upsample
-(cpu_resample.py), and the channel products of Mul and Scale (cpu_channel.py) have modules of
-their own.
+activations (cpu_activation.py), MaxPool and GlobalAvgPool (cpu_pool.py), AdaptiveAvgPool and
+nearest Upsample (cpu_resample.py), and the channel products of Mul and Scale (cpu_channel.py)
+have modules of their own.
 
 Determinism: a kernel on the kernel threads (cpu_common.run_split) gives each output value to
 one thread; all are compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a sum
@@ -34,7 +35,7 @@ from snrt.backends.cpu_choice import setting
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, run_split
 from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
-from snrt.backends.cpu_pool import CompiledMaxPool
+from snrt.backends.cpu_pool import CompiledGlobalAvgPool, CompiledMaxPool
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
 from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledNearestUpsample
 from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
@@ -148,8 +149,8 @@ class CpuKernels(LayerKernels):
     """The CPU's kernel of every layer: a compiled kernel where REGISTRY has one, else the layer."""
 
     REGISTRY = {  # type name: the kernels to ask, in turn
-        "BatchNorm": (CompiledBatchNorm,), "MaxPool": (CompiledMaxPool,),
-        "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d), "GroupNorm": (CompiledGroupNorm,),
+        "BatchNorm": (CompiledBatchNorm,), "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d),
+        "MaxPool": (CompiledMaxPool,), "GlobalAvgPool": (CompiledGlobalAvgPool,), "GroupNorm": (CompiledGroupNorm,),
         "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
         "Upsample": (CompiledNearestUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),
         **{name: (CompiledActivation,) for name in ("GELU", "SiLU", "Sigmoid", "ELU", "ReLU", "ReLU6")}}

@@ -1,5 +1,6 @@
-"""MaxPool on the CPU: compiled loops over each (sample, channel) map, the maps split among
-the kernel threads.
+"""MaxPool and GlobalAvgPool's forward on the CPU: compiled loops over each (sample, channel)
+map, MaxPool's maps split among the kernel threads. (GlobalAvgPool's NumPy sum over short
+rows, one per map, runs at a fraction of memory speed; its compiled sum is one pass.)
 
 The layer's NumPy code (snrt/layers/pool.py) makes four strided passes over the whole batch
 per window offset, each through a scratch tensor of the output's size. Here each output row
@@ -14,8 +15,8 @@ bit.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import THREADED, LayerLike, run_split
-from snrt.layers.base import FLOAT32_BYTES
+from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, run_split
+from snrt.layers.base import FLOAT32_BYTES, by_channel
 from snrt.threads import kernel_threads
 
 SPLIT_VALUES = 1 << 18  # outputs below which a pooling runs on one thread
@@ -80,6 +81,19 @@ def maxpool_backward(gy, argmax, kh, kw, sh, sw, ph, pw, gx, m0, m1):
                     gx[s, c, hi, wi] += gy[s, c, r, q]
 
 
+@njit(**COMPILED)
+def global_average(x, y):
+    """y[n, c] = the sum of x[n, c] (N, C, K) times 1 / K."""
+    n, channels, k = x.shape
+    scale = x.dtype.type(1.0 / k)
+    for s in range(n):
+        for c in range(channels):
+            total = x.dtype.type(0)
+            for j in range(k):
+                total += x[s, c, j]
+            y[s, c] = total * scale
+
+
 def _threads(outputs):
     """One per-thread argument tuple (none) per thread that a pooling of `outputs` runs on."""
     return [()] * (kernel_threads() if outputs >= SPLIT_VALUES else 1)
@@ -106,3 +120,11 @@ class CompiledMaxPool(LayerLike):
         if gx is not None:
             run_split(maxpool_backward, 0, gx.shape[0] * gx.shape[1], _threads(gy.size),
                       (gy, aux["argmax"], *self._geometry(), gx))
+
+
+class CompiledGlobalAvgPool(LayerLike):
+    """GlobalAvgPool with the compiled forward above; backward (one broadcast multiply) is the
+    layer's."""
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        global_average(by_channel(xs[0]), y)

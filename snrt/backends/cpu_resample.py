@@ -65,17 +65,19 @@ def nearest_forward(x, sh, sw, y):
 
 @njit(**COMPILED)
 def nearest_backward(gy, sh, sw, gx):
-    """gx[n, c, i, j] = the sum of gy over the sh x sw copies of pixel (i, j), row by row."""
+    """gx[n, c, i, j] = the sum of gy over the sh x sw copies of pixel (i, j), in the order
+    (a, b) of the copies: a whole row of gx at a time, each copy's row added in turn."""
     n, channels, h, w = gx.shape
     for s in range(n):
         for c in range(channels):
             for i in range(h):
-                for j in range(w):
-                    total = gy[s, c, i * sh, j * sw] * 0
-                    for a in range(sh):
-                        for b in range(sw):
-                            total += gy[s, c, i * sh + a, j * sw + b]
-                    gx[s, c, i, j] = total
+                row = gx[s, c, i]
+                row[:] = 0
+                for a in range(sh):
+                    copies = gy[s, c, i * sh + a]
+                    for b in range(sw):
+                        for j in range(w):
+                            row[j] += copies[j * sw + b]
 
 
 def _bins(size, out):

@@ -102,12 +102,15 @@ def test_the_compiled_max_pool_forward_is_the_layers_bit_for_bit_nan_included(ke
     np.testing.assert_array_equal(got[1]["argmax"], expected[1]["argmax"])
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 2, 1, 1)])
-def test_global_avg_pool(shape):
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 2, 1, 1), (3, 2, 11, 13)])
+@pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
+def test_global_avg_pool(shape, compiled):
     x = np.random.default_rng(3).standard_normal(shape)
     layer = GlobalAvgPool()
     assert layer.infer_shape([shape]) == shape[:2]
-    check_layer(layer, [x], lambda xs, p: torch.flatten(F.adaptive_avg_pool2d(xs[0], 1), 1))
+    kernel = CPU_KERNELS.kernel_for(layer, [shape]) if compiled else layer
+    assert (kernel is layer) != compiled
+    check_layer(kernel, [x], lambda xs, p: torch.flatten(F.adaptive_avg_pool2d(xs[0], 1), 1))
 
 
 def test_pools_save_nothing_but_max_pool_argmax():

@@ -19,17 +19,20 @@ direct kernels replace them, each where it measured faster (`ROWS_MIN_WIDTH`):
 
 Weight gradients sum rows (or one sample's pixels) in the input's dtype and those sums in
 float64. x (N, C, H, W), weight (O, 1, kh, kw) with O = C * m, bias (O,), y (N, O, Ho, Wo);
-any stride, padding and dilation; every buffer in the planned workspace. Serial like the other
-CPU kernels (with numba's OpenMP threads, MobileNetV2 trained at half the speed: they and
-OpenBLAS's threads take the two cores from each other). Sums run in a fixed order, so the
-same inputs give the same bits in every run and policy.
+any stride, padding and dilation; every buffer in the planned workspace. By rows, the channels
+are split among the kernel threads (cpu_common.run_split), each with its own plane and row
+buffers; channels last runs on one. (numba's own OpenMP threads, tried first, halved
+MobileNetV2's speed: they and OpenBLAS's threads took the two cores from each other.) Sums run
+in a fixed order, each channel's on one thread, so the same inputs give the same bits in every
+run and policy and on any number of threads.
 """
 
 import numpy as np
 from numba import njit, uint64
 
-from snrt.backends.cpu_common import COMPILED, LayerLike
+from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_threads, run_split
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
+from snrt.threads import kernel_threads
 
 ROWS_MIN_WIDTH = 16  # output widths from which rows beat channels last (results/bench_layers.md)
 
@@ -46,17 +49,18 @@ def _padded_plane(x, s, c, ph, pw, plane):
             plane[(r + ph) * width + q + pw] = x[s, c, r, q]
 
 
-@njit(**COMPILED)
-def rows_forward(x, weight, bias, sh, sw, ph, pw, dh, dw, plane, row, y):
-    """y[n, o] = bias[o] + sum over taps (i, j) of weight[o, i, j] * x[n, o // m] at the tap;
-    weight (O, kh, kw), bias (O,) or empty; plane (Hp * Wp,) and row (Wo,): workspace."""
+@njit(**THREADED)
+def rows_forward(x, weight, bias, sh, sw, ph, pw, dh, dw, y, c0, c1, plane, row):
+    """y[n, o] = bias[o] + sum over taps (i, j) of weight[o, i, j] * x[n, o // m] at the tap,
+    for the outputs o of input channels c0 <= c < c1; weight (O, kh, kw), bias (O,) or empty;
+    plane (Hp * Wp,) and row (Wo,): workspace."""
     n, outs, ho, wo = y.shape
     channels, w = x.shape[1], x.shape[3]
     m = outs // channels
     kh, kw = weight.shape[1], weight.shape[2]
     width = w + 2 * pw
     plane[:] = 0.0
-    for c in range(channels):
+    for c in range(c0, c1):
         for s in range(n):
             _padded_plane(x, s, c, ph, pw, plane)
             for o in range(c * m, (c + 1) * m):
@@ -72,16 +76,17 @@ def rows_forward(x, weight, bias, sh, sw, ph, pw, dh, dw, plane, row, y):
                         y[s, o, r, q] = row[q]
 
 
-@njit(**COMPILED)
-def rows_grad_input(gy, weight, sh, sw, ph, pw, dh, dw, plane, gx):
-    """gx[n, c] = sum over c's outputs o and taps of weight[o, i, j] * gy[n, o], scattered back
-    to the input positions the tap read (in the padded `plane`, whose interior is gx)."""
+@njit(**THREADED)
+def rows_grad_input(gy, weight, sh, sw, ph, pw, dh, dw, gx, c0, c1, plane):
+    """gx[n, c] for c0 <= c < c1 = sum over c's outputs o and taps of weight[o, i, j] * gy[n, o],
+    scattered back to the input positions the tap read (in the padded `plane`, whose interior
+    is gx)."""
     n, channels, h, w = gx.shape
     outs, ho, wo = gy.shape[1], gy.shape[2], gy.shape[3]
     m = outs // channels
     kh, kw = weight.shape[1], weight.shape[2]
     width = w + 2 * pw
-    for c in range(channels):
+    for c in range(c0, c1):
         for s in range(n):
             plane[:] = 0.0
             for o in range(c * m, (c + 1) * m):
@@ -97,16 +102,17 @@ def rows_grad_input(gy, weight, sh, sw, ph, pw, dh, dw, plane, gx):
                     gx[s, c, r, q] = plane[(r + ph) * width + q + pw]
 
 
-@njit(**COMPILED)
-def rows_grad_weight(gy, x, sh, sw, ph, pw, dh, dw, plane, sums, gweight, gbias):
-    """gweight[o, 0, i, j] = sum over n and output pixels of gy[n, o] * x[n, o // m] at the tap;
-    gbias[o] = sum of gy[:, o] (when not empty); sums (kh * kw + 1,) float64: workspace."""
+@njit(**THREADED)
+def rows_grad_weight(gy, x, sh, sw, ph, pw, dh, dw, gweight, gbias, o0, o1, plane, sums):
+    """gweight[o, 0, i, j] for o0 <= o < o1 = sum over n and output pixels of gy[n, o] *
+    x[n, o // m] at the tap; gbias[o] = sum of gy[:, o] (when not empty); sums (kh * kw + 1,)
+    float64: workspace."""
     n, outs, ho, wo = gy.shape
     m = outs // x.shape[1]
     kh, kw = gweight.shape[2], gweight.shape[3]
     width = x.shape[3] + 2 * pw
     plane[:] = 0.0
-    for o in range(outs):
+    for o in range(o0, o1):
         sums[:] = 0.0
         for s in range(n):
             _padded_plane(x, s, o // m, ph, pw, plane)
@@ -249,27 +255,32 @@ class CompiledDepthwiseConv2d(LayerLike):
     def serves(layer, in_shapes):
         return layer.groups > 1 and layer.groups == in_shapes[0][1]
 
-    def _workspace_shapes(self, in_shapes, phase):
-        """[(shape, dtype: None for the input's)] the kernel carves from its workspace, in order."""
+    def _workspace_shapes(self, in_shapes, phase, threads):
+        """[(shape, dtype: None for the input's)] the kernel carves from its workspace, in order
+        (by rows: each of `threads` threads' own)."""
         _, _, h, w = in_shapes[0]
         _, outs, ho, wo = self.layer.infer_shape(in_shapes)
         (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
         padded = (h + 2 * ph, w + 2 * pw)
         if wo >= ROWS_MIN_WIDTH:
             if phase == BACKWARD:
-                return [(padded, None), ((kh * kw + 1,), np.float64)]
-            return [(padded, None), ((wo,), None)]
+                return [((threads, *padded), None), ((threads, kh * kw + 1), np.float64)]
+            return [((threads, *padded), None), ((threads, wo), None)]
         shapes = [((kh, kw, outs), None), ((*padded, outs), None), ((ho, wo, outs), None)]
         if phase == BACKWARD:
             shapes += [((kh * kw + 1, outs), None), ((kh * kw + 1, outs), np.float64)]
         return shapes
 
-    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES, threads=None):
         return scratch_bytes(*(int(np.prod(shape)) * (np.dtype(dtype).itemsize if dtype else itemsize)
-                               for shape, dtype in self._workspace_shapes(in_shapes, phase)))
+                               for shape, dtype in self._workspace_shapes(in_shapes, phase, threads or kernel_threads())))
 
     def _workspace(self, ctx, x, phase):
-        return [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in self._workspace_shapes([x.shape], phase)]
+        """The workspace arrays for as many threads as the planned workspace holds."""
+        threads = fitting_threads(ctx.workspace.nbytes, lambda count: self.workspace_bytes(
+            [x.shape], phase, x.dtype.itemsize, count))
+        return [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in self._workspace_shapes([x.shape], phase,
+                                                                                                threads)]
 
     def _geometry(self):
         (sh, sw), (ph, pw), (dh, dw) = self.layer.stride, self.layer.padding, self.layer.dilation
@@ -279,9 +290,10 @@ class CompiledDepthwiseConv2d(LayerLike):
         x, weight = xs[0], params["weight"]
         bias = params["bias"] if self.layer.bias else weight[:0, 0, 0, 0]
         work = self._workspace(ctx, x, FORWARD)
-        if len(work) == 2:  # by rows
-            plane, row = work
-            rows_forward(x, weight[:, 0], bias, *self._geometry(), plane.reshape(-1), row, y)
+        if len(work) == 2:  # by rows, the input channels split among the threads
+            planes, rows = work
+            run_split(rows_forward, 0, x.shape[1], list(zip(planes.reshape(len(planes), -1), rows)),
+                      (x, weight[:, 0], bias, *self._geometry(), y))
         else:
             taps, padded, rows = work
             taps[...] = weight[:, 0].transpose(1, 2, 0)
@@ -292,11 +304,14 @@ class CompiledDepthwiseConv2d(LayerLike):
         x, weight = saved.xs[0], params["weight"]
         gbias = gparams["bias"] if self.layer.bias else weight[:0, 0, 0, 0]
         work = self._workspace(ctx, x, BACKWARD)
-        if len(work) == 2:  # by rows
-            plane, sums = work
-            rows_grad_weight(gy, x, *self._geometry(), plane.reshape(-1), sums, gparams["weight"], gbias)
+        if len(work) == 2:  # by rows, the output channels (input channels) split among the threads
+            planes, sums = work
+            planes = planes.reshape(len(planes), -1)
+            run_split(rows_grad_weight, 0, gy.shape[1], list(zip(planes, sums)),
+                      (gy, x, *self._geometry(), gparams["weight"], gbias))
             if gxs[0] is not None:
-                rows_grad_input(gy, weight[:, 0], *self._geometry(), plane.reshape(-1), gxs[0])
+                run_split(rows_grad_input, 0, x.shape[1], [(plane,) for plane in planes],
+                          (gy, weight[:, 0], *self._geometry(), gxs[0]))
         else:
             taps, padded, rows, partial, sums = work
             taps[...] = weight[:, 0].transpose(1, 2, 0)

@@ -5,32 +5,35 @@ import numpy as np
 import pytest
 
 import snrt.threads
-from snrt.backends import cpu_activation, cpu_kernels, cpu_pool
+from snrt.backends import cpu_activation, cpu_depthwise, cpu_kernels, cpu_pool
 from snrt.backends.cpu_common import run_split
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.layers.activation import ELU, GELU, Sigmoid, SiLU
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
+from snrt.layers.conv import Conv2d
 from snrt.layers.norm import BatchNorm
 from snrt.layers.pool import MaxPool
 from tests.layers.harness import make_params, make_state
 
 SHAPE = (2, 8, 256, 260)  # over 2^20 values: each kernel here splits it among the kernel threads
 LAYERS = [BatchNorm(), BatchNorm(affine=False), SiLU(), GELU(), GELU(approximate="tanh"), Sigmoid(), ELU(alpha=0.5),
-          MaxPool(kernel=3, stride=2, padding=1), MaxPool(kernel=2)]
+          MaxPool(kernel=3, stride=2, padding=1), MaxPool(kernel=2),
+          Conv2d(out_channels=8, kernel=3, padding=1, groups=8), Conv2d(out_channels=16, kernel=5, stride=2, groups=8)]
 
 
-def run(layer, x, gy, planned_threads, threads, monkeypatch):
+def run(layer, x, planned_threads, threads, monkeypatch):
     """(y, gx, parameter gradients...) of the CPU kernel, its workspace planned with
-    `planned_threads` kernel threads and run with `threads`; asserts how many threads ran each
-    phase: `threads` for BatchNorm (no workspace), else as many as the workspace was planned for
-    (Sigmoid's and ELU's backward are one pass on one thread, without run_split)."""
+    `planned_threads` kernel threads and run with `threads`; asserts that both phases ran on
+    `threads` threads for the kernels without workspace (BatchNorm, MaxPool), else on as many as
+    the workspace was planned for (Sigmoid's and ELU's backward are one pass on one thread,
+    without run_split)."""
     used = []
 
     def counted(function, start, stop, per_thread_args, shared_args):
         used.append(len(per_thread_args))
         run_split(function, start, stop, per_thread_args, shared_args)
 
-    for module in (cpu_activation, cpu_kernels, cpu_pool):
+    for module in (cpu_activation, cpu_depthwise, cpu_kernels, cpu_pool):
         monkeypatch.setattr(module, "run_split", counted)
     monkeypatch.setattr(snrt.threads, "_LIMIT", [planned_threads])
     kernel = CPU_KERNELS.kernel_for(layer, [x.shape])
@@ -43,11 +46,12 @@ def run(layer, x, gy, planned_threads, threads, monkeypatch):
     y = np.full(layer.infer_shape([x.shape]), np.nan, np.float32)
     kernel.forward(KernelContext(np, workspace=workspace[FORWARD]), [x], params, state, y, aux)
     gx = np.full_like(x, np.nan)
+    gy = np.random.default_rng(1).standard_normal(y.shape, dtype=np.float32)
     grads = {k: np.full_like(v, np.nan) for k, v in params.items()}
-    kernel.backward(KernelContext(np, workspace=workspace[BACKWARD]), gy[tuple(map(slice, y.shape))], Saved((x,), y),
+    kernel.backward(KernelContext(np, workspace=workspace[BACKWARD]), gy, Saved((x,), y),
                     params, aux, [gx], grads)
-    phases = 1 if isinstance(layer, (Sigmoid, ELU)) else 2
-    assert used == [threads if isinstance(layer, (BatchNorm, MaxPool)) else planned_threads] * phases
+    calls = 1 if isinstance(layer, (Sigmoid, ELU)) else 3 if isinstance(layer, Conv2d) else 2
+    assert used == [threads if isinstance(layer, (BatchNorm, MaxPool)) else planned_threads] * calls
     return [y, gx, *grads.values()]
 
 
@@ -55,9 +59,8 @@ def run(layer, x, gy, planned_threads, threads, monkeypatch):
 def test_a_threaded_cpu_kernel_gives_the_same_bits_on_any_number_of_threads(layer, monkeypatch):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(SHAPE, dtype=np.float32)
-    gy = rng.standard_normal(SHAPE, dtype=np.float32)
-    one = run(layer, x, gy, 1, 1, monkeypatch)
+    one = run(layer, x, 1, 1, monkeypatch)
     assert not any(np.isnan(a).any() for a in one)
     for planned, threads in ((2, 2), (3, 3), (1, 4)):  # (1, 4): limited to 4 after planning for 1
-        for a, b in zip(one, run(layer, x, gy, planned, threads, monkeypatch)):
+        for a, b in zip(one, run(layer, x, planned, threads, monkeypatch)):
             np.testing.assert_array_equal(a, b)

@@ -12,7 +12,9 @@ pause every call starts with parked threads and cold caches, which inflates smal
 several times). Shapes: CIFAR ResNet layers at batch 32, ResNet-50 layers at batch 8, and the
 newer layers as MobileNetV2, SE-ResNet-50, ConvNeXt-T (batch 8, 224x224 input) and U-Net
 (batch 4, 256x256) use them, and the deep small maps of EfficientNet-B0 and ConvNeXt-T at
-64x64. PyTorch's side is snrt.torch_reference's function of each layer.
+64x64. PyTorch's side is snrt.torch_reference's function of each layer. The convolutions'
+kernel choices (snrt/backends/cpu_choice.py) are made first, before PyTorch runs: its idle
+threads would skew what the chooser measures.
 Writes results/bench_layers.{json,md}.
 
     python scripts/bench_layers.py [--repeats 7] [--out results/bench_layers] [--only TEXT ...]
@@ -179,10 +181,13 @@ def main(argv=None):
     torch.set_num_threads(CORES)
     meta = machine()
     start = time.perf_counter()
+    cases = [case for case in CASES if not args.only or any(text in case[0] for text in args.only)]
+    for _, layer, in_shapes in cases:  # kernel choices first, measured before PyTorch's threads exist
+        kernel = NumpyBackend.kernel_choice().kernel_for(layer, in_shapes)
+        for phase in (FORWARD, BACKWARD):
+            kernel.workspace_bytes(in_shapes, phase, 4)
     rows = []
-    for name, layer, in_shapes in CASES:
-        if args.only and not any(text in name for text in args.only):
-            continue
+    for name, layer, in_shapes in cases:
         rng = np.random.default_rng(0)
         xs = [rng.standard_normal(shape).astype(np.float32) for shape in in_shapes]
         params = {k: (rng.standard_normal(s.shape) * 0.05 + (1 if s.init in ("ones", "constant") else 0))

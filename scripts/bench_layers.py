@@ -13,8 +13,11 @@ several times). Shapes: CIFAR ResNet layers at batch 32, ResNet-50 layers at bat
 newer layers as MobileNetV2, SE-ResNet-50, ConvNeXt-T (batch 8, 224x224 input) and U-Net
 (batch 4, 256x256) use them, and the deep small maps of EfficientNet-B0 and ConvNeXt-T at
 64x64. PyTorch's side is snrt.torch_reference's function of each layer. The convolutions'
-kernel choices (snrt/backends/cpu_choice.py) are made first, before PyTorch runs: its idle
-threads would skew what the chooser measures.
+kernel choices (snrt/backends/cpu_choice.py) are made first, before PyTorch runs, and snrt is
+imported before numpy and torch, as the `snrt` command does: OpenBLAS's threads would
+otherwise spin for about 0.1 s after each call of im2col's GEMMs, taking the cores from the
+direct kernel's threads while the chooser times it (a 64@56 b8 forward measured 17 ms against
+11 that way).
 Writes results/bench_layers.{json,md}.
 
     python scripts/bench_layers.py [--repeats 7] [--out results/bench_layers] [--only TEXT ...]
@@ -26,6 +29,7 @@ CORES = os.cpu_count() or 1
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, str(CORES))  # before numpy loads its BLAS
 
+import snrt  # noqa: E402, F401  (before numpy and torch: it shortens OpenBLAS's spin, results/blas_timeout.md)
 import argparse  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
@@ -204,7 +208,8 @@ def main(argv=None):
               f"bwd {row['snrt_backward_ms']:7.2f} vs {row['torch_backward_ms']:7.2f} ms", flush=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta.update({"repeats": args.repeats, "settle": args.settle, "threads": CORES, "seconds": time.perf_counter() - start})
+    meta.update({"repeats": args.repeats, "settle": args.settle, "threads": CORES, "seconds": time.perf_counter() - start,
+                 "snrt": snrt.__version__, "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")})
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = ["# Layers on this CPU: snrt's CPU kernels against PyTorch", "",
              f"Generated {meta['date']} on {meta['platform']} ({meta['cpu_model']}, {meta['cores']} cores), "

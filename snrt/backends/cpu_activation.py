@@ -21,10 +21,10 @@ gy s (1 + x (1 - s)) for SiLU. ReLU, ReLU6, Sigmoid and ELU read their output: g
 sign(y), gy [0 < y < 6], gy (1 - y) y and gy (y > 0 ? 1 : y + alpha), in one pass (a NaN in y gives NaN). ReLU's and
 ReLU6's forwards are one pass of comparisons that keep a NaN.
 
-The exponential's kernels run on the kernel threads (cpu_common.run_split) for tensors of at
-least SPLIT_VALUES values, each thread with its own two blocks of workspace; the others,
-bound by memory more than by arithmetic, run on one. float32 only; other dtypes run the
-layer's code.
+The kernels run on the kernel threads (cpu_common.run_split), each thread a share of the flat
+tensor: the exponential's from SPLIT_VALUES values, each thread with its own two blocks of
+workspace, the one-pass kernels, bound by memory, from SPLIT_PASS_VALUES. float32 only; other
+dtypes run the layer's code.
 """
 
 import math
@@ -38,7 +38,8 @@ from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
 from snrt.threads import kernel_threads
 
 BLOCK = 1024  # values per block
-SPLIT_VALUES = 1 << 17  # a tensor of fewer values runs on one thread (a hand-off costs tens of µs)
+SPLIT_VALUES = 1 << 17  # an exponential's tensor of fewer values runs on one thread (a hand-off costs tens of µs)
+SPLIT_PASS_VALUES = 1 << 20  # the same for the one-pass kernels, bound by memory (2^19 ReLU values: 3x slower split)
 F = np.float32  # every constant below is float32, so that no value is widened
 EXP_LOW, EXP_HIGH = F(-87.0), F(88.0)  # exp of either is a normal float32
 LOG2E, LN2_HI, LN2_LO = F(1 / math.log(2)), F(0.693145751953125), F(1.4286068203094173e-06)
@@ -138,27 +139,35 @@ def exponential_backward(kind, x, gy, gx, r0, r1, mantissas, powers):
 
 
 @njit(**THREADED)
-def clip_forward(kind, x, y):
-    """y = max(x, 0) (ReLU) or min(max(x, 0), 6) (ReLU6) over flat x; a NaN stays NaN."""
-    for i in range(x.size):
-        v = x[i]
+def clip_forward(kind, x, y, r0, r1):
+    """y = max(x, 0) (ReLU) or min(max(x, 0), 6) (ReLU6) over flat x[r0:r1]; a NaN stays NaN."""
+    xs, ys = x[r0:r1], y[r0:r1]  # slices: a loop from 0 vectorizes, one from r0 did not
+    for i in range(xs.size):
+        v = xs[i]
         v = ZERO if v <= ZERO else v
-        y[i] = SIX if kind == RELU6 and v >= SIX else v
+        ys[i] = SIX if kind == RELU6 and v >= SIX else v
 
 
 @njit(**THREADED)
-def output_backward(kind, alpha, y, gy, gx):
-    """gx = gy * dy/dx as a function of the output y, over flat arrays (READS_OUTPUT)."""
-    for i in range(y.size):
-        v = y[i]
+def output_backward(kind, alpha, y, gy, gx, r0, r1):
+    """gx = gy * dy/dx as a function of the output y, over flat arrays' [r0, r1) (READS_OUTPUT)."""
+    ys, gys, gxs = y[r0:r1], gy[r0:r1], gx[r0:r1]
+    for i in range(ys.size):
+        v = ys[i]
         if kind == RELU:
-            gx[i] = np.sign(v) * gy[i]  # y >= 0: the 0/1 mask, and a NaN in y stays visible
+            gxs[i] = np.sign(v) * gys[i]  # y >= 0: the 0/1 mask, and a NaN in y stays visible
         elif kind == RELU6:
-            gx[i] = gy[i] * (ONE if ZERO < v < SIX else ZERO * v)  # 0 * NaN: a NaN in y stays visible
+            gxs[i] = gys[i] * (ONE if ZERO < v < SIX else ZERO * v)  # 0 * NaN: a NaN in y stays visible
         elif kind == SIGMOID:
-            gx[i] = (ONE - v) * v * gy[i]
+            gxs[i] = (ONE - v) * v * gys[i]
         else:
-            gx[i] = gy[i] if v > ZERO else gy[i] * (v + alpha)
+            gxs[i] = gys[i] if v > ZERO else gys[i] * (v + alpha)
+
+
+def _split(size):
+    """No per-thread arguments, one tuple per thread: the kernel threads for a tensor of at
+    least SPLIT_PASS_VALUES values, else one."""
+    return [()] * (kernel_threads() if size >= SPLIT_PASS_VALUES else 1)
 
 
 class CompiledActivation(LayerLike):
@@ -197,7 +206,7 @@ class CompiledActivation(LayerLike):
             return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
         kind = self._kind()
         if kind in (RELU, RELU6):
-            clip_forward(kind, x.reshape(-1), y.reshape(-1))
+            run_split(clip_forward, 0, x.size, _split(x.size), (kind, x.reshape(-1), y.reshape(-1)))
             return
         self._exponentials_split(ctx, FORWARD, exponential_forward, (kind, self._alpha(), x.reshape(-1),
                                                                       y.reshape(-1)), x.size)
@@ -210,7 +219,8 @@ class CompiledActivation(LayerLike):
         if given.dtype != np.float32:
             return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
         if kind in READS_OUTPUT:
-            output_backward(kind, self._alpha(), given.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1))
+            run_split(output_backward, 0, given.size, _split(given.size),
+                      (kind, self._alpha(), given.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1)))
             return
         self._exponentials_split(ctx, BACKWARD, exponential_backward, (kind, given.reshape(-1), gy.reshape(-1),
                                                                         gxs[0].reshape(-1)), given.size)

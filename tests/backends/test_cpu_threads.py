@@ -8,7 +8,7 @@ import snrt.threads
 from snrt.backends import cpu_activation, cpu_depthwise, cpu_kernels, cpu_pool
 from snrt.backends.cpu_common import run_split
 from snrt.backends.cpu_kernels import CPU_KERNELS
-from snrt.layers.activation import ELU, GELU, Sigmoid, SiLU
+from snrt.layers.activation import ELU, GELU, ReLU, ReLU6, Sigmoid, SiLU
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.conv import Conv2d
 from snrt.layers.norm import BatchNorm
@@ -17,16 +17,27 @@ from tests.layers.harness import make_params, make_state
 
 SHAPE = (2, 8, 256, 260)  # over 2^20 values: each kernel here splits it among the kernel threads
 LAYERS = [BatchNorm(), BatchNorm(affine=False), SiLU(), GELU(), GELU(approximate="tanh"), Sigmoid(), ELU(alpha=0.5),
+          ReLU(), ReLU6(),
           MaxPool(kernel=3, stride=2, padding=1), MaxPool(kernel=2),
           Conv2d(out_channels=8, kernel=3, padding=1, groups=8), Conv2d(out_channels=16, kernel=5, stride=2, groups=8)]
 
 
+def expected_threads(layer, planned, threads):
+    """The thread counts of the kernel's run_split calls, forward then backward: `threads` where
+    a kernel needs no workspace, else as many as it was planned for."""
+    if isinstance(layer, (BatchNorm, MaxPool, ReLU, ReLU6)):
+        return [threads, threads]
+    if isinstance(layer, (Sigmoid, ELU)):  # the exponentials in workspace, a backward without
+        return [planned, threads]
+    if isinstance(layer, Conv2d):  # forward; weight, then data gradient
+        return [planned] * 3
+    return [planned, planned]
+
+
 def run(layer, x, planned_threads, threads, monkeypatch):
     """(y, gx, parameter gradients...) of the CPU kernel, its workspace planned with
-    `planned_threads` kernel threads and run with `threads`; asserts that both phases ran on
-    `threads` threads for the kernels without workspace (BatchNorm, MaxPool), else on as many as
-    the workspace was planned for (Sigmoid's and ELU's backward are one pass on one thread,
-    without run_split)."""
+    `planned_threads` kernel threads and run with `threads`; asserts the threads each split ran
+    on (expected_threads)."""
     used = []
 
     def counted(function, start, stop, per_thread_args, shared_args):
@@ -50,8 +61,7 @@ def run(layer, x, planned_threads, threads, monkeypatch):
     grads = {k: np.full_like(v, np.nan) for k, v in params.items()}
     kernel.backward(KernelContext(np, workspace=workspace[BACKWARD]), gy, Saved((x,), y),
                     params, aux, [gx], grads)
-    calls = 1 if isinstance(layer, (Sigmoid, ELU)) else 3 if isinstance(layer, Conv2d) else 2
-    assert used == [threads if isinstance(layer, (BatchNorm, MaxPool)) else planned_threads] * calls
+    assert used == expected_threads(layer, planned_threads, threads)
     return [y, gx, *grads.values()]
 
 

@@ -208,8 +208,9 @@ def main(argv=None):
               f"bwd {row['snrt_backward_ms']:7.2f} vs {row['torch_backward_ms']:7.2f} ms", flush=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta.update({"repeats": args.repeats, "settle": args.settle, "threads": CORES, "seconds": time.perf_counter() - start,
-                 "snrt": snrt.__version__, "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")})
+    meta.update({"repeats": args.repeats, "settle": args.settle, "threads": CORES,
+                 "seconds": time.perf_counter() - start, "snrt": snrt.__version__,
+                 "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")})
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = ["# Layers on this CPU: snrt's CPU kernels against PyTorch", "",
              f"Generated {meta['date']} on {meta['platform']} ({meta['cpu_model']}, {meta['cores']} cores), "

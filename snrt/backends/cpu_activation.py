@@ -32,13 +32,13 @@ import math
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, run_split
+from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, no_arguments_per_thread, run_split
 from snrt.layers.activation import ERF_A, ERF_P, TANH_GELU_C, TANH_GELU_K
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
 from snrt.threads import kernel_threads
 
 BLOCK = 1024  # values per block
-SPLIT_VALUES = 1 << 17  # an exponential's tensor of fewer values runs on one thread (a hand-off costs tens of µs)
+SPLIT_VALUES = 1 << 17  # an exponential's tensor of fewer values runs on one thread
 SPLIT_PASS_VALUES = 1 << 20  # the same for the one-pass kernels, bound by memory (2^19 ReLU values: 3x slower split)
 F = np.float32  # every constant below is float32, so that no value is widened
 EXP_LOW, EXP_HIGH = F(-87.0), F(88.0)  # exp of either is a normal float32
@@ -164,12 +164,6 @@ def output_backward(kind, alpha, y, gy, gx, r0, r1):
             gxs[i] = gys[i] if v > ZERO else gys[i] * (v + alpha)
 
 
-def _split(size):
-    """No per-thread arguments, one tuple per thread: the kernel threads for a tensor of at
-    least SPLIT_PASS_VALUES values, else one."""
-    return [()] * (kernel_threads() if size >= SPLIT_PASS_VALUES else 1)
-
-
 class CompiledActivation(LayerLike):
     """GELU (either form), SiLU, Sigmoid, ELU, ReLU and ReLU6 by the kernels above."""
 
@@ -206,7 +200,8 @@ class CompiledActivation(LayerLike):
             return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
         kind = self._kind()
         if kind in (RELU, RELU6):
-            run_split(clip_forward, 0, x.size, _split(x.size), (kind, x.reshape(-1), y.reshape(-1)))
+            run_split(clip_forward, 0, x.size, no_arguments_per_thread(x.size, SPLIT_PASS_VALUES),
+                      (kind, x.reshape(-1), y.reshape(-1)))
             return
         self._exponentials_split(ctx, FORWARD, exponential_forward, (kind, self._alpha(), x.reshape(-1),
                                                                       y.reshape(-1)), x.size)
@@ -219,7 +214,7 @@ class CompiledActivation(LayerLike):
         if given.dtype != np.float32:
             return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
         if kind in READS_OUTPUT:
-            run_split(output_backward, 0, given.size, _split(given.size),
+            run_split(output_backward, 0, given.size, no_arguments_per_thread(given.size, SPLIT_PASS_VALUES),
                       (kind, self._alpha(), given.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1)))
             return
         self._exponentials_split(ctx, BACKWARD, exponential_backward, (kind, given.reshape(-1), gy.reshape(-1),

@@ -4,37 +4,40 @@ x * g with g (N, C) or (N, C, 1, 1)) and Scale (ConvNeXt's layer scale, x * weig
 The layers broadcast in NumPy, and their backward writes gy * x to a planned workspace of x's
 size before summing it. These kernels go over each (sample, channel) row once: forward
 y = x * s, backward gx = gy * s and the factor's gradient summed in the same pass (float64
-sums, each in a fixed order), so they need no workspace. float32 only; other dtypes and other
-gate shapes run the layer's code.
+sums, each in a fixed order), so they need no workspace; from SPLIT_VALUES values the channels
+are split among the kernel threads. float32 only; other dtypes and other gate shapes run the
+layer's code.
 """
 
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import COMPILED, LayerLike
+from snrt.backends.cpu_common import THREADED, LayerLike, no_arguments_per_thread, run_split
 from snrt.layers.base import FLOAT32_BYTES, by_channel
 
+SPLIT_VALUES = 1 << 20  # a product of fewer values runs on one thread (it is bound by memory)
 
-@njit(**COMPILED)
-def scale_rows(x, factors, y):
-    """y[n, c, :] = x[n, c, :] * factors[n, c], or factors[0, c] when factors is (1, C); x, y
-    (N, C, K)."""
-    n, channels, k = x.shape
+
+@njit(**THREADED)
+def scale_rows(x, factors, y, c0, c1):
+    """y[n, c, :] = x[n, c, :] * factors[n, c], or factors[0, c] when factors is (1, C), for the
+    channels c0 <= c < c1; x, y (N, C, K)."""
+    n, _, k = x.shape
     for s in range(n):
-        for c in range(channels):
+        for c in range(c0, c1):
             a = factors[s if factors.shape[0] > 1 else 0, c]
             for j in range(k):
                 y[s, c, j] = x[s, c, j] * a
 
 
-@njit(**COMPILED)
-def scale_rows_backward(x, gy, factors, gx, gfactors):
+@njit(**THREADED)
+def scale_rows_backward(x, gy, factors, gx, gfactors, c0, c1):
     """gx = gy * factors as in scale_rows (unless gx has no samples) and gfactors[n, c] = the
     sum of gy * x over the row (factors (N, C)), or gfactors[0, c] = that sum over the samples
-    too (factors (1, C))."""
-    n, channels, k = x.shape
+    too (factors (1, C)), for the channels c0 <= c < c1."""
+    n, _, k = x.shape
     per_sample = factors.shape[0] > 1
-    for c in range(channels):
+    for c in range(c0, c1):
         total = 0.0
         for s in range(n):
             a = factors[s if per_sample else 0, c]
@@ -57,12 +60,16 @@ class _ChannelProduct(LayerLike):
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         return self.layer.workspace_bytes(in_shapes, phase, itemsize) if itemsize != FLOAT32_BYTES else 0
 
-    def _product(self, x, factors, y):
-        scale_rows(by_channel(x), factors, by_channel(y))
+    @staticmethod
+    def _product(x, factors, y):
+        run_split(scale_rows, 0, x.shape[1], no_arguments_per_thread(x.size, SPLIT_VALUES),
+                  (by_channel(x), factors, by_channel(y)))
 
-    def _product_backward(self, x, gy, factors, gx, gfactors):
+    @staticmethod
+    def _product_backward(x, gy, factors, gx, gfactors):
         gx3 = by_channel(gx) if gx is not None else by_channel(x)[:0]  # no samples: the factors' sums only
-        scale_rows_backward(by_channel(x), by_channel(gy), factors, gx3, gfactors)
+        run_split(scale_rows_backward, 0, x.shape[1], no_arguments_per_thread(x.size, SPLIT_VALUES),
+                  (by_channel(x), by_channel(gy), factors, gx3, gfactors))
 
 
 class CompiledGateMul(_ChannelProduct):

@@ -1,6 +1,6 @@
 """What the CPU's compiled kernels share: numba's options (`COMPILED`, `THREADED`), the kernel
-threads (`run_split`, `fitting_threads`) and `LayerLike`, the base that makes a kernel stand in
-for its layer.
+threads (`run_split`, `no_arguments_per_thread`, `fitting_threads`) and `LayerLike`, the base
+that makes a kernel stand in for its layer.
 
 Kernel threads: `snrt.threads.kernel_threads()` OS threads of a pool per process, each running
 compiled code that releases the GIL (`THREADED`). A kernel splits its work so that every
@@ -40,6 +40,12 @@ def run_split(function, start, stop, per_thread_args, shared_args):
     pool = _POOL.get(key) or _POOL.setdefault(key, ThreadPoolExecutor(threads, "snrt-kernel"))
     for future in [pool.submit(function, *call) for call in calls]:
         future.result()
+
+
+def no_arguments_per_thread(values, minimum):
+    """[()] for each thread a kernel without per-thread arguments runs on: the kernel threads
+    when it covers at least `minimum` values, else one (a hand-off costs tens of µs)."""
+    return [()] * (kernel_threads() if values >= minimum else 1)
 
 
 def fitting_threads(workspace_bytes, bytes_for):

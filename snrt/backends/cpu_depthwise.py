@@ -272,8 +272,9 @@ class CompiledDepthwiseConv2d(LayerLike):
         return shapes
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES, threads=None):
+        shapes = self._workspace_shapes(in_shapes, phase, threads or kernel_threads())
         return scratch_bytes(*(int(np.prod(shape)) * (np.dtype(dtype).itemsize if dtype else itemsize)
-                               for shape, dtype in self._workspace_shapes(in_shapes, phase, threads or kernel_threads())))
+                               for shape, dtype in shapes))
 
     def _workspace(self, ctx, x, phase):
         """The workspace arrays for as many threads as the planned workspace holds."""

@@ -32,7 +32,7 @@ from numba import njit
 from snrt.backends.cpu_activation import CompiledActivation
 from snrt.backends.cpu_channel import CompiledGateMul, CompiledScale
 from snrt.backends.cpu_choice import setting
-from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, run_split
+from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, no_arguments_per_thread, run_split
 from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
 from snrt.backends.cpu_pool import CompiledGlobalAvgPool, CompiledMaxPool
@@ -41,7 +41,6 @@ from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledNearestU
 from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
 from snrt.layers.staging import staged_workspace_bytes
-from snrt.threads import kernel_threads
 
 SPLIT_CHANNELWISE = 1 << 20  # BatchNorm runs on one thread below this many values (measured break-even ~2^19)
 
@@ -108,12 +107,6 @@ def batchnorm_backward(x, gy, weight, mean, inv_std, gweight, gbias, gx, coeffic
                 gx[i, c, j] = ca * gy[i, c, j] + cb * x[i, c, j] + cd
 
 
-def _split(x3):
-    """No per-thread arguments, one tuple per thread: the kernel threads for a tensor of at
-    least SPLIT_CHANNELWISE values (each thread a share of the channels), else one."""
-    return [()] * (kernel_threads() if x3.size >= SPLIT_CHANNELWISE else 1)
-
-
 class CompiledBatchNorm(LayerLike):
     """BatchNorm's training steps by the kernels above; eval steps run the layer's own code.
     Same contract as snrt.layers.norm.BatchNorm: aux `mean` and `inv_std`, running statistics
@@ -127,8 +120,9 @@ class CompiledBatchNorm(LayerLike):
         n, channels, k = x3.shape
         var = np.empty(channels, np.float64)
         none = np.empty(0, x3.dtype)  # no affine part: weight 1, bias 0
-        run_split(batchnorm_forward, 0, channels, _split(x3), (x3, params.get("weight", none), params.get("bias", none),
-                  self.layer.eps, by_channel(y), aux["mean"], aux["inv_std"], var, np.empty((2, channels), x3.dtype)))
+        run_split(batchnorm_forward, 0, channels, no_arguments_per_thread(x3.size, SPLIT_CHANNELWISE),
+                  (x3, params.get("weight", none), params.get("bias", none), self.layer.eps, by_channel(y),
+                   aux["mean"], aux["inv_std"], var, np.empty((2, channels), x3.dtype)))
         if not recompute:
             count = n * k
             blend_running(state["running_mean"], aux["mean"], self.layer.momentum)
@@ -140,7 +134,7 @@ class CompiledBatchNorm(LayerLike):
         x3 = by_channel(saved.xs[0])
         gx3 = by_channel(gxs[0]) if gxs[0] is not None else x3[:0]  # no samples: sums only
         none = np.empty(0, x3.dtype)  # no affine part: weight 1, no parameter gradients
-        run_split(batchnorm_backward, 0, x3.shape[1], _split(x3), (
+        run_split(batchnorm_backward, 0, x3.shape[1], no_arguments_per_thread(x3.size, SPLIT_CHANNELWISE), (
             x3, by_channel(gy), params.get("weight", none), aux["mean"], aux["inv_std"], gparams.get("weight", none),
             gparams.get("bias", none), gx3, np.empty((3, x3.shape[1]), x3.dtype)))
 

@@ -15,9 +15,8 @@ bit.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, run_split
+from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, no_arguments_per_thread, run_split
 from snrt.layers.base import FLOAT32_BYTES, by_channel
-from snrt.threads import kernel_threads
 
 SPLIT_VALUES = 1 << 18  # outputs below which a pooling runs on one thread
 
@@ -94,11 +93,6 @@ def global_average(x, y):
             y[s, c] = total * scale
 
 
-def _threads(outputs):
-    """One per-thread argument tuple (none) per thread that a pooling of `outputs` runs on."""
-    return [()] * (kernel_threads() if outputs >= SPLIT_VALUES else 1)
-
-
 class CompiledMaxPool(LayerLike):
     """MaxPool by the kernels above, without workspace (the layer's passes need two scratch
     tensors of the output's size)."""
@@ -112,13 +106,13 @@ class CompiledMaxPool(LayerLike):
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
-        run_split(maxpool_forward, 0, x.shape[0] * x.shape[1], _threads(y.size), (x, *self._geometry(), y,
-                                                                                  aux["argmax"]))
+        run_split(maxpool_forward, 0, x.shape[0] * x.shape[1], no_arguments_per_thread(y.size, SPLIT_VALUES),
+                  (x, *self._geometry(), y, aux["argmax"]))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         gx = gxs[0]
         if gx is not None:
-            run_split(maxpool_backward, 0, gx.shape[0] * gx.shape[1], _threads(gy.size),
+            run_split(maxpool_backward, 0, gx.shape[0] * gx.shape[1], no_arguments_per_thread(gy.size, SPLIT_VALUES),
                       (gy, aux["argmax"], *self._geometry(), gx))
 
 

@@ -187,6 +187,16 @@ def pad_planes(x, n0, n1, ph, pw, hp, wp, planes, c0, c1):
 
 
 @njit(**THREADED)
+def pad_both(x, gy, n0, n1, ph, pw, hp, wp, xp, gp, p0, p1):
+    """pad_planes of x (padded by (ph, pw)) into xp and of gy (at the planes' top left) into gp
+    for the planes p0 <= p < p1 of the C + O: x's channels first, then gy's (one hand-off to
+    the threads for both)."""
+    c = x.shape[1]
+    pad_planes(x, n0, n1, ph, pw, hp, wp, xp, min(p0, c), min(p1, c))
+    pad_planes(gy, n0, n1, 0, 0, hp, wp, gp, max(p0, c) - c, max(p1, c) - c)
+
+
+@njit(**THREADED)
 def weight_grad_planes(gp, xp, length, wp, add, gw, b0, b1):
     """gw[o, c, i, j] = (add: gw + ) the dot product of gp[o, :length] and xp[c, i*wp + j:][:length]
     for the blocks b0 <= b < b1 of 4 output channels by 4 taps (c, i, j) (a block past the last
@@ -321,7 +331,7 @@ class DirectConv2d(LayerLike):
 
     def _grad_weight(self, ctx, gy, x, gweight):
         """gweight (O, C, kh, kw) by weight_grad_planes, chunk by chunk of samples, each chunk's
-        planes padded by the kernel threads (a share of the channels each), its blocks of
+        planes padded by the kernel threads (a share of x's and gy's channels each), its blocks of
         weights split among them, the chunks added in order."""
         n = x.shape[0]
         (ph, pw), (hp, wp) = self.layer.padding, self._plane([x.shape])
@@ -332,8 +342,7 @@ class DirectConv2d(LayerLike):
         chunk = self._grad_weight_samples([x.shape])
         for n0 in range(0, n, chunk):
             n1 = min(n, n0 + chunk)
-            run_split(pad_planes, 0, channels, threads, (x, n0, n1, ph, pw, hp, wp, xp))
-            run_split(pad_planes, 0, outs, threads, (gy, n0, n1, 0, 0, hp, wp, gp))
+            run_split(pad_both, 0, channels + outs, threads, (x, gy, n0, n1, ph, pw, hp, wp, xp, gp))
             run_split(weight_grad_planes, 0, blocks, threads, (gp, xp, (n1 - n0) * hp * wp, wp, n0 > 0, gweight))
 
 

@@ -9,7 +9,7 @@ depend on the number of threads.
 """
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from snrt.layers.base import FLOAT32_BYTES
 from snrt.threads import kernel_threads
@@ -23,14 +23,15 @@ FASTMATH = {"reassoc", "contract"}
 COMPILED = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy"}
 THREADED = dict(COMPILED, nogil=True)  # for kernels that run on the kernel threads
 
-_POOL = {}  # (process id, thread count): its ThreadPoolExecutor (a forked child makes its own)
+_POOL = {}  # (process id, worker count): its ThreadPoolExecutor (a forked child makes its own)
 
 
 def run_split(function, start, stop, per_thread_args, shared_args):
     """function(*shared_args, r0, r1, *per_thread_args[t]) for thread t's even share [r0, r1)
     of range(start, stop), on the kernel threads: share 0 on the calling thread while the pool's
     threads run the others (a hand-off wakes a sleeping thread, tens of µs, so the caller does
-    not wait idle for its own); returns when all are done (raising the first error)."""
+    not wait idle for its own); returns when all are done (raising the caller's error, else the
+    first of the others')."""
     threads = len(per_thread_args)
     bounds = [start + (stop - start) * t // threads for t in range(threads + 1)]
     calls = [(*shared_args, bounds[t], bounds[t + 1], *per_thread_args[t]) for t in range(threads)]
@@ -43,8 +44,9 @@ def run_split(function, start, stop, per_thread_args, shared_args):
     try:
         function(*calls[0])
     finally:
-        for future in others:
-            future.result()
+        wait(others)  # no share still runs when this returns or raises
+    for future in others:
+        future.result()
 
 
 def no_arguments_per_thread(values, minimum):

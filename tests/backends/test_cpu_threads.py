@@ -1,6 +1,8 @@
 """The CPU kernels that run on the kernel threads give the same bits on any number of them,
 also in a workspace planned for fewer threads than run (threads limited after planning)."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -76,3 +78,18 @@ def test_a_threaded_cpu_kernel_gives_the_same_bits_on_any_number_of_threads(laye
     for planned, threads in ((2, 2), (3, 3), (1, 4)):  # (1, 4): limited to 4 after planning for 1
         for a, b in zip(one, run(layer, x, planned, threads, monkeypatch)):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("failing", [0, 2])  # the caller's own share, another thread's
+def test_run_split_raises_a_shares_error_once_every_share_has_ended(failing):
+    ended = []
+
+    def share(r0, r1):
+        time.sleep(0.02 * r0)  # the caller's share (r0 = 0) ends first
+        ended.append(r0)
+        if r0 == failing:
+            raise ValueError(f"share {r0}")
+
+    with pytest.raises(ValueError, match=f"share {failing}"):
+        run_split(share, 0, 3, [()] * 3, ())
+    assert sorted(ended) == [0, 1, 2]

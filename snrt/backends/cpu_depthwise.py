@@ -20,8 +20,8 @@ direct kernels replace them, each where it measured faster (`ROWS_MIN_WIDTH`):
 Weight gradients sum rows (or one sample's pixels) in the input's dtype and those sums in
 float64. x (N, C, H, W), weight (O, 1, kh, kw) with O = C * m, bias (O,), y (N, O, Ho, Wo);
 any stride, padding and dilation; every buffer in the planned workspace. By rows, the channels
-are split among the kernel threads (cpu_common.run_split), each with its own plane and row
-buffers; channels last runs on one. (numba's own OpenMP threads, tried first, halved
+are split among the kernel threads (cpu_common.run_split) from SPLIT_VALUES input values, each
+with its own plane and row buffers; channels last runs on one. (numba's own OpenMP threads, tried first, halved
 MobileNetV2's speed: they and OpenBLAS's threads took the two cores from each other.) Sums run
 in a fixed order, each channel's on one thread, so the same inputs give the same bits in every
 run and policy and on any number of threads.
@@ -35,6 +35,7 @@ from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
 from snrt.threads import kernel_threads
 
 ROWS_MIN_WIDTH = 16  # output widths from which rows beat channels last (results/bench_layers.md)
+SPLIT_VALUES = 1 << 20  # inputs of fewer values run on one thread
 
 
 # ---- by rows ------------------------------------------------------------------------------
@@ -277,9 +278,10 @@ class CompiledDepthwiseConv2d(LayerLike):
                                for shape, dtype in shapes))
 
     def _workspace(self, ctx, x, phase):
-        """The workspace arrays for as many threads as the planned workspace holds."""
+        """The workspace arrays for as many threads as the planned workspace holds, one below
+        SPLIT_VALUES input values."""
         threads = fitting_threads(ctx.workspace.nbytes, lambda count: self.workspace_bytes(
-            [x.shape], phase, x.dtype.itemsize, count))
+            [x.shape], phase, x.dtype.itemsize, count)) if x.size >= SPLIT_VALUES else 1
         return [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in self._workspace_shapes([x.shape], phase,
                                                                                                 threads)]
 

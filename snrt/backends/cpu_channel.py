@@ -92,7 +92,7 @@ class CompiledGateMul(_ChannelProduct):
             return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
         if gxs[1] is None:  # the gate takes no gradient: gx only
             if gxs[0] is not None:
-                    scale_rows(by_channel(gy), gate.reshape(x.shape[:2]), by_channel(gxs[0]))
+                self._product(gy, gate.reshape(x.shape[:2]), gxs[0])
             return
         self._product_backward(x, gy, gate.reshape(x.shape[:2]), gxs[0], gxs[1].reshape(x.shape[:2]))
 

@@ -66,6 +66,22 @@ def test_the_cpu_backend_multiplies_by_a_channel_gate_with_a_kernel_of_its_own(x
     check_layer(kernel, [x, g], lambda xs, p: xs[0] * xs[1].reshape(xs[1].shape + (1,) * (xs[0].dim() - xs[1].dim())))
 
 
+@pytest.mark.parametrize("wanted", [(True, False), (False, True)])
+def test_the_compiled_gate_product_gives_only_the_gradients_asked_for(wanted):
+    from snrt.layers.base import KernelContext, Saved
+
+    rng = np.random.default_rng(3)
+    x, gate = rng.standard_normal((2, 3, 4, 5), dtype=np.float32), rng.standard_normal((2, 3), dtype=np.float32)
+    gy = rng.standard_normal(x.shape, dtype=np.float32)
+    kernel = CPU_KERNELS.kernel_for(Mul(), [x.shape, gate.shape])
+    gxs = [np.full_like(a, np.nan) if want else None for a, want in zip((x, gate), wanted)]
+    kernel.backward(KernelContext(np), gy, Saved((x, gate), None), {}, {}, gxs, {})
+    expected = (gy * gate[:, :, None, None], (gy * x).sum(axis=(2, 3)))
+    for got, want in zip(gxs, expected):
+        if got is not None:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 6, 9)])
 def test_the_cpu_backend_scales_channels_with_a_kernel_of_its_own(shape):
     kernel = CPU_KERNELS.kernel_for(Scale(init=0.3), [shape])

@@ -16,8 +16,9 @@ import os
 # the compiled kernels, the copy streams). 2**16 cycles (~20 us) still bridges back-to-back
 # GEMMs. On a 2-core machine (results/blas_timeout.md), seconds an iteration at 2**28, 2**16
 # and 2**4 cycles: CIFAR ResNet-110 b32 0.98, 0.79, 0.85; ResNet-50 112x112 b8 0.51, 0.50,
-# 0.51 (an earlier, noisier comparison found 2**4 10% slower there). OpenBLAS reads this when numpy loads it, so it holds
-# where snrt is imported before numpy (the `snrt` command); a value the user set is kept.
+# 0.51 (an earlier, noisier comparison found 2**4 10% slower there). OpenBLAS reads this when
+# numpy loads it, so it holds where snrt is imported before numpy (the `snrt` command); a value
+# the user set is kept.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 
 _EXPORTS = {

@@ -18,8 +18,8 @@ absolute error under 1.5e-7), whose exponential exp(-x^2 / 2) is also sqrt(2 pi)
 tanh form, SiLU's and Sigmoid's sigmoid are 1 / (1 + exp(-t)). GELU's and SiLU's backward
 recompute what they need from the input, as the layers do: gx = gy (Phi + x Phi') for GELU,
 gy s (1 + x (1 - s)) for SiLU. ReLU, ReLU6, Sigmoid and ELU read their output: gx = gy
-sign(y), gy [0 < y < 6], gy (1 - y) y and gy (y > 0 ? 1 : y + alpha), in one pass (a NaN in y gives NaN). ReLU's and
-ReLU6's forwards are one pass of comparisons that keep a NaN.
+sign(y), gy [0 < y < 6], gy (1 - y) y and gy (y > 0 ? 1 : y + alpha), in one pass (a NaN in
+y gives NaN). ReLU's and ReLU6's forwards are one pass of comparisons that keep a NaN.
 
 The kernels run on the kernel threads (cpu_common.run_split), each thread a share of the flat
 tensor: the exponential's from SPLIT_VALUES values, each thread with its own two blocks of
@@ -34,7 +34,7 @@ from numba import njit
 
 from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, no_arguments_per_thread, run_split
 from snrt.layers.activation import ERF_A, ERF_P, TANH_GELU_C, TANH_GELU_K
-from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
 BLOCK = 1024  # values per block
@@ -183,7 +183,7 @@ class CompiledActivation(LayerLike):
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         if itemsize != FLOAT32_BYTES:
             return self.layer.workspace_bytes(in_shapes, phase, itemsize)
-        return self._blocks_bytes(phase, kernel_threads())
+        return self._blocks_bytes(phase, kernel_threads() if numel(in_shapes[0]) >= SPLIT_VALUES else 1)
 
     def _exponentials_split(self, ctx, phase, function, shared, size):
         """function(*shared, r0, r1, mantissas, powers) over range(size), split among the

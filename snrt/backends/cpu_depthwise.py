@@ -21,17 +21,17 @@ Weight gradients sum rows (or one sample's pixels) in the input's dtype and thos
 float64. x (N, C, H, W), weight (O, 1, kh, kw) with O = C * m, bias (O,), y (N, O, Ho, Wo);
 any stride, padding and dilation; every buffer in the planned workspace. By rows, the channels
 are split among the kernel threads (cpu_common.run_split) from SPLIT_VALUES input values, each
-with its own plane and row buffers; channels last runs on one. (numba's own OpenMP threads, tried first, halved
-MobileNetV2's speed: they and OpenBLAS's threads took the two cores from each other.) Sums run
-in a fixed order, each channel's on one thread, so the same inputs give the same bits in every
-run and policy and on any number of threads.
+with its own plane and row buffers; channels last runs on one. (numba's own OpenMP threads,
+tried first, halved MobileNetV2's speed: they and OpenBLAS's threads took the two cores from
+each other.) Sums run in a fixed order, each channel's on one thread, so the same inputs give
+the same bits in every run and policy and on any number of threads.
 """
 
 import numpy as np
 from numba import njit, uint64
 
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_threads, run_split
-from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
 ROWS_MIN_WIDTH = 16  # output widths from which rows beat channels last (results/bench_layers.md)
@@ -273,15 +273,18 @@ class CompiledDepthwiseConv2d(LayerLike):
         return shapes
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES, threads=None):
-        shapes = self._workspace_shapes(in_shapes, phase, threads or kernel_threads())
+        """The workspace for `threads` threads; by default the kernel threads, one below
+        SPLIT_VALUES input values."""
+        if threads is None:
+            threads = kernel_threads() if numel(in_shapes[0]) >= SPLIT_VALUES else 1
+        shapes = self._workspace_shapes(in_shapes, phase, threads)
         return scratch_bytes(*(int(np.prod(shape)) * (np.dtype(dtype).itemsize if dtype else itemsize)
                                for shape, dtype in shapes))
 
     def _workspace(self, ctx, x, phase):
-        """The workspace arrays for as many threads as the planned workspace holds, one below
-        SPLIT_VALUES input values."""
+        """The workspace arrays for as many threads as the planned workspace holds."""
         threads = fitting_threads(ctx.workspace.nbytes, lambda count: self.workspace_bytes(
-            [x.shape], phase, x.dtype.itemsize, count)) if x.size >= SPLIT_VALUES else 1
+            [x.shape], phase, x.dtype.itemsize, count))
         return [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in self._workspace_shapes([x.shape], phase,
                                                                                                 threads)]
 

@@ -12,8 +12,9 @@ so that output pixel (h, w)'s whole window, over (j, i, c), is the one contiguou
 stacked[r*Wp + w : r*Wp + w + kw, :] of K = kw*kh*C numbers, and its value one dot product
 with the weight repacked as wt[o, (j, i, c)] = W[o, c, i, j]. The kernel computes 4 pixels
 by 4 output channels at a time: 16 dot products in one loop over K, which the compiler turns
-into 16 vector accumulators (8 loads for 16 multiply-adds). The packing moves each input
-value kh times, in cache, where im2col writes kh*kw copies to memory.
+into 16 vector accumulators (8 loads for 16 multiply-adds). The packing lays each input row
+out channels last once (a band keeps the kh - 1 rows the next band of the sample reads
+again) and moves each value kh times, in cache, where im2col writes kh*kw copies to memory.
 
 - forward: y = conv(x, W) + b, output rows split evenly among the kernel threads, each
   packing and computing its own bands of `BAND_ROWS` rows in buffers of its own;
@@ -21,8 +22,11 @@ value kh times, in cache, where im2col writes kh*kw copies to memory.
   kw-1-pw) with the flipped, transposed weight W'[c, o, i, j] = W[o, c, kh-1-i, kw-1-j],
   so the same kernel computes it;
 - weight gradient: x is copied into zero-padded planes, channel by channel with the samples
-  one after the other, xp[c, t] for t = n*Hp*Wp + h*Wp + w (Hp = H + 2ph, Wp = W + 2pw), and
-  gy likewise into gp[o, t] at the top left of the same Hp x Wp planes, zeros around it. Then
+  one after the other, xp[c, t] for t = n*Hp*Wp + h*Wp + w, x[n, c, h - ph, w - pw] at (h, w),
+  and gy likewise into gp[o, t] at the top left of the same Hp x Wp planes, zeros around it.
+  One gap of zeros after each row (and after a sample's last row) pads both sides, so
+  Hp = H + max(ph, kh-1-ph) and Wp = W + max(pw, kw-1-pw): 9 x 9 planes for 8 x 8 maps and
+  a 3x3 kernel, not 10 x 10. Then
 
       gW[o, c, i, j] = sum over t of gp[o, t] * xp[c, t + i*Wp + j]
 
@@ -56,36 +60,37 @@ GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chu
 
 
 @njit(**THREADED)
-def stack_rows(x, n, ha, hb, ph, pw, kh, band, out):
+def stack_rows(x, n, ha, hb, ph, pw, kh, carried, band, out):
     """out[(h - ha)*Wp + q, i*C + c] = xpad[n, c, h + i, q] for output rows h in [ha, hb) of
     sample n (xpad: x zero-padded by ph rows and pw columns, Wp = W + 2*pw). x (N, C, H, W);
-    band (B + kh - 1, Wp, C) scratch, B >= 1 output rows a pass; out (at least (hb - ha)*Wp,
-    kh*C)."""
+    band (at least hb - ha + kh - 1, Wp, C) scratch, where xpad's rows ha ... hb + kh - 2 are
+    laid out channels last; out (at least (hb - ha)*Wp, kh*C). carried: 0, or the number of
+    output rows the call before packed for sample n, ending at ha, in the same band: its last
+    kh - 1 rows are this call's first, moved up instead of laid out again."""
     _, channels, height, width = x.shape
-    rows, wp, _ = band.shape
-    step = rows - kh + 1
-    for h0 in range(ha, hb, step):
-        h1 = min(hb, h0 + step)
-        for b in range(h1 - h0 + kh - 1):  # input rows h0 - ph ... into band[b], channels last
-            hi = h0 + b - ph
-            row = band[b]
-            if hi < 0 or hi >= height:
-                row[:] = 0
-                continue
-            row[:pw] = 0
-            row[pw + width:] = 0
-            for c in range(channels):
-                src = x[n, c, hi]
-                for q in range(width):
-                    row[q + pw, c] = src[q]
-        for h in range(h0, h1):
-            base = (h - ha) * wp
-            for i in range(kh):
-                row = band[h - h0 + i]
-                for q in range(wp):
-                    dst = out[base + q]
-                    for c in range(channels):
-                        dst[i * channels + c] = row[q, c]
+    kept = kh - 1 if carried else 0
+    for b in range(kept):  # rows move up (carried >= 1: no row is overwritten before it is read)
+        band[b] = band[carried + b]
+    for b in range(kept, hb - ha + kh - 1):  # input rows ha + b - ph into band[b], channels last
+        hi = ha + b - ph
+        row = band[b]
+        if hi < 0 or hi >= height:
+            row[:] = 0
+            continue
+        row[:pw] = 0
+        row[pw + width:] = 0
+        for c in range(channels):
+            src = x[n, c, hi]
+            for q in range(width):
+                row[q + pw, c] = src[q]
+    for h in range(ha, hb):
+        base = (h - ha) * band.shape[1]
+        for i in range(kh):
+            row = band[h - ha + i]
+            for q in range(band.shape[1]):
+                dst = out[base + q]
+                for c in range(channels):
+                    dst[i * channels + c] = row[q, c]
 
 
 @njit(inline="always")
@@ -162,14 +167,15 @@ def convolve_rows(x, wt, bias, ph, pw, kh, kw, r0, r1, band, stacked, y):
     ho = y.shape[2]
     wp = band.shape[1]
     rows = (stacked.shape[0] - kw + 1) // wp
-    r = r0
+    r, carried = r0, 0
     while r < r1:
         n, ha = r // ho, r % ho
         hb = min(ho, ha + rows, ha + r1 - r)
         used = stacked[:(hb - ha) * wp + kw - 1]
-        stack_rows(x, n, ha, hb, ph, pw, kh, band, used)
+        stack_rows(x, n, ha, hb, ph, pw, kh, carried if ha > 0 else 0, band, used)
         used[(hb - ha) * wp:] = 0
         dot_rows(used, wt, bias, n, ha, hb, wp, y)
+        carried = hb - ha
         r += hb - ha
 
 
@@ -251,10 +257,14 @@ class DirectConv2d(LayerLike):
         return [(threads, *self._band_shape(channels, width)), (threads, BAND_ROWS * width + kw - 1, kh * channels)]
 
     def _plane(self, in_shapes):
-        """(Hp, Wp): the zero-padded input's plane, which the weight gradient lays out gy in too."""
+        """(Hp, Wp): a sample's plane in the weight gradient's layout of x (and of gy): H x W
+        values and a gap of zeros after each row and after the last row, which serves as the
+        padding on both sides (the taps past one row's end read the gap before the next row's
+        start, the taps below the last row the gap rows above the next sample's first), so
+        each gap is as wide as the wider of the two paddings, max(p, k-1-p), not both."""
         _, _, h, w = in_shapes[0]
-        ph, pw = self.layer.padding
-        return h + 2 * ph, w + 2 * pw
+        (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
+        return h + max(ph, kh - 1 - ph), w + max(pw, kw - 1 - pw)
 
     def _grad_weight_samples(self, in_shapes):
         """Samples per weight-gradient chunk: about GRAD_WEIGHT_ELEMENTS padded x and gy values."""

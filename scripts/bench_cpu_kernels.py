@@ -53,7 +53,7 @@ def main():
         "PyTorch runs the same graph in NCHW (snrt.torch_reference.TorchNet) with the same optimizer. Both "
         f"sides ran with OPENBLAS_THREAD_TIMEOUT={os.environ.get('OPENBLAS_THREAD_TIMEOUT')} (set when this "
         "script imported snrt; the before checkout's processes inherit it), so after / before is the kernels' "
-        "change alone (results/blas_timeout.md measures the timeout). Dense stride-1 convolutions run the "
+        "change alone (results/blas_timeout.md measures the timeout). Dense convolutions run the "
         "direct kernel where it measured at least 10% faster than im2col for their shape "
         "(snrt/backends/cpu_choice.py), measured afresh for this run.", "",
         *table(["network", "image", "batch", "PyTorch s", "before s", "after s", "after / before", "vs PyTorch before",

@@ -218,7 +218,7 @@ def main(argv=None):
              f"PyTorch {meta['torch']}; load average {meta['load_average'][0]:.2f} when it started. "
              f"`python scripts/bench_layers.py` (best of {args.repeats} after a warm-up, ms; "
              "speed = PyTorch ms / snrt ms, above 1 snrt is faster; kernel = what the CPU backend runs: "
-             "numpy = the layer's own code, numba = snrt/backends/cpu_kernels.py; for dense stride-1 "
+             "numpy = the layer's own code, numba = snrt/backends/cpu_kernels.py; for dense "
              "convolutions forward's/backward's as measured here: im2col = the layer's, "
              "direct = snrt/backends/cpu_conv.py).", ""]
     lines += table(["layer", "kernel", "snrt fwd", "torch fwd", "fwd speed", "snrt bwd", "torch bwd", "bwd speed"], [

@@ -40,8 +40,11 @@ again) and moves each value kh times, in cache, where im2col writes kh*kw copies
   are non-finite, which is what check mode looks for). No BLAS call: OpenBLAS's threads, which
   spin a while after each call, do not compete with the kernel threads.
 
-Serves stride 1, dilation 1, one group, a kernel larger than 1x1 and padding at most kernel-1
-(so the data gradient's padding is not negative); everything else is the layer's im2col.
+Serves dilation 1, one group, a kernel larger than 1x1 and padding at most kernel-1 (so the
+data gradient's padding is not negative); everything else is the layer's im2col. At a stride
+over 1 the forward reads every sh-th band row and every sw-th stacked row (output pixel w's
+window starts at row sw*w), and the backward is the layer's (its data gradient is no
+convolution of gy).
 Kernel threads (cpu_common.run_split): each output value is one thread's dot product in an
 order fixed by the compiled code, so results do not depend on the number of threads: the same
 bits in every run and policy.
@@ -60,19 +63,20 @@ GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chu
 
 
 @njit(**THREADED)
-def stack_rows(x, n, ha, hb, ph, pw, kh, carried, band, out):
-    """out[(h - ha)*Wp + q, i*C + c] = xpad[n, c, h + i, q] for output rows h in [ha, hb) of
-    sample n (xpad: x zero-padded by ph rows and pw columns, Wp = W + 2*pw). x (N, C, H, W);
-    band (at least hb - ha + kh - 1, Wp, C) scratch, where xpad's rows ha ... hb + kh - 2 are
-    laid out channels last; out (at least (hb - ha)*Wp, kh*C). carried: 0, or the number of
-    output rows the call before packed for sample n, ending at ha, in the same band: its last
-    kh - 1 rows are this call's first, moved up instead of laid out again."""
+def stack_rows(x, n, ha, hb, ph, pw, kh, sh, carried, band, out):
+    """out[(h - ha)*Wp + q, i*C + c] = xpad[n, c, sh*h + i, q] for output rows h in [ha, hb)
+    of sample n (xpad: x zero-padded by ph rows and pw columns, Wp = W + 2*pw; sh the stride
+    between rows). x (N, C, H, W); band (at least sh*(hb - ha - 1) + kh, Wp, C) scratch, where
+    xpad's rows sh*ha ... sh*(hb - 1) + kh - 1 are laid out channels last; out (at least
+    (hb - ha)*Wp, kh*C). carried: 0, or the number of output rows the call before packed for
+    sample n, ending at ha, in the same band: its last kh - sh rows are this call's first,
+    moved up instead of laid out again."""
     _, channels, height, width = x.shape
-    kept = kh - 1 if carried else 0
+    kept = max(0, kh - sh) if carried else 0
     for b in range(kept):  # rows move up (carried >= 1: no row is overwritten before it is read)
-        band[b] = band[carried + b]
-    for b in range(kept, hb - ha + kh - 1):  # input rows ha + b - ph into band[b], channels last
-        hi = ha + b - ph
+        band[b] = band[sh * carried + b]
+    for b in range(kept, sh * (hb - ha - 1) + kh):  # input rows sh*ha + b - ph into band[b]
+        hi = sh * ha + b - ph
         row = band[b]
         if hi < 0 or hi >= height:
             row[:] = 0
@@ -86,7 +90,7 @@ def stack_rows(x, n, ha, hb, ph, pw, kh, carried, band, out):
     for h in range(ha, hb):
         base = (h - ha) * band.shape[1]
         for i in range(kh):
-            row = band[h - ha + i]
+            row = band[sh * (h - ha) + i]
             for q in range(band.shape[1]):
                 dst = out[base + q]
                 for c in range(channels):
@@ -124,9 +128,9 @@ def _dots4x4(a0, a1, a2, a3, b0, b1, b2, b3, length):
 
 
 @njit(**THREADED)
-def dot_rows(stacked, wt, bias, n, ha, hb, wp, y):
-    """y[n, o, h, w] = bias[o] + stacked[(h - ha)*Wp + w :][:K] . wt[o] for h in [ha, hb), with
-    stacked flat rows of kh*C (see stack_rows) and wt (O, K). Blocks of 4 pixels by 4 output
+def dot_rows(stacked, wt, bias, n, ha, hb, wp, sw, y):
+    """y[n, o, h, w] = bias[o] + stacked[(h - ha)*Wp + sw*w :][:K] . wt[o] for h in [ha, hb),
+    with stacked flat rows of kh*C (see stack_rows), wt (O, K) and sw the stride along rows. Blocks of 4 pixels by 4 output
     channels; a block past the last pixel or channel repeats it (same value, written twice).
     Empty bias: none."""
     outs, k = wt.shape
@@ -137,10 +141,10 @@ def dot_rows(stacked, wt, bias, n, ha, hb, wp, y):
         base = (h - ha) * wp
         for w0 in range(0, wo, 4):
             c0, c1, c2, c3 = min(w0, wo - 1), min(w0 + 1, wo - 1), min(w0 + 2, wo - 1), min(w0 + 3, wo - 1)
-            r0 = flat[(base + c0) * width:][:k]
-            r1 = flat[(base + c1) * width:][:k]
-            r2 = flat[(base + c2) * width:][:k]
-            r3 = flat[(base + c3) * width:][:k]
+            r0 = flat[(base + sw * c0) * width:][:k]
+            r1 = flat[(base + sw * c1) * width:][:k]
+            r2 = flat[(base + sw * c2) * width:][:k]
+            r3 = flat[(base + sw * c3) * width:][:k]
             for o0 in range(0, outs, 4):
                 q0, q1, q2, q3 = o0, min(o0 + 1, outs - 1), min(o0 + 2, outs - 1), min(o0 + 3, outs - 1)
                 k0, k1, k2, k3 = wt[q0], wt[q1], wt[q2], wt[q3]
@@ -160,9 +164,9 @@ def dot_rows(stacked, wt, bias, n, ha, hb, wp, y):
 
 
 @njit(**THREADED)
-def convolve_rows(x, wt, bias, ph, pw, kh, kw, r0, r1, band, stacked, y):
-    """y rows r0 <= r < r1 (r = n*Ho + h) of the stride-1 convolution of x (N, C, H, W),
-    zero-padded by (ph, pw), with wt (O, kw*kh*C) (see dot_rows), band by band of at most
+def convolve_rows(x, wt, bias, ph, pw, kh, kw, sh, sw, r0, r1, band, stacked, y):
+    """y rows r0 <= r < r1 (r = n*Ho + h) of the convolution of x (N, C, H, W), zero-padded by
+    (ph, pw), with wt (O, kw*kh*C) (see dot_rows) and strides (sh, sw), band by band of at most
     stacked.shape[0] // Wp output rows."""
     ho = y.shape[2]
     wp = band.shape[1]
@@ -172,9 +176,9 @@ def convolve_rows(x, wt, bias, ph, pw, kh, kw, r0, r1, band, stacked, y):
         n, ha = r // ho, r % ho
         hb = min(ho, ha + rows, ha + r1 - r)
         used = stacked[:(hb - ha) * wp + kw - 1]
-        stack_rows(x, n, ha, hb, ph, pw, kh, carried if ha > 0 else 0, band, used)
+        stack_rows(x, n, ha, hb, ph, pw, kh, sh, carried if ha > 0 else 0, band, used)
         used[(hb - ha) * wp:] = 0
-        dot_rows(used, wt, bias, n, ha, hb, wp, y)
+        dot_rows(used, wt, bias, n, ha, hb, wp, sw, y)
         carried = hb - ha
         r += hb - ha
 
@@ -241,20 +245,25 @@ class DirectConv2d(LayerLike):
 
     @staticmethod
     def serves(layer, in_shapes):
+        """One group, dilation 1, a kernel larger than 1x1 and padding at most kernel-1; the
+        forward at any stride, the backward at stride 1 (`serves_backward`; the layer's own
+        otherwise)."""
         (kh, kw), (ph, pw) = layer.kernel, layer.padding
-        return (layer.groups == 1 and layer.stride == (1, 1) and layer.dilation == (1, 1) and kh * kw > 1
-                and ph <= kh - 1 and pw <= kw - 1)
+        return layer.groups == 1 and layer.dilation == (1, 1) and kh * kw > 1 and ph <= kh - 1 and pw <= kw - 1
+
+    @staticmethod
+    def serves_backward(layer):
+        """Whether the backward is this kernel's (stride 1: the data gradient is a convolution)."""
+        return layer.stride == (1, 1)
 
     # ---- workspace ---------------------------------------------------------------------
-    def _band_shape(self, channels, width):
-        """A band (BAND_ROWS + kh - 1, Wp, channels) for packing an input of `channels`
-        channels, Wp wide (see stack_rows)."""
-        return (BAND_ROWS + self.layer.kernel[0] - 1, width, channels)
-
-    def _rows_shapes(self, channels, width, threads):
-        """Per thread: a band and stacked rows (BAND_ROWS*Wp + kw - 1, kh*channels)."""
+    def _rows_shapes(self, channels, width, stride, threads):
+        """Per thread: a band (stride*(BAND_ROWS - 1) + kh, Wp, channels) for packing an input
+        of `channels` channels, Wp wide, read with `stride` between output rows (see
+        stack_rows), and stacked rows (BAND_ROWS*Wp + kw - 1, kh*channels)."""
         kh, kw = self.layer.kernel
-        return [(threads, *self._band_shape(channels, width)), (threads, BAND_ROWS * width + kw - 1, kh * channels)]
+        return [(threads, stride * (BAND_ROWS - 1) + kh, width, channels),
+                (threads, BAND_ROWS * width + kw - 1, kh * channels)]
 
     def _plane(self, in_shapes):
         """(Hp, Wp): a sample's plane in the weight gradient's layout of x (and of gy): H x W
@@ -275,12 +284,12 @@ class DirectConv2d(LayerLike):
     def _forward_shapes(self, in_shapes, threads):
         _, c, _, w = in_shapes[0]
         o, (kh, kw), pw = self.layer.out_channels, self.layer.kernel, self.layer.padding[1]
-        return [(o, kw * kh * c), *self._rows_shapes(c, w + 2 * pw, threads)]
+        return [(o, kw * kh * c), *self._rows_shapes(c, w + 2 * pw, self.layer.stride[0], threads)]
 
     def _grad_input_shapes(self, in_shapes, threads):
         _, c, _, w = in_shapes[0]
         o, (kh, kw) = self.layer.out_channels, self.layer.kernel
-        return [(c, kw * kh * o), *self._rows_shapes(o, w + kw - 1, threads)]
+        return [(c, kw * kh * o), *self._rows_shapes(o, w + kw - 1, 1, threads)]
 
     def _grad_weight_shapes(self, in_shapes):
         """A chunk's padded planes of x, (C, L + (kh-1)*Wp + kw-1) (the taps read past the last
@@ -294,10 +303,12 @@ class DirectConv2d(LayerLike):
         """Forward: the repacked weight and each thread's band and stacked rows. Backward: the
         larger of the weight gradient's (a chunk's padded planes of x and gy) and the data
         gradient's (the flipped weight, each thread's band and rows); they run one after the
-        other."""
+        other; the layer's at a stride over 1."""
         threads = kernel_threads()
         if phase != BACKWARD:
             return _size(self._forward_shapes(in_shapes, threads), itemsize)
+        if not self.serves_backward(self.layer):
+            return self.layer.workspace_bytes(in_shapes, phase, itemsize)
         return max(_size(self._grad_weight_shapes(in_shapes), itemsize),
                    _size(self._grad_input_shapes(in_shapes, threads), itemsize))
 
@@ -307,9 +318,9 @@ class DirectConv2d(LayerLike):
         return fitting_threads(ctx.workspace.nbytes, lambda threads: _size(shapes_for(threads), itemsize))
 
     # ---- kernels -----------------------------------------------------------------------
-    def _convolve(self, ctx, x, weight_t, bias, padding, y, shapes_for):
-        """y = the stride-1 convolution of x padded by `padding` with weight_t (O, C, kh, kw),
-        plus bias, on the kernel threads; shapes_for(threads): its workspace arrays
+    def _convolve(self, ctx, x, weight_t, bias, padding, stride, y, shapes_for):
+        """y = the convolution of x padded by `padding` with weight_t (O, C, kh, kw) at
+        `stride`, plus bias, on the kernel threads; shapes_for(threads): its workspace arrays
         (_forward_shapes or _grad_input_shapes of the layer's input)."""
         threads = self._threads(ctx, shapes_for, x.dtype.itemsize)
         wt, bands, stacked = (ctx.scratch(shape, x.dtype) for shape in shapes_for(threads))
@@ -317,15 +328,19 @@ class DirectConv2d(LayerLike):
         wt.reshape(outs, kw, kh, channels)[...] = weight_t.transpose(0, 3, 2, 1)  # wt[o, (j, i, c)]
         rows = y.shape[0] * y.shape[2]
         run_split(convolve_rows, 0, rows, list(zip(bands, stacked, [y] * len(bands))),
-                  (x, wt, bias, *padding, kh, kw))
+                  (x, wt, bias, *padding, kh, kw, *stride))
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x, weight = xs[0], params["weight"]
         bias = params["bias"] if self.layer.bias else weight[:0, 0, 0, 0]
-        self._convolve(ctx, x, weight, bias, self.layer.padding, y, lambda t: self._forward_shapes([x.shape], t))
+        self._convolve(ctx, x, weight, bias, self.layer.padding, self.layer.stride, y,
+                       lambda t: self._forward_shapes([x.shape], t))
         ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        if not self.serves_backward(self.layer):
+            self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
+            return
         x, weight = saved.xs[0], params["weight"]
         if self.layer.bias:
             n, o = gy.shape[:2]
@@ -335,7 +350,7 @@ class DirectConv2d(LayerLike):
         if gxs[0] is not None:
             (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
             flipped = weight[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)  # (C, O, kh, kw)
-            self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (kh - 1 - ph, kw - 1 - pw), gxs[0],
+            self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (kh - 1 - ph, kw - 1 - pw), (1, 1), gxs[0],
                            lambda t: self._grad_input_shapes([x.shape], t))
             ctx.release_scratch()
 
@@ -368,7 +383,9 @@ class ChosenConv2d(LayerLike):
         self.candidates = {"im2col": layer, "direct": DirectConv2d(layer)}
 
     def chosen(self, in_shapes, phase):
-        """The kernel that runs `phase` at `in_shapes`."""
+        """The kernel that runs `phase` at `in_shapes` (the layer's backward at a stride over 1)."""
+        if phase == BACKWARD and not DirectConv2d.serves_backward(self.layer):
+            return self.layer
         return self.candidates[choose(self.layer, in_shapes, phase, self.candidates)]
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
@@ -382,7 +399,7 @@ class ChosenConv2d(LayerLike):
 
 
 def describe_choices(executor):
-    """'direct kernel for F of the N dense stride-1 convolutions' forwards, B of their
+    """'direct kernel for F of the N dense convolutions' forwards, B of the M stride-1 ones'
     backwards (choices: FILE)': what the choices among `executor`'s kernels came to ('' when
     it has none to make)."""
     chosen = [(kernel, executor.graph.in_shapes(name, executor.plan.batch))
@@ -391,7 +408,8 @@ def describe_choices(executor):
         return ""
     direct = [sum(isinstance(kernel.chosen(shapes, phase), DirectConv2d) for kernel, shapes in chosen)
               for phase in (FORWARD, BACKWARD)]
+    stride_one = sum(DirectConv2d.serves_backward(kernel.layer) for kernel, _ in chosen)
     forced = setting()
     where = f"choices: {cache_path()}" if forced == "measure" else f"{VARIABLE}={forced}"
-    return (f"direct kernel for {direct[0]} of the {len(chosen)} dense stride-1 convolutions' forwards, "
-            f"{direct[1]} of their backwards ({where})")
+    return (f"direct kernel for {direct[0]} of the {len(chosen)} dense convolutions' forwards, "
+            f"{direct[1]} of the {stride_one} stride-1 ones' backwards ({where})")

@@ -92,6 +92,10 @@ def test_only_depthwise_convolutions_get_the_depthwise_kernel():
     dict(out_channels=3, kernel=5, padding=4),  # padding as wide as the data gradient allows
     dict(out_channels=9, kernel=(7, 1), padding=(3, 0)),
     dict(out_channels=7, kernel=(1, 3), padding=(0, 1)),
+    dict(out_channels=4, kernel=3, padding=1, stride=2),  # strided: the forward only is the kernel's
+    dict(out_channels=5, kernel=7, padding=3, stride=2),  # a stem's
+    dict(out_channels=3, kernel=(3, 2), stride=(1, 3)),
+    dict(out_channels=6, kernel=(2, 3), padding=(1, 0), stride=(3, 2)),  # more rows between bands than taps
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("shape", [(2, 4, 7, 6), (3, 17, 9, 11)])
 def test_direct_convolution(options, shape):
@@ -113,16 +117,26 @@ def test_the_direct_weight_gradient_sums_its_chunks_of_samples(elements, monkeyp
 
 @pytest.mark.parametrize("options, served", [
     (dict(out_channels=4, kernel=3, padding=1), True),
-    (dict(out_channels=4, kernel=3, padding=1, stride=2), False),
+    (dict(out_channels=4, kernel=3, padding=1, stride=2), True),  # the forward
     (dict(out_channels=4, kernel=3, padding=2, dilation=2), False),
     (dict(out_channels=4, kernel=3, padding=1, groups=2), False),
     (dict(out_channels=4, kernel=1), False),  # a GEMM already
     (dict(out_channels=4, kernel=3, padding=3), False),  # the data gradient's padding would be negative
 ])
-def test_direct_convolution_serves_stride_one_dense_kernels(options, served):
+def test_direct_convolution_serves_dense_kernels(options, served):
     assert DirectConv2d.serves(Conv2d(**options), [(2, 4, 9, 9)]) is served
     kernel = CPU_KERNELS.kernel_for(Conv2d(**options), [(2, 4, 9, 9)])
     assert isinstance(kernel, ChosenConv2d) is served
+
+
+def test_a_strided_convolution_runs_the_direct_forward_and_the_layers_own_backward(monkeypatch):
+    monkeypatch.setenv("SNRT_CPU_KERNELS", "direct")
+    layer, shapes = Conv2d(out_channels=4, kernel=3, padding=1, stride=2), [(2, 4, 9, 9)]
+    kernel = CPU_KERNELS.kernel_for(layer, shapes)
+    assert isinstance(kernel.chosen(shapes, FORWARD), DirectConv2d)
+    assert kernel.chosen(shapes, BACKWARD) is layer
+    assert kernel.workspace_bytes(shapes, BACKWARD) == layer.workspace_bytes(shapes, BACKWARD)
+    assert kernel.workspace_bytes(shapes, FORWARD) == DirectConv2d(layer).workspace_bytes(shapes, FORWARD)
 
 
 def _direct_run(layer, x, params, gy, threads, monkeypatch):
@@ -139,9 +153,10 @@ def _direct_run(layer, x, params, gy, threads, monkeypatch):
     return y, gx, grads["weight"], grads.get("bias")
 
 
-def test_direct_convolution_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
+@pytest.mark.parametrize("stride", [1, 2])
+def test_direct_convolution_gives_the_same_bits_on_any_number_of_threads(stride, monkeypatch):
     rng = np.random.default_rng(5)
-    layer = Conv2d(out_channels=6, kernel=3, padding=1)
+    layer = Conv2d(out_channels=6, kernel=3, padding=1, stride=stride)
     x = rng.standard_normal((3, 5, 10, 9), dtype=np.float32)
     params = {k: rng.standard_normal(s.shape, dtype=np.float32) for k, s in layer.param_specs([x.shape]).items()}
     gy = rng.standard_normal(layer.infer_shape([x.shape]), dtype=np.float32)

@@ -6,7 +6,9 @@ turn each output pixel into a dot product of kh*kw numbers, thousands of tiny GE
 direct kernels replace them, each where it measured faster (`ROWS_MIN_WIDTH`):
 
 - by rows, for maps at least ROWS_MIN_WIDTH wide: each input plane is copied into a
-  zero-padded plane, and each output row is summed tap by tap in a row buffer (in cache);
+  zero-padded plane, and each output row is summed in a row buffer (in cache), four taps of a
+  kernel row a pass; at stride 1 all the output rows at once, on the padded plane's width
+  (a tap is then one long run, which vectorizes where rows of a few dozen values did not);
   the data gradient scatters the same way into a padded plane, the weight gradient is a dot
   product per tap. Offsets into the padded planes are unsigned, so the inner loops carry no
   negative-index wraparound and vectorize along the row.
@@ -50,11 +52,37 @@ def _padded_plane(x, s, c, ph, pw, plane):
             plane[(r + ph) * width + q + pw] = x[s, c, r, q]
 
 
+@njit(inline="always")
+def _add_taps(row, plane, top, dw, taps, wo):
+    """row[q] += sum over j of taps[j] * plane[top + j*dw + q] for q < wo: four taps a pass
+    over the row, three if three are left, then one at a time."""
+    kw, j = taps.size, 0
+    while j + 4 <= kw:
+        t0, t1, t2, t3 = taps[j], taps[j + 1], taps[j + 2], taps[j + 3]
+        p0, p1 = plane[top + uint64(j * dw):], plane[top + uint64((j + 1) * dw):]
+        p2, p3 = plane[top + uint64((j + 2) * dw):], plane[top + uint64((j + 3) * dw):]
+        for q in range(wo):
+            row[q] += t0 * p0[q] + t1 * p1[q] + t2 * p2[q] + t3 * p3[q]
+        j += 4
+    if kw - j == 3:  # a 3x3 kernel's row
+        t0, t1, t2 = taps[j], taps[j + 1], taps[j + 2]
+        p0, p1, p2 = plane[top + uint64(j * dw):], plane[top + uint64((j + 1) * dw):], plane[top + uint64((j + 2) * dw):]
+        for q in range(wo):
+            row[q] += t0 * p0[q] + t1 * p1[q] + t2 * p2[q]
+        j += 3
+    for j in range(j, kw):
+        tap, run = taps[j], plane[top + uint64(j * dw):]
+        for q in range(wo):
+            row[q] += tap * run[q]
+
+
 @njit(**THREADED)
 def rows_forward(x, weight, bias, sh, sw, ph, pw, dh, dw, y, c0, c1, plane, row):
     """y[n, o] = bias[o] + sum over taps (i, j) of weight[o, i, j] * x[n, o // m] at the tap,
     for the outputs o of input channels c0 <= c < c1; weight (O, kh, kw), bias (O,) or empty;
-    plane (Hp * Wp,) and row (Wo,): workspace."""
+    plane (Hp * Wp + (kw-1)*dw,) and row (Ho * Wp at stride 1, else Wo): workspace. At stride 1
+    the output is summed on the padded plane's grid, Ho rows of Wp (the last Wp - Wo of each
+    row unused), so that each tap is one long run over all rows."""
     n, outs, ho, wo = y.shape
     channels, w = x.shape[1], x.shape[3]
     m = outs // channels
@@ -65,16 +93,26 @@ def rows_forward(x, weight, bias, sh, sw, ph, pw, dh, dw, y, c0, c1, plane, row)
         for s in range(n):
             _padded_plane(x, s, c, ph, pw, plane)
             for o in range(c * m, (c + 1) * m):
+                b = bias[o] if bias.size else plane.dtype.type(0)
+                if sh == 1 and sw == 1:
+                    row[:ho * width] = b
+                    for i in range(kh):
+                        _add_taps(row, plane, uint64(i * dh * width), dw, weight[o, i], ho * width)
+                    for r in range(ho):
+                        y[s, o, r] = row[r * width:r * width + wo]
+                    continue
                 for r in range(ho):
-                    row[:] = bias[o] if bias.size else 0.0
+                    row[:wo] = b
                     for i in range(kh):
                         top = uint64((r * sh + i * dh) * width)
-                        for j in range(kw):
-                            tap, start = weight[o, i, j], top + uint64(j * dw)
-                            for q in range(uint64(wo)):
-                                row[q] += tap * plane[start + q * uint64(sw)]
-                    for q in range(wo):
-                        y[s, o, r, q] = row[q]
+                        if sw == 1:  # contiguous runs, the loops vectorize
+                            _add_taps(row, plane, top, dw, weight[o, i], wo)
+                        else:
+                            for j in range(kw):
+                                tap, start = weight[o, i, j], top + uint64(j * dw)
+                                for q in range(uint64(wo)):
+                                    row[q] += tap * plane[start + q * uint64(sw)]
+                    y[s, o, r] = row[:wo]
 
 
 @njit(**THREADED)
@@ -263,10 +301,11 @@ class CompiledDepthwiseConv2d(LayerLike):
         _, outs, ho, wo = self.layer.infer_shape(in_shapes)
         (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
         padded = (h + 2 * ph, w + 2 * pw)
-        if wo >= ROWS_MIN_WIDTH:
+        if wo >= ROWS_MIN_WIDTH:  # a flat plane, zeros past its end for the taps of the last row
+            plane = ((threads, padded[0] * padded[1] + (kw - 1) * self.layer.dilation[1]), None)
             if phase == BACKWARD:
-                return [((threads, *padded), None), ((threads, kh * kw + 1), np.float64)]
-            return [((threads, *padded), None), ((threads, wo), None)]
+                return [plane, ((threads, kh * kw + 1), np.float64)]
+            return [plane, ((threads, ho * padded[1] if self.layer.stride == (1, 1) else wo), None)]
         shapes = [((kh, kw, outs), None), ((*padded, outs), None), ((ho, wo, outs), None)]
         if phase == BACKWARD:
             shapes += [((kh * kw + 1, outs), None), ((kh * kw + 1, outs), np.float64)]
@@ -298,7 +337,7 @@ class CompiledDepthwiseConv2d(LayerLike):
         work = self._workspace(ctx, x, FORWARD)
         if len(work) == 2:  # by rows, the input channels split among the threads
             planes, rows = work
-            run_split(rows_forward, 0, x.shape[1], list(zip(planes.reshape(len(planes), -1), rows)),
+            run_split(rows_forward, 0, x.shape[1], list(zip(planes, rows)),
                       (x, weight[:, 0], bias, *self._geometry(), y))
         else:
             taps, padded, rows = work
@@ -312,7 +351,6 @@ class CompiledDepthwiseConv2d(LayerLike):
         work = self._workspace(ctx, x, BACKWARD)
         if len(work) == 2:  # by rows, the output channels (input channels) split among the threads
             planes, sums = work
-            planes = planes.reshape(len(planes), -1)
             run_split(rows_grad_weight, 0, gy.shape[1], list(zip(planes, sums)),
                       (gy, x, *self._geometry(), gparams["weight"], gbias))
             if gxs[0] is not None:

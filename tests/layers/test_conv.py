@@ -63,6 +63,7 @@ def test_conv2d(options):
     dict(out_channels=8, kernel=3, padding=1),  # channel multiplier 2
     dict(out_channels=4, kernel=5, padding=2, stride=2),
     dict(out_channels=4, kernel=7, padding=3),  # ConvNeXt's
+    dict(out_channels=8, kernel=(3, 5), padding=(1, 2)),  # taps of a row: four, then one
     dict(out_channels=4, kernel=3, padding=2, dilation=2),
     dict(out_channels=4, kernel=(3, 1), stride=(1, 3), padding=(2, 0)),
     dict(out_channels=4, kernel=3),  # no padding

@@ -3,9 +3,9 @@
 A convolution with as many groups as input channels (MobileNetV2's and EfficientNet's 3x3 and
 5x5, ConvNeXt's 7x7) has one input channel per group: the layer's im2col and per-group GEMMs
 turn each output pixel into a dot product of kh*kw numbers, thousands of tiny GEMMs. Two
-direct kernels replace them, each where it measured faster (`ROWS_MIN_WIDTH`):
+direct kernels replace them, each where it measured faster (`ROWS_MIN_WIDTH`, per phase):
 
-- by rows, for maps at least ROWS_MIN_WIDTH wide: each input plane is copied into a
+- by rows, for outputs at least ROWS_MIN_WIDTH wide: each input plane is copied into a
   zero-padded plane, and each output row is summed in a row buffer (in cache), four taps of a
   kernel row a pass; at stride 1 all the output rows at once, on the padded plane's width
   (a tap is then one long run, which vectorizes where rows of a few dozen values did not);
@@ -36,7 +36,10 @@ from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_thre
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
-ROWS_MIN_WIDTH = 16  # output widths from which rows beat channels last (results/bench_layers.md)
+# output widths from which rows beat channels last, per phase (timed by the kernel chooser's
+# best_seconds: a forward from 8 wide, e.g. 5x5 240@8 b8 0.52 against 0.65 ms, 7x7 96@14 0.67
+# against 1.50; the backward, by rows not on the plane's grid, from 16)
+ROWS_MIN_WIDTH = {FORWARD: 8, BACKWARD: 16}
 SPLIT_VALUES = 1 << 20  # inputs of fewer values run on one thread
 
 
@@ -301,7 +304,7 @@ class CompiledDepthwiseConv2d(LayerLike):
         _, outs, ho, wo = self.layer.infer_shape(in_shapes)
         (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
         padded = (h + 2 * ph, w + 2 * pw)
-        if wo >= ROWS_MIN_WIDTH:  # a flat plane, zeros past its end for the taps of the last row
+        if wo >= ROWS_MIN_WIDTH[phase]:  # a flat plane, zeros past its end for the last row's taps
             plane = ((threads, padded[0] * padded[1] + (kw - 1) * self.layer.dilation[1]), None)
             if phase == BACKWARD:
                 return [plane, ((threads, kh * kw + 1), np.float64)]

@@ -69,11 +69,14 @@ def test_conv2d(options):
     dict(out_channels=4, kernel=3),  # no padding
     dict(out_channels=4, kernel=2, stride=3, padding=4),  # padding wider than the taps reach
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-@pytest.mark.parametrize("shape", [(2, 4, 9, 8), (2, 4, 5, 70)], ids=["channels-last", "rows"])
-def test_compiled_depthwise_convolution(options, shape):
+@pytest.mark.parametrize("shape, rows", [((2, 4, 9, 5), False), ((2, 4, 9, 12), None), ((2, 4, 5, 70), True)],
+                         ids=["channels-last", "either", "rows"])
+def test_compiled_depthwise_convolution(options, shape, rows):
     x = np.random.default_rng(1).standard_normal(shape)
     layer = Conv2d(groups=4, **options)
-    assert (layer.infer_shape([shape])[3] >= ROWS_MIN_WIDTH) == (shape[3] == 70)  # each algorithm in turn
+    width = layer.infer_shape([shape])[3]
+    if rows is not None:  # each algorithm in turn, in both phases
+        assert all((width >= least) == rows for least in ROWS_MIN_WIDTH.values())
     kernel = CPU_KERNELS.kernel_for(layer, [x.shape])
     assert isinstance(kernel, CompiledDepthwiseConv2d)
     check_layer(kernel, [x], _reference(layer))

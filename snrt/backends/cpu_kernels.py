@@ -6,9 +6,9 @@ or gradient sums (backward) and then its output, while the channel's values are 
 cache: two passes over the channel, one trip through memory, where the NumPy layer makes
 five to eight passes with per-channel broadcasts whose inner loops are only H*W long. Sums
 are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2). A tensor of at least
-SPLIT_CHANNELWISE values has its channels split among the kernel threads. Dense stride-1
-convolution runs by the layer's im2col, or by the direct kernel of cpu_conv.py where that
-measured at least 10% faster for its shape and phase on this machine (cpu_choice.py).
+SPLIT_CHANNELWISE values has its channels split among the kernel threads. Dense convolution
+runs by the layer's im2col, or by the direct kernel of cpu_conv.py where that measured at
+least 10% faster for its shape and phase on this machine (cpu_choice.py).
 Depthwise convolution (cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py), the
 activations (cpu_activation.py), MaxPool and GlobalAvgPool (cpu_pool.py), AdaptiveAvgPool and
 nearest Upsample (cpu_resample.py), and the channel products of Mul and Scale (cpu_channel.py)
@@ -42,7 +42,7 @@ from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
 from snrt.layers.staging import staged_workspace_bytes
 
-SPLIT_CHANNELWISE = 1 << 20  # BatchNorm runs on one thread below this many values (measured break-even ~2^19)
+SPLIT_CHANNELWISE = 1 << 19  # BatchNorm runs on one thread below this many values
 
 @njit(**COMPILED)
 def channel_sums(a, b, c):

@@ -1,13 +1,14 @@
 """The CPU kernels that run on the kernel threads give the same bits on any number of them,
 also in a workspace planned for fewer threads than run (threads limited after planning)."""
 
+import threading
 import time
 
 import numpy as np
 import pytest
 
 import snrt.threads
-from snrt.backends import cpu_activation, cpu_channel, cpu_depthwise, cpu_kernels, cpu_pool, cpu_resample
+from snrt.backends import cpu_activation, cpu_channel, cpu_common, cpu_depthwise, cpu_kernels, cpu_pool, cpu_resample
 from snrt.backends.cpu_common import run_split
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.layers.activation import ELU, GELU, ReLU, ReLU6, Sigmoid, SiLU
@@ -93,3 +94,37 @@ def test_run_split_raises_a_shares_error_once_every_share_has_ended(failing):
     with pytest.raises(ValueError, match=f"share {failing}"):
         run_split(share, 0, 3, [()] * 3, ())
     assert sorted(ended) == [0, 1, 2]
+
+
+def _fill(out, value, r0, r1):
+    out[r0:r1] = value
+
+
+@pytest.mark.parametrize("polls", [1, cpu_common.POLLS])  # workers that sleep between shares; that look for the next
+def test_run_split_hands_every_share_to_a_worker_that_sleeps_or_looks(polls, monkeypatch):
+    monkeypatch.setattr(cpu_common, "POLLS", polls)
+    for value in range(1, 301):
+        out = np.zeros(6)
+        run_split(_fill, 0, 6, [()] * 3, (out, value))
+        assert (out == value).all()
+        if value % 100 == 0:
+            time.sleep(0.01)  # long enough for a worker to give up looking
+
+
+def test_run_split_from_several_threads_at_once_gives_each_its_own_results():
+    """Ranks run as threads of one process (the data-parallel tests' reference) split at the same time."""
+    failures = []
+
+    def rank(number):
+        for value in range(200):
+            out = np.zeros(8)
+            run_split(_fill, 0, 8, [()] * 2, (out, number * 1000 + value))
+            if not (out == number * 1000 + value).all():
+                failures.append((number, value, out))
+
+    ranks = [threading.Thread(target=rank, args=(number,)) for number in range(4)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join()
+    assert not failures

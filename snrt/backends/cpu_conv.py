@@ -276,10 +276,13 @@ class DirectConv2d(LayerLike):
         return h + max(ph, kh - 1 - ph), w + max(pw, kw - 1 - pw)
 
     def _grad_weight_samples(self, in_shapes):
-        """Samples per weight-gradient chunk: about GRAD_WEIGHT_ELEMENTS padded x and gy values."""
+        """Samples per weight-gradient chunk: at most about GRAD_WEIGHT_ELEMENTS padded x and gy
+        values, the batch cut into chunks as even as that allows (32 samples as 16 and 16, not
+        30 and a chunk of 2 that costs its hand-offs and horizontal sums for little work)."""
         n, c = in_shapes[0][:2]
         hp, wp = self._plane(in_shapes)
-        return max(1, min(n, GRAD_WEIGHT_ELEMENTS // ((c + self.layer.out_channels) * hp * wp)))
+        most = max(1, min(n, GRAD_WEIGHT_ELEMENTS // ((c + self.layer.out_channels) * hp * wp)))
+        return -(-n // -(-n // most))
 
     def _forward_shapes(self, in_shapes, threads):
         _, c, _, w = in_shapes[0]

@@ -11,8 +11,8 @@ the kh input rows each output row reads stacked side by side:
 so that output pixel (h, w)'s whole window, over (j, i, c), is the one contiguous run
 stacked[r*Wp + w : r*Wp + w + kw, :] of K = kw*kh*C numbers, and its value one dot product
 with the weight repacked as wt[o, (j, i, c)] = W[o, c, i, j]. The kernel computes 4 pixels
-by 4 output channels at a time: 16 dot products in one loop over K, which the compiler turns
-into 16 vector accumulators (8 loads for 16 multiply-adds). The packing lays each input row
+by 4 output channels at a time: 16 dot products in one loop over K (cpu_dots.dots4x4: 16
+vector accumulators, 8 loads for 16 multiply-adds, summed across their lanes together). The packing lays each input row
 out channels last once (a band keeps the kh - 1 rows the next band of the sample reads
 again) and moves each value kh times, in cache, where im2col writes kh*kw copies to memory.
 
@@ -54,6 +54,7 @@ import numpy as np
 from numba import njit
 
 from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, run_split
+from snrt.backends.cpu_dots import dots4x4
 from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
@@ -97,36 +98,6 @@ def stack_rows(x, n, ha, hb, ph, pw, kh, sh, carried, band, out):
                     dst[i * channels + c] = row[q, c]
 
 
-@njit(inline="always")
-def _dots4x4(a0, a1, a2, a3, b0, b1, b2, b3, length):
-    """((a0.b0, a0.b1, a0.b2, a0.b3), (a1.b0, ...), ...): the 16 dot products over [0, length)
-    of 4 rows by 4 rows, in one loop (8 loads for 16 multiply-adds; the compiler keeps 16 vector
-    accumulators and sums each across its lanes once at the end)."""
-    zero = a0.dtype.type(0)
-    s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero
-    s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = zero
-    for t in range(length):
-        x0, x1, x2, x3 = a0[t], a1[t], a2[t], a3[t]
-        v0, v1, v2, v3 = b0[t], b1[t], b2[t], b3[t]
-        s00 += x0 * v0
-        s01 += x0 * v1
-        s02 += x0 * v2
-        s03 += x0 * v3
-        s10 += x1 * v0
-        s11 += x1 * v1
-        s12 += x1 * v2
-        s13 += x1 * v3
-        s20 += x2 * v0
-        s21 += x2 * v1
-        s22 += x2 * v2
-        s23 += x2 * v3
-        s30 += x3 * v0
-        s31 += x3 * v1
-        s32 += x3 * v2
-        s33 += x3 * v3
-    return (s00, s01, s02, s03), (s10, s11, s12, s13), (s20, s21, s22, s23), (s30, s31, s32, s33)
-
-
 @njit(**THREADED)
 def dot_rows(stacked, wt, bias, n, ha, hb, wp, sw, y):
     """y[n, o, h, w] = bias[o] + stacked[(h - ha)*Wp + sw*w :][:K] . wt[o] for h in [ha, hb),
@@ -149,7 +120,7 @@ def dot_rows(stacked, wt, bias, n, ha, hb, wp, sw, y):
                 q0, q1, q2, q3 = o0, min(o0 + 1, outs - 1), min(o0 + 2, outs - 1), min(o0 + 3, outs - 1)
                 k0, k1, k2, k3 = wt[q0], wt[q1], wt[q2], wt[q3]
                 (a00, a01, a02, a03), (a10, a11, a12, a13), (a20, a21, a22, a23), (a30, a31, a32, a33) = \
-                    _dots4x4(r0, r1, r2, r3, k0, k1, k2, k3, k)
+                    dots4x4(r0, r1, r2, r3, k0, k1, k2, k3, k)
                 if bias.size:
                     e0, e1, e2, e3 = bias[q0], bias[q1], bias[q2], bias[q3]
                     a00, a10, a20, a30 = a00 + e0, a10 + e0, a20 + e0, a30 + e0
@@ -224,7 +195,7 @@ def weight_grad_planes(gp, xp, length, wp, add, gw, b0, b1):
         x1 = xp[k[1] // (kh * kw), (k[1] % (kh * kw)) // kw * wp + k[1] % kw:]
         x2 = xp[k[2] // (kh * kw), (k[2] % (kh * kw)) // kw * wp + k[2] % kw:]
         x3 = xp[k[3] // (kh * kw), (k[3] % (kh * kw)) // kw * wp + k[3] % kw:]
-        sums = _dots4x4(g0, g1, g2, g3, x0, x1, x2, x3, length)
+        sums = dots4x4(g0, g1, g2, g3, x0, x1, x2, x3, length)
         for d in range(min(4, outs - o0)):  # not the repeats: with `add` they would add twice
             for e in range(min(4, taps - k0)):
                 c, tap = k[e] // (kh * kw), k[e] % (kh * kw)

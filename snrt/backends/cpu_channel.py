@@ -15,7 +15,7 @@ from numba import njit
 from snrt.backends.cpu_common import THREADED, LayerLike, no_arguments_per_thread, run_split
 from snrt.layers.base import FLOAT32_BYTES, by_channel
 
-SPLIT_VALUES = 1 << 19  # a product of fewer values runs on one thread (it is bound by memory)
+SPLIT_VALUES = 1 << 20  # a product of fewer values runs on one thread (it is bound by memory)
 
 
 @njit(**THREADED)

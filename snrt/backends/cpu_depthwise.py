@@ -40,7 +40,7 @@ from snrt.threads import kernel_threads
 # best_seconds: a forward from 8 wide, e.g. 5x5 240@8 b8 0.52 against 0.65 ms, 7x7 96@14 0.67
 # against 1.50; the backward, by rows not on the plane's grid, from 16)
 ROWS_MIN_WIDTH = {FORWARD: 8, BACKWARD: 16}
-SPLIT_VALUES = 1 << 18  # inputs of fewer values run on one thread
+SPLIT_VALUES = 1 << 20  # inputs of fewer values run on one thread
 
 
 # ---- by rows ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from snrt.backends.cpu_common import THREADED, LayerLike, no_arguments_per_threa
 from snrt.layers.base import FLOAT32_BYTES
 from snrt.layers.pool import adaptive_bins
 
-SPLIT_VALUES = 1 << 19  # input and output values below which a kernel runs on one thread
+SPLIT_VALUES = 1 << 20  # input and output values below which a kernel runs on one thread
 
 
 @njit(**THREADED)

@@ -90,8 +90,8 @@ def output_tiles(m, tiles_h, tiles_w, y, o0, o1):
                                 y[s, o, 2 * ty + a, 2 * tx + 1] = row[1] - row[2] - row[3]
 
 
-def winograd(x, weight, y, u, v, m, rows, parts):
-    """y = the 3x3 convolution of x padded by 1 with weight; adds each part's seconds to `parts`."""
+def winograd(x, weight, y, u, v, m, rows):
+    """y = the 3x3 convolution of x padded by 1 with weight; returns each part's seconds."""
     n, c, h, w = x.shape
     o = weight.shape[0]
     tiles_h, tiles_w = (h + 1) // 2, (w + 1) // 2
@@ -104,37 +104,34 @@ def winograd(x, weight, y, u, v, m, rows, parts):
     marks.append(time.perf_counter())
     run_split(output_tiles, 0, o, [()] * len(rows), (m, tiles_h, tiles_w, y))
     marks.append(time.perf_counter())
-    for i in range(4):
-        parts[i] += marks[i + 1] - marks[i]
+    return [b - a for a, b in zip(marks, marks[1:])]
 
 
 def measure(channels, size, batch, rounds):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, channels, size, size), dtype=np.float32)
     weight = (rng.standard_normal((channels, channels, 3, 3)) * 0.1).astype(np.float32)
-    tiles = batch * ((size + 1) // 2) ** 2
+    tiles_w = (size + 1) // 2
+    tiles = batch * tiles_w ** 2
     u = np.empty((16, channels, channels), np.float32)
     v, m = np.empty((16, channels, tiles), np.float32), np.empty((16, channels, tiles), np.float32)
-    tiles_w = (size + 1) // 2
     rows = [(np.zeros((4, 2 * tiles_w + 2), np.float32), np.zeros((4, 4, tiles_w), np.float32))
             for _ in range(kernel_threads())]
     y = np.empty_like(x)
-    parts = [0.0] * 4
-    winograd(x, weight, y, u, v, m, rows, parts)  # compiles
+    winograd(x, weight, y, u, v, m, rows)  # compiles
     layer = Conv2d(out_channels=channels, kernel=3, padding=1, bias=False)
     expected, direct = np.empty_like(y), DirectConv2d(layer)
     workspace = np.empty(direct.workspace_bytes([x.shape], FORWARD), np.uint8)
     direct.forward(KernelContext(np, workspace=workspace), [x], {"weight": weight}, {}, expected, {})
     error = float(np.abs(y - expected).max() / np.abs(expected).max())
-    best, parts = float("inf"), [0.0] * 4
+    best, parts = float("inf"), None
     for _ in range(rounds):
-        round_parts = [0.0] * 4
         start = time.perf_counter()
-        winograd(x, weight, y, u, v, m, rows, round_parts)
+        round_parts = winograd(x, weight, y, u, v, m, rows)
         seconds = time.perf_counter() - start
         if seconds < best:
             best, parts = seconds, round_parts
-    others = best_seconds({"im2col": layer, "direct": DirectConv2d(layer)}, layer, [x.shape], FORWARD)
+    others = best_seconds({"im2col": layer, "direct": direct}, layer, [x.shape], FORWARD)
     return {"channels": channels, "size": size, "batch": batch, "winograd_ms": best * 1e3,
             "winograd_parts_ms": [p * 1e3 for p in parts], "im2col_ms": others["im2col"] * 1e3,
             "direct_ms": others["direct"] * 1e3, "max_error_relative_to_max": error}
@@ -152,8 +149,8 @@ def main():
         rows.append(row)
         print(f"{row['channels']}@{row['size']} b{row['batch']}: winograd {row['winograd_ms']:.2f} ms "
               f"(weights, inputs, GEMMs, outputs: {' '.join(f'{p:.2f}' for p in row['winograd_parts_ms'])}), "
-              f"im2col {row['im2col_ms']:.2f}, direct {row['direct_ms']:.2f} (error {row['max_error_relative_to_max']:.1e})",
-              flush=True)
+              f"im2col {row['im2col_ms']:.2f}, direct {row['direct_ms']:.2f} "
+              f"(error {row['max_error_relative_to_max']:.1e})", flush=True)
     save_json(RESULTS, "winograd", {"meta": meta, "rounds": args.rounds, "rows": rows})
     save_markdown(RESULTS, "winograd", [
         "# Winograd F(2x2, 3x3) against the CPU backend's 3x3 convolutions (forward)", "",

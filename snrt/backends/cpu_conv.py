@@ -12,9 +12,10 @@ so that output pixel (h, w)'s whole window, over (j, i, c), is the one contiguou
 stacked[r*Wp + w : r*Wp + w + kw, :] of K = kw*kh*C numbers, and its value one dot product
 with the weight repacked as wt[o, (j, i, c)] = W[o, c, i, j]. The kernel computes 4 pixels
 by 4 output channels at a time: 16 dot products in one loop over K (cpu_dots.dots4x4: 16
-vector accumulators, 8 loads for 16 multiply-adds, summed across their lanes together). The packing lays each input row
-out channels last once (a band keeps the kh - 1 rows the next band of the sample reads
-again) and moves each value kh times, in cache, where im2col writes kh*kw copies to memory.
+vector accumulators, 8 loads for 16 multiply-adds, summed across their lanes together). The
+packing lays each input row out channels last once (a band keeps the kh - 1 rows the next
+band of the sample reads again) and moves each value kh times, in cache, where im2col
+writes kh*kw copies to memory.
 
 - forward: y = conv(x, W) + b, output rows split evenly among the kernel threads, each
   packing and computing its own bands of `BAND_ROWS` rows in buffers of its own;
@@ -101,9 +102,9 @@ def stack_rows(x, n, ha, hb, ph, pw, kh, sh, carried, band, out):
 @njit(**THREADED)
 def dot_rows(stacked, wt, bias, n, ha, hb, wp, sw, y):
     """y[n, o, h, w] = bias[o] + stacked[(h - ha)*Wp + sw*w :][:K] . wt[o] for h in [ha, hb),
-    with stacked flat rows of kh*C (see stack_rows), wt (O, K) and sw the stride along rows. Blocks of 4 pixels by 4 output
-    channels; a block past the last pixel or channel repeats it (same value, written twice).
-    Empty bias: none."""
+    with stacked flat rows of kh*C (see stack_rows), wt (O, K) and sw the stride along rows.
+    Blocks of 4 pixels by 4 output channels; a block past the last pixel or channel repeats it
+    (same value, written twice). Empty bias: none."""
     outs, k = wt.shape
     wo = y.shape[3]
     width = stacked.shape[1]

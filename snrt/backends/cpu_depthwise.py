@@ -69,7 +69,8 @@ def _add_taps(row, plane, top, dw, taps, wo):
         j += 4
     if kw - j == 3:  # a 3x3 kernel's row
         t0, t1, t2 = taps[j], taps[j + 1], taps[j + 2]
-        p0, p1, p2 = plane[top + uint64(j * dw):], plane[top + uint64((j + 1) * dw):], plane[top + uint64((j + 2) * dw):]
+        p0, p1 = plane[top + uint64(j * dw):], plane[top + uint64((j + 1) * dw):]
+        p2 = plane[top + uint64((j + 2) * dw):]
         for q in range(wo):
             row[q] += t0 * p0[q] + t1 * p1[q] + t2 * p2[q]
         j += 3

@@ -13,29 +13,25 @@ happens at planning time, when the planner first asks for the workspace, in memo
 own outside any run's arena.
 
 `SNRT_CPU_KERNELS` overrides the choice: `measure` (the default), or a candidate's name
-(`im2col`, `direct`) to run that one wherever it serves. The file is
-`$SNRT_CACHE_DIR/cpu-kernels.json` (default `$XDG_CACHE_HOME/snrt`, else `~/.cache/snrt`);
-its entries are keyed by the CPU model, so a file shared between machines (a home directory
-on a cluster) keeps each model's own choices, and by `REVISION`, so that choices measured
-against earlier kernels are measured again. They are not keyed by the number of threads,
-which would let a run with --threads 1 compute other bits than the same run with 2 (it
-keeps the choice measured with the threads of the first run). A file that is unreadable or
-damaged is measured over; one that cannot be written leaves the choices in this process
-only.
+(`im2col`, `direct`) to run that one wherever it serves. The file is cpu-kernels.json in the
+cache folder (`$SNRT_CACHE_DIR`, see choice_file.py); its entries are keyed by the CPU
+model, so a file shared between machines (a home directory on a cluster) keeps each model's
+own choices, and by `REVISION`, so that choices measured against earlier kernels are
+measured again. They are not keyed by the number of threads, which would let a run with
+--threads 1 compute other bits than the same run with 2 (it keeps the choice measured with
+the threads of the first run).
 """
 
-import fcntl
-import json
 import math
 import os
 import platform
 import time
-from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from snrt.backends import choice_file
 from snrt.errors import SnrtError
 from snrt.layers.base import FORWARD, KernelContext, Saved
 
@@ -53,9 +49,8 @@ def setting():
 
 
 def cache_path():
-    """The choices file: $SNRT_CACHE_DIR, $XDG_CACHE_HOME/snrt or ~/.cache/snrt, cpu-kernels.json."""
-    caches = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return Path(os.environ.get("SNRT_CACHE_DIR") or caches / "snrt") / "cpu-kernels.json"
+    """The choices file, cpu-kernels.json in the cache folder (snrt/backends/choice_file.py)."""
+    return choice_file.cache_path("cpu-kernels.json")
 
 
 @lru_cache(maxsize=1)
@@ -70,26 +65,6 @@ def cpu_model():
     return platform.processor() or platform.machine()
 
 
-def _read(path):
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return entries if isinstance(entries, dict) else {}
-
-
-def _write(path, key, entry):
-    """Add key: entry to the file (re-read first: another process may have added its own)."""
-    entries = _read(path)
-    entries[key] = entry
-    try:
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
-        partial.replace(path)
-    except OSError:
-        pass  # the choice still holds in this process
-
-
 def choose(layer, in_shapes, phase, candidates):
     """The name of the candidate kernel ({name: kernel}) that runs `phase` of `layer` at
     `in_shapes` (see the module docstring)."""
@@ -102,15 +77,12 @@ def choose(layer, in_shapes, phase, candidates):
     in_shapes = measured_shapes(in_shapes)
     key = f"{cpu_model()} | r{REVISION} | {layer!r} | {[list(s) for s in in_shapes]} | {phase}"
     if key not in _CHOSEN:
-        path = cache_path()
-        with _locked(path):  # ranks starting together: one measures, the others read its choice
-            entry = _read(path).get(key)
-            name = entry.get("kernel") if isinstance(entry, dict) else None
-            if name not in candidates:
-                seconds = best_seconds(candidates, layer, in_shapes, phase)
-                name = pick(seconds)
-                _write(path, key, {"kernel": name, "seconds": seconds})
-        _CHOSEN[key] = name
+        def measure():
+            seconds = best_seconds(candidates, layer, in_shapes, phase)
+            return {"kernel": pick(seconds), "seconds": seconds}
+
+        entry = choice_file.remembered(cache_path(), key, lambda entry: entry.get("kernel") in candidates, measure)
+        _CHOSEN[key] = entry["kernel"]
     return _CHOSEN[key]
 
 
@@ -122,20 +94,6 @@ def measured_shapes(in_shapes):
     per_sample = max(1, math.prod(in_shapes[0][1:]))
     batch = max(1, min(in_shapes[0][0], MEASURED_ELEMENTS // per_sample))
     return [(batch, *shape[1:]) for shape in in_shapes]
-
-
-@contextmanager
-def _locked(path):
-    """Hold an exclusive lock on `path`'s lock file (none when it cannot be made)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_name(path.name + ".lock"), "a")
-    except OSError:
-        yield
-        return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 def best_seconds(candidates, layer, in_shapes, phase):

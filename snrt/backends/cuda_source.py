@@ -327,6 +327,14 @@ def nvrtc_toolkit():
     return tuple(nvrtc.getVersion()), archs
 
 
+def device_name():
+    """The current CUDA device's name, e.g. "NVIDIA H100 80GB HBM3"."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else name
+
+
 def unsupported_device_reason(device_name, capability, toolkit):
     """None when snrt's kernels compile, with `toolkit` ((major, minor), archs), for a GPU of
     compute capability `capability` (e.g. 70), else a sentence naming the GPU and the toolkit."""

@@ -17,11 +17,12 @@ Three layers, from pure Python to the device:
    to the cuDNN library and need the CUDA driver (cuInit) and a handle.
 3. Building and running (device): `CudnnContext.build` validates, lowers, asks the
    heuristics (modes A, then FALLBACK) for the ranked engines, drops non-deterministic ones
-   (and TF32 tensor-core ones unless allowed), drops those whose workspace exceeds the
-   limit, and builds the first that is left: the fastest engine that fits. A graph is built
-   once per (operation, shapes, workspace limit) and cached on its kernel.
-   `CudnnGraph.execute` runs it on the handle's stream (the backend's compute stream) with
-   raw device pointers into the arena and the step's workspace.
+   (and TF32 tensor-core ones unless allowed) and those whose workspace exceeds the limit,
+   and selects the fastest that is left, timed on the device once and then kept on disk
+   (snrt/backends/cudnn_engines.py). A graph is built once per (operation, shapes,
+   workspace limit) and cached on its kernel. `CudnnGraph.execute` runs it on the handle's
+   stream (the backend's compute stream) with raw device pointers into the arena and the
+   step's workspace.
 
 Kernels `CudnnConv2d` and `CudnnBatchNorm` have the layer contract. What cuDNN refuses (no
 engine for the shape, or none within the workspace) runs on the fallback kernel of
@@ -31,18 +32,21 @@ the reason is kept in `CudnnContext.refusals`. BatchNorm goes to cuDNN in traini
 
 The workspace a kernel asks the planner for (`workspace_bytes`) is its cuDNN graphs' need
 under the context's `workspace_limit_bytes` (forward: conv_fprop; backward: the larger of
-conv_dgrad and conv_wgrad, which run one after the other in the same workspace). At run
-time a kernel uses the planned graph when it fits the step's workspace, else the fastest
-engine within that workspace, so plans made without cuDNN's sizes run too.
+conv_dgrad and conv_wgrad, which run one after the other in the same workspace): the
+selected engines' need, their engines timed then. At run time a kernel uses the planned
+graph when it fits the step's workspace, else an engine within that workspace (not timed
+while a step runs), so plans made without cuDNN's sizes run too.
 """
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from snrt.backends import cudnn_engines
 from snrt.backends.cuda_layers import Float32Kernel, XpKernel
-from snrt.backends.cuda_source import device_pointer, grid_for, int64_args
+from snrt.backends.cuda_source import device_name, device_pointer, grid_for, int64_args
 from snrt.errors import SnrtError
 from snrt.layers.base import FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 
@@ -226,10 +230,12 @@ def describe_batchnorm(cudnn, spec, op, handle=None):
 
 
 class CudnnGraph:
-    """A built graph: its tensors by role, the workspace its engine needs, and `execute`."""
+    """A built graph: its tensors by role, its engine (a cudnn_engines.Engine), the engine's
+    measured seconds (None when not timed), the workspace it needs, and `execute`."""
 
-    def __init__(self, graph, tensors, handle):
+    def __init__(self, graph, tensors, handle, engine, seconds=None):
         self.graph, self.tensors, self.handle = graph, tensors, handle
+        self.engine, self.seconds = engine, seconds
         self.workspace_bytes = int(graph.get_workspace_size())
 
     def execute(self, pointers, workspace_ptr):
@@ -243,6 +249,9 @@ class CudnnContext:
     """One cuDNN handle on the current device, and graph building with engine selection."""
 
     def __init__(self, workspace_limit_bytes=None, allow_tf32=False):
+        import cupy
+
+        cudnn_engines.setting()  # a bad SNRT_CUDNN_ENGINES is an error now, not a refused graph later
         cudnn = import_cudnn()
         # The frontend also offers Python engine families ("frost"); some import torch and,
         # with a CPU-only torch installed, fail to load with a logged traceback. snrt's graphs
@@ -253,8 +262,12 @@ class CudnnContext:
         self.workspace_limit_bytes = workspace_limit_bytes
         self.allow_tf32 = allow_tf32
         self.refusals = {}  # description -> why cuDNN did not serve it
+        self.stream_ptr = 0  # the handle's stream: the default one until set_stream
+        self._choices_key = (f"{device_name()} sm_{cupy.cuda.Device().compute_capability} | "
+                             f"{cudnn_versions()} | deterministic{', TF32' if allow_tf32 else ''}")
 
     def set_stream(self, stream):
+        self.stream_ptr = stream.ptr
         self.cudnn.set_stream(self.handle, stream.ptr)
 
     def close(self):
@@ -263,9 +276,12 @@ class CudnnContext:
             self.cudnn.destroy_handle(self.handle)
             self.handle = None
 
-    def build(self, description, describe, limit):
+    def build(self, description, describe, limit, timed=False):
         """The CudnnGraph from `describe(cudnn, handle)` with the fastest engine whose
-        workspace is at most `limit` bytes (None: any), or None when cuDNN has none."""
+        workspace is at most `limit` bytes (None: any), or None when cuDNN has none.
+        `timed`: time the engines when no choice is kept for this graph (at planning time;
+        never while a step runs); else the kept choice or cuDNN's first
+        (snrt/backends/cudnn_engines.py)."""
         cudnn = self.cudnn
         try:
             graph, tensors = describe(cudnn, self.handle)
@@ -279,11 +295,60 @@ class CudnnContext:
             if limit is not None:
                 graph.deselect_workspace_greater_than(int(limit))
             graph.check_support()
-            graph.build_plans()
-            return CudnnGraph(graph, tensors, self.handle)
+            engine, seconds = cudnn_engines.select(
+                graph, f"{self._choices_key} | {description} | workspace limit {limit}", limit,
+                (lambda graph, engines: self.time_engines(graph, tensors, engines)) if timed else None)
+            return CudnnGraph(graph, tensors, self.handle, engine, seconds)
         except Exception as e:  # cudnnGraphNotSupportedError, or a lowering the library rejects
             self.refusals[f"{description} (workspace limit {limit})"] = f"{type(e).__name__}: {e}"
             return None
+
+
+    def time_engines(self, graph, tensors, engines):
+        """The best seconds of each of `engines` (cudnn_engines.Engine) of `graph` over
+        cudnn_engines.ROUNDS calls after an untimed one, each call between two CUDA events on
+        a stream of its own, on device buffers of the graph's shapes (every value 0.5) and a
+        workspace for the largest need, from a memory pool of their own that is emptied
+        after; None when the device has no memory to spare for them."""
+        import cupy
+
+        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+        self.cudnn.set_stream(self.handle, stream.ptr)
+        try:
+            with cupy.cuda.using_allocator(pool.malloc), stream:
+                return self._time_on(cupy, stream, graph, tensors, engines)
+        except cupy.cuda.memory.OutOfMemoryError:
+            return None
+        finally:
+            stream.synchronize()
+            self.cudnn.set_stream(self.handle, self.stream_ptr)
+            pool.free_all_blocks()
+
+    def _time_on(self, cupy, stream, graph, tensors, engines):
+        held, pack = [], {}
+        for role, tensor in tensors.items():
+            if tensor.get_is_pass_by_value():  # host scalars (BatchNorm's epsilon and momentum)
+                held.append(np.full(1, 0.5, np.float32))
+                pack[tensor.uid] = held[-1].ctypes.data
+            else:
+                held.append(cupy.full(numel(tensor.get_dim()), 0.5, np.float32))
+                pack[tensor.uid] = held[-1].data.ptr
+        need = max(engine.workspace_bytes for engine in engines)
+        held.append(cupy.empty(need, np.uint8) if need else None)
+        workspace = held[-1].data.ptr if need else None
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        seconds = []
+        for engine in engines:
+            best = math.inf
+            for round_ in range(cudnn_engines.ROUNDS + 1):  # round 0 untimed
+                start.record(stream)
+                graph.execute_plan_at_index(pack, workspace, index=engine.index, handle=self.handle)
+                end.record(stream)
+                end.synchronize()
+                if round_:
+                    best = min(best, cupy.cuda.get_elapsed_time(start, end) / 1e3)
+            seconds.append(best)
+        return seconds
 
 
 def _workspace(ctx):
@@ -308,8 +373,9 @@ class _CudnnKernel(Float32Kernel):
     def context(self):
         return self.kernels.cudnn
 
-    def graph(self, op, limit):
-        """The graph of `op` under workspace `limit` (built on first use), or None."""
+    def graph(self, op, limit, timed=False):
+        """The graph of `op` under workspace `limit` (built on first use, its engines `timed`
+        if so: CudnnContext.build), or None."""
         key = (op, limit)
         if key not in self._graphs and max(numel(dims) for dims in self.spec.dims) > CUDNN_MAX_ELEMENTS:
             self.context.refusals[f"{self.layer.type_name} {self.spec}"] = (
@@ -319,7 +385,7 @@ class _CudnnKernel(Float32Kernel):
             describe = type(self).describe
             self._graphs[key] = self.context.build(
                 f"{self.layer.type_name} {op} {self.spec}",
-                lambda cudnn, handle: describe(cudnn, self.spec, op, handle), limit)
+                lambda cudnn, handle: describe(cudnn, self.spec, op, handle), limit, timed)
         return self._graphs[key]
 
     def graph_within(self, op, capacity):
@@ -343,7 +409,7 @@ class CudnnConv2d(_CudnnKernel):
         limit = self.context.workspace_limit_bytes
         needs = []
         for op in (("fprop",) if phase == FORWARD else ("dgrad", "wgrad")):
-            built = self.graph(op, limit)
+            built = self.graph(op, limit, timed=True)
             needs.append(built.workspace_bytes if built is not None else self.fallback.own_workspace_bytes(in_shapes, phase))
         return max(needs)
 
@@ -400,9 +466,9 @@ class CudnnBatchNorm(_CudnnKernel):
 
     def own_workspace_bytes(self, in_shapes, phase):
         if phase == FORWARD:
-            built = self.graph("forward", self.context.workspace_limit_bytes)
+            built = self.graph("forward", self.context.workspace_limit_bytes, timed=True)
             return 0 if built is None else self._dropped_bytes + built.workspace_bytes
-        built = self.graph("backward", self.context.workspace_limit_bytes)
+        built = self.graph("backward", self.context.workspace_limit_bytes, timed=True)
         return 0 if built is None else built.workspace_bytes
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):

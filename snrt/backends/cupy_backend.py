@@ -63,7 +63,7 @@ from cupy.cuda import runtime
 
 from snrt.backends.base import Backend, CopyEvent
 from snrt.backends.cuda_kernels import CudaKernels
-from snrt.backends.cuda_source import nvrtc_toolkit, unsupported_device_reason
+from snrt.backends.cuda_source import device_name, nvrtc_toolkit, unsupported_device_reason
 from snrt.backends.cudnn_graphs import cudnn_versions
 from snrt.errors import SnrtError
 from snrt.memory.arena import Arena
@@ -460,12 +460,6 @@ def _restore_cub(saved):
 
     _accelerator.set_reduction_accelerators(saved[0])
     _accelerator.set_routine_accelerators(saved[1])
-
-
-def device_name():
-    """The current CUDA device's name, e.g. "NVIDIA H100 80GB HBM3"."""
-    name = runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
-    return name.decode() if isinstance(name, bytes) else name
 
 
 def device_unsupported_reason():

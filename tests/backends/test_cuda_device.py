@@ -193,6 +193,37 @@ def test_cudnn_serves_common_convolutions(cupy):
     assert served == 9, kernels.cudnn.refusals
 
 
+def test_engines_are_timed_at_planning_kept_on_disk_and_used_again_untimed(cupy, tmp_path, monkeypatch):
+    """The workspace query times cuDNN's engines and selects the fastest (its seconds are
+    the least timed); a new process (new kernels, same file) builds that engine again and
+    times nothing; the selected engine's workspace is what the plan is told."""
+    import json
+
+    from snrt.backends import cudnn_engines
+    from snrt.backends.cuda_kernels import CudaKernels
+
+    monkeypatch.setenv("SNRT_CACHE_DIR", str(tmp_path))
+    layer, shape = Conv2d(out_channels=64, kernel=3, padding=1, bias=False), (16, 64, 28, 28)
+    first = CudaKernels()
+    workspace = first.workspace_bytes(layer, [shape], BACKWARD)
+    kept = json.loads((tmp_path / cudnn_engines.CACHE_FILE).read_text())
+    assert len(kept) == 2 and all("dgrad" in key or "wgrad" in key for key in kept), list(kept)
+    graphs = {op: first.kernel_for(layer, [shape]).graph(op, None) for op in ("dgrad", "wgrad")}
+    assert workspace == max(graph.workspace_bytes for graph in graphs.values())
+    for graph in graphs.values():
+        (entry,) = [entry for key, entry in kept.items() if key.endswith("workspace limit None") and
+                    entry["engine"] == graph.engine.name]
+        assert graph.seconds == min(entry["seconds"].values()) > 0
+    first.release()
+
+    monkeypatch.setattr(cudnn_engines, "_fastest", lambda *args: pytest.fail("timed again"))
+    again = CudaKernels()
+    assert again.workspace_bytes(layer, [shape], BACKWARD) == workspace
+    assert {op: again.kernel_for(layer, [shape]).graph(op, None).engine.name for op in graphs} == {
+        op: graph.engine.name for op, graph in graphs.items()}
+    again.release()
+
+
 def _timed(backend, step, action):
     with backend.timed("compute", f"{step.kind} {step.node}"):
         action()

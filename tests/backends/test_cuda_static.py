@@ -430,6 +430,25 @@ def test_every_cudnn_tensor_has_the_layout_of_its_arena_view():
                 _assert_layouts_are_explicit(*describe(cudnn, spec, op), (where, op))
 
 
+def test_the_frontend_offers_every_call_engine_timing_makes():
+    """Engine selection and timing (cudnn_engines.py, CudnnContext.time_engines) use the
+    frontend's per-plan calls and the tensors' pass-by-value flag and uid: each exists, with
+    the parameters passed by name, in the pinned frontend."""
+    import inspect
+
+    cudnn = pytest.importorskip("cudnn")
+    from snrt.backends.cudnn_graphs import BatchNormSpec, describe_batchnorm
+
+    for method in ("get_execution_plan_count", "get_plan_name_at_index", "get_workspace_size_plan_at_index",
+                   "build_plan_at_index", "execute_plan_at_index", "get_workspace_size", "execute"):
+        assert callable(getattr(cudnn.pygraph, method, None)), method
+    assert {"index", "handle"} <= set(inspect.signature(cudnn.pygraph.execute_plan_at_index).parameters)
+    assert list(inspect.signature(cudnn.set_stream).parameters) == ["handle", "stream"]
+    _, tensors = describe_batchnorm(cudnn, BatchNormSpec((4, 8, 2, 2), 8, 1e-5, 0.1), "forward")
+    assert {role for role, t in tensors.items() if t.get_is_pass_by_value()} == {"epsilon", "momentum"}
+    assert all(isinstance(t.uid, int) and t.get_dim() for t in tensors.values())
+
+
 def test_cudnn_fprop_shape_inference_agrees_with_snrt():
     """The frontend infers conv_fprop's output itself: it must be snrt's output shape."""
     cudnn = pytest.importorskip("cudnn")

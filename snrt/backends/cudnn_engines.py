@@ -1,0 +1,160 @@
+"""Which cuDNN engine runs a graph: timed once per device and cuDNN version, then kept.
+
+cuDNN's heuristics rank the engines that can run a graph (modes A, then FALLBACK); the first
+of that list is a guess. As PyTorch's `cudnn.benchmark` does, `select` builds the ranked
+engines that pass the context's filters (deterministic ones only; TF32 tensor-core ones only
+where allowed) and fit the workspace limit, the first MAX_CANDIDATES of them, has each timed
+(the context runs it on temporary device buffers of the graph's shapes: one untimed call,
+then the best of ROUNDS between CUDA events), and selects the fastest. Its name is kept in
+cudnn-engines.json in the cache folder (snrt/backends/choice_file.py), keyed by the device,
+the cuDNN and frontend versions, the graph (operation, shapes, options), the workspace limit
+and the filters: a later run finds the engine by its name among the ranked ones and builds
+that one alone, timing nothing, so it starts at full speed and computes the same bits. An
+engine that is no longer offered (another cuDNN ranks others) is timed again.
+
+Timing happens at planning time, when the planner asks a kernel for its workspace, before a
+run's arena exists. A graph built while a step runs (a plan whose workspace is smaller than
+the planned engine's) is not timed: it gets the kept engine if that fits, else cuDNN's first.
+The workspace the kernel asks the planner for is the selected engine's, and its measured
+seconds stay with the graph.
+
+`SNRT_CUDNN_ENGINES` sets the choice: `measure` (the default) or `heuristic` (cuDNN's first
+engine that builds and fits, as before engines were timed; nothing is timed or kept).
+"""
+
+import os
+from dataclasses import dataclass
+
+from snrt.backends import choice_file
+from snrt.errors import SnrtError
+
+VARIABLE = "SNRT_CUDNN_ENGINES"
+SETTINGS = ("measure", "heuristic")
+CACHE_FILE = "cudnn-engines.json"
+MAX_CANDIDATES = 8  # ranked engines built and timed per graph, at most
+ROUNDS = 5  # timed calls of each engine, after one untimed call
+
+
+class NoEngineError(SnrtError):
+    """cuDNN ranked no engine that builds within the workspace limit."""
+
+
+def setting():
+    """SNRT_CUDNN_ENGINES as it is now; anything but a known value is a SnrtError."""
+    value = os.environ.get(VARIABLE, "measure")
+    if value not in SETTINGS:
+        raise SnrtError(f"environment variable {VARIABLE} is {value!r}: expected one of "
+                        f"{', '.join(repr(s) for s in SETTINGS)}")
+    return value
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One ranked plan of a graph: its position in cuDNN's list, name and workspace need."""
+
+    index: int
+    name: str
+    workspace_bytes: int
+
+
+def _built(graph, index, limit):
+    """The Engine at `index` built (and selected), or None when a filter bars it, cuDNN
+    declines it, or it needs more than `limit` workspace bytes (None: any)."""
+    try:
+        graph.build_plan_at_index(index)
+        engine = Engine(index, graph.get_plan_name_at_index(index), int(graph.get_workspace_size_plan_at_index(index)))
+    except Exception:  # barred by a note or workspace filter, or declined: the next one
+        return None
+    return engine if limit is None or engine.workspace_bytes <= limit else None
+
+
+def candidates(graph, limit, most=None):
+    """The first `most` (default MAX_CANDIDATES) Engines of `graph`'s ranked list (execution
+    plans created, filters set) that build within `limit` workspace bytes, in cuDNN's order."""
+    most = MAX_CANDIDATES if most is None else most
+    found = []
+    for index in range(graph.get_execution_plan_count()):
+        engine = _built(graph, index, limit)
+        if engine is not None:
+            found.append(engine)
+            if len(found) == most:
+                break
+    return found
+
+
+def named(graph, name, limit):
+    """The Engine called `name` in `graph`'s ranked list, built, or None when none of that
+    name builds within `limit` workspace bytes."""
+    for index in range(graph.get_execution_plan_count()):
+        try:
+            matches = graph.get_plan_name_at_index(index) == name
+        except Exception:
+            continue
+        if matches:
+            return _built(graph, index, limit)
+    return None
+
+
+def _first(graph, limit):
+    """cuDNN's first Engine that builds within `limit`; a NoEngineError when none does."""
+    found = candidates(graph, limit, most=1)
+    if not found:
+        raise NoEngineError(f"no cuDNN engine builds within {limit} workspace bytes")
+    return found[0]
+
+
+def _kept(graph, entry, limit):
+    """(Engine, seconds) of a choices file's entry when its engine still builds within
+    `limit`, else (None, None)."""
+    if not isinstance(entry, dict):
+        return None, None
+    engine = named(graph, entry.get("engine"), limit)
+    seconds = entry.get("seconds")
+    return engine, (seconds.get(engine.name) if engine is not None and isinstance(seconds, dict) else None)
+
+
+def _fastest(graph, limit, time_engines):
+    """(Engine, seconds, entry to keep): the fastest of the candidates as `time_engines`
+    times them; cuDNN's first and no entry when they could not be timed."""
+    found = candidates(graph, limit)
+    if not found:
+        raise NoEngineError(f"no cuDNN engine builds within {limit} workspace bytes")
+    seconds = time_engines(graph, found)
+    if seconds is None:
+        return found[0], None, None
+    best = min(range(len(found)), key=seconds.__getitem__)
+    return found[best], seconds[best], {"engine": found[best].name,
+                                        "seconds": {e.name: s for e, s in zip(found, seconds)}}
+
+
+def select(graph, key, limit, time_engines=None):
+    """Build and select `graph`'s engine; returns (Engine, its measured seconds or None).
+
+    `key` names the graph in the choices file; `limit` bounds the workspace (None: any);
+    `time_engines(graph, engines)` returns each Engine's best seconds, in order, or None when
+    they could not be timed (no device memory to spare). Without it (a graph built while a
+    step runs) the kept engine is used when it fits, else cuDNN's first, and nothing is kept.
+    A NoEngineError when nothing builds within the limit."""
+    path = choice_file.cache_path(CACHE_FILE)
+    if setting() == "heuristic":
+        engine, seconds = _first(graph, limit), None
+    elif time_engines is None:
+        engine, seconds = _kept(graph, choice_file.read(path).get(key), limit)
+        if engine is None:
+            engine = _first(graph, limit)
+    else:
+        chosen = {}
+
+        def usable(entry):
+            chosen["kept"] = _kept(graph, entry, limit)
+            return chosen["kept"][0] is not None
+
+        def measure():
+            engine, seconds, entry = _fastest(graph, limit, time_engines)
+            chosen["kept"] = engine, seconds
+            return entry
+
+        choice_file.remembered(path, key, usable, measure)
+        engine, seconds = chosen["kept"]
+    graph.build_plan_at_index(engine.index)  # select it (building others selected them in turn)
+    return engine, seconds

@@ -102,6 +102,11 @@ class CudaKernels:
         """What the planner should reserve for `layer`'s kernel (the planner hook)."""
         return self.kernel_for(layer, in_shapes).workspace_bytes(in_shapes, phase, itemsize)
 
+    def measured_seconds(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        """The seconds `phase` of `layer`'s kernel was timed to take (its cuDNN engines'),
+        or None (not timed, or 2-byte tensors, which run other code)."""
+        return self.kernel_for(layer, in_shapes).measured_seconds(phase) if itemsize == FLOAT32_BYTES else None
+
     def set_stream(self, stream):
         """cuDNN runs on `stream` (the backend's compute stream; CUDA kernels and cuBLAS
         take the current stream, which the backend makes that one)."""

@@ -67,6 +67,10 @@ class XpKernel:
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         return self.layer.workspace_bytes(in_shapes, phase, itemsize)
 
+    def measured_seconds(self, phase):
+        """Seconds `phase` was timed to take; None: not timed (the cost model's rates)."""
+        return None
+
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
 

@@ -48,7 +48,7 @@ from snrt.backends import cudnn_engines
 from snrt.backends.cuda_layers import Float32Kernel, XpKernel
 from snrt.backends.cuda_source import device_name, device_pointer, grid_for, int64_args
 from snrt.errors import SnrtError
-from snrt.layers.base import FLOAT32_BYTES, FORWARD, numel, scratch_bytes
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 
 CONV_OPS = ("fprop", "dgrad", "wgrad")
 BATCHNORM_OPS = ("forward", "backward")
@@ -363,6 +363,7 @@ class _CudnnKernel(Float32Kernel):
 
     name = "cudnn"
     describe = None  # describe_conv or describe_batchnorm
+    OPS = {}  # phase -> the operations (describe's `op`) it runs, in order
 
     def __init__(self, layer, in_shapes, kernels, fallback, spec):
         super().__init__(layer, in_shapes, kernels.module)
@@ -388,6 +389,13 @@ class _CudnnKernel(Float32Kernel):
                 lambda cudnn, handle: describe(cudnn, self.spec, op, handle), limit, timed)
         return self._graphs[key]
 
+    def measured_seconds(self, phase):
+        """The planned graphs' timed seconds for `phase` (OPS[phase] run one after another),
+        or None when one of them was not timed or is not cuDNN's."""
+        seconds = [getattr(self.graph(op, self.context.workspace_limit_bytes, timed=True), "seconds", None)
+                   for op in self.OPS[phase]]
+        return None if None in seconds else sum(seconds)
+
     def graph_within(self, op, capacity):
         """The planned graph when it fits `capacity` workspace bytes, else the fastest that does."""
         planned = self.graph(op, self.context.workspace_limit_bytes)
@@ -401,6 +409,7 @@ class CudnnConv2d(_CudnnKernel):
     snrt_channel_sum; whatever cuDNN refuses by the GEMM fallback."""
 
     describe = staticmethod(describe_conv)
+    OPS = {FORWARD: ("fprop",), BACKWARD: ("dgrad", "wgrad")}  # the graphs a phase runs
 
     def __init__(self, layer, in_shapes, kernels, fallback):
         super().__init__(layer, in_shapes, kernels, fallback, conv_spec(layer, in_shapes))
@@ -408,7 +417,7 @@ class CudnnConv2d(_CudnnKernel):
     def own_workspace_bytes(self, in_shapes, phase):
         limit = self.context.workspace_limit_bytes
         needs = []
-        for op in (("fprop",) if phase == FORWARD else ("dgrad", "wgrad")):
+        for op in self.OPS[phase]:
             built = self.graph(op, limit, timed=True)
             needs.append(built.workspace_bytes if built is not None else self.fallback.own_workspace_bytes(in_shapes, phase))
         return max(needs)
@@ -457,6 +466,7 @@ class CudnnBatchNorm(_CudnnKernel):
     the step's workspace and dropped; the graph's own workspace follows them."""
 
     describe = staticmethod(describe_batchnorm)
+    OPS = {FORWARD: ("forward",), BACKWARD: ("backward",)}
 
     def __init__(self, layer, in_shapes, kernels, fallback):
         super().__init__(layer, in_shapes, kernels, fallback, batchnorm_spec(layer, in_shapes))

@@ -264,7 +264,10 @@ class LayerKernels:
 
     A kernel choice answers two questions the same way at plan time and at run time: which
     kernel runs a layer at given input shapes (`kernel_for`), and how much workspace that
-    kernel wants (`workspace_bytes`, what the planner reserves). One whose answers also depend
+    kernel wants (`workspace_bytes`, what the planner reserves). A third, `measured_seconds`,
+    is the seconds a phase of that kernel was timed to take when the choice timed it (cuDNN's
+    engines), which the planner's cost model then uses; None leaves the step to the cost
+    model's rates. One whose answers also depend
     on something outside it (an environment variable) offers `settings()`, which the planner
     compares before it reuses an iteration it built. The backends bring their own:
     snrt/backends/cpu_kernels.py (compiled CPU kernels) and cuda_kernels.py (cuDNN, cuBLAS,
@@ -276,6 +279,9 @@ class LayerKernels:
 
     def workspace_bytes(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
         return layer.workspace_bytes(in_shapes, phase, itemsize=itemsize)
+
+    def measured_seconds(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return None
 
 
 LAYER_KERNELS = LayerKernels()

@@ -3,7 +3,9 @@
 Times come from each layer's `cost` (FLOPs and bytes moved) and three machine rates. The
 defaults describe the CPU backend on a 2-core machine (fitted to measured kernel times by
 scripts/calibrate_cpu_cost.py, results/cost_calibration.md; the per-step overhead is mostly
-Python's) and a PCIe-attached GPU (not measured); `simulate`
+Python's) and a PCIe-attached GPU (not measured); a step whose kernel the backend's kernel
+choice timed (cuDNN's engines, snrt/backends/cudnn_engines.py) takes those seconds instead
+(`step_seconds`); `simulate`
 replays a plan's steps on the three streams (compute, device-to-host, host-to-device) and
 returns the predicted iteration time and the copy time left exposed.
 """
@@ -66,8 +68,16 @@ def update_bytes(graph, node, states=1):
     return (3 + 2 * states) * FLOAT32_BYTES * sum(numel(spec.shape) for spec in specs.values())
 
 
-def step_seconds(step, graph, batch, model):
-    """Predicted compute-stream seconds of `step` (copies and bookkeeping take none)."""
+def step_seconds(step, graph, batch, model, kernels=None, itemsize=FLOAT32_BYTES):
+    """Predicted compute-stream seconds of `step` (copies and bookkeeping take none): a layer's
+    step takes what its kernel was timed to take when the kernel choice `kernels` timed it
+    (`measured_seconds`: cuDNN's engines) and the step overhead; else the cost model's rates."""
+    if kernels is not None and step.kind in ("forward", "recompute", "backward"):
+        node = graph[step.node]
+        measured = kernels.measured_seconds(node.layer, graph.in_shapes(node.name, batch),
+                                            BACKWARD if step.kind == "backward" else FORWARD, itemsize)
+        if measured is not None:
+            return measured + model.step_overhead_s
     cost = step_cost(step, graph, batch)
     return 0.0 if cost is None else model.kernel_s(cost)
 

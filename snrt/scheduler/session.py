@@ -13,9 +13,10 @@ import gc
 import threading
 from dataclasses import replace
 
+from snrt.precision import precision_named
 from snrt.scheduler import cost as cost_models
 from snrt.scheduler.lowering import Recipe, capabilities, lower
-from snrt.scheduler.order import build_iteration
+from snrt.scheduler.order import ITEMSIZE, build_iteration
 from snrt.scheduler.steps import COMPUTE_KINDS, NO_COMPUTE
 
 _LOCK = threading.RLock()  # planning calls in different threads take turns (they share _LAST)
@@ -57,6 +58,7 @@ class Session:
             _LAST.update(key=key, iteration=build_iteration(graph, batch, options), seconds={})
         self.iteration = _LAST["iteration"]
         self._known_seconds = _LAST["seconds"].setdefault(options.cost_model, {})
+        self._itemsize = ITEMSIZE[precision_named(options.precision).storage]  # of the run's tensors
         self._assemblies, self._does = {}, {}
 
     def at_batch(self, batch):
@@ -98,6 +100,7 @@ class Session:
             key = (kind, s.node, 0) if kind in COMPUTE_KINDS else (kind, None, getattr(s, "nbytes", 0))
             value = known.get(key)
             if value is None:
-                value = known[key] = cost_models.step_seconds(s, self.graph, self.batch, self.options.cost_model)
+                value = known[key] = cost_models.step_seconds(s, self.graph, self.batch, self.options.cost_model,
+                                                              self.options.kernels, self._itemsize)
             append(value)
         return out

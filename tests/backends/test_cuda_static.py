@@ -507,6 +507,26 @@ def test_tensors_too_large_for_cudnn_go_to_the_fallback_without_asking_it():
     assert "more than 2147483647 elements" in why
 
 
+def test_a_cudnn_kernels_measured_seconds_are_its_planned_graphs_timed_seconds():
+    """Forward: conv_fprop's seconds; backward: conv_dgrad's and conv_wgrad's summed; None
+    when one of them was not timed or went to the fallback (the cost model then rates it)."""
+    from types import SimpleNamespace
+
+    from snrt.backends.cudnn_graphs import CudnnConv2d
+
+    layer, in_shapes = Conv2d(out_channels=8, kernel=3), [(4, 3, 8, 8)]
+    kernels = SimpleNamespace(module=None, cudnn=SimpleNamespace(refusals={}, workspace_limit_bytes=1 << 20))
+    kernel = CudnnConv2d(layer, in_shapes, kernels, GemmConv2d(layer, in_shapes, None))
+    kernel._graphs = {(op, 1 << 20): SimpleNamespace(seconds=seconds, workspace_bytes=0)
+                      for op, seconds in (("fprop", 1e-3), ("dgrad", 2e-3), ("wgrad", 3e-3))}
+    assert kernel.measured_seconds(FORWARD) == 1e-3
+    assert kernel.measured_seconds(BACKWARD) == pytest.approx(5e-3)
+    kernel._graphs[("wgrad", 1 << 20)].seconds = None
+    assert kernel.measured_seconds(BACKWARD) is None
+    kernel._graphs[("fprop", 1 << 20)] = None  # cuDNN refused it: the GEMM fallback runs
+    assert kernel.measured_seconds(FORWARD) is None
+
+
 def test_a_missing_cudnn_library_is_one_error_saying_what_to_install(monkeypatch):
     pathfinder = pytest.importorskip("cuda.pathfinder")
     from snrt.backends.cudnn_graphs import import_cudnn

@@ -261,3 +261,34 @@ def test_threads_planning_at_once_each_get_the_plan_of_their_own_graph():
             assert shapes == {k: (4, 3, sizes[k], sizes[k]) for k in (1, 2)}
     finally:
         sys.setswitchinterval(previous)
+
+
+def test_a_kernel_choice_that_timed_its_kernels_gives_the_plan_those_seconds():
+    """Steps whose kernel the kernel choice timed (cuDNN's engines) are predicted at the
+    timed seconds plus the step overhead; the others, and every step at a precision the
+    timing did not cover, by the cost model's rates."""
+    from snrt.layers.base import BACKWARD, FORWARD, LayerKernels
+    from snrt.scheduler import cost
+
+    class TimedConvolutions(LayerKernels):
+        def __init__(self):
+            self.asked = set()
+
+        def measured_seconds(self, layer, in_shapes, phase, itemsize=4):
+            self.asked.add((layer.type_name, phase, itemsize))
+            if layer.type_name == "Conv2d" and itemsize == 4:
+                return {FORWARD: 0.25, BACKWARD: 0.5}[phase]
+            return None
+
+    graph = build([("conv", 0, 0), ("bn", 1, 1), ("relu", 2, 2), ("conv", 3, 3)])
+    kernels, model = TimedConvolutions(), cost.CUDA
+    rated = make_plan(graph, 2, "none", cost_model=model)
+    timed = make_plan(graph, 2, "none", cost_model=model, kernels=kernels)
+    convolutions = sum(node.layer.type_name == "Conv2d" for node in graph.nodes.values())
+    rated_conv_s = sum(cost.step_seconds(s, graph, 2, model) for s in rated.steps
+                       if s.kind in ("forward", "backward") and graph[s.node].layer.type_name == "Conv2d")
+    overhead = 2 * convolutions * model.step_overhead_s
+    assert timed.predicted_s == pytest.approx(rated.predicted_s - rated_conv_s + convolutions * 0.75 + overhead)
+    assert ("Conv2d", FORWARD, 4) in kernels.asked and ("BatchNorm", BACKWARD, 4) in kernels.asked
+    in_bf16 = make_plan(graph, 2, "none", cost_model=model, kernels=kernels, precision="bf16")
+    assert in_bf16.predicted_s < 0.75 and ("Conv2d", BACKWARD, 2) in kernels.asked

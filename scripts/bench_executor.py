@@ -18,6 +18,7 @@ from snrt.backends.base import CopyEvent
 from snrt.backends.numpy_backend import NumpyBackend
 import snrt
 from snrt.executor import Executor
+from snrt.optim import SGD
 from snrt.scheduler.planner import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,11 +47,6 @@ class DoneEvent(CopyEvent):
         pass
 
 
-class EmptyOptimizer:
-    def update(self, xp, param, grad, state, decay, lr, workspace):
-        pass
-
-
 class EmptyBackend(NumpyBackend):
     """The CPU backend with empty kernels, no gradient sums and copies that are done at once."""
 
@@ -58,6 +54,9 @@ class EmptyBackend(NumpyBackend):
         return EmptyKernel(super().kernel_for(layer, in_shapes))
 
     def accumulate(self, total, part):
+        pass
+
+    def update(self, optimizer, w, g, states, weight_decay, lr, count, workspace, grad_scale=1.0):
         pass
 
     def offload(self, buffer):
@@ -75,7 +74,7 @@ def measure(name, size, batch, policy, iterations=20):
     executor = Executor(graph, plan, backend)
     feed = {input_name: None for input_name, _ in plan.inputs}
     backend.upload = lambda view, array: None
-    optimizer = EmptyOptimizer()
+    optimizer = SGD()
     executor.run(feed, 0, 0, optimizer)
     start = time.perf_counter()
     for i in range(iterations):

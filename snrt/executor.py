@@ -222,7 +222,7 @@ class Executor:
         return run
 
     def _bind_update(self, step, node_index):
-        v, xp, buffers = self.views, self.xp, self.plan.buffers
+        v, buffers = self.views, self.plan.buffers
         slots = tuple((v[param], v[grad], tuple(v[s] for s in states), buffers[param].name, decay)
                       for param, grad, states, decay in step.slots)
         workspace = v[step.workspace]
@@ -234,13 +234,13 @@ class Executor:
                 raise RuntimeError("a training plan needs an optimizer")
             if resolved[0] is not optimizer:
                 resolved[:] = [optimizer, tuple(optimizer.settings(name, decay) for *_, name, decay in slots)]
-            update, lr, count, scale = optimizer.update, self.lr, self.iteration + 1, self.loss_scale
+            update, lr, count, scale = self.backend.update, self.lr, self.iteration + 1, self.loss_scale
             if scale != 1.0 and not math.isfinite(self.grad_squares):  # an overflow: no update this iteration
                 self.overflowed = True
                 return
             grad_scale = optimizer.grad_scale(self.grad_squares / (scale * scale)) / scale
             for (param, grad, states, _, _), (weight_decay, lr_scale) in zip(slots, resolved[1]):
-                update(xp, param, grad, states, weight_decay, lr * lr_scale, count, workspace, grad_scale)
+                update(optimizer, param, grad, states, weight_decay, lr * lr_scale, count, workspace, grad_scale)
         return run
 
     def _bind_offload(self, step, node_index):

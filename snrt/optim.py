@@ -11,7 +11,10 @@ buffer of at least w.nbytes.
 
 On the CPU (NumPy arrays, contiguous as arena views are) each update is one compiled pass over
 the parameter, its gradient and its state (`sgd_step`, `adam_step`), where the NumPy code
-makes five to twelve; other array modules (CuPy) run the NumPy-style code.
+makes five to twelve. The CUDA backend runs the same passes as CUDA kernels
+(snrt_sgd_step and snrt_adam_step in snrt/backends/cuda_source.py, gradient scaling and
+clipping included), given `fused_name` and `fused_scalars`; other array modules run the
+NumPy-style code.
 """
 
 import fnmatch
@@ -26,7 +29,8 @@ from snrt.backends.cpu_common import COMPILED
 
 @njit(**COMPILED)
 def sgd_step(w, g, m, weight_decay, momentum, nesterov, lr):
-    """SGD's update of flat w in one pass (m empty: no momentum); g is only read."""
+    """SGD's update of flat w in one pass (m empty: no momentum; nesterov a flag, 0 or 1);
+    g is only read."""
     for i in range(w.size):
         gi = g[i] + weight_decay * w[i]
         step = gi
@@ -37,11 +41,11 @@ def sgd_step(w, g, m, weight_decay, momentum, nesterov, lr):
 
 
 @njit(**COMPILED)
-def adam_step(w, g, m, v, coefficients, decoupled):
-    """Adam's (AdamW's when `decoupled`) update of flat w in one pass. `coefficients` (w's
+def adam_step(w, g, m, v, coefficients):
+    """Adam's (AdamW's when decoupled) update of flat w in one pass. `coefficients` (w's
     dtype, so that no value is widened): decay (wd, or AdamW's lr * wd), beta1, 1 - beta1,
-    beta2, 1 - beta2, eps, lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t)."""
-    decay, beta1, rest1, beta2, rest2, eps, step_size, correction2 = coefficients
+    beta2, 1 - beta2, eps, lr / (1 - beta1^t), 1 / sqrt(1 - beta2^t), decoupled (0 or 1)."""
+    decay, beta1, rest1, beta2, rest2, eps, step_size, correction2, decoupled = coefficients
     for i in range(w.size):
         gi = g[i]
         if decoupled:
@@ -128,14 +132,21 @@ class SGD(Optimizer):
     clip_norm: float = 0.0
     groups: tuple = ()
 
+    fused_name = "sgd"  # of the one-pass update: sgd_step here, snrt_sgd_step on CUDA
+
     @property
     def state_names(self):
         return ("momentum",) if self.momentum else ()
 
+    def fused_scalars(self, weight_decay, lr, count):
+        """The one-pass update's scalars after its arrays: weight decay, momentum, Nesterov
+        (0 or 1) and the learning rate."""
+        return weight_decay, self.momentum, float(self.nesterov), lr
+
     def apply(self, xp, w, g, states, weight_decay, lr, count, workspace):
         if _compiled(xp, w, g, *states):
             m = states[0].reshape(-1) if states else w.reshape(-1)[:0]
-            sgd_step(w.reshape(-1), g.reshape(-1), m, weight_decay, self.momentum, self.nesterov, lr)
+            sgd_step(w.reshape(-1), g.reshape(-1), m, *self.fused_scalars(weight_decay, lr, count))
             return
         tmp = _temporary(workspace, w)
         if weight_decay:
@@ -171,14 +182,19 @@ class Adam(Optimizer):
     groups: tuple = ()
 
     state_names = ("exp_avg", "exp_avg_sq")
+    fused_name = "adam"  # of the one-pass update: adam_step here, snrt_adam_step on CUDA
+
+    def fused_scalars(self, weight_decay, lr, count):
+        """The one-pass update's scalars after its arrays: adam_step's coefficients."""
+        return (lr * weight_decay if self.decoupled else weight_decay, self.beta1, 1 - self.beta1, self.beta2,
+                1 - self.beta2, self.eps, lr / (1 - self.beta1 ** count), 1 / math.sqrt(1 - self.beta2 ** count),
+                float(self.decoupled))
 
     def apply(self, xp, w, g, states, weight_decay, lr, count, workspace):
         m, v = states
         if _compiled(xp, w, g, m, v):
-            coefficients = np.array([lr * weight_decay if self.decoupled else weight_decay, self.beta1, 1 - self.beta1,
-                                     self.beta2, 1 - self.beta2, self.eps, lr / (1 - self.beta1 ** count),
-                                     1 / math.sqrt(1 - self.beta2 ** count)], w.dtype)
-            adam_step(w.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), coefficients, self.decoupled)
+            coefficients = np.array(self.fused_scalars(weight_decay, lr, count), w.dtype)
+            adam_step(w.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), coefficients)
             return
         tmp = _temporary(workspace, w)
         if weight_decay:

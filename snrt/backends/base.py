@@ -76,6 +76,11 @@ class Backend(ABC):
     def prefetch(self, buffer, source):
         """Queue the copy of `source`'s host slot into `buffer` on the device; returns a CopyEvent."""
 
+    def update(self, optimizer, w, g, states, weight_decay, lr, count, workspace, grad_scale=1.0):
+        """One optimizer update of parameter `w` on the device (snrt/optim.py's
+        Optimizer.update arguments). Here: the optimizer's own code on the array module."""
+        optimizer.update(self.xp, w, g, states, weight_decay, lr, count, workspace, grad_scale)
+
     def accumulate(self, total, part):
         """total += part on the device: one more contribution to a gradient with several."""
         total += part

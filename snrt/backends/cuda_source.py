@@ -300,12 +300,54 @@ extern "C" __global__ void snrt_col2im_add(
         gx[(ch * h + r) * w + q] += acc;
     }
 }
+
+// One optimizer update of n parameters in one pass, as snrt/optim.py's sgd_step and adam_step
+// (their scalars from the optimizer's fused_scalars): each gradient value multiplied by scale
+// and, when clip > 0, clipped to [-clip, clip] (a NaN stays NaN), as Optimizer.update does
+// first; g is only read.
+__device__ __forceinline__ float snrt_scaled_grad(float g, float scale, float clip) {
+    g *= scale;
+    return (clip > 0.0f && g == g) ? fminf(fmaxf(g, -clip), clip) : g;
+}
+
+// SGD: m null without momentum; nesterov 0 or 1.
+extern "C" __global__ void snrt_sgd_step(
+        float* w, const float* g, float* m, long long n, float scale, float clip,
+        float weight_decay, float momentum, float nesterov, float lr) {
+    SNRT_GRID_LOOP(i, n) {
+        float gi = snrt_scaled_grad(g[i], scale, clip) + weight_decay * w[i];
+        float step = gi;
+        if (m != nullptr) {
+            float mi = momentum * m[i] + gi;
+            m[i] = mi;
+            step = nesterov != 0.0f ? gi + momentum * mi : mi;
+        }
+        w[i] -= lr * step;
+    }
+}
+
+// Adam (AdamW when decoupled is 1): decay is wd (AdamW: lr * wd), step_size lr / (1 - beta1^t),
+// correction2 1 / sqrt(1 - beta2^t).
+extern "C" __global__ void snrt_adam_step(
+        float* w, const float* g, float* m, float* v, long long n, float scale, float clip,
+        float decay, float beta1, float rest1, float beta2, float rest2, float eps, float step_size,
+        float correction2, float decoupled) {
+    SNRT_GRID_LOOP(i, n) {
+        float gi = snrt_scaled_grad(g[i], scale, clip), wi = w[i];
+        if (decoupled != 0.0f) wi *= 1.0f - decay; else gi += decay * wi;
+        float mi = beta1 * m[i] + rest1 * gi, vi = beta2 * v[i] + rest2 * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        w[i] = wi - step_size * (mi / (sqrtf(vi) * correction2 + eps));
+    }
+}
 """
 
 KERNEL_NAMES = (
     "snrt_channel_sum", "snrt_bias_add", "snrt_bn_forward_train", "snrt_bn_forward_eval", "snrt_bn_backward",
     "snrt_xent_forward_i32", "snrt_xent_backward_i32", "snrt_xent_forward_i64", "snrt_xent_backward_i64",
     "snrt_dropout", "snrt_avgpool_forward", "snrt_avgpool_backward", "snrt_im2col", "snrt_col2im_add",
+    "snrt_sgd_step", "snrt_adam_step",
 )
 NVRTC_OPTIONS = ("--std=c++14",)
 

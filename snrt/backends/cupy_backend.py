@@ -63,7 +63,7 @@ from cupy.cuda import runtime
 
 from snrt.backends.base import Backend, CopyEvent
 from snrt.backends.cuda_kernels import CudaKernels
-from snrt.backends.cuda_source import device_name, nvrtc_toolkit, unsupported_device_reason
+from snrt.backends.cuda_source import device_name, device_pointer, grid_for, nvrtc_toolkit, unsupported_device_reason
 from snrt.backends.cudnn_graphs import cudnn_versions
 from snrt.errors import SnrtError
 from snrt.memory.arena import Arena
@@ -72,6 +72,7 @@ from snrt.parallel import launcher_local_rank, launcher_size
 from snrt.scheduler import cost
 from snrt.summary import human_bytes
 
+NULL = np.uint64(0)  # a null device pointer as a kernel argument
 FEED_SLOTS = 2  # pinned buffers per input: one is filled while the copy out of the other is queued
 NCCL_TYPES = {"float32": 7, "float64": 8}  # ncclFloat32, ncclFloat64 (nccl.h's ncclDataType_t)
 
@@ -233,6 +234,18 @@ class CupyBackend(Backend):
     def kernel_for(self, layer, in_shapes):
         """The kernel the executor runs for `layer` at `in_shapes` (the guard armed around it)."""
         return GuardedKernel(self.kernels.kernel_for(layer, in_shapes), self)
+
+    def update(self, optimizer, w, g, states, weight_decay, lr, count, workspace, grad_scale=1.0):
+        """One kernel per float32 parameter (snrt_sgd_step or snrt_adam_step, gradient
+        scaling and clipping included) instead of the optimizer's four to twelve xp calls."""
+        if not all(a.dtype == np.float32 for a in (w, g, *states)):
+            return super().update(optimizer, w, g, states, weight_decay, lr, count, workspace, grad_scale)
+        pointers = [device_pointer(a) for a in (w, g, *states)]
+        if optimizer.fused_name == "sgd" and not states:
+            pointers.append(NULL)  # no momentum buffer
+        scalars = (grad_scale, optimizer.clip_value, *optimizer.fused_scalars(weight_decay, lr, count))
+        self.kernels.module.launch(f"snrt_{optimizer.fused_name}_step", grid_for(w.size),
+                                   (*pointers, np.int64(w.size), *(np.float32(s) for s in scalars)))
 
     @contextlib.contextmanager
     def timed(self, kind, what):

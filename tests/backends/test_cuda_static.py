@@ -17,6 +17,7 @@ weight gradient) and BatchNorm (forward, recomputed forward, backward) in config
 import ctypes
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -36,6 +37,7 @@ from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.conv import Conv2d, ConvTranspose2d
 from snrt.layers.linear import Linear
 from snrt.layers.pool import Upsample
+from snrt.optim import SGD, Adam
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -311,6 +313,93 @@ def test_cublas_linear_matches_the_numpy_kernel(bias, host_pointers):
 
 
 # ---- with the gpu extra (no device needed) ------------------------------------------------
+
+# ---- the fused optimizer updates: launch arguments against the kernels' C signatures -----
+
+def kernel_signatures():
+    """{kernel: [parameter type]} of the kernels KERNEL_SOURCE declares plainly (not by macro)."""
+    declared = re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', cuda_source.KERNEL_SOURCE)
+    return {name: [re.sub(r"\s*\w+$", "", p.strip()).replace("const ", "") for p in params.split(",")]
+            for name, params in declared}
+
+
+ARGUMENT_TYPES = {"long long": np.int64, "float": np.float32, "unsigned int": np.uint32, "int": np.int32}
+
+
+def assert_arguments_match(name, args):
+    types = kernel_signatures()[name]
+    assert len(args) == len(types), f"{name} takes {len(types)} arguments, launched with {len(args)}"
+    for i, (arg, declared) in enumerate(zip(args, types)):
+        if declared.endswith("*"):
+            assert isinstance(arg, (int, np.uint64)), (name, i, declared, arg)
+        else:
+            assert type(arg) is ARGUMENT_TYPES[declared], (name, i, declared, type(arg))
+
+
+def _flat(address, n):
+    return _host_view(int(address), (int(n),), (1,)) if int(address) else None
+
+
+class UpdateModule:
+    """The fused update kernels on host memory, written from their CUDA source in NumPy
+    (float32 throughout, as the kernels compute)."""
+
+    def launch(self, name, blocks, args, threads=256):
+        assert_arguments_match(name, args)
+        getattr(self, name)(*args)
+
+    @staticmethod
+    def _scaled(g, scale, clip):
+        g = g * scale
+        return np.where(np.isnan(g), g, np.clip(g, -clip, clip)) if clip > 0 else g
+
+    def snrt_sgd_step(self, w, g, m, n, scale, clip, weight_decay, momentum, nesterov, lr):
+        w, g, m = _flat(w, n), _flat(g, n), _flat(m, n)
+        gi = self._scaled(g, scale, clip) + weight_decay * w
+        step = gi
+        if m is not None:
+            m[...] = momentum * m + gi
+            step = gi + momentum * m if nesterov else m
+        w -= lr * step
+
+    def snrt_adam_step(self, w, g, m, v, n, scale, clip, decay, beta1, rest1, beta2, rest2, eps, step_size,
+                       correction2, decoupled):
+        w, g, m, v = (_flat(a, n) for a in (w, g, m, v))
+        gi = self._scaled(g, scale, clip)
+        if decoupled:
+            w *= 1 - decay
+        else:
+            gi = gi + decay * w
+        m[...] = beta1 * m + rest1 * gi
+        v[...] = beta2 * v + rest2 * gi * gi
+        w -= step_size * (m / (np.sqrt(v) * correction2 + eps))
+
+
+@pytest.mark.parametrize("optimizer", [
+    SGD(), SGD(momentum=0.0, weight_decay=0.1), SGD(nesterov=True, weight_decay=0.01, clip_value=0.05),
+    Adam(weight_decay=0.1), Adam(weight_decay=0.1, decoupled=True, clip_value=0.3)], ids=repr)
+def test_the_cuda_backends_one_kernel_updates_match_the_optimizers_own(optimizer, monkeypatch):
+    """CupyBackend.update launches snrt_sgd_step / snrt_adam_step with arguments of the C
+    signature's types, in an order that computes what Optimizer.update computes (gradient
+    scale and clipping included), over three updates."""
+    cupy_backend = pytest.importorskip("snrt.backends.cupy_backend")
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(cupy_backend, "device_pointer", lambda array: array.ctypes.data)
+    backend = SimpleNamespace(kernels=SimpleNamespace(module=UpdateModule()))
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal(37).astype(np.float32)
+    states = [np.abs(rng.standard_normal(37)).astype(np.float32) for _ in optimizer.state_names]
+    expected_w, expected_states = w.copy(), [s.copy() for s in states]
+    workspace = np.empty(w.nbytes, np.uint8)
+    for count in (1, 2, 3):
+        g = rng.standard_normal(37).astype(np.float32)
+        cupy_backend.CupyBackend.update(backend, optimizer, w, g.copy(), states, 0.1, 0.05, count, workspace, 0.5)
+        optimizer.update(np, expected_w, g.copy(), expected_states, 0.1, 0.05, count, workspace, 0.5)
+    np.testing.assert_allclose(w, expected_w, rtol=1e-5, atol=1e-6)
+    for state, expected in zip(states, expected_states):
+        np.testing.assert_allclose(state, expected, rtol=1e-5, atol=1e-6)
+
 
 def test_every_cuda_kernel_compiles_with_nvrtc_for_the_toolkits_architectures():
     """The oldest architecture the installed NVRTC supports (sm_70 on CUDA 12, sm_75 on CUDA

@@ -71,7 +71,7 @@ def plan_run(graph, batch, policy="none", budget=None, backend="cpu", training=T
         raise refused
     ranks = group.size if group is not None and training else 1
     return make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
-                     cost_model=device_class.cost_model, kernels=device_class.kernel_choice(),
+                     cost_model=device_class.cost_model, kernels=device_class.kernel_choice(precision),
                      deferred_updates=deferred_updates, ranks=ranks, bucket_bytes=bucket_bytes,
                      stream_parameters=stream_parameters, precision=precision)
 
@@ -100,7 +100,7 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
                         stream_parameters=stream_parameters, precision=precision)
     device_class = backend_class(backend)
     on_disk = {"host_folder": host_folder} if host_folder else {}
-    device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=device_class.kernel_choice(),
+    device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=device_class.kernel_choice(precision),
                           **on_disk)
     runtime = Runtime(plan, device, Executor(graph, plan, device, group))
     runtime.load(values or {})

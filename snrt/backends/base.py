@@ -13,6 +13,8 @@ cupy_backend.py) implement it; the executor and the trainer use nothing else.
 
 from abc import ABC, abstractmethod
 
+from snrt.precision import DEFAULT as DEFAULT_PRECISION
+
 
 class CopyEvent(ABC):
     """The completion of one queued copy."""
@@ -57,8 +59,9 @@ class Backend(ABC):
 
     @classmethod
     @abstractmethod
-    def kernel_choice(cls):
-        """The kernel choice plans for this backend are sized with (and the default `kernels`)."""
+    def kernel_choice(cls, precision=DEFAULT_PRECISION):
+        """The kernel choice plans for this backend in `precision` (a name of snrt/precision.py)
+        are sized with and run by (at fp32, the default `kernels`)."""
 
     def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None):
         self.kernels = kernels if kernels is not None else self.kernel_choice()

@@ -63,7 +63,8 @@ class CudaKernels:
 
     `use_cudnn` False uses the CUDA kernels (cuda_layers) for Conv2d and BatchNorm too;
     `workspace_limit_bytes` bounds the cuDNN engines considered at plan time (the fastest
-    that fits is kept); `allow_tf32` admits cuDNN's TF32 tensor-core engines for float32.
+    that fits is kept); `allow_tf32` (the tf32 precision) admits cuDNN's TF32 tensor-core
+    engines for float32 and has cuBLAS compute in TF32.
     """
 
     def __init__(self, use_cudnn=True, workspace_limit_bytes=None, allow_tf32=False):
@@ -76,7 +77,7 @@ class CudaKernels:
     @property
     def module(self):
         if self._module is None:
-            self._module = KernelModule()
+            self._module = KernelModule(tf32=self.allow_tf32)
         return self._module
 
     @property

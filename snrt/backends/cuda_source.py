@@ -413,13 +413,13 @@ def grid_for(total):
 
 class KernelModule:
     """The compiled module on the current device (compiled on first use) and cuBLAS calls on
-    the current stream."""
+    the current stream; `tf32`: cuBLAS may multiply float32 matrices in TF32 on tensor cores."""
 
-    def __init__(self):
+    def __init__(self, tf32=False):
         import cupy
         from cupy_backends.cuda.libs import cublas
 
-        self.cupy, self.cublas = cupy, cublas
+        self.cupy, self.cublas, self.tf32 = cupy, cublas, tf32
         self.module = cupy.RawModule(code=KERNEL_SOURCE, options=NVRTC_OPTIONS)
         self.functions = {}
         self._one = np.ones(1, np.float32)  # host scalars for cuBLAS (pointer mode host)
@@ -436,13 +436,21 @@ class KernelModule:
              batch=1, stride_a=0, stride_b=0, stride_c=0):
         """Row-major C (m x n) = op(A) @ op(B) (+ C when `accumulate`), pointers as ints,
         `batch` times with the given element strides. cuBLAS is column-major, so this
-        computes C^T = op(B)^T op(A)^T: operands swap, transposes stay."""
+        computes C^T = op(B)^T op(A)^T: operands swap, transposes stay. SGEMM, or with `tf32`
+        the same GEMM computed as CUBLAS_COMPUTE_32F_FAST_TF32 (float32 in and out)."""
         cublas, handle = self.cublas, self.cupy.cuda.device.get_cublas_handle()
         cublas.setStream(handle, self.cupy.cuda.get_current_stream().ptr)
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
         op = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
         beta = self._one if accumulate else self._zero
         # strides are in elements, as cuBLAS counts them
+        if self.tf32:
+            f32 = self.cupy.cuda.runtime.CUDA_R_32F
+            cublas.gemmStridedBatchedEx(handle, op[trans_b], op[trans_a], n, m, k, self._one.ctypes.data,
+                                        b, f32, ldb, stride_b, a, f32, lda, stride_a, beta.ctypes.data,
+                                        c, f32, ldc, stride_c, batch, cublas.CUBLAS_COMPUTE_32F_FAST_TF32,
+                                        cublas.CUBLAS_GEMM_DEFAULT)
+            return
         cublas.sgemmStridedBatched(handle, op[trans_b], op[trans_a], n, m, k, self._one.ctypes.data,
                                    b, ldb, stride_b, a, lda, stride_a, beta.ctypes.data,
                                    c, ldc, stride_c, batch)

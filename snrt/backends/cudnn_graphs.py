@@ -289,8 +289,8 @@ class CudnnContext:
             graph.build_operation_graph()
             graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
             notes = [cudnn.numerical_note.NONDETERMINISTIC]
-            if not self.allow_tf32:
-                notes.append(cudnn.numerical_note.TENSOR_CORE)  # float32 on tensor cores is TF32
+            if not self.allow_tf32:  # float32 on tensor cores is TF32, which down-converts the inputs
+                notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
             graph.deselect_numeric_notes(notes)
             if limit is not None:
                 graph.deselect_workspace_greater_than(int(limit))

@@ -66,6 +66,7 @@ from snrt.backends.cuda_kernels import CudaKernels
 from snrt.backends.cuda_source import device_name, device_pointer, grid_for, nvrtc_toolkit, unsupported_device_reason
 from snrt.backends.cudnn_graphs import cudnn_versions
 from snrt.errors import SnrtError
+from snrt.precision import DEFAULT as DEFAULT_PRECISION, precision_named
 from snrt.memory.arena import Arena
 from snrt.memory.host import HostStore
 from snrt.parallel import launcher_local_rank, launcher_size
@@ -194,9 +195,11 @@ class CupyBackend(Backend):
     xp = cupy
     cost_model = cost.CUDA
 
+    precisions = ("fp32", "tf32")
+
     @classmethod
-    def kernel_choice(cls):
-        return default_kernels()
+    def kernel_choice(cls, precision=DEFAULT_PRECISION):
+        return default_kernels(allow_tf32=precision_named(precision).tensor_core_math)
 
     def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None, profile=False, host_folder=None):
         if host_folder:
@@ -436,15 +439,16 @@ class _DeviceState:
         self.previous_stream.use()
 
 
-_DEFAULT_KERNELS = []
+_DEFAULT_KERNELS = {}  # allow_tf32 -> the process's CudaKernels
 _ALIVE = weakref.WeakSet()  # the backends not garbage-collected yet (their arena pools may hold memory)
 
 
-def default_kernels():
-    """The process's CudaKernels (one cuDNN handle, one graph cache) unless a caller brings one."""
-    if not _DEFAULT_KERNELS:
-        _DEFAULT_KERNELS.append(CudaKernels())
-    return _DEFAULT_KERNELS[0]
+def default_kernels(allow_tf32=False):
+    """The process's CudaKernels (one cuDNN handle, one graph cache) with or without TF32
+    (the tf32 precision), unless a caller brings its own."""
+    if allow_tf32 not in _DEFAULT_KERNELS:
+        _DEFAULT_KERNELS[allow_tf32] = CudaKernels(allow_tf32=allow_tf32)
+    return _DEFAULT_KERNELS[allow_tf32]
 
 
 @atexit.register
@@ -454,8 +458,8 @@ def release_all():
     of their objects outlives it."""
     for backend in list(_ALIVE):
         backend.close()  # a no-op for those closed already
-    if _DEFAULT_KERNELS:
-        _DEFAULT_KERNELS.pop().release()
+    while _DEFAULT_KERNELS:
+        _DEFAULT_KERNELS.popitem()[1].release()
 
 
 def _disable_cub():

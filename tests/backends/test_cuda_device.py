@@ -267,6 +267,28 @@ def test_training_under_every_policy_matches_the_cpu(cupy, name):
     assert not differ, f"none gave {first}; these differ: {differ}"
 
 
+def test_tf32_trains_every_policy_alike_and_near_fp32(cupy):
+    """tf32 (TF32 cuDNN engines and cuBLAS): none and superneurons give the same losses bit for
+    bit, the measured peak is the planned one, and the losses stay near the CPU's fp32 ones
+    (TF32 keeps 10 bits of mantissa)."""
+    from snrt.train import Trainer
+
+    config = snrt.load_config(_configs()["small_resnet"])
+    cpu_losses = [m.loss for m in Trainer(config).fit(iterations=3)]
+    losses = {}
+    for policy in ("none", "superneurons"):
+        trainer = Trainer(with_settings(config, memory={"policy": policy}, train={"precision": "tf32"}),
+                          backend="cuda")
+        try:
+            losses[policy] = [m.loss for m in trainer.fit(iterations=3)]
+            assert trainer.backend.kernels.allow_tf32
+            assert trainer.backend.arena.peak_bytes == trainer.plan.peak_bytes, policy
+        finally:
+            trainer.backend.close()
+    assert losses["superneurons"] == losses["none"]
+    np.testing.assert_allclose(losses["none"], cpu_losses, rtol=2e-2, atol=2e-3)
+
+
 def test_no_allocation_outside_the_arena_while_kernels_run(cupy):
     """With the executor running the backend's kernels (Executor consults backend.kernel_for),
     a whole training iteration allocates nothing from CuPy inside kernel steps (the guard

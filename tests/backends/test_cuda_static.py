@@ -401,6 +401,42 @@ def test_the_cuda_backends_one_kernel_updates_match_the_optimizers_own(optimizer
         np.testing.assert_allclose(state, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_tf32_plans_and_runs_with_tf32_kernels_and_fp32_with_fp32_ones(monkeypatch):
+    """The CUDA backend runs tf32 (and refuses the 2-byte precisions): its kernel choice for
+    tf32 admits TF32 cuDNN engines and computes GEMMs as CUBLAS_COMPUTE_32F_FAST_TF32, the one
+    for fp32 neither (plain SGEMM)."""
+    cupy_backend = pytest.importorskip("snrt.backends.cupy_backend")
+    from types import SimpleNamespace
+
+    from snrt.precision import unsupported
+
+    CupyBackend = cupy_backend.CupyBackend
+    assert unsupported("tf32", CupyBackend) is None and unsupported("bf16", CupyBackend) is not None
+    monkeypatch.setattr(cupy_backend, "_DEFAULT_KERNELS", {})
+    tf32, fp32 = CupyBackend.kernel_choice("tf32"), CupyBackend.kernel_choice("fp32")
+    assert tf32.allow_tf32 and not fp32.allow_tf32 and CupyBackend.kernel_choice() is fp32
+    calls = []
+
+    class Cublas:
+        CUBLAS_OP_N, CUBLAS_OP_T, CUBLAS_POINTER_MODE_HOST = 0, 1, 0
+        CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT = 77, -1
+
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args))
+
+    for kernels in (tf32, fp32):
+        module = object.__new__(cuda_source.KernelModule)
+        module.cublas, module.tf32 = Cublas(), kernels.allow_tf32
+        module.cupy = SimpleNamespace(cuda=SimpleNamespace(device=SimpleNamespace(get_cublas_handle=lambda: 7),
+                                                           get_current_stream=lambda: SimpleNamespace(ptr=0),
+                                                           runtime=SimpleNamespace(CUDA_R_32F=0)))
+        module._one, module._zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+        module.gemm(False, True, 4, 5, 6, 100, 6, 200, 6, 300, 5)
+    gemms = [(name, args) for name, args in calls if "gemm" in name.lower()]
+    assert [name for name, _ in gemms] == ["gemmStridedBatchedEx", "sgemmStridedBatched"]
+    assert gemms[0][1][-2:] == (77, -1)
+
+
 def test_every_cuda_kernel_compiles_with_nvrtc_for_the_toolkits_architectures():
     """The oldest architecture the installed NVRTC supports (sm_70 on CUDA 12, sm_75 on CUDA
     13, which dropped Volta), Ampere and Hopper."""

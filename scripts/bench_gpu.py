@@ -1,12 +1,16 @@
 """Time per training iteration and peak device memory of ResNet-50 under every memory policy
 on the CUDA backend (needs a GPU and the gpu extra).
 
-For each policy: the plan (made with the CUDA cost model), one warm-up iteration, then the
-median of `--iterations` timed iterations (the compute and copy streams synchronized around
-each), the measured peak of live arena bytes against the plan's, the copy time (CUDA events),
-and what cudaMemGetInfo saw beyond the arena. Writes results/bench_gpu.json.
+For each policy: the plan (made with the CUDA cost model, in `--precision`), one warm-up
+iteration, then the median of `--iterations` timed iterations (the compute and copy streams
+synchronized around each), the measured peak of live arena bytes against the plan's, the copy
+time (CUDA events), and what cudaMemGetInfo saw beyond the arena. A plan with copies then runs
+one more iteration with every step timed by CUDA events: the share of the copy time that ran
+while kernels did (`copies.hidden`) and each direction's achieved bandwidth. Writes
+results/bench_gpu.json.
 
     python scripts/bench_gpu.py                      # ResNet-50, 224x224, batch 32
+    python scripts/bench_gpu.py --precision tf32 --policies none superneurons
     python scripts/bench_gpu.py --config configs/resnet2500.yaml --batch 16 --image-size 227 --policies superneurons
 """
 
@@ -25,6 +29,7 @@ from snrt.init import initial_parameters, initial_state
 from snrt.optim import SGD
 from snrt.runtime import prepare
 from snrt.summary import human_bytes
+from snrt.timeline import copy_overlap
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,9 +39,30 @@ def load(config_path, image_size):
     return snrt.load_config(config_path, overrides)
 
 
-def run_policy(config, batch, policy, iterations, budget):
+def copies(plan, backend, executor, feed, optimizer):
+    """{"hidden", "copy_s", "overlapped_s", "offload_GBps", "prefetch_GBps"} of one more
+    iteration with every compute step (kernels and updates) and copy timed by CUDA events."""
+    backend.profile = True
+    executor.wrap_steps(("forward", "recompute", "backward", "update"),
+                        lambda step, action: lambda: _timed(backend, step, action))
+    backend.clear_timeline()
+    executor.run(feed, 0, seed=0, optimizer=optimizer, lr=0.01)
+    events = backend.timeline()
+    seconds = {kind: sum(e - s for k, what, s, e in events if k == "copy" and what.startswith(kind))
+               for kind in ("offload", "prefetch")}
+    nbytes = {kind: sum(plan.buffers[s.buffer].nbytes for s in plan.steps if s.kind == kind) for kind in seconds}
+    return {**copy_overlap(events),
+            **{f"{kind}_GBps": nbytes[kind] / seconds[kind] / 1e9 if seconds[kind] else None for kind in seconds}}
+
+
+def _timed(backend, step, action):
+    with backend.timed("compute", f"{step.kind} {step.node}"):
+        action()
+
+
+def run_policy(config, batch, policy, iterations, budget, precision):
     graph = config.graph
-    runtime = prepare(graph, batch, policy, budget, backend="cuda",
+    runtime = prepare(graph, batch, policy, budget, backend="cuda", precision=precision,
                       values={**initial_parameters(graph, 0), **initial_state(graph)})
     plan, backend, executor = runtime.plan, runtime.backend, runtime.executor
     try:
@@ -57,13 +83,14 @@ def run_policy(config, batch, policy, iterations, budget):
             if iteration:  # the first one compiles kernels and builds cuDNN graphs
                 seconds.append(time.perf_counter() - start)
         report = backend.memory_report()
+        copy_s = executor.copy_stats["copy_s"] / (iterations + 1)
         return {
-            "policy": policy, "batch": batch, "seconds_per_iteration": statistics.median(seconds),
+            "policy": policy, "precision": precision, "batch": batch, "seconds_per_iteration": statistics.median(seconds),
             "images_per_s": batch / statistics.median(seconds),
             "planned_peak_bytes": plan.peak_bytes, "measured_peak_bytes": backend.arena.peak_bytes,
             "arena_bytes": plan.arena_bytes, "host_bytes": plan.host_bytes,
-            "copy_s": executor.copy_stats["copy_s"] / (iterations + 1),
-            "memory": report, "kernels": backend.kernels.summary(),
+            "copy_s": copy_s, "memory": report, "kernels": backend.kernels.summary(),
+            "copies": copies(plan, backend, executor, feed, optimizer) if plan.host_bytes else None,
         }
     finally:
         runtime.close()
@@ -76,6 +103,7 @@ def main():
     parser.add_argument("--image-size", type=int, default=0)
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--policies", nargs="*", default=list(snrt.POLICIES))
+    parser.add_argument("--precision", choices=("fp32", "tf32"), default="fp32")
     parser.add_argument("--budget", type=int, default=None, help="device budget in bytes")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_gpu.json"))
     args = parser.parse_args()
@@ -87,13 +115,14 @@ def main():
     config = load(args.config, args.image_size)
     rows = []
     for policy in args.policies:
-        row = run_policy(config, args.batch, policy, args.iterations, args.budget)
+        row = run_policy(config, args.batch, policy, args.iterations, args.budget, args.precision)
         rows.append(row)
         print(f"{policy:13s} {row['seconds_per_iteration'] * 1e3:9.1f} ms/iter  {row['images_per_s']:8.1f} img/s  "
               f"peak {human_bytes(row['measured_peak_bytes'])} (plan {human_bytes(row['planned_peak_bytes'])})  "
-              f"untracked {human_bytes(row['memory']['untracked_bytes'])}  kernels {row['kernels']}", flush=True)
-    doc = {"device": device_summary(), "config": args.config, "when": datetime.now(timezone.utc).isoformat(),
-           "rows": rows}
+              f"untracked {human_bytes(row['memory']['untracked_bytes'])}  kernels {row['kernels']}"
+              + (f"  copies {row['copies']['hidden']:.0%} hidden" if row["copies"] else ""), flush=True)
+    doc = {"device": device_summary(), "config": args.config, "precision": args.precision,
+           "when": datetime.now(timezone.utc).isoformat(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -5,9 +5,13 @@ OUT.md and OUT.json (default results/gpu_check.*), then prints a short table.
 
 The work folder holds stages.txt (one line per stage: name, exit status, seconds, limit),
 environment.json, the pytest runs' JUnit XML (tests-backends.xml, tests-rest.xml), bench_gpu's
-JSON (bench-snrt.json), the ResNet-2500 run folder (resnet2500/summary.json) and bench_torch's
-JSON (bench-torch.json). A stage that did not leave its file is reported as missing, with its
-exit status: the report is written whatever failed.
+JSON (bench-snrt.json in fp32, bench-snrt-tf32.json), the ResNet-2500 run folder
+(resnet2500/summary.json) and bench_torch's JSON (bench-torch.json). A stage that did not leave
+its file is reported as missing, with its exit status: the report is written whatever failed.
+
+The report opens with the targets of the GPU work (`targets`): each with its goal, what was
+measured (None where its stage left nothing, or where the work it measures is not built) and
+whether it is met.
 """
 
 import argparse
@@ -44,12 +48,13 @@ def read_tests(path):
     except (OSError, ET.ParseError):
         return None
     counts = {"passed": 0, "failed": 0, "skipped": 0}
-    failed, skipped = [], {}
+    passed, failed, skipped = [], [], {}
     for case in root.iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
         outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
         if outcome is None:
             counts["passed"] += 1
+            passed.append(name)
         elif outcome.tag == "skipped":
             counts["skipped"] += 1
             reason = (outcome.get("message") or "").strip()
@@ -57,7 +62,7 @@ def read_tests(path):
         else:
             counts["failed"] += 1
             failed.append(f"{name}: {(outcome.get('message') or '').splitlines()[0][:200] if outcome.get('message') else ''}")
-    return {**counts, "failures": failed, "skip_reasons": skipped}
+    return {**counts, "passed_ids": passed, "failures": failed, "skip_reasons": skipped}
 
 
 def read_resnet2500(folder):
@@ -76,9 +81,71 @@ def collect(work):
         "stages": read_stages(work),
         "tests": {name: read_tests(work / f"{name}.xml") for name in ("tests-backends", "tests-rest")},
         "snrt_resnet50": read_json(work / "bench-snrt.json"),
+        "snrt_resnet50_tf32": read_json(work / "bench-snrt-tf32.json"),
         "resnet2500": read_resnet2500(work / "resnet2500"),
         "torch_resnet50": read_json(work / "bench-torch.json"),
     }
+
+
+PAPER_RESNET2500_IMAGES_PER_S = 6.2  # snrt's first GPU run of ResNet-2500 at the paper's settings
+BUDGET_12_GIB = 12 * GIB
+EXACTNESS_TEST = "test_training_under_every_policy_matches_the_cpu"  # tests/backends/test_cuda_device.py
+
+
+def _rows(bench, key):
+    """{row[key]: row} of a bench file's rows (without the failed ones), {} when it is missing."""
+    return {row[key]: row for row in (bench or {}).get("rows", []) if "error" not in row}
+
+
+def _ratio(numerator, denominator):
+    return None if numerator is None or not denominator else numerator / denominator
+
+
+def _get(row, key):
+    return None if row is None else row.get(key)
+
+
+def targets(report):
+    """[{"target", "goal", "measured", "met"}] of the GPU work's targets from the report's
+    parts; `measured` is None where its stage left nothing or the work is not built."""
+    snrt = _rows(report["snrt_resnet50"], "policy")
+    tf32 = _rows(report.get("snrt_resnet50_tf32"), "policy")
+    torch = _rows(report["torch_resnet50"], "mode")
+    none, sn = snrt.get("none"), snrt.get("superneurons")
+    ms = {name: _get(row, "seconds_per_iteration") for name, row in (("none", none), ("superneurons", sn))}
+    torch_ms = {mode: row["ms_per_iteration"] / 1e3 for mode, row in torch.items()}
+    sn_peak = _get(sn, "measured_peak_bytes")
+    r2500 = report["resnet2500"]
+    tests = report["tests"].get("tests-backends") or {}
+    exact = [name for name in tests.get("passed_ids", []) if EXACTNESS_TEST in name]
+    exact_failed = [failure for failure in tests.get("failures", []) if EXACTNESS_TEST in failure]
+    rows = [
+        ("ResNet-50 b32 fp32: snrt none speed / PyTorch fp32 (cudnn.benchmark, TF32 off)", ">=", 1.0,
+         _ratio(torch_ms.get("fp32"), ms["none"])),
+        ("superneurons / none iteration time", "<=", 1.10, _ratio(ms["superneurons"], ms["none"])),
+        ("superneurons: share of the copy time hidden behind kernels", ">=", 0.90,
+         _get(_get(sn, "copies"), "hidden")),
+        ("superneurons speed / PyTorch fp32 + checkpoint_sequential(4)", ">=", 1.0,
+         _ratio(torch_ms.get("fp32+checkpoint"), ms["superneurons"])),
+        ("superneurons peak / PyTorch fp32 + checkpoint_sequential(4) peak", "<=", 0.5,
+         _ratio(sn_peak, _get(torch.get("fp32+checkpoint"), "peak_bytes"))),
+        ("moonshot: superneurons speed / PyTorch fp32", ">=", 1.0, _ratio(torch_ms.get("fp32"), ms["superneurons"])),
+        ("moonshot: superneurons peak / PyTorch fp32 peak", "<=", 1 / 3,
+         _ratio(sn_peak, _get(torch.get("fp32"), "peak_bytes"))),
+        ("ResNet-2500 (batch 16, 227x227, superneurons) images/s", ">=", 3 * PAPER_RESNET2500_IMAGES_PER_S,
+         _get(r2500, "mean_images_per_s")),
+        ("ResNet-2500 measured peak (GiB; inside 12 GiB and equal to the plan's)", "<=", 12.0,
+         None if r2500 is None or r2500["measured_peak_device_bytes"] != r2500["predicted_peak_device_bytes"]
+         else r2500["measured_peak_device_bytes"] / GIB),
+        ("executor overhead with the CUDA graph (us per step; not built)", "<=", 5.0, None),
+        ("every policy bit-identical to none, measured peak = planned (device tests passed, of 2 networks)", ">=", 2,
+         len(exact) if exact or exact_failed else None),
+        ("ResNet-50 b32 tf32: snrt none speed / PyTorch defaults (TF32)", ">=", 1.0,
+         _ratio(torch_ms.get("defaults"), _get(tf32.get("none"), "seconds_per_iteration"))),
+    ]
+    return [{"target": name, "goal": f"{sign} {goal:.2f}", "measured": measured,
+             "met": measured is not None and (measured >= goal if sign == ">=" else measured <= goal)}
+            for name, sign, goal, measured in rows]
 
 
 def gib(nbytes):
@@ -88,10 +155,12 @@ def gib(nbytes):
 def speed_rows(report):
     """(what, ms per iteration, images/s, peak) of every ResNet-50 row, snrt's then PyTorch's."""
     rows = []
-    for row in (report["snrt_resnet50"] or {}).get("rows", []):
-        seconds = row["seconds_per_iteration"]
-        rows.append((f"snrt {row['policy']}", f"{seconds * 1e3:.1f}", f"{row['images_per_s']:.0f}",
-                     f"{gib(row['measured_peak_bytes'])} (plan {gib(row['planned_peak_bytes'])})"))
+    for part, label in (("snrt_resnet50", ""), ("snrt_resnet50_tf32", " tf32")):
+        for row in (report.get(part) or {}).get("rows", []):
+            seconds = row["seconds_per_iteration"]
+            hidden = f", copies {row['copies']['hidden']:.0%} hidden" if row.get("copies") else ""
+            rows.append((f"snrt {row['policy']}{label}", f"{seconds * 1e3:.1f}", f"{row['images_per_s']:.0f}",
+                         f"{gib(row['measured_peak_bytes'])} (plan {gib(row['planned_peak_bytes'])}){hidden}"))
     for row in (report["torch_resnet50"] or {}).get("rows", []):
         if "error" in row:
             rows.append((f"PyTorch {row['mode']}", "failed", "", row["error"][:80]))
@@ -101,12 +170,21 @@ def speed_rows(report):
     return rows
 
 
+def target_rows(report):
+    """(target, goal, measured, met) of every target, as text."""
+    return [(t["target"], t["goal"], "not measured" if t["measured"] is None else f"{t['measured']:.2f}",
+             "yes" if t["met"] else "no") for t in report["targets"]]
+
+
 def markdown(report):
     env = report["environment"] or {}
     lines = ["# GPU check", "", f"Written by `bash scripts/gpu_check.sh` on {report['when']}.", "",
              f"- device and CUDA software: {env.get('device', 'unknown (the environment stage failed)')}",
              f"- Python {env.get('python', '?')}, {env.get('platform', '?')}",
-             f"- PyTorch (comparison only): {env.get('torch', '?')}", "", "## Stages", "",
+             f"- PyTorch (comparison only): {env.get('torch', '?')}", "", "## Targets", "",
+             "| target | goal | measured | met |", "| --- | --- | --- | --- |"]
+    lines += [f"| {' | '.join(row)} |" for row in target_rows(report)]
+    lines += ["", "## Stages", "",
              "| stage | exit | seconds | limit |", "| --- | --- | --- | --- |"]
     for name, stage in report["stages"].items():
         status = "out of time" if stage["exit"] in (124, 137) else stage["exit"]
@@ -122,7 +200,7 @@ def markdown(report):
     snrt50 = report["snrt_resnet50"] or {}
     torch50 = report["torch_resnet50"] or {}
     batch = next((row["batch"] for row in snrt50.get("rows", [])), torch50.get("batch", "?"))
-    lines += ["", f"## ResNet-50, batch {batch}, 224x224, fp32 (median of 5 iterations)", "",
+    lines += ["", f"## ResNet-50, batch {batch}, 224x224, fp32 and tf32 (median of 5 iterations)", "",
               f"PyTorch {torch50.get('torch', '?')}, cuDNN {torch50.get('cudnn', '?')}, on {torch50.get('device', '?')}.", "",
               "| | ms/iteration | img/s | peak |", "| --- | --- | --- | --- |"]
     lines += [f"| {' | '.join(row)} |" for row in speed_rows(report)]
@@ -141,7 +219,8 @@ def markdown(report):
 
 
 def short_table(report):
-    out = []
+    out = [f"{'met' if met == 'yes' else 'NOT met':8s} {measured:>12s} (goal {goal}) {target}"
+           for target, goal, measured, met in target_rows(report)]
     for name, tests in report["tests"].items():
         out.append(f"{name:24s} " + ("no results" if tests is None else
                                      f"{tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped"))
@@ -160,6 +239,7 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("results/gpu_check"))
     args = parser.parse_args()
     report = collect(args.work)
+    report["targets"] = targets(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))

@@ -77,3 +77,20 @@ def _draw_traffic(ax, traffic):
     ax.set_ylabel(f"copied so far ({unit})")
     ax.legend(loc="upper left", fontsize=8)
     ax.margins(x=0)
+
+
+def copy_overlap(events):
+    """How much of the copies' time ran while kernels did, from a backend's `timeline()`
+    ([(kind, what, start_s, end_s)], kind "compute" or "copy"; compute intervals may nest):
+    {"copy_s": total copy seconds, "overlapped_s": those inside some kernel interval,
+    "hidden": their share (1.0 without copies)}."""
+    compute = []  # the union of the kernels' intervals, in order
+    for start, end in sorted((s, e) for kind, _, s, e in events if kind == "compute"):
+        if compute and start <= compute[-1][1]:
+            compute[-1] = (compute[-1][0], max(compute[-1][1], end))
+        else:
+            compute.append((start, end))
+    copies = [(s, e) for kind, _, s, e in events if kind == "copy"]
+    copy_s = sum(e - s for s, e in copies)
+    overlapped = sum(max(0.0, min(e, ce) - max(s, cs)) for s, e in copies for cs, ce in compute)
+    return {"copy_s": copy_s, "overlapped_s": overlapped, "hidden": overlapped / copy_s if copy_s else 1.0}

@@ -51,3 +51,57 @@ def test_the_report_is_written_from_what_the_stages_left(tmp_path):
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["tests"]["tests-rest"] is None and report["stages"]["tests-backends"]["exit"] == 1
     assert result.stdout.splitlines()[-1].startswith("PyTorch defaults")  # the short table comes last
+
+
+def test_the_report_opens_with_the_targets_each_measured_or_said_to_be_missing(tmp_path):
+    """Each target's measurement comes from the stage that measures it; a stage that left
+    nothing, and work not built, read 'not measured' and count as not met."""
+    work = tmp_path / "work"
+    (work / "resnet2500").mkdir(parents=True)
+    gib = 2 ** 30
+    (work / "bench-snrt.json").write_text(json.dumps({"rows": [
+        {"policy": "none", "batch": 32, "seconds_per_iteration": 0.040, "images_per_s": 800.0,
+         "measured_peak_bytes": 3 * gib, "planned_peak_bytes": 3 * gib, "copies": None},
+        {"policy": "superneurons", "batch": 32, "seconds_per_iteration": 0.046, "images_per_s": 696.0,
+         "measured_peak_bytes": gib, "planned_peak_bytes": gib, "copies": {"hidden": 0.95}}]}))
+    (work / "bench-torch.json").write_text(json.dumps({"batch": 32, "rows": [
+        {"mode": "fp32", "ms_per_iteration": 40.0, "images_per_s": 800.0, "peak_bytes": 3 * gib},
+        {"mode": "fp32+checkpoint", "ms_per_iteration": 50.0, "images_per_s": 640.0, "peak_bytes": 2.5 * gib},
+        {"mode": "defaults", "error": "CUDA out of memory"}]}))
+    (work / "resnet2500" / "summary.json").write_text(json.dumps({
+        "batch": 16, "policy": "superneurons", "final_loss": 6.9, "mean_images_per_s": 20.0,
+        "measured_peak_device_bytes": 11 * gib, "predicted_peak_device_bytes": 11 * gib}))
+    (work / "resnet2500" / "metrics.jsonl").write_text('{"seconds": 0.8}\n{"seconds": 0.8}\n')
+    exactness = "tests.backends.test_cuda_device"
+    (work / "tests-backends.xml").write_text(
+        f'<testsuites><testsuite><testcase classname="{exactness}" '
+        f'name="test_training_under_every_policy_matches_the_cpu[small_resnet]"/>'
+        f'<testcase classname="{exactness}" name="test_training_under_every_policy_matches_the_cpu[concat_net]">'
+        '<failure message="losses differ">x</failure></testcase></testsuite></testsuites>')
+    out = tmp_path / "gpu_check"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_report.py"), str(work), "--out", str(out)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    found = {t["target"].split(" (")[0]: t for t in json.loads(out.with_suffix(".json").read_text())["targets"]}
+    expected = {  # target (to its first parenthesis): (measured, met)
+        "ResNet-50 b32 fp32: snrt none speed / PyTorch fp32": (1.0, True),
+        "superneurons / none iteration time": (1.15, False),
+        "superneurons: share of the copy time hidden behind kernels": (0.95, True),
+        "superneurons speed / PyTorch fp32 + checkpoint_sequential(4)": (50 / 46, True),
+        "superneurons peak / PyTorch fp32 + checkpoint_sequential(4) peak": (0.4, True),
+        "moonshot: superneurons speed / PyTorch fp32": (40 / 46, False),
+        "moonshot: superneurons peak / PyTorch fp32 peak": (1 / 3, True),
+        "ResNet-2500": (20.0, True),
+        "ResNet-2500 measured peak": (11.0, True),
+        "executor overhead with the CUDA graph": (None, False),
+        "every policy bit-identical to none, measured peak = planned": (1, False),  # one of the two failed
+        "ResNet-50 b32 tf32: snrt none speed / PyTorch defaults": (None, False),  # no tf32 run, PyTorch failed
+    }
+    assert set(found) == set(expected)
+    for name, (measured, met) in expected.items():
+        assert found[name]["met"] is met, name
+        assert found[name]["measured"] == (None if measured is None else pytest.approx(measured)), name
+    text = out.with_suffix(".md").read_text()
+    assert "| superneurons / none iteration time | <= 1.10 | 1.15 | no |" in text
+    assert "| executor overhead with the CUDA graph (us per step; not built) | <= 5.00 | not measured | no |" in text
+    assert result.stdout.splitlines()[1].startswith("met ")  # the targets come first in the short table

@@ -71,7 +71,7 @@ def plan_run(graph, batch, policy="none", budget=None, backend="cpu", training=T
         raise refused
     ranks = group.size if group is not None and training else 1
     return make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
-                     cost_model=device_class.cost_model, kernels=device_class.kernel_choice(precision),
+                     cost_model=device_class.planning_cost_model(), kernels=device_class.kernel_choice(precision),
                      deferred_updates=deferred_updates, ranks=ranks, bucket_bytes=bucket_bytes,
                      stream_parameters=stream_parameters, precision=precision)
 

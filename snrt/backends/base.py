@@ -58,6 +58,12 @@ class Backend(ABC):
     precisions = ("fp32",)  # the precisions of snrt/precision.py its kernels run (others are planned only)
 
     @classmethod
+    def planning_cost_model(cls):
+        """The CostModel a plan made here for this backend is timed with: `cost_model`, with the
+        rates of this machine where the backend measures them."""
+        return cls.cost_model
+
+    @classmethod
     @abstractmethod
     def kernel_choice(cls, precision=DEFAULT_PRECISION):
         """The kernel choice plans for this backend in `precision` (a name of snrt/precision.py)

@@ -7,7 +7,8 @@ snrt/backends/cuda_kernels.py registers one (cuDNN convolution and BatchNorm, cu
 CUDA kernels for the layers whose xp code allocates).
 
 The CUDA-only surface, all of it in this file, cuda_source.py (kernel source, NVRTC, launches),
-cuda_layers.py (the kernels), cudnn_graphs.py and cuda_kernels.py (the per-layer choice):
+cuda_layers.py (the kernels), cudnn_graphs.py, cudnn_engines.py and cuda_kernels.py (the
+per-layer choice) and cuda_rates.py (the cost model's rates, measured on the GPU):
 
 - arena: one device allocation of `plan.arena_bytes` (`Arena(cupy, ...)`, from a memory
   pool of its own), carved into views at the planned offsets; every tensor and every
@@ -63,6 +64,7 @@ from cupy.cuda import runtime
 
 from snrt.backends.base import Backend, CopyEvent
 from snrt.backends.cuda_kernels import CudaKernels
+from snrt.backends.cuda_rates import measured_cost_model
 from snrt.backends.cuda_source import device_name, device_pointer, grid_for, nvrtc_toolkit, unsupported_device_reason
 from snrt.backends.cudnn_graphs import cudnn_versions
 from snrt.errors import SnrtError
@@ -196,6 +198,11 @@ class CupyBackend(Backend):
     cost_model = cost.CUDA
 
     precisions = ("fp32", "tf32")
+
+    @classmethod
+    def planning_cost_model(cls):
+        """cost.CUDA with this GPU's measured rates (snrt/backends/cuda_rates.py)."""
+        return measured_cost_model(cls.cost_model)
 
     @classmethod
     def kernel_choice(cls, precision=DEFAULT_PRECISION):

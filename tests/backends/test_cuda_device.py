@@ -225,6 +225,20 @@ def test_engines_are_timed_at_planning_kept_on_disk_and_used_again_untimed(cupy,
     again.release()
 
 
+def test_the_cost_models_rates_are_measured_on_this_gpu_and_kept(cupy, tmp_path, monkeypatch):
+    """Plans for the CUDA backend use this GPU's rates: device memory faster than the host
+    link, both and the GEMM rate far above nothing; kept for the next run."""
+    from snrt.backends import cuda_rates
+    from snrt.backends.cupy_backend import CupyBackend
+
+    monkeypatch.setenv("SNRT_CACHE_DIR", str(tmp_path))
+    model = CupyBackend.planning_cost_model()
+    print(f"rates: {model.flops_per_s / 1e12:.1f} TFLOP/s, memory {model.memory_bytes_per_s / 1e9:.0f} GB/s, "
+          f"host link {model.copy_bytes_per_s / 1e9:.1f} GB/s")
+    assert model.memory_bytes_per_s > model.copy_bytes_per_s > 1e9 and model.flops_per_s > 1e12
+    assert (tmp_path / cuda_rates.RATES_FILE).exists()
+
+
 def _timed(backend, step, action):
     with backend.timed("compute", f"{step.kind} {step.node}"):
         action()

@@ -45,8 +45,12 @@ def device_key():
 
 def measured_cost_model(base):
     """CostModel `base` with this GPU's rates (the module docstring): the kept ones, else
-    measured now and kept."""
-    entry = choice_file.remembered(choice_file.cache_path(RATES_FILE), device_key(), _usable, measure_rates)
+    measured now and kept; `base` itself when they cannot be measured (no device memory to
+    spare), so that planning never fails for want of them."""
+    try:
+        entry = choice_file.remembered(choice_file.cache_path(RATES_FILE), device_key(), _usable, measure_rates)
+    except Exception:  # cupy's OutOfMemoryError or CUDARuntimeError: plan with the base rates
+        return base
     return replace(base, **{field: float(entry[field]) for field in FIELDS})
 
 

@@ -22,6 +22,7 @@ seconds stay with the graph.
 engine that builds and fits, as before engines were timed; nothing is timed or kept).
 """
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -120,7 +121,7 @@ def _fastest(graph, limit, time_engines):
     if not found:
         raise NoEngineError(f"no cuDNN engine builds within {limit} workspace bytes")
     seconds = time_engines(graph, found)
-    if seconds is None:
+    if seconds is None or min(seconds) == math.inf:  # not timed, or none of them ran
         return found[0], None, None
     best = min(range(len(found)), key=seconds.__getitem__)
     return found[best], seconds[best], {"engine": found[best].name,
@@ -131,8 +132,9 @@ def select(graph, key, limit, time_engines=None):
     """Build and select `graph`'s engine; returns (Engine, its measured seconds or None).
 
     `key` names the graph in the choices file; `limit` bounds the workspace (None: any);
-    `time_engines(graph, engines)` returns each Engine's best seconds, in order, or None when
-    they could not be timed (no device memory to spare). Without it (a graph built while a
+    `time_engines(graph, engines)` returns each Engine's best seconds, in order (infinity for
+    one that failed to run), or None when they could not be timed (no device memory to
+    spare). Without it (a graph built while a
     step runs) the kept engine is used when it fits, else cuDNN's first, and nothing is kept.
     A NoEngineError when nothing builds within the limit."""
     path = choice_file.cache_path(CACHE_FILE)

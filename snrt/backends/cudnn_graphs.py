@@ -309,7 +309,8 @@ class CudnnContext:
         cudnn_engines.ROUNDS calls after an untimed one, each call between two CUDA events on
         a stream of its own, on device buffers of the graph's shapes (every value 0.5) and a
         workspace for the largest need, from a memory pool of their own that is emptied
-        after; None when the device has no memory to spare for them."""
+        after; an engine that fails to run takes forever (never selected); None when the
+        device has no memory to spare for them."""
         import cupy
 
         pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
@@ -340,13 +341,17 @@ class CudnnContext:
         seconds = []
         for engine in engines:
             best = math.inf
-            for round_ in range(cudnn_engines.ROUNDS + 1):  # round 0 untimed
-                start.record(stream)
-                graph.execute_plan_at_index(pack, workspace, index=engine.index, handle=self.handle)
-                end.record(stream)
-                end.synchronize()
-                if round_:
-                    best = min(best, cupy.cuda.get_elapsed_time(start, end) / 1e3)
+            try:
+                for round_ in range(cudnn_engines.ROUNDS + 1):  # round 0 untimed
+                    start.record(stream)
+                    graph.execute_plan_at_index(pack, workspace, index=engine.index, handle=self.handle)
+                    end.record(stream)
+                    end.synchronize()
+                    if round_:
+                        best = min(best, cupy.cuda.get_elapsed_time(start, end) / 1e3)
+            except Exception as e:  # the library's error for this engine: it is not chosen
+                self.refusals[f"timing {engine.name}"] = f"{type(e).__name__}: {e}"
+                best = math.inf
             seconds.append(best)
         return seconds
 

@@ -37,3 +37,13 @@ def test_an_incomplete_or_impossible_entry_is_measured_again(gpu, entry):
     path, measured = gpu
     path.write_text(json.dumps({"GPU X sm_90 | driver 13000 | r1": entry}))
     assert cuda_rates.measured_cost_model(cost.CUDA).copy_bytes_per_s == 40e9 and measured == [1]
+
+
+def test_rates_that_cannot_be_measured_leave_the_base_model_and_keep_nothing(gpu, monkeypatch):
+    path, _ = gpu
+
+    def out_of_memory():
+        raise MemoryError("no device memory to spare")
+
+    monkeypatch.setattr(cuda_rates, "measure_rates", out_of_memory)
+    assert cuda_rates.measured_cost_model(cost.CUDA) is cost.CUDA and not path.exists()

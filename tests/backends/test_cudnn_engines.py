@@ -160,3 +160,12 @@ def test_nothing_is_written_when_a_measurement_keeps_nothing(tmp_path):
     assert not path.exists()
     assert choice_file.remembered(path, "k", lambda entry: True, lambda: {"a": 1}) == {"a": 1}
     assert choice_file.remembered(path, "k", lambda entry: True, lambda: {"a": 2}) == {"a": 1}
+
+
+def test_engines_that_all_failed_to_run_leave_cudnns_first_and_keep_nothing(cache):
+    engine, seconds = cudnn_engines.select(graph_of_five(), "conv A", None, Stopwatch(
+        eng0=float("inf"), eng2=float("inf"), eng4=float("inf")))
+    assert (engine.name, seconds) == ("eng0", None) and not cache.exists()
+    engine, _ = cudnn_engines.select(graph_of_five(), "conv A", None, Stopwatch(
+        eng0=float("inf"), eng2=float("inf"), eng4=2e-3))
+    assert engine.name == "eng4"

@@ -9,8 +9,9 @@ backend plans and runs with. Importing this module does not import CuPy.
 
 import gc
 
-from snrt.backends.cuda_layers import (CublasLinear, CudaAvgPool, CudaBatchNorm, CudaConvTranspose2d, CudaDropout,
-                                       CudaSoftmaxCrossEntropy, CudaUpsample, GemmConv2d, XpKernel)
+from snrt.backends.cuda_layers import (CublasLinear, CudaAdd, CudaAvgPool, CudaBatchNorm, CudaConvTranspose2d,
+                                       CudaDropout, CudaReLU, CudaSoftmaxCrossEntropy, CudaUpsample, GemmConv2d,
+                                       XpKernel)
 from snrt.backends.cuda_source import KernelModule
 from snrt.backends.cudnn_graphs import CudnnBatchNorm, CudnnContext, CudnnConv2d
 from snrt.layers.base import FLOAT32_BYTES
@@ -46,6 +47,8 @@ REGISTRY = {
     "Dropout": _plain(CudaDropout),
     "Dropout2d": _plain(CudaDropout),
     "AvgPool": _plain(CudaAvgPool),
+    "ReLU": _plain(CudaReLU),
+    "Add": _plain(CudaAdd),
     "Upsample": _upsample,
 }
 

@@ -200,6 +200,36 @@ class CudaDropout(Float32Kernel):
         self._apply(ctx, gy, gx)
 
 
+class CudaReLU(Float32Kernel):
+    """ReLU: the forward is the layer's (one xp kernel); the backward one snrt_relu_backward
+    pass where the xp code makes two."""
+
+    name = "cuda"
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx = gxs[0]
+        if gx is None or not self.is_float32(gx):
+            return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
+        self.module.launch("snrt_relu_backward", grid_for(gx.size), (saved.y, gy, gx, np.int64(gx.size)))
+
+
+class CudaAdd(Float32Kernel):
+    """Add: the forward is the layer's; the backward copies the output gradient to the input
+    gradients two at a time (snrt_copy_to_two), reading it once per pair."""
+
+    name = "cuda"
+    NULL = np.uint64(0)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        targets = [gx for gx in gxs if gx is not None]
+        if not self.is_float32(gy):
+            return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
+        for first in range(0, len(targets), 2):
+            pair = targets[first:first + 2]
+            self.module.launch("snrt_copy_to_two", grid_for(gy.size),
+                               (gy, pair[0], pair[1] if len(pair) == 2 else self.NULL, np.int64(gy.size)))
+
+
 class CudaAvgPool(Float32Kernel):
     """AvgPool by snrt_avgpool_* (a gather per output / per input), no workspace."""
 

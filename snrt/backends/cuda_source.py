@@ -301,6 +301,25 @@ extern "C" __global__ void snrt_col2im_add(
     }
 }
 
+// ReLU's input gradient in one pass: gx = sign(y) * gy (y = relu(x) >= 0, so sign(y) is the 0/1
+// mask and a NaN in y stays NaN), as the layer's xp code computes it in two.
+extern "C" __global__ void snrt_relu_backward(const float* y, const float* gy, float* gx, long long total) {
+    SNRT_GRID_LOOP(i, total) {
+        float v = y[i];
+        float sign = v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : (v == 0.0f ? 0.0f : v));
+        gx[i] = sign * gy[i];
+    }
+}
+
+// Add's input gradients: the output gradient copied to a and, unless null, to b, reading it once.
+extern "C" __global__ void snrt_copy_to_two(const float* source, float* a, float* b, long long total) {
+    SNRT_GRID_LOOP(i, total) {
+        float v = source[i];
+        a[i] = v;
+        if (b != nullptr) b[i] = v;
+    }
+}
+
 // One optimizer update of n parameters in one pass, as snrt/optim.py's sgd_step and adam_step
 // (their scalars from the optimizer's fused_scalars): each gradient value multiplied by scale
 // and, when clip > 0, clipped to [-clip, clip] (a NaN stays NaN), as Optimizer.update does
@@ -347,7 +366,7 @@ KERNEL_NAMES = (
     "snrt_channel_sum", "snrt_bias_add", "snrt_bn_forward_train", "snrt_bn_forward_eval", "snrt_bn_backward",
     "snrt_xent_forward_i32", "snrt_xent_backward_i32", "snrt_xent_forward_i64", "snrt_xent_backward_i64",
     "snrt_dropout", "snrt_avgpool_forward", "snrt_avgpool_backward", "snrt_im2col", "snrt_col2im_add",
-    "snrt_sgd_step", "snrt_adam_step",
+    "snrt_relu_backward", "snrt_copy_to_two", "snrt_sgd_step", "snrt_adam_step",
 )
 NVRTC_OPTIONS = ("--std=c++14",)
 

@@ -314,7 +314,7 @@ def test_cublas_linear_matches_the_numpy_kernel(bias, host_pointers):
 
 # ---- with the gpu extra (no device needed) ------------------------------------------------
 
-# ---- the fused optimizer updates: launch arguments against the kernels' C signatures -----
+# ---- one-pass kernels (updates, ReLU and Add backwards): arguments against C signatures ----
 
 def kernel_signatures():
     """{kernel: [parameter type]} of the kernels KERNEL_SOURCE declares plainly (not by macro)."""
@@ -331,18 +331,22 @@ def assert_arguments_match(name, args):
     assert len(args) == len(types), f"{name} takes {len(types)} arguments, launched with {len(args)}"
     for i, (arg, declared) in enumerate(zip(args, types)):
         if declared.endswith("*"):
-            assert isinstance(arg, (int, np.uint64)), (name, i, declared, arg)
+            assert isinstance(arg, (int, np.uint64, np.ndarray)), (name, i, declared, arg)
         else:
             assert type(arg) is ARGUMENT_TYPES[declared], (name, i, declared, type(arg))
 
 
 def _flat(address, n):
+    """A flat float32 view of n values at a host address or of an array; None for null."""
+    if isinstance(address, np.ndarray):
+        return address.reshape(-1)
     return _host_view(int(address), (int(n),), (1,)) if int(address) else None
 
 
-class UpdateModule:
-    """The fused update kernels on host memory, written from their CUDA source in NumPy
-    (float32 throughout, as the kernels compute)."""
+class OnePassModule:
+    """The one-pass kernels on host memory, written from their CUDA source in NumPy (float32
+    throughout, as the kernels compute); every launch's arguments checked against the C
+    signature."""
 
     def launch(self, name, blocks, args, threads=256):
         assert_arguments_match(name, args)
@@ -361,6 +365,14 @@ class UpdateModule:
             m[...] = momentum * m + gi
             step = gi + momentum * m if nesterov else m
         w -= lr * step
+
+    def snrt_relu_backward(self, y, gy, gx, n):
+        _flat(gx, n)[...] = np.sign(_flat(y, n)) * _flat(gy, n)
+
+    def snrt_copy_to_two(self, source, a, b, n):
+        for target in (_flat(a, n), _flat(b, n)):
+            if target is not None:
+                target[...] = _flat(source, n)
 
     def snrt_adam_step(self, w, g, m, v, n, scale, clip, decay, beta1, rest1, beta2, rest2, eps, step_size,
                        correction2, decoupled):
@@ -386,7 +398,7 @@ def test_the_cuda_backends_one_kernel_updates_match_the_optimizers_own(optimizer
     from types import SimpleNamespace
 
     monkeypatch.setattr(cupy_backend, "device_pointer", lambda array: array.ctypes.data)
-    backend = SimpleNamespace(kernels=SimpleNamespace(module=UpdateModule()))
+    backend = SimpleNamespace(kernels=SimpleNamespace(module=OnePassModule()))
     rng = np.random.default_rng(3)
     w = rng.standard_normal(37).astype(np.float32)
     states = [np.abs(rng.standard_normal(37)).astype(np.float32) for _ in optimizer.state_names]
@@ -399,6 +411,29 @@ def test_the_cuda_backends_one_kernel_updates_match_the_optimizers_own(optimizer
     np.testing.assert_allclose(w, expected_w, rtol=1e-5, atol=1e-6)
     for state, expected in zip(states, expected_states):
         np.testing.assert_allclose(state, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("inputs", [2, 3, 4])
+def test_the_one_pass_relu_and_add_backwards_match_the_layers_own(inputs):
+    """CudaReLU's backward (NaN and zero outputs included) and CudaAdd's for 2 to 4 inputs,
+    one of them without a gradient, give what the layers' xp code gives."""
+    from snrt.backends.cuda_layers import CudaAdd, CudaReLU
+    from snrt.layers.activation import ReLU
+    from snrt.layers.join import Add
+
+    rng = np.random.default_rng(1)
+    ctx = KernelContext(np, True, 0, 0, 0, None)
+    y = np.maximum(rng.standard_normal((2, 3, 5)).astype(np.float32), 0)
+    y[0, 0, :2] = np.nan, 0.0
+    gy = rng.standard_normal(y.shape).astype(np.float32)
+    gx, expected = np.empty_like(y), np.empty_like(y)
+    CudaReLU(ReLU(), [y.shape], OnePassModule()).backward(ctx, gy, Saved(xs=(None,), y=y), {}, {}, [gx], {})
+    ReLU().backward(ctx, gy, Saved(xs=(None,), y=y), {}, {}, [expected], {})
+    np.testing.assert_array_equal(gx, expected)
+    gxs = [np.zeros_like(gy) for _ in range(inputs)]
+    gxs[1] = None
+    CudaAdd(Add(), [gy.shape] * inputs, OnePassModule()).backward(ctx, gy, Saved(xs=(None,) * inputs), {}, {}, gxs, {})
+    assert all(np.array_equal(gx, gy) for gx in gxs if gx is not None)
 
 
 def test_tf32_plans_and_runs_with_tf32_kernels_and_fp32_with_fp32_ones(monkeypatch):

@@ -11,6 +11,7 @@ results/bench_gpu.json.
 
     python scripts/bench_gpu.py                      # ResNet-50, 224x224, batch 32
     python scripts/bench_gpu.py --precision tf32 --policies none superneurons
+    python scripts/bench_gpu.py --nondeterministic --policies none   # cuDNN's other engines too
     python scripts/bench_gpu.py --config configs/resnet2500.yaml --batch 16 --image-size 227 --policies superneurons
 """
 
@@ -60,9 +61,9 @@ def _timed(backend, step, action):
         action()
 
 
-def run_policy(config, batch, policy, iterations, budget, precision):
+def run_policy(config, batch, policy, iterations, budget, precision, deterministic):
     graph = config.graph
-    runtime = prepare(graph, batch, policy, budget, backend="cuda", precision=precision,
+    runtime = prepare(graph, batch, policy, budget, backend="cuda", precision=precision, deterministic=deterministic,
                       values={**initial_parameters(graph, 0), **initial_state(graph)})
     plan, backend, executor = runtime.plan, runtime.backend, runtime.executor
     try:
@@ -85,7 +86,7 @@ def run_policy(config, batch, policy, iterations, budget, precision):
         report = backend.memory_report()
         copy_s = executor.copy_stats["copy_s"] / (iterations + 1)
         return {
-            "policy": policy, "precision": precision, "batch": batch, "seconds_per_iteration": statistics.median(seconds),
+            "policy": policy, "precision": precision, "deterministic": deterministic, "batch": batch, "seconds_per_iteration": statistics.median(seconds),
             "images_per_s": batch / statistics.median(seconds),
             "planned_peak_bytes": plan.peak_bytes, "measured_peak_bytes": backend.arena.peak_bytes,
             "arena_bytes": plan.arena_bytes, "host_bytes": plan.host_bytes,
@@ -104,6 +105,7 @@ def main():
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--policies", nargs="*", default=list(snrt.POLICIES))
     parser.add_argument("--precision", choices=("fp32", "tf32"), default="fp32")
+    parser.add_argument("--nondeterministic", action="store_true", help="admit cuDNN's non-deterministic engines")
     parser.add_argument("--budget", type=int, default=None, help="device budget in bytes")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_gpu.json"))
     args = parser.parse_args()
@@ -115,13 +117,15 @@ def main():
     config = load(args.config, args.image_size)
     rows = []
     for policy in args.policies:
-        row = run_policy(config, args.batch, policy, args.iterations, args.budget, args.precision)
+        row = run_policy(config, args.batch, policy, args.iterations, args.budget, args.precision,
+                         not args.nondeterministic)
         rows.append(row)
         print(f"{policy:13s} {row['seconds_per_iteration'] * 1e3:9.1f} ms/iter  {row['images_per_s']:8.1f} img/s  "
               f"peak {human_bytes(row['measured_peak_bytes'])} (plan {human_bytes(row['planned_peak_bytes'])})  "
               f"untracked {human_bytes(row['memory']['untracked_bytes'])}  kernels {row['kernels']}"
               + (f"  copies {row['copies']['hidden']:.0%} hidden" if row["copies"] else ""), flush=True)
     doc = {"device": device_summary(), "config": args.config, "precision": args.precision,
+           "deterministic": not args.nondeterministic,
            "when": datetime.now(timezone.utc).isoformat(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")

@@ -16,9 +16,10 @@
 #
 # Stages, each time-boxed (a stage that fails or runs out of time is recorded, and the others
 # still run): the environment and device; tests/backends and the rest of the suite, side by
-# side (pytest-xdist); ResNet-50 batch 32 at 224x224 under every policy (bench_gpu.py), and in
-# tf32 under none and superneurons; two iterations of `snrt train configs/resnet2500.yaml
-# --backend cuda` at its own settings; PyTorch's ResNet-50 at the same batch (bench_torch.py:
+# side (pytest-xdist); ResNet-50 batch 32 at 224x224 under every policy (bench_gpu.py), in
+# tf32 under none and superneurons, and under none with cuDNN's non-deterministic engines
+# admitted; two iterations of `snrt train configs/resnet2500.yaml --backend cuda` at its own
+# settings; PyTorch's ResNet-50 at the same batch (bench_torch.py:
 # fp32 with TF32 off, then PyTorch's defaults, each also with checkpoint_sequential). The report
 # opens with the targets of the GPU work, measured or not. On one H100 the whole check took
 # under 5 minutes before cuDNN's engines were timed; the first run on a machine now also times
@@ -132,6 +133,8 @@ if (( bench )); then
     run_stage bench-snrt 180 "$python" scripts/bench_gpu.py --out "$work/bench-snrt.json"
     run_stage bench-snrt-tf32 90 "$python" scripts/bench_gpu.py --precision tf32 --policies none superneurons \
         --out "$work/bench-snrt-tf32.json"
+    run_stage bench-snrt-nondeterministic 60 "$python" scripts/bench_gpu.py --nondeterministic --policies none \
+        --out "$work/bench-snrt-nondeterministic.json"
     run_stage resnet2500 150 "$python" -m snrt train configs/resnet2500.yaml --backend cuda --iterations 2 --no-eval \
         --no-progress --out "$work/resnet2500"
     run_stage bench-torch 90 "$python" scripts/bench_torch.py --out "$work/bench-torch.json"

@@ -167,6 +167,9 @@ def _add_precision(parser):
     parser.add_argument("--skip-bad-images", action="store_true", default=None,
                         help="image folders: count and leave out unreadable images instead of stopping")
     parser.add_argument("--backend", choices=BACKENDS, help="cpu or cuda (default: cuda when CuPy finds a GPU)")
+    parser.add_argument("--nondeterministic", dest="deterministic", action="store_false", default=None,
+                        help="GPU: admit cuDNN's non-deterministic engines, which may be faster (results vary in "
+                             "their last bits; sets train.deterministic false)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     parser.add_argument("--threads", type=_positive_int,
                         help="threads of the CPU's BLAS pool (default: the cores this process may use)")
@@ -189,6 +192,7 @@ def _overrides(args):
                       ("budget", "memory.budget"), ("seed", "train.seed"),
                       ("stream_parameters", "memory.stream_parameters"), ("host_store", "memory.host_store"),
                       ("precision", "train.precision"), ("skip_bad_images", "train.data.skip_bad_images"),
+                      ("deterministic", "train.deterministic"),
                       ("workers", "train.data.workers")):
         if getattr(args, flag, None) is not None:
             out[key] = getattr(args, flag)

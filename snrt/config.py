@@ -124,6 +124,7 @@ class TrainConfig:
     eval_every: int = 0  # iterations between held-out evaluations, recorded in the metrics (0: only at the end)
     gradient_bucket: Bytes = 25 * 2**20  # data parallel: gradients exchanged per bucket (snrt/scheduler/reduce.py)
     precision: str = "fp32"  # the dtype tensors are stored and computed in (snrt/precision.py)
+    deterministic: bool = True  # GPU: only kernels that compute the same bits every time
 
 
 @dataclass

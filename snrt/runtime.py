@@ -58,7 +58,8 @@ def check_trainable(graph, batch):
 
 
 def plan_run(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
-             deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES, stream_parameters=False, precision="fp32"):
+             deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES, stream_parameters=False, precision="fp32",
+             deterministic=True):
     """The plan `prepare` carries out with the same arguments, made with the cost model and
     kernel choice of the backend called `backend`; nothing is allocated. Raises SnrtError when
     the backend is not available or cannot run `precision`, the graph cannot train at `batch`,
@@ -71,14 +72,15 @@ def plan_run(graph, batch, policy="none", budget=None, backend="cpu", training=T
         raise refused
     ranks = group.size if group is not None and training else 1
     return make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
-                     cost_model=device_class.planning_cost_model(), kernels=device_class.kernel_choice(precision),
+                     cost_model=device_class.planning_cost_model(),
+                     kernels=device_class.kernel_choice(precision, deterministic),
                      deferred_updates=deferred_updates, ranks=ranks, bucket_bytes=bucket_bytes,
                      stream_parameters=stream_parameters, precision=precision)
 
 
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
             check=False, values=None, deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES,
-            stream_parameters=False, host_folder=None, plan=None, precision="fp32"):
+            stream_parameters=False, host_folder=None, plan=None, precision="fp32", deterministic=True):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
     backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
     such pairs) loaded.
@@ -91,16 +93,18 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     the group in buckets of about `bucket_bytes`. `stream_parameters` keeps parameters and
     optimizer state in the host store, on the device only while steps use them; `host_folder`
     (CPU) puts the host store in a file there instead of memory. `precision` (snrt/precision.py)
-    is the one the plan stores tensors in. `plan`, when given, is the one `plan_run` made with
-    the same arguments (not made again).
+    is the one the plan stores tensors in; `deterministic` False lets the GPU run kernels whose
+    bits vary from run to run (faster cuDNN engines). `plan`, when given, is the one `plan_run`
+    made with the same arguments (not made again).
     """
     if plan is None:
         plan = plan_run(graph, batch, policy, budget, backend, training=training, optimizer_states=optimizer_states,
                         deferred_updates=deferred_updates, group=group, bucket_bytes=bucket_bytes,
-                        stream_parameters=stream_parameters, precision=precision)
+                        stream_parameters=stream_parameters, precision=precision, deterministic=deterministic)
     device_class = backend_class(backend)
     on_disk = {"host_folder": host_folder} if host_folder else {}
-    device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=device_class.kernel_choice(precision),
+    kernels = device_class.kernel_choice(precision, deterministic)
+    device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels,
                           **on_disk)
     runtime = Runtime(plan, device, Executor(graph, plan, device, group))
     runtime.load(values or {})

@@ -60,7 +60,8 @@ def _run_options(config, group):
         options = {**options, "deferred_updates": True}
     return dict(graph=config.graph, batch=train.batch // group.size, policy=memory.policy, budget=memory.budget,
                 training=True, **options, group=group, bucket_bytes=train.gradient_bucket,
-                stream_parameters=memory.stream_parameters, precision=train.precision)
+                stream_parameters=memory.stream_parameters, precision=train.precision,
+                deterministic=train.deterministic)
 
 
 class Trainer:
@@ -241,7 +242,8 @@ class Trainer:
         dataset = dataset if dataset is not None else self.heldout_set
         forward = prepare(self.graph, self.plan.batch, "liveness", backend=self._backend_name, training=False,
                           check=self._check, values=self.host_arrays(("parameter", "state")),
-                          precision=self.config.train.precision)  # evaluated as it trains
+                          precision=self.config.train.precision,  # evaluated as it trains
+                          deterministic=self.config.train.deterministic)
         loss_sum, correct, seen = 0.0, 0.0, 0
         # a loss that overflows is reported once, by the caller (nonfinite_evaluation), not as warnings
         with np.errstate(all="ignore"):

@@ -88,6 +88,24 @@ def test_train_says_which_kernel_runs_the_convolutions(tmp_path, capsys, monkeyp
     assert expected in " ".join(capsys.readouterr().out.split())
 
 
+def test_nondeterministic_reaches_the_backends_kernel_choice_for_training_and_evaluation(tmp_path, monkeypatch):
+    """--nondeterministic (train.deterministic false) is what the training and held-out plans
+    ask the backend's kernel choice for; without it, deterministic; a non-boolean is refused."""
+    from snrt.backends.numpy_backend import NumpyBackend
+    from snrt.errors import ConfigError
+
+    asked, choose = [], NumpyBackend.kernel_choice.__func__
+    monkeypatch.setattr(NumpyBackend, "kernel_choice", classmethod(
+        lambda cls, precision="fp32", deterministic=True: asked.append(deterministic) or choose(cls, precision)))
+    for flags, expected in ((["--nondeterministic"], False), ([], True)):
+        asked.clear()
+        assert main(["train", LENET, *SYNTHETIC, "--iterations", "1", "--batch", "4", "--no-progress", *flags,
+                     "--out", str(tmp_path / f"run{expected}")]) == 0
+        assert len(asked) >= 3 and set(asked) == {expected}  # the plan, the run and the held-out evaluation
+    with pytest.raises(ConfigError, match="train.deterministic"):
+        snrt.load_config(LENET, {"train.deterministic": "sometimes"})
+
+
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "snrt.cli", "train", LENET, *SYNTHETIC, "--iterations", "100000",

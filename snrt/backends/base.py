@@ -65,9 +65,10 @@ class Backend(ABC):
 
     @classmethod
     @abstractmethod
-    def kernel_choice(cls, precision=DEFAULT_PRECISION):
+    def kernel_choice(cls, precision=DEFAULT_PRECISION, deterministic=True):
         """The kernel choice plans for this backend in `precision` (a name of snrt/precision.py)
-        are sized with and run by (at fp32, the default `kernels`)."""
+        are sized with and run by (at fp32, the default `kernels`); `deterministic` False may
+        admit kernels whose bits vary from run to run."""
 
     def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None):
         self.kernels = kernels if kernels is not None else self.kernel_choice()

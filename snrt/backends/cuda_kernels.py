@@ -67,11 +67,13 @@ class CudaKernels:
     `use_cudnn` False uses the CUDA kernels (cuda_layers) for Conv2d and BatchNorm too;
     `workspace_limit_bytes` bounds the cuDNN engines considered at plan time (the fastest
     that fits is kept); `allow_tf32` (the tf32 precision) admits cuDNN's TF32 tensor-core
-    engines for float32 and has cuBLAS compute in TF32.
+    engines for float32 and has cuBLAS compute in TF32; `deterministic` False admits cuDNN's
+    non-deterministic engines too.
     """
 
-    def __init__(self, use_cudnn=True, workspace_limit_bytes=None, allow_tf32=False):
+    def __init__(self, use_cudnn=True, workspace_limit_bytes=None, allow_tf32=False, deterministic=True):
         self.use_cudnn, self.workspace_limit_bytes, self.allow_tf32 = use_cudnn, workspace_limit_bytes, allow_tf32
+        self.deterministic = deterministic
         self._module = None
         self._cudnn = None
         self._stream = None
@@ -87,7 +89,7 @@ class CudaKernels:
     def cudnn(self):
         """The cuDNN frontend context (handle, graph building), created on first use."""
         if self._cudnn is None:
-            self._cudnn = CudnnContext(self.workspace_limit_bytes, self.allow_tf32)
+            self._cudnn = CudnnContext(self.workspace_limit_bytes, self.allow_tf32, self.deterministic)
             if self._stream is not None:
                 self._cudnn.set_stream(self._stream)
         return self._cudnn

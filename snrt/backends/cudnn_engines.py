@@ -2,8 +2,8 @@
 
 cuDNN's heuristics rank the engines that can run a graph (modes A, then FALLBACK); the first
 of that list is a guess. As PyTorch's `cudnn.benchmark` does, `select` builds the ranked
-engines that pass the context's filters (deterministic ones only; TF32 tensor-core ones only
-where allowed) and fit the workspace limit, the first MAX_CANDIDATES of them, has each timed
+engines that pass the context's filters (deterministic ones only, unless the run is not
+deterministic; TF32 tensor-core ones only in tf32) and fit the workspace limit, the first MAX_CANDIDATES of them, has each timed
 (the context runs it on temporary device buffers of the graph's shapes: one untimed call,
 then the best of ROUNDS between CUDA events), and selects the fastest. Its name is kept in
 cudnn-engines.json in the cache folder (snrt/backends/choice_file.py), keyed by the device,

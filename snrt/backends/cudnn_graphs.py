@@ -17,7 +17,8 @@ Three layers, from pure Python to the device:
    to the cuDNN library and need the CUDA driver (cuInit) and a handle.
 3. Building and running (device): `CudnnContext.build` validates, lowers, asks the
    heuristics (modes A, then FALLBACK) for the ranked engines, drops non-deterministic ones
-   (and TF32 tensor-core ones unless allowed) and those whose workspace exceeds the limit,
+   (unless the run is not deterministic: train.deterministic), TF32 tensor-core ones (unless
+   the precision is tf32) and those whose workspace exceeds the limit,
    and selects the fastest that is left, timed on the device once and then kept on disk
    (snrt/backends/cudnn_engines.py). A graph is built once per (operation, shapes,
    workspace limit) and cached on its kernel. `CudnnGraph.execute` runs it on the handle's
@@ -248,7 +249,7 @@ class CudnnGraph:
 class CudnnContext:
     """One cuDNN handle on the current device, and graph building with engine selection."""
 
-    def __init__(self, workspace_limit_bytes=None, allow_tf32=False):
+    def __init__(self, workspace_limit_bytes=None, allow_tf32=False, deterministic=True):
         import cupy
 
         cudnn_engines.setting()  # a bad SNRT_CUDNN_ENGINES is an error now, not a refused graph later
@@ -260,11 +261,12 @@ class CudnnContext:
         self.cudnn = cudnn
         self.handle = cudnn.create_handle()
         self.workspace_limit_bytes = workspace_limit_bytes
-        self.allow_tf32 = allow_tf32
+        self.allow_tf32, self.deterministic = allow_tf32, deterministic
         self.refusals = {}  # description -> why cuDNN did not serve it
         self.stream_ptr = 0  # the handle's stream: the default one until set_stream
         self._choices_key = (f"{device_name()} sm_{cupy.cuda.Device().compute_capability} | "
-                             f"{cudnn_versions()} | deterministic{', TF32' if allow_tf32 else ''}")
+                             f"{cudnn_versions()} | {'deterministic' if deterministic else 'any'}"
+                             f"{', TF32' if allow_tf32 else ''}")
 
     def set_stream(self, stream):
         self.stream_ptr = stream.ptr
@@ -288,10 +290,11 @@ class CudnnContext:
             graph.validate()
             graph.build_operation_graph()
             graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-            notes = [cudnn.numerical_note.NONDETERMINISTIC]
+            notes = [cudnn.numerical_note.NONDETERMINISTIC] if self.deterministic else []
             if not self.allow_tf32:  # float32 on tensor cores is TF32, which down-converts the inputs
                 notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
-            graph.deselect_numeric_notes(notes)
+            if notes:
+                graph.deselect_numeric_notes(notes)
             if limit is not None:
                 graph.deselect_workspace_greater_than(int(limit))
             graph.check_support()

@@ -205,8 +205,8 @@ class CupyBackend(Backend):
         return measured_cost_model(cls.cost_model)
 
     @classmethod
-    def kernel_choice(cls, precision=DEFAULT_PRECISION):
-        return default_kernels(allow_tf32=precision_named(precision).tensor_core_math)
+    def kernel_choice(cls, precision=DEFAULT_PRECISION, deterministic=True):
+        return default_kernels(precision_named(precision).tensor_core_math, deterministic)
 
     def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None, profile=False, host_folder=None):
         if host_folder:
@@ -446,16 +446,17 @@ class _DeviceState:
         self.previous_stream.use()
 
 
-_DEFAULT_KERNELS = {}  # allow_tf32 -> the process's CudaKernels
+_DEFAULT_KERNELS = {}  # (allow_tf32, deterministic) -> the process's CudaKernels
 _ALIVE = weakref.WeakSet()  # the backends not garbage-collected yet (their arena pools may hold memory)
 
 
-def default_kernels(allow_tf32=False):
+def default_kernels(allow_tf32=False, deterministic=True):
     """The process's CudaKernels (one cuDNN handle, one graph cache) with or without TF32
-    (the tf32 precision), unless a caller brings its own."""
-    if allow_tf32 not in _DEFAULT_KERNELS:
-        _DEFAULT_KERNELS[allow_tf32] = CudaKernels(allow_tf32=allow_tf32)
-    return _DEFAULT_KERNELS[allow_tf32]
+    (the tf32 precision) and non-deterministic engines, unless a caller brings its own."""
+    key = (allow_tf32, deterministic)
+    if key not in _DEFAULT_KERNELS:
+        _DEFAULT_KERNELS[key] = CudaKernels(allow_tf32=allow_tf32, deterministic=deterministic)
+    return _DEFAULT_KERNELS[key]
 
 
 @atexit.register

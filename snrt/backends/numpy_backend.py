@@ -26,8 +26,8 @@ class NumpyBackend(Backend):
     precisions = ("fp32", "tf32", "bf16", "fp16")  # no TF32 on a CPU: fp32 math; 2 bytes staged (snrt/layers/staging.py)
 
     @classmethod
-    def kernel_choice(cls, precision=DEFAULT_PRECISION):
-        return CPU_KERNELS  # one for every precision: 2-byte tensors are staged in fp32
+    def kernel_choice(cls, precision=DEFAULT_PRECISION, deterministic=True):
+        return CPU_KERNELS  # one for every precision (2-byte tensors staged in fp32), always deterministic
 
     def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None, host_folder=None):
         super().__init__(arena_bytes, host_bytes, check, kernels)

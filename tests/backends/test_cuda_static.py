@@ -439,7 +439,7 @@ def test_the_one_pass_relu_and_add_backwards_match_the_layers_own(inputs):
 def test_tf32_plans_and_runs_with_tf32_kernels_and_fp32_with_fp32_ones(monkeypatch):
     """The CUDA backend runs tf32 (and refuses the 2-byte precisions): its kernel choice for
     tf32 admits TF32 cuDNN engines and computes GEMMs as CUBLAS_COMPUTE_32F_FAST_TF32, the one
-    for fp32 neither (plain SGEMM)."""
+    for fp32 neither (plain SGEMM); each is deterministic unless asked not to be."""
     cupy_backend = pytest.importorskip("snrt.backends.cupy_backend")
     from types import SimpleNamespace
 
@@ -450,6 +450,9 @@ def test_tf32_plans_and_runs_with_tf32_kernels_and_fp32_with_fp32_ones(monkeypat
     monkeypatch.setattr(cupy_backend, "_DEFAULT_KERNELS", {})
     tf32, fp32 = CupyBackend.kernel_choice("tf32"), CupyBackend.kernel_choice("fp32")
     assert tf32.allow_tf32 and not fp32.allow_tf32 and CupyBackend.kernel_choice() is fp32
+    assert fp32.deterministic and tf32.deterministic  # unless the run says otherwise:
+    anything = CupyBackend.kernel_choice("fp32", deterministic=False)
+    assert not anything.deterministic and not anything.allow_tf32 and anything is not fp32
     calls = []
 
     class Cublas:

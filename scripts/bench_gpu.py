@@ -104,7 +104,7 @@ def main():
     parser.add_argument("--image-size", type=int, default=0)
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--policies", nargs="*", default=list(snrt.POLICIES))
-    parser.add_argument("--precision", choices=("fp32", "tf32"), default="fp32")
+    parser.add_argument("--precision", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--nondeterministic", action="store_true", help="admit cuDNN's non-deterministic engines")
     parser.add_argument("--budget", type=int, default=None, help="device budget in bytes")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_gpu.json"))

@@ -10,7 +10,8 @@
 
 The planner stores each buffer in the dtype this table and the layer give it, so every policy,
 offload and budget counts the bytes a precision really needs. Which precisions a backend runs is
-its `precisions` (the CPU: all four, in fp32 math, 2-byte tensors through snrt/layers/staging.py).
+its `precisions` (both backends: all four, 2-byte tensors through snrt/layers/staging.py into
+fp32 kernels).
 """
 
 from dataclasses import dataclass

@@ -40,7 +40,7 @@ from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
 from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledNearestUpsample
 from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
-from snrt.layers.staging import staged_workspace_bytes
+from snrt.layers.staging import fp32_kernel_workspace_bytes
 
 SPLIT_CHANNELWISE = 1 << 20  # BatchNorm runs on one thread below this many values (measured break-even ~2^19)
 
@@ -164,8 +164,7 @@ class CpuKernels(LayerKernels):
     def workspace_bytes(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """The layer's fp32 workspace; with 2-byte tensors, after their fp32 staging (every
         CPU kernel computes in fp32, snrt/layers/staging.py)."""
-        own = self.kernel_for(layer, in_shapes).workspace_bytes(in_shapes, phase, FLOAT32_BYTES)
-        return own if itemsize == FLOAT32_BYTES else staged_workspace_bytes(layer, in_shapes, phase, own)
+        return fp32_kernel_workspace_bytes(self.kernel_for(layer, in_shapes), layer, in_shapes, phase, itemsize)
 
 
 CPU_KERNELS = CpuKernels()

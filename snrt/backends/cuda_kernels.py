@@ -15,6 +15,7 @@ from snrt.backends.cuda_layers import (CublasLinear, CudaAdd, CudaAvgPool, CudaB
 from snrt.backends.cuda_source import KernelModule
 from snrt.backends.cudnn_graphs import CudnnBatchNorm, CudnnContext, CudnnConv2d
 from snrt.layers.base import FLOAT32_BYTES
+from snrt.layers.staging import fp32_kernel_workspace_bytes
 
 
 def _cudnn_conv(layer, in_shapes, kernels):
@@ -105,8 +106,10 @@ class CudaKernels:
         return kernel
 
     def workspace_bytes(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
-        """What the planner should reserve for `layer`'s kernel (the planner hook)."""
-        return self.kernel_for(layer, in_shapes).workspace_bytes(in_shapes, phase, itemsize)
+        """What the planner should reserve for `layer`'s kernel (the planner hook): its fp32
+        workspace, after the fp32 staging of 2-byte tensors (the kernels compute in fp32 on
+        staged copies, snrt/layers/staging.py, as the CPU's do)."""
+        return fp32_kernel_workspace_bytes(self.kernel_for(layer, in_shapes), layer, in_shapes, phase, itemsize)
 
     def measured_seconds(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """The seconds `phase` of `layer`'s kernel was timed to take (its cuDNN engines'),

@@ -197,7 +197,7 @@ class CupyBackend(Backend):
     xp = cupy
     cost_model = cost.CUDA
 
-    precisions = ("fp32", "tf32")
+    precisions = ("fp32", "tf32", "bf16", "fp16")  # 2 bytes: fp32 kernels on staged copies
 
     @classmethod
     def planning_cost_model(cls):

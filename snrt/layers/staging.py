@@ -44,6 +44,14 @@ def staged_workspace_bytes(layer, in_shapes, phase, own_bytes):
     return scratch_aligned(staging) + own_bytes if own_bytes else staging
 
 
+def fp32_kernel_workspace_bytes(kernel, layer, in_shapes, phase, itemsize):
+    """What a backend's kernel choice reserves for `kernel`, a kernel of `layer` computing in
+    fp32: its own fp32 workspace, after the fp32 staging when tensors are stored in 2 bytes
+    (`itemsize` 2)."""
+    own = kernel.workspace_bytes(in_shapes, phase, FLOAT32_BYTES)
+    return own if itemsize == FLOAT32_BYTES else staged_workspace_bytes(layer, in_shapes, phase, own)
+
+
 class Staged:
     """`kernel` (a layer or a kernel of one) run on fp32 copies of its step's 2-byte arrays."""
 

@@ -436,8 +436,24 @@ def test_the_one_pass_relu_and_add_backwards_match_the_layers_own(inputs):
     assert all(np.array_equal(gx, gy) for gx in gxs if gx is not None)
 
 
+@pytest.mark.parametrize("layer, in_shapes", [(Conv2d(out_channels=4, kernel=3), [(2, 3, 8, 8)]),
+                                              (Linear(out_features=5), [(2, 7)])], ids=["Conv2d", "Linear"])
+def test_the_cuda_kernel_choice_reserves_the_fp32_staging_of_2_byte_tensors(layer, in_shapes):
+    """With 2-byte tensors a CUDA kernel runs on fp32 copies carved from its workspace, ahead
+    of its own fp32 workspace, as on the CPU: the kernel choice reserves both."""
+    pytest.importorskip("cupy")
+    from snrt.backends.cuda_kernels import CudaKernels
+    from snrt.layers.staging import staged_workspace_bytes
+
+    kernels = CudaKernels(use_cudnn=False)
+    for phase in (FORWARD, BACKWARD):
+        own = kernels.workspace_bytes(layer, in_shapes, phase)
+        assert kernels.workspace_bytes(layer, in_shapes, phase, 2) == staged_workspace_bytes(layer, in_shapes, phase, own)
+        assert kernels.workspace_bytes(layer, in_shapes, phase, 2) > own
+
+
 def test_tf32_plans_and_runs_with_tf32_kernels_and_fp32_with_fp32_ones(monkeypatch):
-    """The CUDA backend runs tf32 (and refuses the 2-byte precisions): its kernel choice for
+    """The CUDA backend runs every precision (2 bytes on staged fp32 copies): its kernel choice for
     tf32 admits TF32 cuDNN engines and computes GEMMs as CUBLAS_COMPUTE_32F_FAST_TF32, the one
     for fp32 neither (plain SGEMM); each is deterministic unless asked not to be."""
     cupy_backend = pytest.importorskip("snrt.backends.cupy_backend")
@@ -446,7 +462,7 @@ def test_tf32_plans_and_runs_with_tf32_kernels_and_fp32_with_fp32_ones(monkeypat
     from snrt.precision import unsupported
 
     CupyBackend = cupy_backend.CupyBackend
-    assert unsupported("tf32", CupyBackend) is None and unsupported("bf16", CupyBackend) is not None
+    assert all(unsupported(p, CupyBackend) is None for p in ("fp32", "tf32", "bf16", "fp16"))
     monkeypatch.setattr(cupy_backend, "_DEFAULT_KERNELS", {})
     tf32, fp32 = CupyBackend.kernel_choice("tf32"), CupyBackend.kernel_choice("fp32")
     assert tf32.allow_tf32 and not fp32.allow_tf32 and CupyBackend.kernel_choice() is fp32

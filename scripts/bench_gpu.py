@@ -6,8 +6,9 @@ iteration, then the median of `--iterations` timed iterations (the compute and c
 synchronized around each), the measured peak of live arena bytes against the plan's, the copy
 time (CUDA events), and what cudaMemGetInfo saw beyond the arena. A plan with copies then runs
 one more iteration with every step timed by CUDA events: the share of the copy time that ran
-while kernels did (`copies.hidden`) and each direction's achieved bandwidth. Writes
-results/bench_gpu.json.
+while kernels did (`copies.hidden`), each direction's achieved bandwidth and, with `--figures
+DIR`, DIR/gpu_streams_POLICY.png: that iteration on the compute, offload and prefetch streams
+against the plan's prediction. Writes results/bench_gpu.json.
 
     python scripts/bench_gpu.py                      # ResNet-50, 224x224, batch 32
     python scripts/bench_gpu.py --precision tf32 --policies none superneurons
@@ -30,7 +31,8 @@ from snrt.init import initial_parameters, initial_state
 from snrt.optim import SGD
 from snrt.runtime import prepare
 from snrt.summary import human_bytes
-from snrt.timeline import copy_overlap
+from snrt.scheduler.order import ITEMSIZE
+from snrt.timeline import copy_overlap, draw_streams, measured_streams, predicted_streams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,9 +42,11 @@ def load(config_path, image_size):
     return snrt.load_config(config_path, overrides)
 
 
-def copies(plan, backend, executor, feed, optimizer):
+def copies(runtime, feed, optimizer, figure=None):
     """{"hidden", "copy_s", "overlapped_s", "offload_GBps", "prefetch_GBps"} of one more
-    iteration with every compute step (kernels and updates) and copy timed by CUDA events."""
+    iteration with every compute step (kernels and updates) and copy timed by CUDA events;
+    with a `figure` path, that iteration's streams against the plan's prediction there."""
+    plan, backend, executor = runtime.plan, runtime.backend, runtime.executor
     backend.profile = True
     executor.wrap_steps(("forward", "recompute", "backward", "update"),
                         lambda step, action: lambda: _timed(backend, step, action))
@@ -52,6 +56,12 @@ def copies(plan, backend, executor, feed, optimizer):
     seconds = {kind: sum(e - s for k, what, s, e in events if k == "copy" and what.startswith(kind))
                for kind in ("offload", "prefetch")}
     nbytes = {kind: sum(plan.buffers[s.buffer].nbytes for s in plan.steps if s.kind == kind) for kind in seconds}
+    if figure:
+        itemsize = next(ITEMSIZE[b.dtype] for b in plan.buffers if b.role == "activation")
+        predicted = predicted_streams(plan, executor.graph, type(backend).planning_cost_model(), backend.kernels,
+                                      itemsize)
+        draw_streams(predicted, measured_streams(events), figure,
+                     f"{plan.policy}, batch {plan.batch}: predicted (upper bars) and CUDA events (lower)")
     return {**copy_overlap(events),
             **{f"{kind}_GBps": nbytes[kind] / seconds[kind] / 1e9 if seconds[kind] else None for kind in seconds}}
 
@@ -61,7 +71,7 @@ def _timed(backend, step, action):
         action()
 
 
-def run_policy(config, batch, policy, iterations, budget, precision, deterministic):
+def run_policy(config, batch, policy, iterations, budget, precision, deterministic, figures=None):
     graph = config.graph
     runtime = prepare(graph, batch, policy, budget, backend="cuda", precision=precision, deterministic=deterministic,
                       values={**initial_parameters(graph, 0), **initial_state(graph)})
@@ -91,7 +101,8 @@ def run_policy(config, batch, policy, iterations, budget, precision, determinist
             "planned_peak_bytes": plan.peak_bytes, "measured_peak_bytes": backend.arena.peak_bytes,
             "arena_bytes": plan.arena_bytes, "host_bytes": plan.host_bytes,
             "copy_s": copy_s, "memory": report, "kernels": backend.kernels.summary(),
-            "copies": copies(plan, backend, executor, feed, optimizer) if plan.host_bytes else None,
+            "copies": copies(runtime, feed, optimizer, figures and f"{figures}/gpu_streams_{policy}.png")
+            if plan.host_bytes else None,
         }
     finally:
         runtime.close()
@@ -106,6 +117,7 @@ def main():
     parser.add_argument("--policies", nargs="*", default=list(snrt.POLICIES))
     parser.add_argument("--precision", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--nondeterministic", action="store_true", help="admit cuDNN's non-deterministic engines")
+    parser.add_argument("--figures", help="folder for each copying policy's streams figure")
     parser.add_argument("--budget", type=int, default=None, help="device budget in bytes")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_gpu.json"))
     args = parser.parse_args()
@@ -118,7 +130,7 @@ def main():
     rows = []
     for policy in args.policies:
         row = run_policy(config, args.batch, policy, args.iterations, args.budget, args.precision,
-                         not args.nondeterministic)
+                         not args.nondeterministic, args.figures)
         rows.append(row)
         print(f"{policy:13s} {row['seconds_per_iteration'] * 1e3:9.1f} ms/iter  {row['images_per_s']:8.1f} img/s  "
               f"peak {human_bytes(row['measured_peak_bytes'])} (plan {human_bytes(row['planned_peak_bytes'])})  "

@@ -130,7 +130,7 @@ if (( gpus >= 2 )) && command -v mpiexec > /dev/null; then
 fi
 
 if (( bench )); then
-    run_stage bench-snrt 180 "$python" scripts/bench_gpu.py --out "$work/bench-snrt.json"
+    run_stage bench-snrt 180 "$python" scripts/bench_gpu.py --out "$work/bench-snrt.json" --figures results
     run_stage bench-snrt-tf32 90 "$python" scripts/bench_gpu.py --precision tf32 --policies none superneurons \
         --out "$work/bench-snrt-tf32.json"
     run_stage bench-snrt-nondeterministic 60 "$python" scripts/bench_gpu.py --nondeterministic --policies none \

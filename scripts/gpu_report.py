@@ -12,7 +12,7 @@ its file is reported as missing, with its exit status: the report is written wha
 
 The report opens with the targets of the GPU work (`targets`): each with its goal, what was
 measured (None where its stage left nothing, or where the work it measures is not built) and
-whether it is met.
+whether it is met. It shows the streams figures bench_gpu left beside it (gpu_streams_*.png).
 """
 
 import argparse
@@ -182,7 +182,7 @@ def target_rows(report):
              "yes" if t["met"] else "no") for t in report["targets"]]
 
 
-def markdown(report):
+def markdown(report, figures=()):
     env = report["environment"] or {}
     lines = ["# GPU check", "", f"Written by `bash scripts/gpu_check.sh` on {report['when']}.", "",
              f"- device and CUDA software: {env.get('device', 'unknown (the environment stage failed)')}",
@@ -210,6 +210,8 @@ def markdown(report):
               f"PyTorch {torch50.get('torch', '?')}, cuDNN {torch50.get('cudnn', '?')}, on {torch50.get('device', '?')}.", "",
               "| | ms/iteration | img/s | peak |", "| --- | --- | --- | --- |"]
     lines += [f"| {' | '.join(row)} |" for row in speed_rows(report)]
+    for name in figures:
+        lines += ["", f"![{name}]({name})"]
     r2500 = report["resnet2500"]
     lines += ["", "## snrt train configs/resnet2500.yaml --backend cuda --iterations 2", ""]
     if r2500 is None:
@@ -248,7 +250,8 @@ def main():
     report["targets"] = targets(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(report))
+    figures = sorted(path.name for path in args.out.parent.glob("gpu_streams_*.png"))  # bench_gpu --figures
+    args.out.with_suffix(".md").write_text(markdown(report, figures))
     print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')}")
     print(short_table(report))
 

@@ -1,6 +1,7 @@
-"""The memory timeline: bytes on the device per step, stacked by role, with the budget line.
-
-Predicted from a Plan, and, after a run, the measured live bytes per step drawn on top.
+"""Timelines of an iteration: the memory one (bytes on the device per step, stacked by role,
+with the budget line; predicted from a Plan and, after a run, the measured live bytes per step
+drawn on top) and the streams one (when each step runs on the compute, offload and prefetch
+streams, predicted by the cost model against CUDA events), and how much copy time kernels hid.
 """
 
 import matplotlib
@@ -8,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+from snrt.scheduler import cost  # noqa: E402
 from snrt.scheduler.plan import ROLES  # noqa: E402
 
 GIB = 2**30
@@ -94,3 +96,44 @@ def copy_overlap(events):
     copy_s = sum(e - s for s, e in copies)
     overlapped = sum(max(0.0, min(e, ce) - max(s, cs)) for s, e in copies for cs, ce in compute)
     return {"copy_s": copy_s, "overlapped_s": overlapped, "hidden": overlapped / copy_s if copy_s else 1.0}
+
+
+STREAMS = ("compute", "offload", "prefetch")
+
+
+def predicted_streams(plan, graph, model, kernels=None, itemsize=4):
+    """[(stream, start_s, end_s)] of `plan`'s steps (of `graph`) as CostModel `model` times them,
+    copies on their own streams (snrt/scheduler/cost.py's simulate; step times from `kernels`'
+    measurements where it has them, stored in `itemsize`-byte tensors)."""
+    seconds = [cost.step_seconds(step, graph, plan.batch, model, kernels, itemsize) for step in plan.steps]
+    intervals = []
+    cost.simulate(plan.steps, plan.buffers, seconds, model, intervals=intervals)
+    return [(stream, start, end) for stream, _, start, end in intervals]
+
+
+def measured_streams(events):
+    """[(stream, start_s, end_s)] of a backend's `timeline()` events ((kind, what, start, end);
+    a copy's `what` starts with offload or prefetch), from the first event's start."""
+    origin = min((start for _, _, start, _ in events), default=0.0)
+    return [(kind if kind == "compute" else what.split()[0], start - origin, end - origin)
+            for kind, what, start, end in events]
+
+
+def draw_streams(predicted, measured, path, title):
+    """Write a PNG of one iteration on the compute, offload and prefetch streams: for each, the
+    intervals the plan predicts (upper bar) and those measured (lower bar), in seconds."""
+    fig, ax = plt.subplots(figsize=(12, 3.6))
+    colors = {"predicted": "tab:blue", "measured": "tab:orange"}
+    for row, stream in enumerate(reversed(STREAMS)):
+        for lane, (label, intervals) in enumerate((("predicted", predicted), ("measured", measured))):
+            bars = [(start * 1e3, (end - start) * 1e3) for s, start, end in intervals if s == stream]
+            ax.broken_barh(bars, (row + 0.5 - 0.4 * lane, 0.38), color=colors[label], linewidth=0,
+                           label=label if row == 0 else None)
+    ax.set_yticks([row + 0.5 for row in range(len(STREAMS))], list(reversed(STREAMS)))
+    ax.set_ylim(-0.4, len(STREAMS) + 0.5)
+    ax.set_xlabel("milliseconds into the iteration")
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,7 +1,8 @@
 """Activations on the CPU: compiled kernels, with an exponential that vectorizes.
 
 The layers' NumPy code (snrt/layers/activation.py) makes two to twenty passes over the tensor
-and a scratch tensor. These kernels go over it once. GELU (both forms), SiLU, Sigmoid and ELU
+and a scratch tensor. These kernels go over it once (Softmax, which reduces along an axis: three
+times forward, twice backward; CompiledSoftmax). GELU (both forms), SiLU, Sigmoid and ELU
 take one exponential per value, a block of BLOCK values at a time: a first loop takes the
 exponentials, a second finishes the values. numba would call the C library's expf one value
 at a time (about 5 ns each, slower than NumPy's SIMD exp), so the exponential is written out:
@@ -219,3 +220,110 @@ class CompiledActivation(LayerLike):
             return
         self._exponentials_split(ctx, BACKWARD, exponential_backward, (kind, given.reshape(-1), gy.reshape(-1),
                                                                         gxs[0].reshape(-1)), given.size)
+
+
+@njit(**THREADED)
+def softmax_forward(x, y, channels, inner, chunks, w0, w1, largest, totals, mantissas, powers):
+    """y = softmax of x along the middle axis of (outer, channels, inner), both flat, for the
+    work items [w0, w1) (item w: outer index w // chunks, inner values of chunk w % chunks,
+    BLOCK at a time): the largest value, the exponentials and their sum, then y /= the sum; a
+    NaN anywhere along the axis gives NaN."""
+    scales = powers.view(np.float32)
+    for w in range(w0, w1):
+        i0 = (w % chunks) * BLOCK
+        count = min(BLOCK, inner - i0)
+        first = w // chunks * channels * inner + i0  # (o, 0, i0)
+        m, s = largest[:count], totals[:count]
+        m[:] = x[first:first + count]
+        for c in range(1, channels):
+            row = x[first + c * inner:first + c * inner + count]
+            for i in range(count):
+                v = row[i]
+                m[i] = v if (v > m[i]) | (v != v) else m[i]
+        s[:] = ZERO
+        for c in range(channels):
+            row, out = x[first + c * inner:first + c * inner + count], y[first + c * inner:first + c * inner + count]
+            for i in range(count):
+                t = row[i] - m[i]
+                less_one, k = _exp_parts(t)
+                mantissas[i] = ONE + less_one + (t - t)  # NaN gives NaN
+                powers[i] = (k - np.int32(1)) << np.int32(23)
+            for i in range(count):
+                e = mantissas[i] * scales[i]
+                out[i] = e
+                s[i] += e
+        for c in range(channels):
+            out = y[first + c * inner:first + c * inner + count]
+            for i in range(count):
+                out[i] = out[i] / s[i]
+
+
+@njit(**THREADED)
+def softmax_backward(y, gy, gx, channels, inner, chunks, w0, w1, totals):
+    """gx = y (gy - sum(gy y)) along the middle axis of (outer, channels, inner) arrays, flat,
+    for the work items [w0, w1) as in softmax_forward."""
+    for w in range(w0, w1):
+        i0 = (w % chunks) * BLOCK
+        count = min(BLOCK, inner - i0)
+        first = w // chunks * channels * inner + i0
+        s = totals[:count]
+        s[:] = ZERO
+        for c in range(channels):
+            at = first + c * inner
+            ys, gys = y[at:at + count], gy[at:at + count]
+            for i in range(count):
+                s[i] += gys[i] * ys[i]
+        for c in range(channels):
+            at = first + c * inner
+            ys, gys, gxs = y[at:at + count], gy[at:at + count], gx[at:at + count]
+            for i in range(count):
+                gxs[i] = (gys[i] - s[i]) * ys[i]
+
+
+class CompiledSoftmax(LayerLike):
+    """Softmax by softmax_forward and softmax_backward: the tensor seen as (outer, channels,
+    inner) around the layer's axis, three passes forward and two backward where the layer's
+    code makes five and four, on the kernel threads when it holds SPLIT_VALUES values or more
+    (each thread its own blocks of workspace: four forward, one backward)."""
+
+    BLOCKS = {FORWARD: 4, BACKWARD: 1}
+
+    def _blocks_bytes(self, phase, threads):
+        return scratch_bytes(*[BLOCK * FLOAT32_BYTES] * (self.BLOCKS[phase] * threads))
+
+    def _threads(self, size):
+        return kernel_threads() if size >= SPLIT_VALUES else 1
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        if itemsize != FLOAT32_BYTES:
+            return self.layer.workspace_bytes(in_shapes, phase, itemsize)
+        return self._blocks_bytes(phase, self._threads(numel(in_shapes[0])))
+
+    def _split(self, ctx, phase, function, arrays, blocks):
+        """function(*arrays flat, channels, inner, chunks, w0, w1, *blocks of float32 / int32
+        per thread) over the work items of the (outer, channels, inner) view, split among the
+        threads (flat rows: numba vectorizes a 1-d slice, not a row of a 3-d array)."""
+        shape = arrays[0].shape
+        outer, channels = math.prod(shape[:self.layer.axis]), shape[self.layer.axis]
+        inner = math.prod(shape[self.layer.axis + 1:])
+        chunks = -(-inner // BLOCK)
+        threads = fitting_threads(ctx.workspace.nbytes, lambda count: self._blocks_bytes(phase, count))
+        threads = max(1, min(threads, self._threads(arrays[0].size), outer * chunks))
+        per_thread = [tuple(ctx.scratch((BLOCK,), dtype) for dtype in blocks) for _ in range(threads)]
+        flat = tuple(a.reshape(-1) for a in arrays)
+        run_split(function, 0, outer * chunks, per_thread, (*flat, channels, inner, chunks))
+        ctx.release_scratch()
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
+        self._split(ctx, FORWARD, softmax_forward, (x, y), (np.float32, np.float32, np.float32, np.int32))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx, y = gxs[0], saved.y
+        if gx is None:
+            return
+        if y.dtype != np.float32 or not y.flags.c_contiguous:
+            return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
+        self._split(ctx, BACKWARD, softmax_backward, (y, gy, gx), (np.float32,))

@@ -29,7 +29,7 @@ this file (`cache=True`): about 0.7 s the first time, under 0.3 s to load in a n
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_activation import CompiledActivation
+from snrt.backends.cpu_activation import CompiledActivation, CompiledSoftmax
 from snrt.backends.cpu_channel import CompiledGateMul, CompiledScale
 from snrt.backends.cpu_choice import setting
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, no_arguments_per_thread, run_split
@@ -37,7 +37,7 @@ from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
 from snrt.backends.cpu_pool import CompiledGlobalAvgPool, CompiledMaxPool
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
-from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledNearestUpsample
+from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledUpsample
 from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
 from snrt.layers.staging import fp32_kernel_workspace_bytes
@@ -146,7 +146,8 @@ class CpuKernels(LayerKernels):
         "BatchNorm": (CompiledBatchNorm,), "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d),
         "MaxPool": (CompiledMaxPool,), "GlobalAvgPool": (CompiledGlobalAvgPool,), "GroupNorm": (CompiledGroupNorm,),
         "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
-        "Upsample": (CompiledNearestUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),
+        "Upsample": (CompiledUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),
+        "Softmax": (CompiledSoftmax,),
         **{name: (CompiledActivation,) for name in ("GELU", "SiLU", "Sigmoid", "ELU", "ReLU", "ReLU6")}}
 
     def kernel_for(self, layer, in_shapes):

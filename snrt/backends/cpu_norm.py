@@ -11,7 +11,9 @@ its values are in cache:
 - GroupNorm of x viewed (N * groups, C / groups, K): each group's values are one contiguous
   block, normalised as a whole: its sums in one pass, then y = x * scale + shift per channel;
   backward, per channel, the sums of gy and gy * x, from which gx is a * gy + b * x + d per
-  channel, as in the BatchNorm kernel.
+  channel, as in the BatchNorm kernel. The blocks are shared among the kernel threads (from
+  SPLIT_VALUES values); the parameter gradients then sum the blocks' sums in block order, so
+  the bits do not depend on the number of threads.
 
 Sums are float64 (var = E[x^2] - mean^2, as in the BatchNorm kernel), each in a fixed order,
 so the same inputs give the same bits in every run and policy. The kernels never run the
@@ -21,10 +23,11 @@ layers' code, so they say what workspace they need: float64 sums.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import COMPILED, LayerLike
+from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, no_arguments_per_thread, run_split
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
 
 SUM_BYTES = 8  # float64 sums
+SPLIT_VALUES = 1 << 18  # GroupNorm's tensors of fewer values run on one thread
 
 
 # ---- LayerNorm: statistics per position, over the channels -----------------------------------
@@ -86,14 +89,14 @@ def layer_norm_backward(x, gy, weight, mean, inv_std, sums, parameter_sums, gx, 
 
 
 # ---- GroupNorm: statistics per group, over its channels and positions ----------------------
-@njit(**COMPILED)
-def group_norm_forward(x, weight, bias, eps, groups, mean, inv_std, y):
-    """x and y viewed (N * groups, C / groups, K); per block a: mean[a] and inv_std[a] (written,
-    shape (A, 1, 1)), then y = x * scale + shift with scale = weight[c] * inv_std, shift =
-    bias[c] - mean * scale for each channel c of the block."""
-    blocks, per_group, width = x.shape
+@njit(**THREADED)
+def group_norm_forward(x, weight, bias, eps, groups, mean, inv_std, y, a0, a1):
+    """x and y viewed (N * groups, C / groups, K); per block a in [a0, a1): mean[a] and
+    inv_std[a] (written, shape (A, 1, 1)), then y = x * scale + shift with scale = weight[c] *
+    inv_std, shift = bias[c] - mean * scale for each channel c of the block."""
+    _, per_group, width = x.shape
     count = per_group * width
-    for a in range(blocks):
+    for a in range(a0, a1):
         total = 0.0
         squares = 0.0
         for cg in range(per_group):
@@ -112,18 +115,15 @@ def group_norm_forward(x, weight, bias, eps, groups, mean, inv_std, y):
                 y[a, cg, k] = x[a, cg, k] * scale + shift
 
 
-@njit(**COMPILED)
-def group_norm_backward(x, gy, weight, mean, inv_std, groups, channel_sums, parameter_sums, gx, gweight, gbias):
-    """Per block a (as in group_norm_forward) of M values, per channel c of it: S = sum gy and
-    P = sum gy x (channel_sums (2, C / groups) float64); over the blocks gbias[c] = sum of S and
-    gweight[c] = sum of (P - mean S) inv_std = sum gy xhat (parameter_sums (2, C) float64);
-    unless gx is empty, gx = weight[c] inv_std gy + b x + d, the _Normalize gradient per
-    channel, with gh = gy weight: b = -inv_std^2 sum(gh xhat) / M, d = -inv_std sum(gh) / M -
-    b mean."""
-    blocks, per_group, width = x.shape
+@njit(**THREADED)
+def group_norm_backward_blocks(x, gy, weight, mean, inv_std, groups, block_sums, gx, a0, a1):
+    """Per block a in [a0, a1) (as in group_norm_forward) of M values, per channel c of it:
+    S = sum gy and P = sum gy x into block_sums[a] ((A, 2, C / groups) float64); unless gx is
+    empty, gx = weight[c] inv_std gy + b x + d, the _Normalize gradient per channel, with gh =
+    gy weight: b = -inv_std^2 sum(gh xhat) / M, d = -inv_std sum(gh) / M - b mean."""
+    _, per_group, width = x.shape
     count = per_group * width
-    parameter_sums[:] = 0.0
-    for a in range(blocks):
+    for a in range(a0, a1):
         mu, istd = np.float64(mean[a, 0, 0]), np.float64(inv_std[a, 0, 0])
         gh_sum = 0.0
         gh_xhat_sum = 0.0
@@ -135,12 +135,9 @@ def group_norm_backward(x, gy, weight, mean, inv_std, groups, channel_sums, para
                 g = np.float64(gy[a, cg, k])
                 total += g
                 products += g * x[a, cg, k]
-            channel_sums[0, cg], channel_sums[1, cg] = total, products
-            by_xhat = (products - mu * total) * istd  # sum gy xhat over the channel
-            parameter_sums[0, c] += by_xhat
-            parameter_sums[1, c] += total
+            block_sums[a, 0, cg], block_sums[a, 1, cg] = total, products
             gh_sum += weight[c] * total
-            gh_xhat_sum += weight[c] * by_xhat
+            gh_xhat_sum += weight[c] * ((products - mu * total) * istd)  # weight times sum gy xhat
         if gx.size == 0:
             continue
         b = -istd * istd * gh_xhat_sum / count
@@ -149,6 +146,21 @@ def group_norm_backward(x, gy, weight, mean, inv_std, groups, channel_sums, para
             scale = weight[a % groups * per_group + cg] * istd
             for k in range(width):
                 gx[a, cg, k] = scale * gy[a, cg, k] + b * x[a, cg, k] + d
+
+
+@njit(**COMPILED)
+def group_norm_parameter_grads(mean, inv_std, groups, block_sums, parameter_sums, gweight, gbias):
+    """Over the blocks in order: gbias[c] = sum of S and gweight[c] = sum of (P - mean S)
+    inv_std = sum gy xhat (parameter_sums (2, C) float64)."""
+    blocks, _, per_group = block_sums.shape
+    parameter_sums[:] = 0.0
+    for a in range(blocks):
+        mu, istd = np.float64(mean[a, 0, 0]), np.float64(inv_std[a, 0, 0])
+        for cg in range(per_group):
+            c = a % groups * per_group + cg
+            total, products = block_sums[a, 0, cg], block_sums[a, 1, cg]
+            parameter_sums[0, c] += (products - mu * total) * istd
+            parameter_sums[1, c] += total
     for c in range(gweight.shape[0]):
         gweight[c] = parameter_sums[0, c]
         gbias[c] = parameter_sums[1, c]
@@ -193,28 +205,34 @@ class CompiledLayerNorm(_CompiledNormalize):
 
 
 class CompiledGroupNorm(_CompiledNormalize):
-    """GroupNorm by group_norm_forward and group_norm_backward, on the (N * groups, C / groups,
-    K) view (the layer's statistics, (N * groups, 1, 1), are the same values)."""
+    """GroupNorm by group_norm_forward, group_norm_backward_blocks (both on the kernel threads,
+    each thread a share of the blocks) and group_norm_parameter_grads (one thread, the blocks in
+    order), on the (N * groups, C / groups, K) view (the layer's statistics, (N * groups, 1, 1),
+    are the same values)."""
 
     def _block_view(self, shape):
         groups = self.layer.groups
         return (shape[0] * groups, shape[1] // groups, int(np.prod(shape[2:], dtype=np.int64)))
 
     def _sums_shapes(self, in_shapes, phase):
-        channels = in_shapes[0][1]
-        return [(2, channels // self.layer.groups), (2, channels)] if phase == BACKWARD else []
+        blocks, per_group, _ = self._block_view(in_shapes[0])
+        return [(blocks, 2, per_group), (2, in_shapes[0][1])] if phase == BACKWARD else []
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
         view = self._block_view(x.shape)
-        group_norm_forward(x.reshape(view), params["weight"], params["bias"], self.layer.eps, self.layer.groups,
-                           aux["mean"], aux["inv_std"], y.reshape(view))
+        run_split(group_norm_forward, 0, view[0], no_arguments_per_thread(x.size, SPLIT_VALUES),
+                  (x.reshape(view), params["weight"], params["bias"], self.layer.eps, self.layer.groups,
+                   aux["mean"], aux["inv_std"], y.reshape(view)))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         x = saved.xs[0]
         view = self._block_view(x.shape)
-        channel_sums, parameter_sums = self._sums(ctx, x, BACKWARD)
+        block_sums, parameter_sums = self._sums(ctx, x, BACKWARD)
         gx = gxs[0].reshape(view) if gxs[0] is not None else x.reshape(view)[:0]  # empty: not asked for
-        group_norm_backward(x.reshape(view), gy.reshape(view), params["weight"], aux["mean"], aux["inv_std"],
-                            self.layer.groups, channel_sums, parameter_sums, gx, gparams["weight"], gparams["bias"])
+        run_split(group_norm_backward_blocks, 0, view[0], no_arguments_per_thread(x.size, SPLIT_VALUES),
+                  (x.reshape(view), gy.reshape(view), params["weight"], aux["mean"], aux["inv_std"],
+                   self.layer.groups, block_sums, gx))
+        group_norm_parameter_grads(aux["mean"], aux["inv_std"], self.layer.groups, block_sums, parameter_sums,
+                                   gparams["weight"], gparams["bias"])
         ctx.release_scratch()

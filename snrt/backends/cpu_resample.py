@@ -1,11 +1,16 @@
-"""AdaptiveAvgPool and nearest Upsample on the CPU: compiled loops, one pass each way.
+"""AdaptiveAvgPool and Upsample on the CPU: compiled loops, one pass each way.
 
 The layers' NumPy code (snrt/layers/pool.py) makes one strided pass per output bin
-(AdaptiveAvgPool) or per copy offset (Upsample), each a NumPy call over the whole batch with
-short strided rows; these kernels walk every (sample, channel) map once, its rows contiguous.
-AdaptiveAvgPool's bins are PyTorch's (the layer's `adaptive_bins`), passed as (start, end)
-arrays; each bin's sum runs in a fixed order. Neither kernel needs workspace. From
-SPLIT_VALUES values the maps are split among the kernel threads, each map one thread's.
+(AdaptiveAvgPool) or per copy offset (nearest Upsample), each a NumPy call over the whole
+batch with short strided rows, or two batched products with dense (sH, H) and (sW, W) weight
+matrices of which two entries a row are not zero (bilinear Upsample); these kernels walk every
+(sample, channel) map once, its rows contiguous. AdaptiveAvgPool's bins are PyTorch's (the
+layer's `adaptive_bins`), passed as (start, end) arrays; each bin's sum runs in a fixed order.
+Bilinear takes each output from its four taps (the layer's `bilinear_taps`) in PyTorch's order,
+h0 (w0 x00 + w1 x01) + h1 (w0 x10 + w1 x11), and its backward adds each output's gradient
+into the four, output by output. No kernel needs workspace (2-byte tensors reach them staged
+in fp32). From SPLIT_VALUES values the maps
+are split among the kernel threads, each map one thread's.
 """
 
 import numpy as np
@@ -13,7 +18,7 @@ from numba import njit
 
 from snrt.backends.cpu_common import THREADED, LayerLike, no_arguments_per_thread, run_split
 from snrt.layers.base import FLOAT32_BYTES
-from snrt.layers.pool import adaptive_bins
+from snrt.layers.pool import adaptive_bins, bilinear_taps
 
 SPLIT_VALUES = 1 << 20  # input and output values below which a kernel runs on one thread
 
@@ -83,6 +88,40 @@ def nearest_backward(gy, sh, sw, gx):
                             row[j] += copies[j * sw + b]
 
 
+@njit(**THREADED)
+def bilinear_forward(x, row_taps, row_weights, col_taps, col_weights, y):
+    """y[n, c, i, j] from the four taps of x[n, c]: row i reads input rows row_taps[i] (low,
+    high) with row_weights[i], column j input columns col_taps[j] with col_weights[j]."""
+    n, channels = x.shape[0], x.shape[1]
+    for s in range(n):
+        for c in range(channels):
+            for i in range(y.shape[2]):
+                low, high, out = x[s, c, row_taps[i, 0]], x[s, c, row_taps[i, 1]], y[s, c, i]
+                h0, h1 = row_weights[i, 0], row_weights[i, 1]
+                for j in range(y.shape[3]):
+                    q0, q1, w0, w1 = col_taps[j, 0], col_taps[j, 1], col_weights[j, 0], col_weights[j, 1]
+                    out[j] = h0 * (w0 * low[q0] + w1 * low[q1]) + h1 * (w0 * high[q0] + w1 * high[q1])
+
+
+@njit(**THREADED)
+def bilinear_backward(gy, row_taps, row_weights, col_taps, col_weights, gx):
+    """gx[n, c] = 0, then each gy[n, c, i, j] added into its four taps, weighted, in the order
+    of i, then j."""
+    n, channels = gx.shape[0], gx.shape[1]
+    for s in range(n):
+        for c in range(channels):
+            gx[s, c] = 0.0
+            for i in range(gy.shape[2]):
+                low, high, g = gx[s, c, row_taps[i, 0]], gx[s, c, row_taps[i, 1]], gy[s, c, i]
+                h0, h1 = row_weights[i, 0], row_weights[i, 1]
+                for j in range(gy.shape[3]):
+                    q0, q1, w0, w1 = col_taps[j, 0], col_taps[j, 1], col_weights[j, 0], col_weights[j, 1]
+                    low[q0] += h0 * w0 * g[j]
+                    low[q1] += h0 * w1 * g[j]
+                    high[q0] += h1 * w0 * g[j]
+                    high[q1] += h1 * w1 * g[j]
+
+
 def _on_maps(kernel, source, args, target):
     """kernel(source, *args, target) (source and target (N, C, ...)) on each thread's share of
     the N*C maps, as arrays (1, maps, ...) whose maps run as one sample's channels."""
@@ -117,19 +156,31 @@ class CompiledAdaptiveAvgPool(LayerLike):
             _on_maps(adaptive_avg_backward, gy, self._bins(gxs[0].shape), gxs[0])
 
 
-class CompiledNearestUpsample(LayerLike):
-    """Upsample in `nearest` mode by nearest_forward and nearest_backward (bilinear: the layer)."""
+def _taps(size, out, dtype):
+    """(int64 (out, 2) low and high indices, (out, 2) weights 1 - frac and frac in `dtype`)
+    of bilinear_taps along one axis."""
+    low, high, frac = bilinear_taps(size, out)
+    return np.stack([low, high], axis=1).astype(np.int64), np.stack([1 - frac, frac], axis=1).astype(dtype)
 
-    @staticmethod
-    def serves(layer, in_shapes):
-        return layer.mode == "nearest"
+
+class CompiledUpsample(LayerLike):
+    """Upsample by nearest_forward and nearest_backward, or bilinear_forward and
+    bilinear_backward (the layer's bilinear_taps along each axis)."""
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         return 0
 
+    def _run(self, kernels, source, target, maps):
+        """kernels (nearest's, bilinear's) on each map of `source` into `target`, both (N, C,
+        ...); `maps` is the input's (H, W)."""
+        if self.layer.mode == "nearest":
+            return _on_maps(kernels[0], source, self.layer.scale, target)
+        (h, w), (sh, sw) = maps, self.layer.scale
+        _on_maps(kernels[1], source, (*_taps(h, h * sh, source.dtype), *_taps(w, w * sw, source.dtype)), target)
+
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        _on_maps(nearest_forward, xs[0], self.layer.scale, y)
+        self._run((nearest_forward, bilinear_forward), xs[0], y, xs[0].shape[2:])
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         if gxs[0] is not None:
-            _on_maps(nearest_backward, gy, self.layer.scale, gxs[0])
+            self._run((nearest_backward, bilinear_backward), gy, gxs[0], gxs[0].shape[2:])

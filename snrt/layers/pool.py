@@ -317,13 +317,20 @@ class AdaptiveAvgPool(Layer):
         return numel(in_shapes[0][:2]) * itemsize if phase == BACKWARD else 0
 
 
-def _bilinear_weights(size, out):
-    """(out, size) host matrix of PyTorch's bilinear weights (align_corners false) along one
-    axis: output i samples the input at (i + 0.5) size / out - 0.5, clamped at 0."""
+def bilinear_taps(size, out):
+    """(low, high, frac) of PyTorch's bilinear interpolation (align_corners false) along one
+    axis, each of `out` values: output i samples the input at (i + 0.5) size / out - 0.5,
+    clamped at 0, between input indices low and high (high = low at the last one) with weights
+    1 - frac and frac."""
     position = np.maximum((np.arange(out) + 0.5) * (size / out) - 0.5, 0)
     low = np.minimum(np.floor(position).astype(int), size - 1)
     high = np.minimum(low + 1, size - 1)
-    frac = position - low
+    return low, high, position - low
+
+
+def _bilinear_weights(size, out):
+    """(out, size) host matrix of the weights of bilinear_taps."""
+    low, high, frac = bilinear_taps(size, out)
     weights = np.zeros((out, size))
     np.add.at(weights, (np.arange(out), low), 1 - frac)
     np.add.at(weights, (np.arange(out), high), frac)

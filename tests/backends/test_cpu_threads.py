@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 import snrt.threads
-from snrt.backends import cpu_activation, cpu_channel, cpu_depthwise, cpu_kernels, cpu_pool, cpu_resample
+from snrt.backends import cpu_activation, cpu_channel, cpu_depthwise, cpu_kernels, cpu_norm, cpu_pool, cpu_resample
 from snrt.backends.cpu_common import run_split
 from snrt.backends.cpu_kernels import CPU_KERNELS
-from snrt.layers.activation import ELU, GELU, ReLU, ReLU6, Sigmoid, SiLU
+from snrt.layers.activation import ELU, GELU, ReLU, ReLU6, Sigmoid, SiLU, Softmax
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.conv import Conv2d
-from snrt.layers.norm import BatchNorm
+from snrt.layers.norm import BatchNorm, GroupNorm
 from snrt.layers.join import Scale
 from snrt.layers.pool import AdaptiveAvgPool, MaxPool, Upsample
 from tests.layers.harness import make_params, make_state
@@ -24,13 +24,14 @@ LAYERS = [BatchNorm(), BatchNorm(affine=False), SiLU(), GELU(), GELU(approximate
           ReLU(), ReLU6(),
           MaxPool(kernel=3, stride=2, padding=1), MaxPool(kernel=2),
           Conv2d(out_channels=8, kernel=3, padding=1, groups=8), Conv2d(out_channels=16, kernel=5, stride=2, groups=8),
-          Upsample(scale=2), AdaptiveAvgPool(output=(5, 7)), Scale(init=0.5)]
+          Upsample(scale=2), Upsample(scale=2, mode="bilinear"), AdaptiveAvgPool(output=(5, 7)), Scale(init=0.5),
+          GroupNorm(groups=4), Softmax()]
 
 
 def expected_threads(layer, planned, threads):
     """The thread counts of the kernel's run_split calls, forward then backward: `threads` where
     a kernel needs no workspace, else as many as it was planned for."""
-    if isinstance(layer, (BatchNorm, MaxPool, ReLU, ReLU6, Upsample, AdaptiveAvgPool, Scale)):
+    if isinstance(layer, (BatchNorm, MaxPool, ReLU, ReLU6, Upsample, AdaptiveAvgPool, Scale, GroupNorm)):
         return [threads, threads]
     if isinstance(layer, (Sigmoid, ELU)):  # the exponentials in workspace, a backward without
         return [planned, threads]
@@ -49,7 +50,7 @@ def run(layer, x, planned_threads, threads, monkeypatch):
         used.append(len(per_thread_args))
         run_split(function, start, stop, per_thread_args, shared_args)
 
-    for module in (cpu_activation, cpu_channel, cpu_depthwise, cpu_kernels, cpu_pool, cpu_resample):
+    for module in (cpu_activation, cpu_channel, cpu_depthwise, cpu_kernels, cpu_norm, cpu_pool, cpu_resample):
         monkeypatch.setattr(module, "run_split", counted)
     monkeypatch.setattr(snrt.threads, "_LIMIT", [planned_threads])
     kernel = CPU_KERNELS.kernel_for(layer, [x.shape])

@@ -147,3 +147,32 @@ def test_relu6_clips_at_six():
     x[np.abs(x - 6) < 0.1] += 0.2
     assert (x > 6).any() and ((x > 0) & (x < 6)).any() and (x < 0).any()
     check_layer(ReLU6(), [x], lambda xs, p: torch.nn.functional.relu6(xs[0]))
+
+
+@pytest.mark.parametrize("axis, shape", [(1, (2, 3, 4, 5)), (1, (3, 7)), (3, (2, 3, 4, 5)), (1, (2, 5, 1100)),
+                                         (2, (2, 3, 300, 700))])  # 1100, 700: more than one block of the kernel
+def test_compiled_softmax(axis, shape):
+    """The CPU backend's Softmax kernel: the layer's checks against PyTorch, the layer's own
+    values to float32 rounding, and a NaN along the axis gives NaN there only."""
+    from snrt.backends.cpu_activation import CompiledSoftmax
+    from tests.layers.harness import run_forward
+
+    layer = Softmax(axis=axis)
+    kernel = CPU_KERNELS.kernel_for(layer, [shape])
+    assert isinstance(kernel, CompiledSoftmax)
+    if np.prod(shape) < 10_000:
+        check_layer(kernel, [away_from_zero(shape)], lambda xs, p: torch.softmax(xs[0], dim=axis))
+    x = (away_from_zero(shape, seed=2) * 5).astype(np.float32)
+    x[(0,) * x.ndim] = np.nan
+    (ours, _), (theirs, _) = run_forward(kernel, [x], {}), run_forward(layer, [x], {})
+    np.testing.assert_allclose(ours, theirs, rtol=2e-6, atol=1e-7)
+    nan_line = np.isnan(theirs)
+    assert nan_line.any() and np.array_equal(np.isnan(ours), nan_line)
+    rng = np.random.default_rng(3)
+    y, gy = theirs, rng.standard_normal(shape).astype(np.float32)
+    gx, expected = np.empty_like(y), np.empty_like(y)
+    workspace = np.zeros(max(kernel.workspace_bytes([shape], BACKWARD), layer.workspace_bytes([shape], BACKWARD)),
+                         np.uint8)
+    kernel.backward(KernelContext(np, workspace=workspace), gy, Saved((x,), y), {}, {}, [gx], {})
+    layer.backward(KernelContext(np, workspace=workspace), gy, Saved((x,), y), {}, {}, [expected], {})
+    np.testing.assert_allclose(gx, expected, rtol=1e-5, atol=1e-6)  # gy - sum(gy y) cancels: rounding of O(1) terms

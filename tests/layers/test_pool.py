@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from snrt.errors import ShapeError
-from snrt.layers.base import BACKWARD, FORWARD
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.backends.cpu_pool import CompiledMaxPool
 from snrt.layers.pool import AvgPool, GlobalAvgPool, MaxPool
@@ -211,9 +211,31 @@ def test_upsample_matches_pytorch(scale, mode, compiled):
     layer = Upsample(scale=scale, mode=mode)
     x = np.random.default_rng(0).standard_normal((2, 3, 4, 5))
     kernel = CPU_KERNELS.kernel_for(layer, [x.shape]) if compiled else layer
-    assert (kernel is layer) != (compiled and mode == "nearest")  # bilinear: the layer's GEMMs
+    assert (kernel is layer) != compiled
     check_layer(kernel, [x], lambda xs, p: OPS["Upsample"](layer, xs, p, {}, True))
     assert layer.infer_shape([x.shape]) == (2, 3, 4 * layer.scale[0], 5 * layer.scale[1])
+
+
+@pytest.mark.parametrize("scale", [2, (3, 2)])
+def test_compiled_bilinear_upsample_gives_the_layers_values_in_float32(scale):
+    """The bilinear kernel against the layer's weight-matrix products, float32, both ways, on
+    maps wide enough that the kernel threads share them."""
+    from snrt.backends.cpu_resample import CompiledUpsample
+    from snrt.layers.pool import Upsample
+
+    layer, shape = Upsample(scale=scale, mode="bilinear"), (2, 64, 48, 40)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(shape).astype(np.float32)
+    kernel = CPU_KERNELS.kernel_for(layer, [shape])
+    assert isinstance(kernel, CompiledUpsample) and kernel.workspace_bytes([shape], FORWARD) == 0
+    (ours, _), (theirs, _) = run_forward(kernel, [x], {}), run_forward(layer, [x], {})
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    gy = rng.standard_normal(ours.shape).astype(np.float32)
+    gx, expected = np.empty_like(x), np.empty_like(x)
+    workspace = np.zeros(layer.workspace_bytes([shape], BACKWARD), np.uint8)
+    kernel.backward(KernelContext(np), gy, Saved((x,), ours), {}, {}, [gx], {})
+    layer.backward(KernelContext(np, workspace=workspace), gy, Saved((x,), ours), {}, {}, [expected], {})
+    np.testing.assert_allclose(gx, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_upsample_rejects_bad_options():

@@ -7,6 +7,7 @@
 #     bash scripts/gpu_check.sh                       # in the Python environment it is started in
 #     bash scripts/gpu_check.sh --venv gpu-cuda13     # a fresh venv with that extra (needs network)
 #     bash scripts/gpu_check.sh --no-bench            # the tests only
+#     bash scripts/gpu_check.sh --seconds 300         # end within 300 s (default 540)
 #
 # By default it uses the Python environment it is started in (`python3`, or $PYTHON): CuPy,
 # cuDNN and, for the comparison, PyTorch with torchvision already installed, the checkout put
@@ -29,13 +30,16 @@ cd "$(dirname "$0")/.."
 root=$PWD
 bench=1
 venv_extra=""
+seconds=540  # the whole check's time: a stage gets at most what is left, and none starts with under 15 s
 while (( $# )); do
     case "$1" in
         --no-bench) bench=0; shift ;;
         --venv) venv_extra="${2:?--venv needs an extra: gpu (CUDA 12) or gpu-cuda13}"; shift 2 ;;
-        *) echo "usage: bash scripts/gpu_check.sh [--venv gpu|gpu-cuda13] [--no-bench]" >&2; exit 2 ;;
+        --seconds) seconds="${2:?--seconds needs a number}"; shift 2 ;;
+        *) echo "usage: bash scripts/gpu_check.sh [--venv gpu|gpu-cuda13] [--no-bench] [--seconds N]" >&2; exit 2 ;;
     esac
 done
+deadline=$(( SECONDS + seconds - 15 ))  # 15 s kept for the report
 
 python="${PYTHON:-python3}"
 if [[ -n "$venv_extra" ]]; then
@@ -73,6 +77,13 @@ cores=$(nproc)
 run_stage() {  # NAME SECONDS COMMAND...: run it time-boxed, log to $work/NAME.log, record rc and seconds
     local name=$1 seconds=$2
     shift 2
+    local left=$(( deadline - SECONDS ))
+    if (( left < 15 )); then  # recorded with exit -1: the report says the check's time ran out before it
+        echo "$name -1 0 $seconds" >> "$work/stages.txt"
+        echo "== $name: skipped, the check's time is spent"
+        return
+    fi
+    (( seconds > left )) && seconds=$left
     local start=$SECONDS
     timeout --kill-after=10 "$seconds" "$@" > "$work/$name.log" 2>&1
     local rc=$?

@@ -3,7 +3,8 @@ OUT.md and OUT.json (default results/gpu_check.*), then prints a short table.
 
     python scripts/gpu_report.py /tmp/snrt-gpu-check --out results/gpu_check
 
-The work folder holds stages.txt (one line per stage: name, exit status, seconds, limit),
+The work folder holds stages.txt (one line per stage: name, exit status or -1 when the
+check's time ran out before it, seconds, limit),
 environment.json, the pytest runs' JUnit XML (tests-backends.xml, tests-rest.xml), bench_gpu's
 JSON (bench-snrt.json in fp32, bench-snrt-tf32.json, bench-snrt-nondeterministic.json), the
 ResNet-2500 run folder
@@ -33,7 +34,8 @@ def read_json(path):
 
 
 def read_stages(work):
-    """{name: {"exit": rc, "seconds": s, "limit": s}} (exit 124 or 137: out of time)."""
+    """{name: {"exit": rc, "seconds": s, "limit": s}} (exit 124 or 137: out of time; -1: not
+    started, the check's time spent)."""
     stages = {}
     path = work / "stages.txt"
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -193,7 +195,8 @@ def markdown(report, figures=()):
     lines += ["", "## Stages", "",
              "| stage | exit | seconds | limit |", "| --- | --- | --- | --- |"]
     for name, stage in report["stages"].items():
-        status = "out of time" if stage["exit"] in (124, 137) else stage["exit"]
+        status = ("out of time" if stage["exit"] in (124, 137) else
+                  "skipped: the check's time was spent" if stage["exit"] == -1 else stage["exit"])
         lines.append(f"| {name} | {status} | {stage['seconds']} | {stage['limit']} |")
     lines += ["", "## Tests", ""]
     for name, tests in report["tests"].items():

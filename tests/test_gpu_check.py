@@ -29,7 +29,8 @@ def test_without_a_gpu_the_check_says_so_in_one_line_and_exits_0(tmp_path):
 def test_the_report_is_written_from_what_the_stages_left(tmp_path):
     work = tmp_path / "work"
     (work / "resnet2500").mkdir(parents=True)
-    (work / "stages.txt").write_text("environment 0 3 60\ntests-backends 1 40 200\nbench-snrt 124 150 150\n")
+    (work / "stages.txt").write_text("environment 0 3 60\ntests-backends 1 40 200\nbench-snrt 124 150 150\n"
+                                     "bench-torch -1 0 90\n")
     (work / "tests-backends.xml").write_text(
         '<testsuites><testsuite><testcase classname="tests.a" name="test_ok"/>'
         '<testcase classname="tests.a" name="test_bad"><failure message="assert 1 == 2">x</failure></testcase>'
@@ -45,6 +46,7 @@ def test_the_report_is_written_from_what_the_stages_left(tmp_path):
     assert result.returncode == 0, result.stderr
     text = out.with_suffix(".md").read_text()
     assert "| bench-snrt | out of time | 150 | 150 |" in text
+    assert "| bench-torch | skipped: the check's time was spent | 0 | 90 |" in text
     assert "tests-backends: 1 passed, 1 failed, 1 skipped" in text and "tests.a::test_bad: assert 1 == 2" in text
     assert "| PyTorch fp32 | 40.0 | 800 | 3.00 GiB |" in text and "| PyTorch defaults | failed |" in text
     assert "No summary" in text  # ResNet-2500 left nothing

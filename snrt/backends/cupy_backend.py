@@ -65,7 +65,7 @@ from cupy.cuda import runtime
 from snrt.backends.base import Backend, CopyEvent
 from snrt.backends.cuda_kernels import CudaKernels
 from snrt.backends.cuda_rates import measured_cost_model
-from snrt.backends.cuda_source import device_name, device_pointer, grid_for, nvrtc_toolkit, unsupported_device_reason
+from snrt.backends.cuda_source import device_name, grid_for, nvrtc_toolkit, unsupported_device_reason
 from snrt.backends.cudnn_graphs import cudnn_versions
 from snrt.errors import SnrtError
 from snrt.precision import DEFAULT as DEFAULT_PRECISION, precision_named
@@ -250,12 +250,12 @@ class CupyBackend(Backend):
         scaling and clipping included) instead of the optimizer's four to twelve xp calls."""
         if not all(a.dtype == np.float32 for a in (w, g, *states)):
             return super().update(optimizer, w, g, states, weight_decay, lr, count, workspace, grad_scale)
-        pointers = [device_pointer(a) for a in (w, g, *states)]
+        arrays = [w, g, *states]  # CuPy passes an array as its device pointer
         if optimizer.fused_name == "sgd" and not states:
-            pointers.append(NULL)  # no momentum buffer
+            arrays.append(NULL)  # no momentum buffer
         scalars = (grad_scale, optimizer.clip_value, *optimizer.fused_scalars(weight_decay, lr, count))
         self.kernels.module.launch(f"snrt_{optimizer.fused_name}_step", grid_for(w.size),
-                                   (*pointers, np.int64(w.size), *(np.float32(s) for s in scalars)))
+                                   (*arrays, np.int64(w.size), *(np.float32(s) for s in scalars)))
 
     @contextlib.contextmanager
     def timed(self, kind, what):

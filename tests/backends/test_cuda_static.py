@@ -397,7 +397,6 @@ def test_the_cuda_backends_one_kernel_updates_match_the_optimizers_own(optimizer
     cupy_backend = pytest.importorskip("snrt.backends.cupy_backend")
     from types import SimpleNamespace
 
-    monkeypatch.setattr(cupy_backend, "device_pointer", lambda array: array.ctypes.data)
     backend = SimpleNamespace(kernels=SimpleNamespace(module=OnePassModule()))
     rng = np.random.default_rng(3)
     w = rng.standard_normal(37).astype(np.float32)

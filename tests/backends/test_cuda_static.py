@@ -390,7 +390,7 @@ class OnePassModule:
 @pytest.mark.parametrize("optimizer", [
     SGD(), SGD(momentum=0.0, weight_decay=0.1), SGD(nesterov=True, weight_decay=0.01, clip_value=0.05),
     Adam(weight_decay=0.1), Adam(weight_decay=0.1, decoupled=True, clip_value=0.3)], ids=repr)
-def test_the_cuda_backends_one_kernel_updates_match_the_optimizers_own(optimizer, monkeypatch):
+def test_the_cuda_backends_one_kernel_updates_match_the_optimizers_own(optimizer):
     """CupyBackend.update launches snrt_sgd_step / snrt_adam_step with arguments of the C
     signature's types, in an order that computes what Optimizer.update computes (gradient
     scale and clipping included), over three updates."""

@@ -71,7 +71,8 @@ def _built(graph, index, limit):
 
 def candidates(graph, limit, most=None):
     """The first `most` (default MAX_CANDIDATES) Engines of `graph`'s ranked list (execution
-    plans created, filters set) that build within `limit` workspace bytes, in cuDNN's order."""
+    plans created, filters set) that build within `limit` workspace bytes, in cuDNN's order;
+    a NoEngineError when none does."""
     most = MAX_CANDIDATES if most is None else most
     found = []
     for index in range(graph.get_execution_plan_count()):
@@ -80,6 +81,8 @@ def candidates(graph, limit, most=None):
             found.append(engine)
             if len(found) == most:
                 break
+    if not found:
+        raise NoEngineError(f"no cuDNN engine builds within {limit} workspace bytes")
     return found
 
 
@@ -96,14 +99,6 @@ def named(graph, name, limit):
     return None
 
 
-def _first(graph, limit):
-    """cuDNN's first Engine that builds within `limit`; a NoEngineError when none does."""
-    found = candidates(graph, limit, most=1)
-    if not found:
-        raise NoEngineError(f"no cuDNN engine builds within {limit} workspace bytes")
-    return found[0]
-
-
 def _kept(graph, entry, limit):
     """(Engine, seconds) of a choices file's entry when its engine still builds within
     `limit`, else (None, None)."""
@@ -118,8 +113,6 @@ def _fastest(graph, limit, time_engines):
     """(Engine, seconds, entry to keep): the fastest of the candidates as `time_engines`
     times them; cuDNN's first and no entry when they could not be timed."""
     found = candidates(graph, limit)
-    if not found:
-        raise NoEngineError(f"no cuDNN engine builds within {limit} workspace bytes")
     seconds = time_engines(graph, found)
     if seconds is None or min(seconds) == math.inf:  # not timed, or none of them ran
         return found[0], None, None
@@ -134,16 +127,16 @@ def select(graph, key, limit, time_engines=None):
     `key` names the graph in the choices file; `limit` bounds the workspace (None: any);
     `time_engines(graph, engines)` returns each Engine's best seconds, in order (infinity for
     one that failed to run), or None when they could not be timed (no device memory to
-    spare). Without it (a graph built while a
-    step runs) the kept engine is used when it fits, else cuDNN's first, and nothing is kept.
-    A NoEngineError when nothing builds within the limit."""
+    spare). Without it (a graph built while a step runs) the kept engine is used when it
+    fits, else cuDNN's first, and nothing is kept. A NoEngineError when nothing builds
+    within the limit."""
     path = choice_file.cache_path(CACHE_FILE)
     if setting() == "heuristic":
-        engine, seconds = _first(graph, limit), None
+        engine, seconds = candidates(graph, limit, most=1)[0], None
     elif time_engines is None:
         engine, seconds = _kept(graph, choice_file.read(path).get(key), limit)
         if engine is None:
-            engine = _first(graph, limit)
+            engine = candidates(graph, limit, most=1)[0]
     else:
         chosen = {}
 

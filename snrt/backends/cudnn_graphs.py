@@ -306,7 +306,6 @@ class CudnnContext:
             self.refusals[f"{description} (workspace limit {limit})"] = f"{type(e).__name__}: {e}"
             return None
 
-
     def time_engines(self, graph, tensors, engines):
         """The best seconds of each of `engines` (cudnn_engines.Engine) of `graph` over
         cudnn_engines.ROUNDS calls after an untimed one, each call between two CUDA events on
@@ -329,8 +328,10 @@ class CudnnContext:
             pool.free_all_blocks()
 
     def _time_on(self, cupy, stream, graph, tensors, engines):
+        """time_engines' measurement, with the pool and stream current (its buffers are
+        released when it returns)."""
         held, pack = [], {}
-        for role, tensor in tensors.items():
+        for tensor in tensors.values():
             if tensor.get_is_pass_by_value():  # host scalars (BatchNorm's epsilon and momentum)
                 held.append(np.full(1, 0.5, np.float32))
                 pack[tensor.uid] = held[-1].ctypes.data

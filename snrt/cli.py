@@ -438,11 +438,9 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     ranks = f"; {trainer.group.size} ranks, batch {trainer.plan.batch} each" if trainer.group.size > 1 else ""
     workers = f"; {trainer.workers} data worker{'s' if trainer.workers != 1 else ''}" if trainer.workers else ""
     console.print(f"thread pools: {describe_pools(thread_pools())} ({usable_cores()} usable cores){ranks}{workers}")
-    from snrt.backends.cpu_conv import describe_choices  # the backend has loaded it already
-
-    convolutions = describe_choices(trainer.executor)
-    if convolutions:
-        console.print(convolutions)
+    kernels = trainer.backend.describe_kernels(trainer.executor)
+    if kernels:
+        console.print(kernels)
     if args.init_from and args.resume is None:
         trainer.load_weights(args.init_from)
         console.print(f"weights from {args.init_from}")

@@ -91,6 +91,11 @@ class Backend(ABC):
         Optimizer.update arguments). Here: the optimizer's own code on the array module."""
         optimizer.update(self.xp, w, g, states, weight_decay, lr, count, workspace, grad_scale)
 
+    def describe_kernels(self, executor):
+        """One line on what the kernel choices of `executor`'s plan came to ('' when there
+        were none to make)."""
+        return ""
+
     def accumulate(self, total, part):
         """total += part on the device: one more contribution to a gradient with several."""
         total += part

@@ -132,6 +132,25 @@ class CudaKernels:
             self._cudnn.close()
             self._cudnn = None
 
+    def describe(self):
+        """'cuDNN: G graphs, T on engines timed now, K kept from before (FILE), F on cuDNN's
+        first; R refused (the CUDA kernels run them)', of the graphs built so far ('' when
+        none): what the engine choice came to."""
+        from snrt.backends import choice_file, cudnn_engines
+
+        graphs = [graph for kernel in self._kernels.values() if kernel.name == "cudnn" for graph in kernel.graphs()]
+        if not graphs:
+            return ""
+        built = [graph for graph in graphs if graph is not None]
+        counts = [f"{sum(graph.chosen == how for graph in built)} {how}" for how in
+                  (cudnn_engines.TIMED, cudnn_engines.KEPT, cudnn_engines.FIRST)]
+        setting = cudnn_engines.setting()
+        where = (choice_file.cache_path(cudnn_engines.CACHE_FILE) if setting == "measure"
+                 else f"{cudnn_engines.VARIABLE}={setting}")
+        refused = len(graphs) - len(built)
+        return (f"cuDNN: {len(built)} graphs, engines {', '.join(counts)} ({where})"
+                + (f"; {refused} refused (the CUDA kernels run them)" if refused else ""))
+
     def summary(self):
         """{kernel name: count} over the kernels chosen so far (e.g. {"cudnn": 53, "xp": 120})."""
         counts = {}

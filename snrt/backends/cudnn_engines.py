@@ -3,9 +3,10 @@
 cuDNN's heuristics rank the engines that can run a graph (modes A, then FALLBACK); the first
 of that list is a guess. As PyTorch's `cudnn.benchmark` does, `select` builds the ranked
 engines that pass the context's filters (deterministic ones only, unless the run is not
-deterministic; TF32 tensor-core ones only in tf32) and fit the workspace limit, the first MAX_CANDIDATES of them, has each timed
-(the context runs it on temporary device buffers of the graph's shapes: one untimed call,
-then the best of ROUNDS between CUDA events), and selects the fastest. Its name is kept in
+deterministic; TF32 tensor-core ones only in tf32) and fit the workspace limit, the first
+MAX_CANDIDATES of them, has each timed (the context runs it on temporary device buffers of
+the graph's shapes: one untimed call, then the best of ROUNDS between CUDA events), and
+selects the fastest. Its name is kept in
 cudnn-engines.json in the cache folder (snrt/backends/choice_file.py), keyed by the device,
 the cuDNN and frontend versions, the graph (operation, shapes, options), the workspace limit
 and the filters: a later run finds the engine by its name among the ranked ones and builds
@@ -121,8 +122,12 @@ def _fastest(graph, limit, time_engines):
                                         "seconds": {e.name: s for e, s in zip(found, seconds)}}
 
 
+TIMED, KEPT, FIRST = "timed now", "kept from before", "cuDNN's first"  # how an engine was chosen
+
+
 def select(graph, key, limit, time_engines=None):
-    """Build and select `graph`'s engine; returns (Engine, its measured seconds or None).
+    """Build and select `graph`'s engine; returns (Engine, its measured seconds or None, how
+    it was chosen: TIMED, KEPT or FIRST).
 
     `key` names the graph in the choices file; `limit` bounds the workspace (None: any);
     `time_engines(graph, engines)` returns each Engine's best seconds, in order (infinity for
@@ -132,24 +137,25 @@ def select(graph, key, limit, time_engines=None):
     within the limit."""
     path = choice_file.cache_path(CACHE_FILE)
     if setting() == "heuristic":
-        engine, seconds = candidates(graph, limit, most=1)[0], None
+        engine, seconds, how = candidates(graph, limit, most=1)[0], None, FIRST
     elif time_engines is None:
         engine, seconds = _kept(graph, choice_file.read(path).get(key), limit)
+        how = KEPT
         if engine is None:
-            engine = candidates(graph, limit, most=1)[0]
+            engine, how = candidates(graph, limit, most=1)[0], FIRST
     else:
         chosen = {}
 
         def usable(entry):
-            chosen["kept"] = _kept(graph, entry, limit)
+            chosen["kept"] = (*_kept(graph, entry, limit), KEPT)
             return chosen["kept"][0] is not None
 
         def measure():
             engine, seconds, entry = _fastest(graph, limit, time_engines)
-            chosen["kept"] = engine, seconds
+            chosen["kept"] = engine, seconds, TIMED if entry is not None else FIRST
             return entry
 
         choice_file.remembered(path, key, usable, measure)
-        engine, seconds = chosen["kept"]
+        engine, seconds, how = chosen["kept"]
     graph.build_plan_at_index(engine.index)  # select it (building others selected them in turn)
-    return engine, seconds
+    return engine, seconds, how

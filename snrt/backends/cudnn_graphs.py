@@ -232,11 +232,12 @@ def describe_batchnorm(cudnn, spec, op, handle=None):
 
 class CudnnGraph:
     """A built graph: its tensors by role, its engine (a cudnn_engines.Engine), the engine's
-    measured seconds (None when not timed), the workspace it needs, and `execute`."""
+    measured seconds (None when not timed), how the engine was chosen (cudnn_engines.TIMED,
+    KEPT or FIRST), the workspace it needs, and `execute`."""
 
-    def __init__(self, graph, tensors, handle, engine, seconds=None):
+    def __init__(self, graph, tensors, handle, engine, seconds=None, chosen=cudnn_engines.FIRST):
         self.graph, self.tensors, self.handle = graph, tensors, handle
-        self.engine, self.seconds = engine, seconds
+        self.engine, self.seconds, self.chosen = engine, seconds, chosen
         self.workspace_bytes = int(graph.get_workspace_size())
 
     def execute(self, pointers, workspace_ptr):
@@ -298,10 +299,10 @@ class CudnnContext:
             if limit is not None:
                 graph.deselect_workspace_greater_than(int(limit))
             graph.check_support()
-            engine, seconds = cudnn_engines.select(
+            engine, seconds, chosen = cudnn_engines.select(
                 graph, f"{self._choices_key} | {description} | workspace limit {limit}", limit,
                 (lambda graph, engines: self.time_engines(graph, tensors, engines)) if timed else None)
-            return CudnnGraph(graph, tensors, self.handle, engine, seconds)
+            return CudnnGraph(graph, tensors, self.handle, engine, seconds, chosen)
         except Exception as e:  # cudnnGraphNotSupportedError, or a lowering the library rejects
             self.refusals[f"{description} (workspace limit {limit})"] = f"{type(e).__name__}: {e}"
             return None
@@ -404,6 +405,10 @@ class _CudnnKernel(Float32Kernel):
         seconds = [getattr(self.graph(op, self.context.workspace_limit_bytes, timed=True), "seconds", None)
                    for op in self.OPS[phase]]
         return None if None in seconds else sum(seconds)
+
+    def graphs(self):
+        """The graphs built so far: CudnnGraph, or None where cuDNN refused."""
+        return list(self._graphs.values())
 
     def graph_within(self, op, capacity):
         """The planned graph when it fits `capacity` workspace bytes, else the fastest that does."""

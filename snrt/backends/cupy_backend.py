@@ -269,6 +269,10 @@ class CupyBackend(Backend):
         end.record(self.compute_stream)
         self._events.append((kind, what, start, end))
 
+    def describe_kernels(self, executor):
+        """How cuDNN's engines were chosen for the plan's graphs (CudaKernels.describe)."""
+        return self.kernels.describe()
+
     # ---- copies --------------------------------------------------------------------------
     def _host_address(self, buffer):
         return self.host.slot(buffer).ctypes.data

@@ -5,6 +5,7 @@ host-to-device streams are worker threads."""
 import numpy as np
 
 from snrt.backends.base import Backend
+from snrt.backends.cpu_conv import describe_choices
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.backends.streams import CopyStream
 from snrt.precision import DEFAULT as DEFAULT_PRECISION
@@ -36,6 +37,10 @@ class NumpyBackend(Backend):
                      else HostStore(np.zeros(host_bytes, dtype=np.uint8)))
         self.to_host_stream = CopyStream("d2h", lazy=check)
         self.to_device_stream = CopyStream("h2d", lazy=check)
+
+    def describe_kernels(self, executor):
+        """Which dense convolutions run the direct kernel (cpu_conv.describe_choices)."""
+        return describe_choices(executor)
 
     def offload(self, buffer):
         source, target, host = self.arena.bytes_of(buffer), self.host.slot(buffer), self.host

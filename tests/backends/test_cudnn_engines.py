@@ -63,9 +63,10 @@ def graph_of_five():
 
 def test_the_fastest_engine_that_builds_within_the_limit_is_selected_and_kept(cache):
     graph, stopwatch = graph_of_five(), Stopwatch(eng0=3e-3, eng2=1e-3, eng4=2e-3)
-    engine, seconds = cudnn_engines.select(graph, "conv A", 1024, stopwatch)
+    engine, seconds, how = cudnn_engines.select(graph, "conv A", 1024, stopwatch)
     assert stopwatch.timed == [["eng0", "eng4"]]  # barred, declined and over the limit: not timed
     assert (engine.name, engine.index, engine.workspace_bytes, seconds) == ("eng4", 4, 256, 2e-3)
+    assert how == cudnn_engines.TIMED
     assert graph.selected == 4
     assert json.loads(cache.read_text()) == {"conv A": {"engine": "eng4", "seconds": {"eng0": 3e-3, "eng4": 2e-3}}}
 
@@ -73,15 +74,15 @@ def test_the_fastest_engine_that_builds_within_the_limit_is_selected_and_kept(ca
 def test_a_kept_choice_is_built_alone_and_nothing_is_timed_again(cache):
     cudnn_engines.select(graph_of_five(), "conv A", None, Stopwatch(eng0=3e-3, eng2=1e-3, eng4=2e-3))
     graph, stopwatch = graph_of_five(), Stopwatch(eng0=1e-6, eng2=1e-6, eng4=1e-6)
-    engine, seconds = cudnn_engines.select(graph, "conv A", None, stopwatch)
+    engine, seconds, how = cudnn_engines.select(graph, "conv A", None, stopwatch)
     assert stopwatch.timed == []
-    assert (engine.name, seconds, graph.built, graph.selected) == ("eng2", 1e-3, [2, 2], 2)
+    assert (engine.name, seconds, graph.built, graph.selected, how) == ("eng2", 1e-3, [2, 2], 2, cudnn_engines.KEPT)
 
 
 def test_choices_are_kept_per_key_so_another_device_or_graph_is_timed_anew(cache):
     cudnn_engines.select(graph_of_five(), "H100 | conv A", None, Stopwatch(eng0=3e-3, eng2=1e-3, eng4=2e-3))
     stopwatch = Stopwatch(eng0=1e-4, eng2=1e-3, eng4=2e-3)
-    engine, _ = cudnn_engines.select(graph_of_five(), "H200 | conv A", None, stopwatch)
+    engine, _, how = cudnn_engines.select(graph_of_five(), "H200 | conv A", None, stopwatch)
     assert engine.name == "eng0" and stopwatch.timed == [["eng0", "eng2", "eng4"]]
     assert set(json.loads(cache.read_text())) == {"H100 | conv A", "H200 | conv A"}
 
@@ -89,12 +90,12 @@ def test_choices_are_kept_per_key_so_another_device_or_graph_is_timed_anew(cache
 def test_a_kept_engine_no_longer_offered_or_now_too_large_is_timed_again(cache):
     cudnn_engines.select(graph_of_five(), "conv A", None, Stopwatch(eng0=3e-3, eng2=1e-3, eng4=2e-3))
     renamed = RankedGraph(("eng0", 0), ("eng5", 16))  # another cuDNN ranks other engines
-    engine, _ = cudnn_engines.select(renamed, "conv A", None, Stopwatch(eng0=2e-3, eng5=1e-3))
+    engine, _, how = cudnn_engines.select(renamed, "conv A", None, Stopwatch(eng0=2e-3, eng5=1e-3))
     assert engine.name == "eng5"
     assert json.loads(cache.read_text())["conv A"]["engine"] == "eng5"
     cache.write_text(json.dumps({"conv B": {"engine": "eng2", "seconds": {"eng2": 1e-3}}}))
     stopwatch = Stopwatch(eng0=3e-3, eng4=2e-3)
-    engine, _ = cudnn_engines.select(graph_of_five(), "conv B", 1024, stopwatch)  # eng2 needs 4096
+    engine, _, how = cudnn_engines.select(graph_of_five(), "conv B", 1024, stopwatch)  # eng2 needs 4096
     assert engine.name == "eng4" and stopwatch.timed == [["eng0", "eng4"]]
 
 
@@ -102,32 +103,32 @@ def test_a_kept_engine_no_longer_offered_or_now_too_large_is_timed_again(cache):
 def test_a_damaged_choices_file_is_measured_over(cache, damage):
     cache.write_text(damage)
     stopwatch = Stopwatch(eng0=3e-3, eng2=1e-3, eng4=2e-3)
-    engine, _ = cudnn_engines.select(graph_of_five(), "conv A", None, stopwatch)
+    engine, _, how = cudnn_engines.select(graph_of_five(), "conv A", None, stopwatch)
     assert engine.name == "eng2" and len(stopwatch.timed) == 1
     assert json.loads(cache.read_text())["conv A"]["engine"] == "eng2"
 
 
 def test_while_a_step_runs_nothing_is_timed_the_kept_engine_or_cudnns_first_runs(cache):
-    engine, seconds = cudnn_engines.select(graph_of_five(), "conv A", None)
-    assert (engine.name, seconds) == ("eng0", None) and not cache.exists()
+    engine, seconds, how = cudnn_engines.select(graph_of_five(), "conv A", None)
+    assert (engine.name, seconds, how) == ("eng0", None, cudnn_engines.FIRST) and not cache.exists()
     cudnn_engines.select(graph_of_five(), "conv A", None, Stopwatch(eng0=3e-3, eng2=1e-3, eng4=2e-3))
     graph = graph_of_five()
-    engine, seconds = cudnn_engines.select(graph, "conv A", None)
-    assert (engine.name, seconds, graph.selected) == ("eng2", 1e-3, 2)
-    engine, _ = cudnn_engines.select(graph_of_five(), "conv A", 1024)  # the kept one does not fit
+    engine, seconds, how = cudnn_engines.select(graph, "conv A", None)
+    assert (engine.name, seconds, graph.selected, how) == ("eng2", 1e-3, 2, cudnn_engines.KEPT)
+    engine, _, how = cudnn_engines.select(graph_of_five(), "conv A", 1024)  # the kept one does not fit
     assert engine.name == "eng0"
 
 
 def test_engines_that_cannot_be_timed_leave_cudnns_first_and_keep_nothing(cache):
-    engine, seconds = cudnn_engines.select(graph_of_five(), "conv A", None, lambda graph, engines: None)
-    assert (engine.name, seconds) == ("eng0", None) and not cache.exists()
+    engine, seconds, how = cudnn_engines.select(graph_of_five(), "conv A", None, lambda graph, engines: None)
+    assert (engine.name, seconds, how) == ("eng0", None, cudnn_engines.FIRST) and not cache.exists()
 
 
 def test_the_heuristic_setting_times_nothing_and_keeps_nothing(cache, monkeypatch):
     monkeypatch.setenv(cudnn_engines.VARIABLE, "heuristic")
     graph = RankedGraph(("eng1", 64, "barred"), ("eng4", 4096), ("eng2", 256))
     stopwatch = Stopwatch()
-    engine, seconds = cudnn_engines.select(graph, "conv A", 1024, stopwatch)
+    engine, seconds, how = cudnn_engines.select(graph, "conv A", 1024, stopwatch)
     assert (engine.name, seconds, graph.selected, stopwatch.timed) == ("eng2", None, 2, [])
     assert not cache.exists()
 
@@ -136,7 +137,7 @@ def test_at_most_max_candidates_are_timed(cache, monkeypatch):
     monkeypatch.setattr(cudnn_engines, "MAX_CANDIDATES", 3)
     names = [f"eng{i}" for i in range(6)]
     stopwatch = Stopwatch(**{name: 1e-3 * (6 - i) for i, name in enumerate(names)})
-    engine, _ = cudnn_engines.select(RankedGraph(*((name, 0) for name in names)), "conv A", None, stopwatch)
+    engine, _, how = cudnn_engines.select(RankedGraph(*((name, 0) for name in names)), "conv A", None, stopwatch)
     assert stopwatch.timed == [names[:3]] and engine.name == "eng2"
 
 
@@ -163,9 +164,32 @@ def test_nothing_is_written_when_a_measurement_keeps_nothing(tmp_path):
 
 
 def test_engines_that_all_failed_to_run_leave_cudnns_first_and_keep_nothing(cache):
-    engine, seconds = cudnn_engines.select(graph_of_five(), "conv A", None, Stopwatch(
+    engine, seconds, how = cudnn_engines.select(graph_of_five(), "conv A", None, Stopwatch(
         eng0=float("inf"), eng2=float("inf"), eng4=float("inf")))
     assert (engine.name, seconds) == ("eng0", None) and not cache.exists()
-    engine, _ = cudnn_engines.select(graph_of_five(), "conv A", None, Stopwatch(
+    engine, _, how = cudnn_engines.select(graph_of_five(), "conv A", None, Stopwatch(
         eng0=float("inf"), eng2=float("inf"), eng4=2e-3))
     assert engine.name == "eng4"
+
+
+def test_the_run_says_how_its_cudnn_engines_were_chosen(cache, monkeypatch):
+    """CudaKernels.describe counts the graphs built so far by how their engine was chosen,
+    names the choices file (or the setting) and the graphs cuDNN refused."""
+    from types import SimpleNamespace
+
+    from snrt.backends.cuda_kernels import CudaKernels
+
+    def graph(how):
+        return SimpleNamespace(chosen=how)
+
+    kernels = CudaKernels()
+    assert kernels.describe() == ""
+    kernels._kernels = {
+        "conv": SimpleNamespace(name="cudnn", graphs=lambda: [graph(cudnn_engines.TIMED), graph(cudnn_engines.KEPT),
+                                                              None]),
+        "bn": SimpleNamespace(name="cudnn", graphs=lambda: [graph(cudnn_engines.TIMED)]),
+        "relu": SimpleNamespace(name="cuda")}
+    assert kernels.describe() == (f"cuDNN: 3 graphs, engines 2 timed now, 1 kept from before, 0 cuDNN's first ({cache}); "
+                                  "1 refused (the CUDA kernels run them)")
+    monkeypatch.setenv(cudnn_engines.VARIABLE, "heuristic")
+    assert "(SNRT_CUDNN_ENGINES=heuristic)" in kernels.describe()

@@ -35,6 +35,7 @@ from snrt.backends.cpu_choice import setting
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, no_arguments_per_thread, run_split
 from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
+from snrt.backends.cpu_join import CompiledAdd
 from snrt.backends.cpu_pool import CompiledGlobalAvgPool, CompiledMaxPool
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
 from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledUpsample
@@ -147,7 +148,7 @@ class CpuKernels(LayerKernels):
         "MaxPool": (CompiledMaxPool,), "GlobalAvgPool": (CompiledGlobalAvgPool,), "GroupNorm": (CompiledGroupNorm,),
         "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
         "Upsample": (CompiledUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),
-        "Softmax": (CompiledSoftmax,),
+        "Softmax": (CompiledSoftmax,), "Add": (CompiledAdd,),
         **{name: (CompiledActivation,) for name in ("GELU", "SiLU", "Sigmoid", "ELU", "ReLU", "ReLU6")}}
 
     def kernel_for(self, layer, in_shapes):

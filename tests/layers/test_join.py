@@ -110,3 +110,28 @@ def test_scale_starts_at_init_and_rejects_bad_init():
     for bad in (float("nan"), "small", True):
         with pytest.raises(ValueError, match="option 'init'"):
             Scale(init=bad)
+
+
+@pytest.mark.parametrize("inputs", [2, 3, 5])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (4, 16, 128, 130)])  # the second: over 2^20 values, split
+def test_the_cpu_backend_adds_with_the_layers_bits_on_the_kernel_threads(inputs, shape):
+    """CompiledAdd: the layer's values bit for bit (the same adds in the same order), its
+    input gradients copies of gy (one without a gradient left alone), float64 by the layer."""
+    from snrt.backends.cpu_join import CompiledAdd
+    from snrt.layers.base import KernelContext, Saved
+
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(shape, dtype=np.float32) for _ in range(inputs)]
+    layer = Add()
+    kernel = CPU_KERNELS.kernel_for(layer, [shape] * inputs)
+    assert isinstance(kernel, CompiledAdd) and kernel.workspace_bytes([shape] * inputs, "forward") == 0
+    ours, theirs = np.empty(shape, np.float32), np.empty(shape, np.float32)
+    kernel.forward(KernelContext(np), xs, {}, {}, ours, {})
+    layer.forward(KernelContext(np), xs, {}, {}, theirs, {})
+    np.testing.assert_array_equal(ours, theirs)
+    gy = rng.standard_normal(shape, dtype=np.float32)
+    gxs = [np.full(shape, np.nan, np.float32) for _ in range(inputs)]
+    gxs[1] = None
+    kernel.backward(KernelContext(np), gy, Saved((None,) * inputs), {}, {}, gxs, {})
+    assert all(np.array_equal(gx, gy) for gx in gxs if gx is not None)
+    check_layer(kernel, [rng.standard_normal((2, 3, 4)) for _ in range(inputs)], lambda ts, p: sum(ts))

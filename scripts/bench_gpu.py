@@ -29,6 +29,7 @@ import snrt
 from snrt.backends import cuda_unavailable_reason
 from snrt.init import initial_parameters, initial_state
 from snrt.optim import SGD
+from snrt.precision import precision_named
 from snrt.runtime import prepare
 from snrt.summary import human_bytes
 from snrt.scheduler.order import ITEMSIZE
@@ -42,7 +43,7 @@ def load(config_path, image_size):
     return snrt.load_config(config_path, overrides)
 
 
-def copies(runtime, feed, optimizer, figure=None):
+def copies(runtime, feed, optimizer, precision, figure=None):
     """{"hidden", "copy_s", "overlapped_s", "offload_GBps", "prefetch_GBps"} of one more
     iteration with every compute step (kernels and updates) and copy timed by CUDA events;
     with a `figure` path, that iteration's streams against the plan's prediction there."""
@@ -57,9 +58,8 @@ def copies(runtime, feed, optimizer, figure=None):
                for kind in ("offload", "prefetch")}
     nbytes = {kind: sum(plan.buffers[s.buffer].nbytes for s in plan.steps if s.kind == kind) for kind in seconds}
     if figure:
-        itemsize = next(ITEMSIZE[b.dtype] for b in plan.buffers if b.role == "activation")
         predicted = predicted_streams(plan, executor.graph, type(backend).planning_cost_model(), backend.kernels,
-                                      itemsize)
+                                      ITEMSIZE[precision_named(precision).storage])
         draw_streams(predicted, measured_streams(events), figure,
                      f"{plan.policy}, batch {plan.batch}: predicted (upper bars) and CUDA events (lower)")
     return {**copy_overlap(events),
@@ -96,12 +96,12 @@ def run_policy(config, batch, policy, iterations, budget, precision, determinist
         report = backend.memory_report()
         copy_s = executor.copy_stats["copy_s"] / (iterations + 1)
         return {
-            "policy": policy, "precision": precision, "deterministic": deterministic, "batch": batch, "seconds_per_iteration": statistics.median(seconds),
-            "images_per_s": batch / statistics.median(seconds),
+            "policy": policy, "precision": precision, "deterministic": deterministic, "batch": batch,
+            "seconds_per_iteration": statistics.median(seconds), "images_per_s": batch / statistics.median(seconds),
             "planned_peak_bytes": plan.peak_bytes, "measured_peak_bytes": backend.arena.peak_bytes,
             "arena_bytes": plan.arena_bytes, "host_bytes": plan.host_bytes,
             "copy_s": copy_s, "memory": report, "kernels": backend.kernels.summary(),
-            "copies": copies(runtime, feed, optimizer, figures and f"{figures}/gpu_streams_{policy}.png")
+            "copies": copies(runtime, feed, optimizer, precision, figures and f"{figures}/gpu_streams_{policy}.png")
             if plan.host_bytes else None,
         }
     finally:

@@ -31,8 +31,8 @@ def test_the_rates_are_measured_once_then_kept_and_replace_only_the_rates(gpu):
     assert json.loads(path.read_text())["GPU X sm_90 | driver 13000 | r1"]["copy_bytes_per_s"] == 40e9
 
 
-@pytest.mark.parametrize("entry", [{"flops_per_s": 1.0}, dict(RATES, copy_bytes_per_s=0), dict(RATES, flops_per_s="fast"),
-                                   dict(RATES, memory_bytes_per_s=float("nan"))])
+@pytest.mark.parametrize("entry", [{"flops_per_s": 1.0}, dict(RATES, copy_bytes_per_s=0),
+                                   dict(RATES, flops_per_s="fast"), dict(RATES, memory_bytes_per_s=float("nan"))])
 def test_an_incomplete_or_impossible_entry_is_measured_again(gpu, entry):
     path, measured = gpu
     path.write_text(json.dumps({"GPU X sm_90 | driver 13000 | r1": entry}))

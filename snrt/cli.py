@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from contextlib import nullcontext
 from pathlib import Path
 
 from rich.console import Console
@@ -422,7 +423,10 @@ def run_train(args, console):
     config = load_config(args.config, _overrides(args))
     out = Path(args.out) if args.out else Path("runs") / config.name
     console.print(summary_table(config.graph, config.train.batch))
-    plan = _plan_run(args, config)
+    # a first run on a machine times the kernels of shapes it has not met (cuDNN's engines, the CPU's choices)
+    with nullcontext() if args.no_progress else console.status("planning (kernels new to this machine are timed "
+                                                               "first)..."):
+        plan = _plan_run(args, config)
     if group.rank != 0:
         return _train_in(None, out / CHECKPOINT, args, config, plan, console)
     with RunFolder(out) as folder:

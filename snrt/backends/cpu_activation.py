@@ -302,7 +302,7 @@ class CompiledSoftmax(LayerLike):
     def _split(self, ctx, phase, function, arrays, blocks):
         """function(*arrays flat, channels, inner, chunks, w0, w1, *blocks of float32 / int32
         per thread) over the work items of the (outer, channels, inner) view, split among the
-        threads (flat rows: numba vectorizes a 1-d slice, not a row of a 3-d array)."""
+        threads."""
         shape = arrays[0].shape
         outer, channels = math.prod(shape[:self.layer.axis]), shape[self.layer.axis]
         inner = math.prod(shape[self.layer.axis + 1:])

@@ -92,7 +92,6 @@ def collect(work):
 
 
 PAPER_RESNET2500_IMAGES_PER_S = 6.2  # snrt's first GPU run of ResNet-2500 at the paper's settings
-BUDGET_12_GIB = 12 * GIB
 EXACTNESS_TEST = "test_training_under_every_policy_matches_the_cpu"  # tests/backends/test_cuda_device.py
 
 

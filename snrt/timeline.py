@@ -4,6 +4,8 @@ drawn on top) and the streams one (when each step runs on the compute, offload a
 streams, predicted by the cost model against CUDA events), and how much copy time kernels hid.
 """
 
+import bisect
+
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display needed
@@ -92,9 +94,16 @@ def copy_overlap(events):
             compute[-1] = (compute[-1][0], max(compute[-1][1], end))
         else:
             compute.append((start, end))
-    copies = [(s, e) for kind, _, s, e in events if kind == "copy"]
-    copy_s = sum(e - s for s, e in copies)
-    overlapped = sum(max(0.0, min(e, ce) - max(s, cs)) for s, e in copies for cs, ce in compute)
+    ends = [end for _, end in compute]
+    copy_s = overlapped = 0.0
+    for kind, _, start, end in events:
+        if kind != "copy":
+            continue
+        copy_s += end - start
+        i = bisect.bisect_right(ends, start)  # the first kernel interval ending after the copy starts
+        while i < len(compute) and compute[i][0] < end:
+            overlapped += min(end, compute[i][1]) - max(start, compute[i][0])
+            i += 1
     return {"copy_s": copy_s, "overlapped_s": overlapped, "hidden": overlapped / copy_s if copy_s else 1.0}
 
 
@@ -108,7 +117,7 @@ def predicted_streams(plan, graph, model, kernels=None, itemsize=4):
     seconds = [cost.step_seconds(step, graph, plan.batch, model, kernels, itemsize) for step in plan.steps]
     intervals = []
     cost.simulate(plan.steps, plan.buffers, seconds, model, intervals=intervals)
-    return [(stream, start, end) for stream, _, start, end in intervals]
+    return intervals
 
 
 def measured_streams(events):

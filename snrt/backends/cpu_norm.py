@@ -118,9 +118,10 @@ def group_norm_forward(x, weight, bias, eps, groups, mean, inv_std, y, a0, a1):
 @njit(**THREADED)
 def group_norm_backward_blocks(x, gy, weight, mean, inv_std, groups, block_sums, gx, a0, a1):
     """Per block a in [a0, a1) (as in group_norm_forward) of M values, per channel c of it:
-    S = sum gy and P = sum gy x into block_sums[a] ((A, 2, C / groups) float64); unless gx is
-    empty, gx = weight[c] inv_std gy + b x + d, the _Normalize gradient per channel, with gh =
-    gy weight: b = -inv_std^2 sum(gh xhat) / M, d = -inv_std sum(gh) / M - b mean."""
+    S = sum gy and X = sum gy xhat = (sum gy x - mean S) inv_std into block_sums[a] ((A, 2,
+    C / groups) float64); unless gx is empty, gx = weight[c] inv_std gy + b x + d, the
+    _Normalize gradient per channel, with gh = gy weight: b = -inv_std^2 sum(gh xhat) / M,
+    d = -inv_std sum(gh) / M - b mean."""
     _, per_group, width = x.shape
     count = per_group * width
     for a in range(a0, a1):
@@ -135,9 +136,10 @@ def group_norm_backward_blocks(x, gy, weight, mean, inv_std, groups, block_sums,
                 g = np.float64(gy[a, cg, k])
                 total += g
                 products += g * x[a, cg, k]
-            block_sums[a, 0, cg], block_sums[a, 1, cg] = total, products
+            by_xhat = (products - mu * total) * istd  # sum gy xhat over the channel
+            block_sums[a, 0, cg], block_sums[a, 1, cg] = total, by_xhat
             gh_sum += weight[c] * total
-            gh_xhat_sum += weight[c] * ((products - mu * total) * istd)  # weight times sum gy xhat
+            gh_xhat_sum += weight[c] * by_xhat
         if gx.size == 0:
             continue
         b = -istd * istd * gh_xhat_sum / count
@@ -149,18 +151,16 @@ def group_norm_backward_blocks(x, gy, weight, mean, inv_std, groups, block_sums,
 
 
 @njit(**COMPILED)
-def group_norm_parameter_grads(mean, inv_std, groups, block_sums, parameter_sums, gweight, gbias):
-    """Over the blocks in order: gbias[c] = sum of S and gweight[c] = sum of (P - mean S)
-    inv_std = sum gy xhat (parameter_sums (2, C) float64)."""
+def group_norm_parameter_grads(groups, block_sums, parameter_sums, gweight, gbias):
+    """Over the blocks in order: gbias[c] = the sum of S and gweight[c] that of X = sum gy
+    xhat (parameter_sums (2, C) float64)."""
     blocks, _, per_group = block_sums.shape
     parameter_sums[:] = 0.0
     for a in range(blocks):
-        mu, istd = np.float64(mean[a, 0, 0]), np.float64(inv_std[a, 0, 0])
         for cg in range(per_group):
             c = a % groups * per_group + cg
-            total, products = block_sums[a, 0, cg], block_sums[a, 1, cg]
-            parameter_sums[0, c] += (products - mu * total) * istd
-            parameter_sums[1, c] += total
+            parameter_sums[0, c] += block_sums[a, 1, cg]
+            parameter_sums[1, c] += block_sums[a, 0, cg]
     for c in range(gweight.shape[0]):
         gweight[c] = parameter_sums[0, c]
         gbias[c] = parameter_sums[1, c]
@@ -233,6 +233,5 @@ class CompiledGroupNorm(_CompiledNormalize):
         run_split(group_norm_backward_blocks, 0, view[0], no_arguments_per_thread(x.size, SPLIT_VALUES),
                   (x.reshape(view), gy.reshape(view), params["weight"], aux["mean"], aux["inv_std"],
                    self.layer.groups, block_sums, gx))
-        group_norm_parameter_grads(aux["mean"], aux["inv_std"], self.layer.groups, block_sums, parameter_sums,
-                                   gparams["weight"], gparams["bias"])
+        group_norm_parameter_grads(self.layer.groups, block_sums, parameter_sums, gparams["weight"], gparams["bias"])
         ctx.release_scratch()

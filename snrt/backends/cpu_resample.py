@@ -9,8 +9,8 @@ layer's `adaptive_bins`), passed as (start, end) arrays; each bin's sum runs in 
 Bilinear takes each output from its four taps (the layer's `bilinear_taps`) in PyTorch's order,
 h0 (w0 x00 + w1 x01) + h1 (w0 x10 + w1 x11), and its backward adds each output's gradient
 into the four, output by output. No kernel needs workspace (2-byte tensors reach them staged
-in fp32). From SPLIT_VALUES values the maps
-are split among the kernel threads, each map one thread's.
+in fp32). From SPLIT_VALUES values the maps are split among the kernel threads, each map one
+thread's.
 """
 
 import numpy as np

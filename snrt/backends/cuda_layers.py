@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snrt.backends.cuda_source import device_pointer, grid_for, int64_args
+from snrt.backends.cuda_source import NULL_POINTER, device_pointer, grid_for, int64_args
 from snrt.errors import SnrtError
 from snrt.layers.base import FLOAT32_BYTES, numel
 from snrt.layers.random import stream_key
@@ -103,7 +103,6 @@ class CudaBatchNorm(Float32Kernel):
     affine part the weight, bias and their gradients go to the kernels as null pointers."""
 
     name = "cuda"
-    NULL = np.uint64(0)
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
@@ -116,13 +115,13 @@ class CudaBatchNorm(Float32Kernel):
             count = n * hw
             momentum = self.layer.momentum
             self.module.launch("snrt_bn_forward_train", c, (
-                x, y, params.get("weight", self.NULL), params.get("bias", self.NULL), aux["mean"], aux["inv_std"],
+                x, y, params.get("weight", NULL_POINTER), params.get("bias", NULL_POINTER), aux["mean"], aux["inv_std"],
                 state["running_mean"], state["running_var"], *int64_args(n, c, hw), np.float32(self.layer.eps),
                 np.float32(momentum), np.float32(1 - momentum), np.float32(count / (count - 1)),
                 np.int32(0 if recompute else 1)))
         else:
             self.module.launch("snrt_bn_forward_eval", grid_for(x.size), (
-                x, y, params.get("weight", self.NULL), params.get("bias", self.NULL), state["running_mean"],
+                x, y, params.get("weight", NULL_POINTER), params.get("bias", NULL_POINTER), state["running_mean"],
                 state["running_var"], aux["mean"], aux["inv_std"], *int64_args(x.size, c, hw), np.float32(self.layer.eps)))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
@@ -132,8 +131,8 @@ class CudaBatchNorm(Float32Kernel):
         n, c = x.shape[:2]
         gx = gxs[0]
         self.module.launch("snrt_bn_backward", c, (
-            x, gy, params.get("weight", self.NULL), aux["mean"], aux["inv_std"], self.NULL if gx is None else gx,
-            gparams.get("weight", self.NULL), gparams.get("bias", self.NULL), *int64_args(n, c, numel(x.shape[2:])),
+            x, gy, params.get("weight", NULL_POINTER), aux["mean"], aux["inv_std"], NULL_POINTER if gx is None else gx,
+            gparams.get("weight", NULL_POINTER), gparams.get("bias", NULL_POINTER), *int64_args(n, c, numel(x.shape[2:])),
             np.int32(bool(ctx.training))))
 
 
@@ -218,7 +217,6 @@ class CudaAdd(Float32Kernel):
     gradients two at a time (snrt_copy_to_two), reading it once per pair."""
 
     name = "cuda"
-    NULL = np.uint64(0)
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         targets = [gx for gx in gxs if gx is not None]
@@ -227,7 +225,7 @@ class CudaAdd(Float32Kernel):
         for first in range(0, len(targets), 2):
             pair = targets[first:first + 2]
             self.module.launch("snrt_copy_to_two", grid_for(gy.size),
-                               (gy, pair[0], pair[1] if len(pair) == 2 else self.NULL, np.int64(gy.size)))
+                               (gy, pair[0], pair[1] if len(pair) == 2 else NULL_POINTER, np.int64(gy.size)))
 
 
 class CudaAvgPool(Float32Kernel):

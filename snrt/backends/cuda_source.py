@@ -475,6 +475,9 @@ class KernelModule:
                                    c, ldc, stride_c, batch)
 
 
+NULL_POINTER = np.uint64(0)  # a null device pointer as a kernel argument (an optional buffer left out)
+
+
 def device_pointer(array):
     """Device address of a CuPy array (its first element)."""
     return array.data.ptr
@@ -485,5 +488,6 @@ def int64_args(*values):
     return tuple(np.int64(v) for v in values)
 
 
-__all__ = ["BLOCK", "KERNEL_NAMES", "KERNEL_SOURCE", "MAX_GRID", "NVRTC_OPTIONS", "CompileError", "KernelModule",
-           "compile_ptx", "device_pointer", "grid_for", "int64_args", "nvrtc_toolkit", "unsupported_device_reason"]
+__all__ = ["BLOCK", "KERNEL_NAMES", "KERNEL_SOURCE", "MAX_GRID", "NULL_POINTER", "NVRTC_OPTIONS", "CompileError",
+           "KernelModule", "compile_ptx", "device_name", "device_pointer", "grid_for", "int64_args", "nvrtc_toolkit",
+           "unsupported_device_reason"]

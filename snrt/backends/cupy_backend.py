@@ -65,7 +65,7 @@ from cupy.cuda import runtime
 from snrt.backends.base import Backend, CopyEvent
 from snrt.backends.cuda_kernels import CudaKernels
 from snrt.backends.cuda_rates import measured_cost_model
-from snrt.backends.cuda_source import device_name, grid_for, nvrtc_toolkit, unsupported_device_reason
+from snrt.backends.cuda_source import NULL_POINTER, device_name, grid_for, nvrtc_toolkit, unsupported_device_reason
 from snrt.backends.cudnn_graphs import cudnn_versions
 from snrt.errors import SnrtError
 from snrt.precision import DEFAULT as DEFAULT_PRECISION, precision_named
@@ -75,7 +75,6 @@ from snrt.parallel import launcher_local_rank, launcher_size
 from snrt.scheduler import cost
 from snrt.summary import human_bytes
 
-NULL = np.uint64(0)  # a null device pointer as a kernel argument
 FEED_SLOTS = 2  # pinned buffers per input: one is filled while the copy out of the other is queued
 NCCL_TYPES = {"float32": 7, "float64": 8}  # ncclFloat32, ncclFloat64 (nccl.h's ncclDataType_t)
 
@@ -252,7 +251,7 @@ class CupyBackend(Backend):
             return super().update(optimizer, w, g, states, weight_decay, lr, count, workspace, grad_scale)
         arrays = [w, g, *states]  # CuPy passes an array as its device pointer
         if optimizer.fused_name == "sgd" and not states:
-            arrays.append(NULL)  # no momentum buffer
+            arrays.append(NULL_POINTER)  # no momentum buffer
         scalars = (grad_scale, optimizer.clip_value, *optimizer.fused_scalars(weight_decay, lr, count))
         self.kernels.module.launch(f"snrt_{optimizer.fused_name}_step", grid_for(w.size),
                                    (*arrays, np.int64(w.size), *(np.float32(s) for s in scalars)))

@@ -85,7 +85,7 @@ def step_seconds(step, graph, batch, model, kernels=None, itemsize=FLOAT32_BYTES
 def simulate(steps, buffers, seconds, model, stalls=None, intervals=None):
     """(iteration seconds, exposed copy seconds) with copies on their own FIFO streams; a dict
     `stalls` receives the seconds stalled at the waits for each buffer (or gathered bucket), a
-    list `intervals` (stream, step index, start, end) of every step that takes time on a stream
+    list `intervals` (stream, start, end) of every step that takes time on a stream
     ("compute", "offload", "prefetch", "allreduce").
 
     `seconds[i]` is step i's compute time. An offload or prefetch starts when issued (and
@@ -96,17 +96,17 @@ def simulate(steps, buffers, seconds, model, stalls=None, intervals=None):
     stream_free = {"offload": 0.0, "prefetch": 0.0, "allreduce": 0.0}
     done = {}
     stalled = 0.0
-    for i, (step, s) in enumerate(zip(steps, seconds)):
+    for step, s in zip(steps, seconds):
         if step.kind == "allreduce":
             start = max(now + s, stream_free["allreduce"])
             stream_free["allreduce"] = done[step.gathered] = start + model.exchange_s(step.nbytes, step.ranks)
             if intervals is not None:
-                intervals.append(("allreduce", i, start, stream_free["allreduce"]))
+                intervals.append(("allreduce", start, stream_free["allreduce"]))
         elif step.kind in stream_free:
             start = max(now, stream_free[step.kind])
             stream_free[step.kind] = done[step.buffer] = start + model.copy_s(buffers[step.buffer].nbytes)
             if intervals is not None:
-                intervals.append((step.kind, i, start, stream_free[step.kind]))
+                intervals.append((step.kind, start, stream_free[step.kind]))
         elif step.kind in ("wait", "allreduce_wait"):
             waited = step.buffer if step.kind == "wait" else step.gathered
             ready = done[waited]
@@ -116,6 +116,6 @@ def simulate(steps, buffers, seconds, model, stalls=None, intervals=None):
                     stalls[waited] = stalls.get(waited, 0.0) + ready - now
                 now = ready
         if intervals is not None and s:
-            intervals.append(("compute", i, now, now + s))
+            intervals.append(("compute", now, now + s))
         now += s
     return now, stalled

@@ -44,6 +44,7 @@ def peaks(names):
                              precision=precision)
             row[precision] = plan.peak_bytes
             row[f"{precision}_fp32_at_peak"] = plan.peak_by_dtype().get("float32", 0)
+            row[f"{precision}_peak_step"] = peak_step(plan)
             print(f"{name:18s} {precision}: peak {gib(plan.peak_bytes)} GiB ({time.perf_counter() - start:.1f} s)",
                   flush=True)
         row["ratio"] = row["bf16"] / row["fp32"]
@@ -51,6 +52,13 @@ def peaks(names):
                                     precision="bf16", kernels=CPU_KERNELS).peak_bytes
         rows.append(row)
     return rows
+
+
+def peak_step(plan):
+    """'kind node' of the plan's first step at its peak (a copy names its buffer)."""
+    step = plan.steps[plan.device_bytes.index(plan.peak_bytes)]
+    node = getattr(step, "node", None)
+    return f"{step.kind} {node if node is not None else plan.buffers[step.buffer].name}"
 
 
 def largest_batches(networks):
@@ -85,9 +93,9 @@ def main():
              "parameters, optimizer state and normalization statistics stay fp32, the loss and softmax too.", "",
              "## Planned peak, superneurons, parameters streamed, each network at its file's batch", "",
              *table(["network", "batch", "fp32 peak (GiB)", "bf16 peak (GiB)", "bf16 / fp32",
-                     "of the bf16 peak, in fp32 (GiB)", "bf16 peak, CPU backend (GiB)"],
+                     "of the bf16 peak, in fp32 (GiB)", "bf16 peak step", "bf16 peak, CPU backend (GiB)"],
                     [[r["network"], r["batch"], gib(r["fp32"]), gib(r["bf16"]), f"{r['ratio']:.3f}",
-                      gib(r["bf16_fp32_at_peak"]), gib(r["bf16_cpu"])] for r in peak_rows]),
+                      gib(r["bf16_fp32_at_peak"]), r["bf16_peak_step"], gib(r["bf16_cpu"])] for r in peak_rows]),
              "", f"Largest ratio: {worst['ratio']:.3f}, {worst['network']} (target: at most 0.55). *Of the bf16 peak, in fp32* is "
              "what does not shrink at the bf16 plan's peak step: parameters, their gradients and optimizer state "
              "(fp32 masters, on the device while their layer's update runs), statistics and the loss. The planner's "

@@ -225,7 +225,7 @@ class Executor:
         v, buffers = self.views, self.plan.buffers
         slots = tuple((v[param], v[grad], tuple(v[s] for s in states), buffers[param].name, decay)
                       for param, grad, states, decay in step.slots)
-        workspace = v[step.workspace]
+        workspace = v[step.workspace] if step.workspace >= 0 else None
         resolved = [None, ()]  # the optimizer last run with, and its (weight decay, lr factor) per slot
 
         def run():

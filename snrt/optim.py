@@ -7,7 +7,9 @@ per-layer update): `update(xp, w, g, states, weight_decay, lr, count, workspace)
 the gradient (overwritten), `states` the parameter's buffers in `state_names` order,
 `weight_decay` and `lr` the parameter's own (`settings` applies the parameter groups),
 `count` the 1-based number of updates so far (Adam's bias correction) and `workspace` a uint8
-buffer of at least w.nbytes.
+buffer (the plan's; None where the kernel choice runs the compiled steps) through whose size
+the array code works in pieces (snrt.layers.base.LayerKernels.update_workspace_bytes). Every
+array is contiguous, as arena views are.
 
 On the CPU (NumPy arrays, contiguous as arena views are) each update is one compiled pass over
 the parameter, its gradient and its state (`sgd_step`, `adam_step`), where the NumPy code
@@ -62,8 +64,16 @@ def _compiled(xp, *arrays):
     return xp is np and all(a.flags.c_contiguous for a in arrays)
 
 
-def _temporary(workspace, w):
-    return workspace[: w.nbytes].view(w.dtype).reshape(w.shape)
+def _in_pieces(workspace, w, g, states):
+    """(w, g, states, temporary) of each piece of the flat arrays that fits `workspace`."""
+    if workspace is None:
+        raise ValueError("the optimizer's array code needs the update's workspace; this plan's kernel choice "
+                         "reserved none (its updates are compiled)")
+    size = max(1, min(w.size, workspace.nbytes // w.itemsize))
+    arrays = [a.reshape(-1) for a in (w, g, *states)]
+    for start in range(0, w.size, size):
+        w_piece, g_piece, *state_pieces = (a[start:start + size] for a in arrays)
+        yield w_piece, g_piece, state_pieces, workspace[: w_piece.nbytes].view(w.dtype)
 
 
 class Optimizer:
@@ -148,7 +158,11 @@ class SGD(Optimizer):
             m = states[0].reshape(-1) if states else w.reshape(-1)[:0]
             sgd_step(w.reshape(-1), g.reshape(-1), m, *self.fused_scalars(weight_decay, lr, count))
             return
-        tmp = _temporary(workspace, w)
+        for piece in _in_pieces(workspace, w, g, states):
+            self._apply_arrays(xp, *piece, weight_decay, lr)
+
+    def _apply_arrays(self, xp, w, g, states, tmp, weight_decay, lr):
+        """The update of one piece in array code, `tmp` a temporary of its size."""
         if weight_decay:
             xp.multiply(w, weight_decay, out=tmp)
             g += tmp
@@ -196,7 +210,12 @@ class Adam(Optimizer):
             coefficients = np.array(self.fused_scalars(weight_decay, lr, count), w.dtype)
             adam_step(w.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), coefficients)
             return
-        tmp = _temporary(workspace, w)
+        for piece in _in_pieces(workspace, w, g, states):
+            self._apply_arrays(xp, *piece, weight_decay, lr, count)
+
+    def _apply_arrays(self, xp, w, g, states, tmp, weight_decay, lr, count):
+        """The update of one piece in array code, `tmp` a temporary of its size."""
+        m, v = states
         if weight_decay:
             if self.decoupled:
                 w *= 1 - lr * weight_decay

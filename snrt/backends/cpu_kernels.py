@@ -168,5 +168,9 @@ class CpuKernels(LayerKernels):
         CPU kernel computes in fp32, snrt/layers/staging.py)."""
         return fp32_kernel_workspace_bytes(self.kernel_for(layer, in_shapes), layer, in_shapes, phase, itemsize)
 
+    def update_workspace_bytes(self, param_bytes):
+        """None: every update is one compiled pass (snrt/optim.py sgd_step, adam_step)."""
+        return 0
+
 
 CPU_KERNELS = CpuKernels()

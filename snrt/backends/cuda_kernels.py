@@ -116,6 +116,10 @@ class CudaKernels:
         or None (not timed, or 2-byte tensors, which run other code)."""
         return self.kernel_for(layer, in_shapes).measured_seconds(phase) if itemsize == FLOAT32_BYTES else None
 
+    def update_workspace_bytes(self, param_bytes):
+        """None: every update is one kernel (snrt_sgd_step, snrt_adam_step)."""
+        return 0
+
     def set_stream(self, stream):
         """cuDNN runs on `stream` (the backend's compute stream; CUDA kernels and cuBLAS
         take the current stream, which the backend makes that one)."""

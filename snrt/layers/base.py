@@ -29,6 +29,7 @@ EXPENSIVE = "expensive"
 FORWARD = "forward"
 BACKWARD = "backward"
 FLOAT32_BYTES = 4
+UPDATE_PIECE_BYTES = 2**20  # the optimizers' array code updates a parameter in pieces of at most this many bytes
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,8 @@ class LayerKernels:
 
     A kernel choice answers two questions the same way at plan time and at run time: which
     kernel runs a layer at given input shapes (`kernel_for`), and how much workspace that
-    kernel wants (`workspace_bytes`, what the planner reserves). A third, `measured_seconds`,
+    kernel wants (`workspace_bytes`, what the planner reserves; `update_workspace_bytes` for an
+    optimizer step). A third, `measured_seconds`,
     is the seconds a phase of that kernel was timed to take when the choice timed it (cuDNN's
     engines), which the planner's cost model then uses; None leaves the step to the cost
     model's rates. One whose answers also depend
@@ -282,6 +284,13 @@ class LayerKernels:
 
     def measured_seconds(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
         return None
+
+    def update_workspace_bytes(self, param_bytes):
+        """The workspace of an optimizer step whose largest parameter is `param_bytes`: the
+        optimizers' array code (snrt/optim.py) keeps one temporary, and works through a larger
+        parameter in pieces of UPDATE_PIECE_BYTES. A choice whose updates are one pass over
+        the arrays (the CPU's compiled steps, the CUDA kernels) returns 0: no workspace."""
+        return min(param_bytes, UPDATE_PIECE_BYTES)
 
 
 LAYER_KERNELS = LayerKernels()

@@ -201,8 +201,8 @@ class _StepBuilder:
             states = tuple(self.table.add(f"{node.name}:{p}:{s}", buf.shape, FP32, "optimizer_state")
                            for s in optimizer_states)
             slots.append((param, grad, states, specs[p].decay))
-        largest = max(self.table.buffers[p].nbytes for p, _, _, _ in slots)
-        workspace = self.table.add(f"{node.name}:workspace:update", (largest,), "uint8", "workspace")
+        nbytes = self.kernels.update_workspace_bytes(max(self.table.buffers[p].nbytes for p, _, _, _ in slots))
+        workspace = self.table.add(f"{node.name}:workspace:update", (nbytes,), "uint8", "workspace") if nbytes else -1
         return Update(node.name, tuple(slots), workspace)
 
     def loss_buffers(self):

@@ -292,3 +292,24 @@ def test_a_kernel_choice_that_timed_its_kernels_gives_the_plan_those_seconds():
     assert ("Conv2d", FORWARD, 4) in kernels.asked and ("BatchNorm", BACKWARD, 4) in kernels.asked
     in_bf16 = make_plan(graph, 2, "none", cost_model=model, kernels=kernels, precision="bf16")
     assert in_bf16.predicted_s < 0.75 and ("Conv2d", BACKWARD, 2) in kernels.asked
+
+
+def test_an_update_reserves_the_workspace_its_kernel_choice_asks_for():
+    """The optimizers' array code updates in pieces of at most UPDATE_PIECE_BYTES, so a plan
+    sized for it reserves that much for an update of a larger parameter; the CPU's compiled
+    updates need none, so its plans reserve none and peak no higher."""
+    from snrt.backends.cpu_kernels import CPU_KERNELS
+    from snrt.layers.base import UPDATE_PIECE_BYTES
+
+    graph = snrt.load_config("configs/alexnet.yaml").graph
+    for policy in ("none", "superneurons"):
+        array_code = make_plan(graph, 2, policy, stream_parameters=True)
+        compiled = make_plan(graph, 2, policy, stream_parameters=True, kernels=CPU_KERNELS)
+        updates = [s for s in array_code.steps if s.kind == "update"]
+        for step in updates:
+            largest = max(array_code.buffers[p].nbytes for p, _, _, _ in step.slots)
+            assert array_code.buffers[step.workspace].nbytes == min(largest, UPDATE_PIECE_BYTES)
+        assert any(array_code.buffers[s.workspace].nbytes == UPDATE_PIECE_BYTES for s in updates)
+        assert all(s.workspace == -1 for s in compiled.steps if s.kind == "update")
+        assert not any(b.name.endswith(":workspace:update") for b in compiled.buffers)
+        assert compiled.peak_bytes <= array_code.peak_bytes

@@ -17,11 +17,14 @@ packing lays each input row out channels last once (a band keeps the kh - 1 rows
 band of the sample reads again) and moves each value kh times, in cache, where im2col
 writes kh*kw copies to memory.
 
-- forward: y = conv(x, W) + b, output rows split evenly among the kernel threads, each
-  packing and computing its own bands of `BAND_ROWS` rows in buffers of its own;
+- forward: y = conv(x, W) + b, output rows split evenly among the kernel threads; at stride
+  1 by the broadcast multiply-add tiles of cpu_tiles (vectors of output pixels, faster than
+  the dot products here wherever a map is at least a vector wide), at a larger stride by the
+  stacked rows above, each thread packing and computing its own bands of `BAND_ROWS` rows
+  in buffers of its own;
 - data gradient: for stride 1, gx is the convolution of gy zero-padded by (kh-1-ph,
   kw-1-pw) with the flipped, transposed weight W'[c, o, i, j] = W[o, c, kh-1-i, kw-1-j],
-  so the same kernel computes it;
+  so the tiles compute it too;
 - weight gradient: x is copied into zero-padded planes, channel by channel with the samples
   one after the other, xp[c, t] for t = n*Hp*Wp + h*Wp + w, x[n, c, h - ph, w - pw] at (h, w),
   and gy likewise into gp[o, t] at the top left of the same Hp x Wp planes, zeros around it.
@@ -56,6 +59,7 @@ from numba import njit
 
 from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, run_split
 from snrt.backends.cpu_dots import dots4x4
+from snrt.backends.cpu_tiles import BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, lanes_of, pack_weight, padded_values
 from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
@@ -204,9 +208,13 @@ def weight_grad_planes(gp, xp, length, wp, add, gw, b0, b1):
                 gw[o[d], c, i, j] = sums[d][e] + (gw[o[d], c, i, j] if add else 0)
 
 
-def _size(shapes, itemsize):
-    """Workspace bytes of scratch arrays of `shapes`."""
-    return scratch_bytes(*(numel(shape) * itemsize for shape in shapes))
+INDEX = np.int64  # the dtype of the tile kernel's index arrays
+
+
+def _size(arrays, itemsize):
+    """Workspace bytes of scratch arrays [(shape, dtype)], dtype None for the data's (floats of
+    `itemsize` bytes)."""
+    return scratch_bytes(*(numel(shape) * (np.dtype(dtype).itemsize if dtype else itemsize) for shape, dtype in arrays))
 
 
 class DirectConv2d(LayerLike):
@@ -229,13 +237,24 @@ class DirectConv2d(LayerLike):
         return layer.stride == (1, 1)
 
     # ---- workspace ---------------------------------------------------------------------
-    def _rows_shapes(self, channels, width, stride, threads):
-        """Per thread: a band (stride*(BAND_ROWS - 1) + kh, Wp, channels) for packing an input
-        of `channels` channels, Wp wide, read with `stride` between output rows (see
-        stack_rows), and stacked rows (BAND_ROWS*Wp + kw - 1, kh*channels)."""
+    def _rows_arrays(self, channels, outs, width, stride, threads):
+        """The stacked-rows kernel's (a stride over 1): the repacked weight (O, kw*kh*C) and per
+        thread a band (stride*(BAND_ROWS - 1) + kh, Wp, channels) for packing an input of
+        `channels` channels, Wp wide, read with `stride` between output rows (see stack_rows),
+        and stacked rows (BAND_ROWS*Wp + kw - 1, kh*channels)."""
         kh, kw = self.layer.kernel
-        return [(threads, stride * (BAND_ROWS - 1) + kh, width, channels),
-                (threads, BAND_ROWS * width + kw - 1, kh * channels)]
+        return [((outs, kw * kh * channels), None), ((threads, stride * (BAND_ROWS - 1) + kh, width, channels), None),
+                ((threads, BAND_ROWS * width + kw - 1, kh * channels), None)]
+
+    def _tile_arrays(self, channels, outs, hp, wp, threads, itemsize):
+        """The tile kernel's (stride 1, cpu_tiles): the packed weight, biases and tap offsets,
+        and per thread two samples' padded planes (Hp x Wp), a tile's lane targets and the
+        spans of the two samples."""
+        kh, kw = self.layer.kernel
+        taps, blocks = channels * kh * kw, -(-outs // BLOCK_OUTS)
+        return [((blocks, taps, BLOCK_OUTS), None), ((blocks * BLOCK_OUTS,), None), ((taps,), INDEX),
+                ((threads, padded_values(channels, hp, wp, kw, itemsize)), None),
+                ((threads, PIXEL_VECTORS * lanes_of(itemsize)), INDEX), ((threads, 2, 4), INDEX)]
 
     def _plane(self, in_shapes):
         """(Hp, Wp): a sample's plane in the weight gradient's layout of x (and of gy): H x W
@@ -256,60 +275,69 @@ class DirectConv2d(LayerLike):
         most = max(1, min(n, GRAD_WEIGHT_ELEMENTS // ((c + self.layer.out_channels) * hp * wp)))
         return -(-n // -(-n // most))
 
-    def _forward_shapes(self, in_shapes, threads):
-        _, c, _, w = in_shapes[0]
-        o, (kh, kw), pw = self.layer.out_channels, self.layer.kernel, self.layer.padding[1]
-        return [(o, kw * kh * c), *self._rows_shapes(c, w + 2 * pw, self.layer.stride[0], threads)]
+    def _forward_arrays(self, in_shapes, threads, itemsize):
+        _, c, h, w = in_shapes[0]
+        o, (ph, pw) = self.layer.out_channels, self.layer.padding
+        if self.layer.stride == (1, 1):
+            return self._tile_arrays(c, o, h + 2 * ph, w + 2 * pw, threads, itemsize)
+        return self._rows_arrays(c, o, w + 2 * pw, self.layer.stride[0], threads)
 
-    def _grad_input_shapes(self, in_shapes, threads):
-        _, c, _, w = in_shapes[0]
+    def _grad_input_arrays(self, in_shapes, threads, itemsize):
+        """The data gradient's: gy (O channels, Ho x Wo) padded by (kh-1-ph, kw-1-pw) is
+        (H + kh - 1) x (W + kw - 1)."""
+        _, c, h, w = in_shapes[0]
         o, (kh, kw) = self.layer.out_channels, self.layer.kernel
-        return [(c, kw * kh * o), *self._rows_shapes(o, w + kw - 1, 1, threads)]
+        return self._tile_arrays(o, c, h + kh - 1, w + kw - 1, threads, itemsize)
 
-    def _grad_weight_shapes(self, in_shapes):
+    def _grad_weight_arrays(self, in_shapes):
         """A chunk's padded planes of x, (C, L + (kh-1)*Wp + kw-1) (the taps read past the last
         plane), and of gy, (O, L), L = samples * Hp * Wp."""
         c = in_shapes[0][1]
         (kh, kw), (hp, wp) = self.layer.kernel, self._plane(in_shapes)
         length = self._grad_weight_samples(in_shapes) * hp * wp
-        return [(c, length + (kh - 1) * wp + kw - 1), (self.layer.out_channels, length)]
+        return [((c, length + (kh - 1) * wp + kw - 1), None), ((self.layer.out_channels, length), None)]
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
-        """Forward: the repacked weight and each thread's band and stacked rows. Backward: the
-        larger of the weight gradient's (a chunk's padded planes of x and gy) and the data
-        gradient's (the flipped weight, each thread's band and rows); they run one after the
+        """Forward: the tile kernel's arrays (stride 1), else the stacked-rows kernel's. Backward:
+        the larger of the weight gradient's (a chunk's padded planes of x and gy) and the data
+        gradient's (the tile kernel's for gy and the flipped weight); they run one after the
         other; the layer's at a stride over 1."""
         threads = kernel_threads()
         if phase != BACKWARD:
-            return _size(self._forward_shapes(in_shapes, threads), itemsize)
+            return _size(self._forward_arrays(in_shapes, threads, itemsize), itemsize)
         if not self.serves_backward(self.layer):
             return self.layer.workspace_bytes(in_shapes, phase, itemsize)
-        return max(_size(self._grad_weight_shapes(in_shapes), itemsize),
-                   _size(self._grad_input_shapes(in_shapes, threads), itemsize))
-
-    @staticmethod
-    def _threads(ctx, shapes_for, itemsize):
-        """The kernel threads that fit the planned workspace with arrays shapes_for(threads)."""
-        return fitting_threads(ctx.workspace.nbytes, lambda threads: _size(shapes_for(threads), itemsize))
+        return max(_size(self._grad_weight_arrays(in_shapes), itemsize),
+                   _size(self._grad_input_arrays(in_shapes, threads, itemsize), itemsize))
 
     # ---- kernels -----------------------------------------------------------------------
-    def _convolve(self, ctx, x, weight_t, bias, padding, stride, y, shapes_for):
-        """y = the convolution of x padded by `padding` with weight_t (O, C, kh, kw) at
-        `stride`, plus bias, on the kernel threads; shapes_for(threads): its workspace arrays
-        (_forward_shapes or _grad_input_shapes of the layer's input)."""
-        threads = self._threads(ctx, shapes_for, x.dtype.itemsize)
-        wt, bands, stacked = (ctx.scratch(shape, x.dtype) for shape in shapes_for(threads))
+    def _convolve(self, ctx, x, weight_t, bias, padding, stride, y, arrays_for):
+        """y = the convolution of x padded by `padding` with weight_t (O, C, kh, kw, any strides)
+        at `stride`, plus bias, on the kernel threads that fit the planned workspace;
+        arrays_for(threads, itemsize): its workspace arrays (_forward_arrays or
+        _grad_input_arrays of the layer's input)."""
+        itemsize = x.dtype.itemsize
+        threads = fitting_threads(ctx.workspace.nbytes, lambda count: _size(arrays_for(count, itemsize), itemsize))
+        scratch = [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in arrays_for(threads, itemsize)]
         outs, channels, kh, kw = weight_t.shape
-        wt.reshape(outs, kw, kh, channels)[...] = weight_t.transpose(0, 3, 2, 1)  # wt[o, (j, i, c)]
         rows = y.shape[0] * y.shape[2]
-        run_split(convolve_rows, 0, rows, list(zip(bands, stacked, [y] * len(bands))),
+        if stride == (1, 1):
+            wpack, biases, offsets, xpads, targets, spans = scratch
+            pack_weight(weight_t, x.shape[2] + 2 * padding[0], x.shape[3] + 2 * padding[1], wpack, biases, offsets,
+                        bias)
+            run_split(convolve_tiles, 0, rows, list(zip(xpads, targets, spans, [y] * threads)),
+                      (x, wpack, biases, offsets, *padding))
+            return
+        wt, bands, stacked = scratch
+        wt.reshape(outs, kw, kh, channels)[...] = weight_t.transpose(0, 3, 2, 1)  # wt[o, (j, i, c)]
+        run_split(convolve_rows, 0, rows, list(zip(bands, stacked, [y] * threads)),
                   (x, wt, bias, *padding, kh, kw, *stride))
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x, weight = xs[0], params["weight"]
         bias = params["bias"] if self.layer.bias else weight[:0, 0, 0, 0]
         self._convolve(ctx, x, weight, bias, self.layer.padding, self.layer.stride, y,
-                       lambda t: self._forward_shapes([x.shape], t))
+                       lambda threads, itemsize: self._forward_arrays([x.shape], threads, itemsize))
         ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
@@ -326,7 +354,7 @@ class DirectConv2d(LayerLike):
             (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
             flipped = weight[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)  # (C, O, kh, kw)
             self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (kh - 1 - ph, kw - 1 - pw), (1, 1), gxs[0],
-                           lambda t: self._grad_input_shapes([x.shape], t))
+                           lambda threads, itemsize: self._grad_input_arrays([x.shape], threads, itemsize))
             ctx.release_scratch()
 
     def _grad_weight(self, ctx, gy, x, gweight):
@@ -335,7 +363,7 @@ class DirectConv2d(LayerLike):
         weights split among them, the chunks added in order."""
         n = x.shape[0]
         (ph, pw), (hp, wp) = self.layer.padding, self._plane([x.shape])
-        xp, gp = (ctx.scratch(shape, x.dtype) for shape in self._grad_weight_shapes([x.shape]))
+        xp, gp = (ctx.scratch(shape, x.dtype) for shape, _ in self._grad_weight_arrays([x.shape]))
         threads = [()] * kernel_threads()
         outs, channels, kh, kw = gweight.shape
         blocks = -(-outs // 4) * -(-channels * kh * kw // 4)

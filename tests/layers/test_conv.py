@@ -157,11 +157,35 @@ def _direct_run(layer, x, params, gy, threads, monkeypatch):
     return y, gx, grads["weight"], grads.get("bias")
 
 
-@pytest.mark.parametrize("stride", [1, 2])
-def test_direct_convolution_gives_the_same_bits_on_any_number_of_threads(stride, monkeypatch):
+@pytest.mark.parametrize("shape, outs, kernel, padding", [
+    ((3, 5, 10, 9), 6, 3, 1),  # a map narrower than a vector: vectors run across rows
+    ((3, 4, 5, 37), 19, 3, 1),  # rows of two whole vectors and a part; three blocks of channels, the last short
+    ((5, 3, 3, 16), 9, (3, 5), (1, 2)),  # one whole vector a row, an odd count a sample: pairs across samples
+    ((2, 6, 7, 7), 4, 3, 0),  # no padding
+])
+def test_the_tile_kernel_matches_pytorch_forward_and_data_gradient_in_float32(shape, outs, kernel, padding,
+                                                                                monkeypatch):
+    """cpu_tiles at stride 1 (the forward, and the data gradient as a convolution of gy), on
+    two threads in exactly its workspace: PyTorch's values to float32 rounding."""
+    rng = np.random.default_rng(8)
+    layer = Conv2d(out_channels=outs, kernel=kernel, padding=padding)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    params = {k: rng.standard_normal(s.shape, dtype=np.float32) for k, s in layer.param_specs([x.shape]).items()}
+    gy = rng.standard_normal(layer.infer_shape([x.shape]), dtype=np.float32)
+    y, gx, gweight, gbias = _direct_run(layer, x, params, gy, 2, monkeypatch)
+    xt = torch.tensor(x, requires_grad=True)
+    yt = torch.nn.functional.conv2d(xt, torch.tensor(params["weight"]), torch.tensor(params["bias"]),
+                                    padding=layer.padding)
+    yt.backward(torch.tensor(gy))
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("stride, shape", [(1, (3, 5, 10, 9)), (2, (3, 5, 10, 9)), (1, (3, 4, 5, 37))])
+def test_direct_convolution_gives_the_same_bits_on_any_number_of_threads(stride, shape, monkeypatch):
     rng = np.random.default_rng(5)
     layer = Conv2d(out_channels=6, kernel=3, padding=1, stride=stride)
-    x = rng.standard_normal((3, 5, 10, 9), dtype=np.float32)
+    x = rng.standard_normal(shape, dtype=np.float32)
     params = {k: rng.standard_normal(s.shape, dtype=np.float32) for k, s in layer.param_specs([x.shape]).items()}
     gy = rng.standard_normal(layer.infer_shape([x.shape]), dtype=np.float32)
     one = _direct_run(layer, x, params, gy, 1, monkeypatch)

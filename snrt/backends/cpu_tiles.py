@@ -1,0 +1,213 @@
+"""Stride-1 convolution on the CPU by broadcast multiply-adds: vectors of output pixels, no
+column matrix, no repacked input, in NCHW as the plan stores it.
+
+A sample's input is copied once into zero-padded planes, xpad[c, h, w] flat (Hp x Wp each).
+Output pixel (h, w) at tap k = (c, i, j) reads xpad[c*Hp*Wp + (h + i)*Wp + w + j] =
+xpad[t + offsets[k]], t = h*Wp + w: so a vector of pixels t ... t + lanes - 1 (`lanes_of`)
+reads one contiguous vector per tap, and
+
+    y[o, pixels] = bias[o] + sum over k of W[o, k] * xpad[t + offsets[k] : + lanes]
+
+is one multiply-add per tap and output channel, the weight broadcast across the lanes.
+`fma_tile` (LLVM IR, as cpu_dots) keeps a tile of BLOCK_OUTS output channels by 2 pixel
+vectors in registers (16 accumulators with AVX-512, 8 with AVX) through the K = C*kh*kw
+taps: 2 loads and BLOCK_OUTS broadcasts for 2*BLOCK_OUTS multiply-adds, nothing summed
+across lanes. The weights are packed per block of output channels, wpack[b, k, o].
+
+Which pixels a vector holds: maps at least `lanes` wide go row by row (a row's last vector
+partly filled); narrower maps (8x8, 7x7, 4x4) along t across rows, computing the Wp - Wo
+columns of padding too and storing only the pixels of the map, so that an 8-wide map fills
+80% of the lanes instead of half. Each vector's lanes name the output value they store
+(`targets`, -1 for none); a vector whose lanes are one full run of a row is stored whole.
+Two samples are padded at a time and their vectors taken two by two as one list, so that a
+sample's odd last vector shares a tile with the next sample's first.
+
+Each output value is one chain of multiply-adds in tap order, in one thread: the same bits
+on any number of threads. Serves stride 1 (the forward, and the data gradient, which is a
+stride-1 convolution of gy with the flipped weight: cpu_conv).
+"""
+
+import llvmlite.ir as ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from snrt.backends.cpu_common import THREADED
+from snrt.backends.cpu_dots import VECTOR_BYTES
+
+BLOCK_OUTS = 8 if VECTOR_BYTES == 64 else 4  # output channels a tile holds: 2*BLOCK_OUTS accumulators
+PIXEL_VECTORS = 2  # pixel vectors a tile holds (fma_tile's p0 and p1)
+
+
+def lanes_of(itemsize):
+    """Pixels a vector holds, of values of `itemsize` bytes (16 float32 with AVX-512)."""
+    return VECTOR_BYTES // itemsize
+
+
+@intrinsic
+def fma_tile(typingctx, x, p0, p1, offsets, w, wstart, bias, y, ystart, targets, whole0, whole1, plane, outs):
+    """For the pixel vectors v = 0, 1 (starting at x[p_v]) and the output channels o < outs of
+    a block: value = bias[o] + sum over k of w[wstart + k*BLOCK_OUTS + o] * x[p_v + offsets[k]
+    + lane], stored at y[ystart + targets[v*lanes + lane] + o*plane] for each lane whose target
+    is not negative (whole_v: every lane's target follows the first, one vector store).
+    Contiguous arrays, float32 or float64 (lanes_of their itemsize), offsets and targets int64."""
+    dtype = x.dtype
+    if dtype not in (types.float32, types.float64) or any(a.dtype != dtype or a.layout != "C" for a in (x, w, bias, y)) \
+            or any(a.dtype != types.int64 or a.layout != "C" for a in (offsets, targets)):
+        return None
+    arguments = (x, types.intp, types.intp, offsets, w, types.intp, bias, y, types.intp, targets, types.intp,
+                 types.intp, types.intp, types.intp)
+    lanes = lanes_of(8 if dtype == types.float64 else 4)
+
+    def codegen(context, builder, signature, args):
+        p0_v, p1_v, wstart, ystart, whole0_v, whole1_v, plane_v, outs_v = (args[i] for i in (1, 2, 5, 8, 10, 11, 12, 13))
+        arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3, 4, 6, 7, 9)]
+        xs, offsets_d, ws, biases, ys, targets_d = (a.data for a in arrays)
+        count = builder.extract_value(arrays[1].shape, 0)
+        index = p0_v.type
+        single = dtype == types.float32
+        vector = ir.VectorType(ir.FloatType() if single else ir.DoubleType(), lanes)
+        undefined = ir.Constant(vector, ir.Undefined)
+        lane0 = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                             f"llvm.fma.v{lanes}{'f32' if single else 'f64'}")
+
+        def at(pointer, i):
+            return builder.gep(pointer, [i if isinstance(i, ir.Value) else ir.Constant(index, i)])
+
+        def broadcast(value):
+            return builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0)),
+                                          undefined, lane0)
+
+        sums = [[cgutils.alloca_once_value(builder, broadcast(builder.load(at(biases, o))))
+                 for _ in range(PIXEL_VECTORS)] for o in range(BLOCK_OUTS)]  # promoted to registers
+        starts = [at(xs, p) for p in (p0_v, p1_v)]
+        with cgutils.for_range(builder, count) as loop:
+            offset = builder.load(at(offsets_d, loop.index))
+            pixels = [builder.load(builder.bitcast(at(start, offset), vector.as_pointer()), align=4)
+                      for start in starts]
+            weights = at(ws, builder.add(wstart, builder.mul(loop.index, ir.Constant(index, BLOCK_OUTS))))
+            for o in range(BLOCK_OUTS):
+                weight = broadcast(builder.load(at(weights, o)))
+                for v in range(PIXEL_VECTORS):
+                    builder.store(builder.call(fma, [weight, pixels[v], builder.load(sums[o][v])]), sums[o][v])
+        for o in range(BLOCK_OUTS):
+            with builder.if_then(builder.icmp_signed("<", ir.Constant(index, o), outs_v)):
+                shift = builder.add(ystart, builder.mul(ir.Constant(index, o), plane_v))
+                for v, whole in enumerate((whole0_v, whole1_v)):
+                    value = builder.load(sums[o][v])
+                    first = builder.load(at(targets_d, v * lanes))
+                    with builder.if_else(builder.icmp_signed("!=", whole, ir.Constant(index, 0))) as (one, each):
+                        with one:
+                            target = at(ys, builder.add(first, shift))
+                            builder.store(value, builder.bitcast(target, vector.as_pointer()), align=4)
+                        with each:
+                            for lane in range(lanes):
+                                target = builder.load(at(targets_d, v * lanes + lane))
+                                with builder.if_then(builder.icmp_signed(">=", target, ir.Constant(index, 0))):
+                                    builder.store(builder.extract_element(value, ir.Constant(ir.IntType(32), lane)),
+                                                  at(ys, builder.add(target, shift)))
+        return context.get_dummy_value()
+
+    return types.void(*arguments), codegen
+
+
+def padded_values(channels, hp, wp, kw, itemsize):
+    """Values of a group's padded planes: two samples', then lanes + kw more, as far as the last
+    vector's lanes read past them (lanes whose values are not stored)."""
+    return 2 * channels * hp * wp + lanes_of(itemsize) + kw
+
+
+def pack_weight(weight, hp, wp, wpack, biases, offsets, bias):
+    """Fill wpack (blocks, K, BLOCK_OUTS) with weight (O, C, kh, kw), any strides, as
+    wpack[b, (c, i, j), o] = weight[b*BLOCK_OUTS + o, c, i, j] (zeros past O), biases
+    (blocks*BLOCK_OUTS,) with `bias` (empty: none, zeros) and offsets (K,) with each tap's
+    c*Hp*Wp + i*Wp + j; no array made on the way."""
+    outs, channels, kh, kw = weight.shape
+    wpack[...] = 0
+    for b in range(wpack.shape[0]):
+        o0, o1 = b * BLOCK_OUTS, min(outs, (b + 1) * BLOCK_OUTS)
+        wpack[b].reshape(channels, kh, kw, BLOCK_OUTS)[..., :o1 - o0] = weight[o0:o1].transpose(1, 2, 3, 0)
+    biases[...] = 0
+    biases[:bias.size] = bias
+    _tap_offsets(kh, kw, hp, wp, offsets)
+
+
+@njit(**THREADED)
+def _tap_offsets(kh, kw, hp, wp, offsets):
+    """offsets[(c, i, j)] = c*hp*wp + i*wp + j."""
+    for k in range(offsets.size):
+        c, tap = k // (kh * kw), k % (kh * kw)
+        offsets[k] = c * hp * wp + tap // kw * wp + tap % kw
+
+
+@njit(**THREADED)
+def _pad_sample(x, n, ph, pw, hp, wp, xpad):
+    """xpad[c*Hp*Wp + (ph + h)*Wp + pw + w] = x[n, c, h, w], zeros elsewhere."""
+    xpad[:] = 0
+    channels, height, width = x.shape[1], x.shape[2], x.shape[3]
+    for c in range(channels):
+        for h in range(height):
+            start = c * hp * wp + (ph + h) * wp + pw
+            xpad[start:start + width] = x[n, c, h]
+
+
+@njit(**THREADED)
+def _vector(v, spans, wp, wo, sample_values, plane_values, lanes, targets, slot):
+    """The x position of vector v of a group's spans (per sample slot: n, first row, end row,
+    vectors), filling targets[slot*lanes:][:lanes] with the y index of each lane's value (-1:
+    none); and 1 if that is one whole run of a row. Maps at least `lanes` wide go row by row,
+    narrower ones along t = h*Wp + w across rows (only h in the span, w < Wo stored)."""
+    s = 0 if v < spans[0, 3] else 1
+    v -= s * spans[0, 3]
+    n, ha, hb = spans[s, 0], spans[s, 1], spans[s, 2]
+    base = n * plane_values
+    if wo >= lanes:
+        per_row = (wo + lanes - 1) // lanes
+        h, w0 = ha + v // per_row, v % per_row * lanes
+        filled = min(lanes, wo - w0)
+        for lane in range(lanes):
+            targets[slot * lanes + lane] = base + h * wo + w0 + lane if lane < filled else -1
+        return s * sample_values + h * wp + w0, 1 if filled == lanes else 0
+    first = ha * wp + v * lanes
+    for lane in range(lanes):
+        h, w = (first + lane) // wp, (first + lane) % wp
+        targets[slot * lanes + lane] = base + h * wo + w if h < hb and w < wo else -1
+    return s * sample_values + first, 0
+
+
+@njit(**THREADED)
+def convolve_tiles(x, wpack, biases, offsets, ph, pw, r0, r1, xpad, targets, spans, y):
+    """y rows r0 <= r < r1 (r = n*Ho + h) of the stride-1 convolution of x (N, C, H, W) zero-
+    padded by (ph, pw), the weight packed by pack_weight. Two samples at a time (a group): both
+    padded into xpad (2 * padded_values), their vectors one list, taken two by two, so that a
+    sample's odd last vector pairs with the next's first. targets (PIXEL_VECTORS*lanes int64)
+    and spans ((2, 4) int64) are scratch; all three this thread's own."""
+    outs, ho, wo = y.shape[1], y.shape[2], y.shape[3]
+    hp, wp = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
+    blocks, taps = wpack.shape[0], wpack.shape[1]
+    flat_w, flat_y, plane = wpack.reshape(-1), y.reshape(-1), ho * wo
+    sample_values = x.shape[1] * hp * wp
+    lanes = VECTOR_BYTES // x.itemsize  # lanes_of
+    per_row = (wo + lanes - 1) // lanes
+    r = r0
+    while r < r1:
+        count = 0
+        for s in range(2):
+            n, ha = r // ho, r % ho
+            hb = min(ho, ha + r1 - r) if r < r1 else ha
+            vectors = (hb - ha) * per_row if wo >= lanes else ((hb - ha) * wp + lanes - 1) // lanes
+            spans[s, 0], spans[s, 1], spans[s, 2], spans[s, 3] = n, ha, hb, vectors
+            if hb > ha:
+                _pad_sample(x, n, ph, pw, hp, wp, xpad[s * sample_values:(s + 1) * sample_values])
+            count += vectors
+            r += hb - ha
+        for t in range(0, count, PIXEL_VECTORS):
+            p0, whole0 = _vector(t, spans, wp, wo, sample_values, outs * plane, lanes, targets, 0)
+            p1, whole1 = _vector(min(t + 1, count - 1), spans, wp, wo, sample_values, outs * plane, lanes, targets, 1)
+            if t + 1 == count:  # one vector left: the second slot repeats it and stores nothing
+                targets[lanes:] = -1
+                whole1 = 0
+            for b in range(blocks):
+                fma_tile(xpad, p0, p1, offsets, flat_w, b * taps * BLOCK_OUTS, biases[b * BLOCK_OUTS:], flat_y,
+                         b * BLOCK_OUTS * plane, targets, whole0, whole1, plane, min(BLOCK_OUTS, outs - b * BLOCK_OUTS))

@@ -96,7 +96,9 @@ def main():
                      "of the bf16 peak, in fp32 (GiB)", "bf16 peak step", "bf16 peak, CPU backend (GiB)"],
                     [[r["network"], r["batch"], gib(r["fp32"]), gib(r["bf16"]), f"{r['ratio']:.3f}",
                       gib(r["bf16_fp32_at_peak"]), r["bf16_peak_step"], gib(r["bf16_cpu"])] for r in peak_rows]),
-             "", f"Largest ratio: {worst['ratio']:.3f}, {worst['network']} (target: at most 0.55). *Of the bf16 peak, in fp32* is "
+             "", f"Largest ratio: {worst['ratio']:.3f}, {worst['network']} (target: at most 0.55), whose bf16 plan peaks at "
+             f"its {worst['bf16_peak_step']} step with {gib(worst['bf16_fp32_at_peak'])} GiB in fp32. *Of the bf16 peak, "
+             "in fp32* is "
              "what does not shrink at the bf16 plan's peak step: parameters, their gradients and optimizer state "
              "(fp32 masters, on the device while their layer's update runs), statistics and the loss. The planner's "
              "default kernel choice (used above, and by the largest batches below) computes on 2-byte tensors "

@@ -59,7 +59,8 @@ from numba import njit
 
 from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, run_split
 from snrt.backends.cpu_dots import dots4x4
-from snrt.backends.cpu_tiles import BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, lanes_of, pack_weight, padded_values
+from snrt.backends.cpu_tiles import (BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, lanes_of, pack_weight, padded_values,
+                                    pointwise_tiles)
 from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
@@ -225,11 +226,14 @@ class DirectConv2d(LayerLike):
 
     @staticmethod
     def serves(layer, in_shapes):
-        """One group, dilation 1, a kernel larger than 1x1 and padding at most kernel-1; the
+        """One group, dilation 1 and padding at most kernel-1, a kernel larger than 1x1 or a 1x1
+        at stride 1 over maps of a multiple of 16 pixels (cpu_tiles.pointwise_tiles); the
         forward at any stride, the backward at stride 1 (`serves_backward`; the layer's own
         otherwise)."""
         (kh, kw), (ph, pw) = layer.kernel, layer.padding
-        return layer.groups == 1 and layer.dilation == (1, 1) and kh * kw > 1 and ph <= kh - 1 and pw <= kw - 1
+        pointwise = layer.stride == (1, 1) and numel(in_shapes[0][2:]) % lanes_of(FLOAT32_BYTES) == 0
+        return (layer.groups == 1 and layer.dilation == (1, 1) and (kh * kw > 1 or pointwise) and ph <= kh - 1
+                and pw <= kw - 1)
 
     @staticmethod
     def serves_backward(layer):
@@ -252,9 +256,12 @@ class DirectConv2d(LayerLike):
         spans of the two samples."""
         kh, kw = self.layer.kernel
         taps, blocks = channels * kh * kw, -(-outs // BLOCK_OUTS)
-        return [((blocks, taps, BLOCK_OUTS), None), ((blocks * BLOCK_OUTS,), None), ((taps,), INDEX),
-                ((threads, padded_values(channels, hp, wp, kw, itemsize)), None),
-                ((threads, PIXEL_VECTORS * lanes_of(itemsize)), INDEX), ((threads, 2, 4), INDEX)]
+        packed = [((blocks, taps, BLOCK_OUTS), None), ((blocks * BLOCK_OUTS,), None), ((taps,), INDEX)]
+        targets = ((threads, PIXEL_VECTORS * lanes_of(itemsize)), INDEX)
+        if kh * kw == 1:  # pointwise_tiles: x read in place
+            return [*packed, targets]
+        return [*packed, ((threads, padded_values(channels, hp, wp, kw, itemsize)), None), targets,
+                ((threads, 2, 4), INDEX)]
 
     def _plane(self, in_shapes):
         """(Hp, Wp): a sample's plane in the weight gradient's layout of x (and of gy): H x W
@@ -322,11 +329,17 @@ class DirectConv2d(LayerLike):
         outs, channels, kh, kw = weight_t.shape
         rows = y.shape[0] * y.shape[2]
         if stride == (1, 1):
-            wpack, biases, offsets, xpads, targets, spans = scratch
-            pack_weight(weight_t, x.shape[2] + 2 * padding[0], x.shape[3] + 2 * padding[1], wpack, biases, offsets,
-                        bias)
+            pack_weight(weight_t, x.shape[2] + 2 * padding[0], x.shape[3] + 2 * padding[1], *scratch[:3], bias)
+            if kh * kw == 1:
+                if numel(y.shape[2:]) % lanes_of(itemsize):
+                    raise ValueError(f"a 1x1 convolution's direct kernel needs maps of a multiple of "
+                                     f"{lanes_of(itemsize)} pixels, not {y.shape[2]}x{y.shape[3]} (see serves)")
+                vectors = numel(y.shape) // (outs * lanes_of(itemsize))
+                run_split(pointwise_tiles, 0, vectors, list(zip(scratch[3], [y] * threads)), (x, *scratch[:3]))
+                return
+            xpads, targets, spans = scratch[3:]
             run_split(convolve_tiles, 0, rows, list(zip(xpads, targets, spans, [y] * threads)),
-                      (x, wpack, biases, offsets, *padding))
+                      (x, *scratch[:3], *padding))
             return
         wt, bands, stacked = scratch
         wt.reshape(outs, kw, kh, channels)[...] = weight_t.transpose(0, 3, 2, 1)  # wt[o, (j, i, c)]

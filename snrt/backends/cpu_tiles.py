@@ -22,6 +22,10 @@ columns of padding too and storing only the pixels of the map, so that an 8-wide
 Two samples are padded at a time and their vectors taken two by two as one list, so that a
 sample's odd last vector shares a tile with the next sample's first.
 
+A 1x1 convolution needs no padding: `pointwise_tiles` reads x where it is (taps c*H*W), its
+vectors along each sample's H*W pixels (a multiple of the lanes), a tile's two vectors of one
+sample or of two.
+
 Each output value is one chain of multiply-adds in tap order, in one thread: the same bits
 on any number of threads. Serves stride 1 (the forward, and the data gradient, which is a
 stride-1 convolution of gy with the flipped weight: cpu_conv).
@@ -211,3 +215,28 @@ def convolve_tiles(x, wpack, biases, offsets, ph, pw, r0, r1, xpad, targets, spa
             for b in range(blocks):
                 fma_tile(xpad, p0, p1, offsets, flat_w, b * taps * BLOCK_OUTS, biases[b * BLOCK_OUTS:], flat_y,
                          b * BLOCK_OUTS * plane, targets, whole0, whole1, plane, min(BLOCK_OUTS, outs - b * BLOCK_OUTS))
+
+
+@njit(**THREADED)
+def pointwise_tiles(x, wpack, biases, offsets, v0, v1, targets, y):
+    """The vectors v0 <= v < v1 of a 1x1 stride-1 convolution of x (N, C, H, W) into y (N, O, H,
+    W), H*W a multiple of the lanes: vector v is sample v // (H*W / lanes), pixels from
+    (v % that) * lanes. Without padding x is read where it is (no copy: offsets[c] = c*H*W),
+    and a tile's two vectors may be of two samples. targets (PIXEL_VECTORS*lanes) this thread's."""
+    outs, channels = y.shape[1], x.shape[1]
+    pixels = y.shape[2] * y.shape[3]
+    lanes = VECTOR_BYTES // x.itemsize  # lanes_of
+    per_sample = pixels // lanes
+    blocks, taps = wpack.shape[0], wpack.shape[1]
+    flat_x, flat_w, flat_y = x.reshape(-1), wpack.reshape(-1), y.reshape(-1)
+    for v in range(v0, v1, PIXEL_VECTORS):
+        second = v + 1 if v + 1 < v1 else v  # one vector left: the second slot repeats it, storing nothing
+        n0, t0 = v // per_sample, v % per_sample * lanes
+        n1, t1 = second // per_sample, second % per_sample * lanes
+        targets[0], targets[lanes] = n0 * outs * pixels + t0, n1 * outs * pixels + t1
+        if second == v:
+            targets[lanes:] = -1
+        for b in range(blocks):
+            fma_tile(flat_x, n0 * channels * pixels + t0, n1 * channels * pixels + t1, offsets, flat_w,
+                     b * taps * BLOCK_OUTS, biases[b * BLOCK_OUTS:], flat_y, b * BLOCK_OUTS * pixels, targets, 1,
+                     1 if second > v else 0, pixels, min(BLOCK_OUTS, outs - b * BLOCK_OUTS))

@@ -109,6 +109,16 @@ def test_direct_convolution(options, shape):
     check_layer(DirectConv2d(layer), [x], _reference(layer))
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_direct_pointwise_convolution(bias):
+    """A 1x1 at stride 1 over 16 pixels: cpu_tiles.pointwise_tiles, in float64 (8 lanes, so
+    two vectors a sample) against finite differences and the reference."""
+    x = np.random.default_rng(3).standard_normal((3, 5, 4, 4))
+    layer = Conv2d(out_channels=9, kernel=1, bias=bias)
+    assert DirectConv2d.serves(layer, [x.shape])
+    check_layer(DirectConv2d(layer), [x], _reference(layer))
+
+
 @pytest.mark.parametrize("elements", [1, 2000])  # a chunk per sample; two samples a chunk, the last short
 def test_the_direct_weight_gradient_sums_its_chunks_of_samples(elements, monkeypatch):
     monkeypatch.setattr(cpu_conv, "GRAD_WEIGHT_ELEMENTS", elements)
@@ -124,7 +134,8 @@ def test_the_direct_weight_gradient_sums_its_chunks_of_samples(elements, monkeyp
     (dict(out_channels=4, kernel=3, padding=1, stride=2), True),  # the forward
     (dict(out_channels=4, kernel=3, padding=2, dilation=2), False),
     (dict(out_channels=4, kernel=3, padding=1, groups=2), False),
-    (dict(out_channels=4, kernel=1), False),  # a GEMM already
+    (dict(out_channels=4, kernel=1), False),  # a 1x1 over 81 pixels, no multiple of 16
+    (dict(out_channels=4, kernel=1, stride=2), False),
     (dict(out_channels=4, kernel=3, padding=3), False),  # the data gradient's padding would be negative
 ])
 def test_direct_convolution_serves_dense_kernels(options, served):
@@ -162,6 +173,8 @@ def _direct_run(layer, x, params, gy, threads, monkeypatch):
     ((3, 4, 5, 37), 19, 3, 1),  # rows of two whole vectors and a part; three blocks of channels, the last short
     ((5, 3, 3, 16), 9, (3, 5), (1, 2)),  # one whole vector a row, an odd count a sample: pairs across samples
     ((2, 6, 7, 7), 4, 3, 0),  # no padding
+    ((3, 6, 4, 8), 19, 1, 0),  # 1x1: x read in place, 2 vectors a sample, three blocks of channels
+    ((3, 5, 4, 12), 3, 1, 0),  # 1x1: 3 vectors a sample, tiles across samples, the last vector alone
 ])
 def test_the_tile_kernel_matches_pytorch_forward_and_data_gradient_in_float32(shape, outs, kernel, padding,
                                                                                 monkeypatch):
@@ -181,10 +194,11 @@ def test_the_tile_kernel_matches_pytorch_forward_and_data_gradient_in_float32(sh
     np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("stride, shape", [(1, (3, 5, 10, 9)), (2, (3, 5, 10, 9)), (1, (3, 4, 5, 37))])
-def test_direct_convolution_gives_the_same_bits_on_any_number_of_threads(stride, shape, monkeypatch):
+@pytest.mark.parametrize("stride, shape, kernel", [(1, (3, 5, 10, 9), 3), (2, (3, 5, 10, 9), 3), (1, (3, 4, 5, 37), 3),
+                                                  (1, (3, 5, 4, 12), 1)])
+def test_direct_convolution_gives_the_same_bits_on_any_number_of_threads(stride, shape, kernel, monkeypatch):
     rng = np.random.default_rng(5)
-    layer = Conv2d(out_channels=6, kernel=3, padding=1, stride=stride)
+    layer = Conv2d(out_channels=6, kernel=kernel, padding=kernel // 2, stride=stride)
     x = rng.standard_normal(shape, dtype=np.float32)
     params = {k: rng.standard_normal(s.shape, dtype=np.float32) for k, s in layer.param_specs([x.shape]).items()}
     gy = rng.standard_normal(layer.infer_shape([x.shape]), dtype=np.float32)

@@ -1,5 +1,5 @@
 """Stride-1 convolution on the CPU by broadcast multiply-adds: vectors of output pixels, no
-column matrix, no repacked input, in NCHW as the plan stores it.
+column matrix, in NCHW as the plan stores it.
 
 A sample's input is copied once into zero-padded planes, xpad[c, h, w] flat (Hp x Wp each).
 Output pixel (h, w) at tap k = (c, i, j) reads xpad[c*Hp*Wp + (h + i)*Wp + w + j] =

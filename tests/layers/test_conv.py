@@ -1,6 +1,9 @@
 import json
 import multiprocessing
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -192,6 +195,52 @@ def test_the_tile_kernel_matches_pytorch_forward_and_data_gradient_in_float32(sh
     yt.backward(torch.tensor(gy))
     np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-5, atol=2e-5)
+
+
+AVX_CHECK = """
+import json, sys
+import numpy as np
+import snrt.backends.cpu_dots as dots
+dots.VECTOR_BYTES = 32  # a processor without AVX-512, before the kernels read it
+import torch
+from snrt.backends import cpu_tiles
+from snrt.backends.cpu_conv import DirectConv2d
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
+from snrt.layers.conv import Conv2d
+errors = []
+for shape, outs, kernel, padding in json.loads(sys.argv[1]):
+    rng = np.random.default_rng(1)
+    layer = Conv2d(out_channels=outs, kernel=kernel, padding=padding)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    params = {k: rng.standard_normal(s.shape, dtype=np.float32) for k, s in layer.param_specs([x.shape]).items()}
+    kernel_ = DirectConv2d(layer)
+    y = np.empty(layer.infer_shape([x.shape]), np.float32)
+    workspace = {phase: np.zeros(kernel_.workspace_bytes([x.shape], phase), np.uint8) for phase in (FORWARD, BACKWARD)}
+    kernel_.forward(KernelContext(np, workspace=workspace[FORWARD]), [x], params, {}, y, {})
+    gy = rng.standard_normal(y.shape, dtype=np.float32)
+    gx, grads = np.empty_like(x), {k: np.empty_like(v) for k, v in params.items()}
+    kernel_.backward(KernelContext(np, workspace=workspace[BACKWARD]), gy, Saved(xs=(x,)), params, {}, [gx], grads)
+    xt = torch.tensor(x, requires_grad=True)
+    yt = torch.nn.functional.conv2d(xt, torch.tensor(params["weight"]), torch.tensor(params["bias"]),
+                                    padding=layer.padding)
+    yt.backward(torch.tensor(gy))
+    errors.append(max(float(np.abs(y - yt.detach().numpy()).max()), float(np.abs(gx - xt.grad.numpy()).max())))
+print(json.dumps({"lanes": cpu_tiles.lanes_of(4), "block": cpu_tiles.BLOCK_OUTS, "errors": errors}))
+"""
+
+
+def test_the_tile_kernel_with_avx_vectors_matches_pytorch(tmp_path):
+    """The tiles as a processor without AVX-512 runs them (8 lanes, 4 output channels a tile), in
+    a process of their own (compiled afresh: numba's cache keeps no global's value)."""
+    cases = [[(3, 5, 10, 9), 6, 3, 1], [(3, 4, 5, 37), 19, 3, 1], [(5, 3, 3, 16), 9, [3, 5], [1, 2]],
+             [(3, 5, 4, 6), 3, 1, 0]]
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", AVX_CHECK, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, cwd=str(Path(__file__).resolve().parents[2]), timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert (result["lanes"], result["block"]) == (8, 4)
+    assert len(result["errors"]) == len(cases) and max(result["errors"]) < 1e-4, result
 
 
 @pytest.mark.parametrize("stride, shape, kernel", [(1, (3, 5, 10, 9), 3), (2, (3, 5, 10, 9), 3), (1, (3, 4, 5, 37), 3),

@@ -44,7 +44,8 @@ writes kh*kw copies to memory.
   are non-finite, which is what check mode looks for). No BLAS call: OpenBLAS's threads, which
   spin a while after each call, do not compete with the kernel threads.
 
-Serves dilation 1, one group, a kernel larger than 1x1 and padding at most kernel-1 (so the
+Serves dilation 1, one group, a kernel larger than 1x1 (or a 1x1 at stride 1 over maps of a
+multiple of 16 pixels, which the tiles read in place) and padding at most kernel-1 (so the
 data gradient's padding is not negative); everything else is the layer's im2col. At a stride
 over 1 the forward reads every sh-th band row and every sw-th stacked row (output pixel w's
 window starts at row sw*w), and the backward is the layer's (its data gradient is no

@@ -1,27 +1,12 @@
-"""Dense convolution on the CPU without the column matrix: compiled dot products over rows
-stacked channels last.
+"""Dense convolution on the CPU without the column matrix.
 
 The layer's im2col copies every input value kh*kw times into a column matrix before its
 GEMM; for 3x3 kernels on small maps (CIFAR's ResNets) that copy costs as much as the GEMM.
-Here each band of output rows packs its input once, channels last and zero-padded, with
-the kh input rows each output row reads stacked side by side:
+Here:
 
-    stacked[r*Wp + q, i*C + c] = xpad[n, c, h + i, q]     (output row r = (n, h), 0 <= q < Wp)
-
-so that output pixel (h, w)'s whole window, over (j, i, c), is the one contiguous run
-stacked[r*Wp + w : r*Wp + w + kw, :] of K = kw*kh*C numbers, and its value one dot product
-with the weight repacked as wt[o, (j, i, c)] = W[o, c, i, j]. The kernel computes 4 pixels
-by 4 output channels at a time: 16 dot products in one loop over K (cpu_dots.dots4x4: 16
-vector accumulators, 8 loads for 16 multiply-adds, summed across their lanes together). The
-packing lays each input row out channels last once (a band keeps the kh - 1 rows the next
-band of the sample reads again) and moves each value kh times, in cache, where im2col
-writes kh*kw copies to memory.
-
-- forward: y = conv(x, W) + b, output rows split evenly among the kernel threads; at stride
-  1 by the broadcast multiply-add tiles of cpu_tiles (vectors of output pixels, faster than
-  the dot products here wherever a map is at least a vector wide), at a larger stride by the
-  stacked rows above, each thread packing and computing its own bands of `BAND_ROWS` rows
-  in buffers of its own;
+- forward: y = conv(x, W) + b by the broadcast multiply-add tiles of cpu_tiles (vectors of
+  output pixels, at any stride through the input's phase planes), output rows split evenly
+  among the kernel threads;
 - data gradient: for stride 1, gx is the convolution of gy zero-padded by (kh-1-ph,
   kw-1-pw) with the flipped, transposed weight W'[c, o, i, j] = W[o, c, kh-1-i, kw-1-j],
   so the tiles compute it too;
@@ -47,12 +32,10 @@ writes kh*kw copies to memory.
 Serves dilation 1, one group, a kernel larger than 1x1 (or a 1x1 at stride 1 over maps of a
 multiple of 16 pixels, which the tiles read in place) and padding at most kernel-1 (so the
 data gradient's padding is not negative); everything else is the layer's im2col. At a stride
-over 1 the forward reads every sh-th band row and every sw-th stacked row (output pixel w's
-window starts at row sw*w), and the backward is the layer's (its data gradient is no
-convolution of gy).
-Kernel threads (cpu_common.run_split): each output value is one thread's dot product in an
-order fixed by the compiled code, so results do not depend on the number of threads: the same
-bits in every run and policy.
+over 1 the backward is the layer's (its data gradient is no convolution of gy).
+Kernel threads (cpu_common.run_split): each output value is one thread's sum in an order fixed
+by the compiled code, so results do not depend on the number of threads: the same bits in
+every run and policy.
 """
 
 import numpy as np
@@ -61,104 +44,12 @@ from numba import njit
 from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, run_split
 from snrt.backends.cpu_dots import dots4x4
 from snrt.backends.cpu_tiles import (BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, lanes_of, pack_weight, padded_values,
-                                    pointwise_tiles)
+                                    phase_planes, pointwise_tiles)
 from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
-BAND_ROWS = 4  # output rows packed at a time by a thread (in cache while their dot products run)
 GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chunk: about 4 MB of fp32
-
-
-@njit(**THREADED)
-def stack_rows(x, n, ha, hb, ph, pw, kh, sh, carried, band, out):
-    """out[(h - ha)*Wp + q, i*C + c] = xpad[n, c, sh*h + i, q] for output rows h in [ha, hb)
-    of sample n (xpad: x zero-padded by ph rows and pw columns, Wp = W + 2*pw; sh the stride
-    between rows). x (N, C, H, W); band (at least sh*(hb - ha - 1) + kh, Wp, C) scratch, where
-    xpad's rows sh*ha ... sh*(hb - 1) + kh - 1 are laid out channels last; out (at least
-    (hb - ha)*Wp, kh*C). carried: 0, or the number of output rows the call before packed for
-    sample n, ending at ha, in the same band: its last kh - sh rows are this call's first,
-    moved up instead of laid out again."""
-    _, channels, height, width = x.shape
-    kept = max(0, kh - sh) if carried else 0
-    for b in range(kept):  # rows move up (carried >= 1: no row is overwritten before it is read)
-        band[b] = band[sh * carried + b]
-    for b in range(kept, sh * (hb - ha - 1) + kh):  # input rows sh*ha + b - ph into band[b]
-        hi = sh * ha + b - ph
-        row = band[b]
-        if hi < 0 or hi >= height:
-            row[:] = 0
-            continue
-        row[:pw] = 0
-        row[pw + width:] = 0
-        for c in range(channels):
-            src = x[n, c, hi]
-            for q in range(width):
-                row[q + pw, c] = src[q]
-    for h in range(ha, hb):
-        base = (h - ha) * band.shape[1]
-        for i in range(kh):
-            row = band[sh * (h - ha) + i]
-            for q in range(band.shape[1]):
-                dst = out[base + q]
-                for c in range(channels):
-                    dst[i * channels + c] = row[q, c]
-
-
-@njit(**THREADED)
-def dot_rows(stacked, wt, bias, n, ha, hb, wp, sw, y):
-    """y[n, o, h, w] = bias[o] + stacked[(h - ha)*Wp + sw*w :][:K] . wt[o] for h in [ha, hb),
-    with stacked flat rows of kh*C (see stack_rows), wt (O, K) and sw the stride along rows.
-    Blocks of 4 pixels by 4 output channels; a block past the last pixel or channel repeats it
-    (same value, written twice). Empty bias: none."""
-    outs, k = wt.shape
-    wo = y.shape[3]
-    width = stacked.shape[1]
-    flat = stacked.reshape(-1)
-    for h in range(ha, hb):
-        base = (h - ha) * wp
-        for w0 in range(0, wo, 4):
-            c0, c1, c2, c3 = min(w0, wo - 1), min(w0 + 1, wo - 1), min(w0 + 2, wo - 1), min(w0 + 3, wo - 1)
-            r0 = flat[(base + sw * c0) * width:][:k]
-            r1 = flat[(base + sw * c1) * width:][:k]
-            r2 = flat[(base + sw * c2) * width:][:k]
-            r3 = flat[(base + sw * c3) * width:][:k]
-            for o0 in range(0, outs, 4):
-                q0, q1, q2, q3 = o0, min(o0 + 1, outs - 1), min(o0 + 2, outs - 1), min(o0 + 3, outs - 1)
-                k0, k1, k2, k3 = wt[q0], wt[q1], wt[q2], wt[q3]
-                (a00, a01, a02, a03), (a10, a11, a12, a13), (a20, a21, a22, a23), (a30, a31, a32, a33) = \
-                    dots4x4(r0, r1, r2, r3, k0, k1, k2, k3, k)
-                if bias.size:
-                    e0, e1, e2, e3 = bias[q0], bias[q1], bias[q2], bias[q3]
-                    a00, a10, a20, a30 = a00 + e0, a10 + e0, a20 + e0, a30 + e0
-                    a01, a11, a21, a31 = a01 + e1, a11 + e1, a21 + e1, a31 + e1
-                    a02, a12, a22, a32 = a02 + e2, a12 + e2, a22 + e2, a32 + e2
-                    a03, a13, a23, a33 = a03 + e3, a13 + e3, a23 + e3, a33 + e3
-                yq0, yq1, yq2, yq3 = y[n, q0, h], y[n, q1, h], y[n, q2, h], y[n, q3, h]
-                yq0[c0], yq1[c0], yq2[c0], yq3[c0] = a00, a01, a02, a03
-                yq0[c1], yq1[c1], yq2[c1], yq3[c1] = a10, a11, a12, a13
-                yq0[c2], yq1[c2], yq2[c2], yq3[c2] = a20, a21, a22, a23
-                yq0[c3], yq1[c3], yq2[c3], yq3[c3] = a30, a31, a32, a33
-
-
-@njit(**THREADED)
-def convolve_rows(x, wt, bias, ph, pw, kh, kw, sh, sw, r0, r1, band, stacked, y):
-    """y rows r0 <= r < r1 (r = n*Ho + h) of the convolution of x (N, C, H, W), zero-padded by
-    (ph, pw), with wt (O, kw*kh*C) (see dot_rows) and strides (sh, sw), band by band of at most
-    stacked.shape[0] // Wp output rows."""
-    ho = y.shape[2]
-    wp = band.shape[1]
-    rows = (stacked.shape[0] - kw + 1) // wp
-    r, carried = r0, 0
-    while r < r1:
-        n, ha = r // ho, r % ho
-        hb = min(ho, ha + rows, ha + r1 - r)
-        used = stacked[:(hb - ha) * wp + kw - 1]
-        stack_rows(x, n, ha, hb, ph, pw, kh, sh, carried if ha > 0 else 0, band, used)
-        used[(hb - ha) * wp:] = 0
-        dot_rows(used, wt, bias, n, ha, hb, wp, sw, y)
-        carried = hb - ha
-        r += hb - ha
 
 
 @njit(**THREADED)
@@ -242,26 +133,17 @@ class DirectConv2d(LayerLike):
         return layer.stride == (1, 1)
 
     # ---- workspace ---------------------------------------------------------------------
-    def _rows_arrays(self, channels, outs, width, stride, threads):
-        """The stacked-rows kernel's (a stride over 1): the repacked weight (O, kw*kh*C) and per
-        thread a band (stride*(BAND_ROWS - 1) + kh, Wp, channels) for packing an input of
-        `channels` channels, Wp wide, read with `stride` between output rows (see stack_rows),
-        and stacked rows (BAND_ROWS*Wp + kw - 1, kh*channels)."""
-        kh, kw = self.layer.kernel
-        return [((outs, kw * kh * channels), None), ((threads, stride * (BAND_ROWS - 1) + kh, width, channels), None),
-                ((threads, BAND_ROWS * width + kw - 1, kh * channels), None)]
-
-    def _tile_arrays(self, channels, outs, hp, wp, threads, itemsize):
-        """The tile kernel's (stride 1, cpu_tiles): the packed weight, biases and tap offsets,
-        and per thread two samples' padded planes (Hp x Wp), a tile's lane targets and the
-        spans of the two samples."""
+    def _tile_arrays(self, channels, outs, planes, phases, threads, itemsize):
+        """The tile kernel's (cpu_tiles): the packed weight, biases and tap offsets, and per
+        thread two samples' padded planes (`phases` x channels planes of `planes` = (Hq, Wq)),
+        a tile's lane targets and the spans of the two samples."""
         kh, kw = self.layer.kernel
         taps, blocks = channels * kh * kw, -(-outs // BLOCK_OUTS)
         packed = [((blocks, taps, BLOCK_OUTS), None), ((blocks * BLOCK_OUTS,), None), ((taps,), INDEX)]
         targets = ((threads, PIXEL_VECTORS * lanes_of(itemsize)), INDEX)
         if kh * kw == 1:  # pointwise_tiles: x read in place
             return [*packed, targets]
-        return [*packed, ((threads, padded_values(channels, hp, wp, kw, itemsize)), None), targets,
+        return [*packed, ((threads, padded_values(channels, *planes, phases, kw, itemsize)), None), targets,
                 ((threads, 2, 4), INDEX)]
 
     def _plane(self, in_shapes):
@@ -285,17 +167,16 @@ class DirectConv2d(LayerLike):
 
     def _forward_arrays(self, in_shapes, threads, itemsize):
         _, c, h, w = in_shapes[0]
-        o, (ph, pw) = self.layer.out_channels, self.layer.padding
-        if self.layer.stride == (1, 1):
-            return self._tile_arrays(c, o, h + 2 * ph, w + 2 * pw, threads, itemsize)
-        return self._rows_arrays(c, o, w + 2 * pw, self.layer.stride[0], threads)
+        (sh, sw), padding = self.layer.stride, self.layer.padding
+        return self._tile_arrays(c, self.layer.out_channels, phase_planes(h, w, padding, (sh, sw)), sh * sw, threads,
+                                 itemsize)
 
     def _grad_input_arrays(self, in_shapes, threads, itemsize):
         """The data gradient's: gy (O channels, Ho x Wo) padded by (kh-1-ph, kw-1-pw) is
         (H + kh - 1) x (W + kw - 1)."""
         _, c, h, w = in_shapes[0]
         o, (kh, kw) = self.layer.out_channels, self.layer.kernel
-        return self._tile_arrays(o, c, h + kh - 1, w + kw - 1, threads, itemsize)
+        return self._tile_arrays(o, c, (h + kh - 1, w + kw - 1), 1, threads, itemsize)
 
     def _grad_weight_arrays(self, in_shapes):
         """A chunk's padded planes of x, (C, L + (kh-1)*Wp + kw-1) (the taps read past the last
@@ -327,25 +208,19 @@ class DirectConv2d(LayerLike):
         itemsize = x.dtype.itemsize
         threads = fitting_threads(ctx.workspace.nbytes, lambda count: _size(arrays_for(count, itemsize), itemsize))
         scratch = [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in arrays_for(threads, itemsize)]
-        outs, channels, kh, kw = weight_t.shape
+        outs, _, kh, kw = weight_t.shape
         rows = y.shape[0] * y.shape[2]
-        if stride == (1, 1):
-            pack_weight(weight_t, x.shape[2] + 2 * padding[0], x.shape[3] + 2 * padding[1], *scratch[:3], bias)
-            if kh * kw == 1:
-                if numel(y.shape[2:]) % lanes_of(itemsize):
-                    raise ValueError(f"a 1x1 convolution's direct kernel needs maps of a multiple of "
-                                     f"{lanes_of(itemsize)} pixels, not {y.shape[2]}x{y.shape[3]} (see serves)")
-                vectors = numel(y.shape) // (outs * lanes_of(itemsize))
-                run_split(pointwise_tiles, 0, vectors, list(zip(scratch[3], [y] * threads)), (x, *scratch[:3]))
-                return
-            xpads, targets, spans = scratch[3:]
-            run_split(convolve_tiles, 0, rows, list(zip(xpads, targets, spans, [y] * threads)),
-                      (x, *scratch[:3], *padding))
+        pack_weight(weight_t, phase_planes(*x.shape[2:], padding, stride), stride, *scratch[:3], bias)
+        if kh * kw == 1:
+            if numel(y.shape[2:]) % lanes_of(itemsize):
+                raise ValueError(f"a 1x1 convolution's direct kernel needs maps of a multiple of "
+                                 f"{lanes_of(itemsize)} pixels, not {y.shape[2]}x{y.shape[3]} (see serves)")
+            vectors = numel(y.shape) // (outs * lanes_of(itemsize))
+            run_split(pointwise_tiles, 0, vectors, list(zip(scratch[3], [y] * threads)), (x, *scratch[:3]))
             return
-        wt, bands, stacked = scratch
-        wt.reshape(outs, kw, kh, channels)[...] = weight_t.transpose(0, 3, 2, 1)  # wt[o, (j, i, c)]
-        run_split(convolve_rows, 0, rows, list(zip(bands, stacked, [y] * threads)),
-                  (x, wt, bias, *padding, kh, kw, *stride))
+        xpads, targets, spans = scratch[3:]
+        run_split(convolve_tiles, 0, rows, list(zip(xpads, targets, spans, [y] * threads)),
+                  (x, *scratch[:3], *padding, *stride))
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x, weight = xs[0], params["weight"]

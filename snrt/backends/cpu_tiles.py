@@ -1,10 +1,10 @@
-"""Stride-1 convolution on the CPU by broadcast multiply-adds: vectors of output pixels, no
-column matrix, in NCHW as the plan stores it.
+"""Convolution on the CPU by broadcast multiply-adds: vectors of output pixels, no column
+matrix, in NCHW as the plan stores it.
 
 A sample's input is copied once into zero-padded planes, xpad[c, h, w] flat (Hp x Wp each).
-Output pixel (h, w) at tap k = (c, i, j) reads xpad[c*Hp*Wp + (h + i)*Wp + w + j] =
-xpad[t + offsets[k]], t = h*Wp + w: so a vector of pixels t ... t + lanes - 1 (`lanes_of`)
-reads one contiguous vector per tap, and
+At stride 1, output pixel (h, w) at tap k = (c, i, j) reads xpad[c*Hp*Wp + (h + i)*Wp + w +
+j] = xpad[t + offsets[k]], t = h*Wp + w: so a vector of pixels t ... t + lanes - 1
+(`lanes_of`) reads one contiguous vector per tap, and
 
     y[o, pixels] = bias[o] + sum over k of W[o, k] * xpad[t + offsets[k] : + lanes]
 
@@ -15,20 +15,25 @@ taps: 2 loads and BLOCK_OUTS broadcasts for 2*BLOCK_OUTS multiply-adds, nothing 
 across lanes. The weights are packed per block of output channels, wpack[b, k, o].
 
 Which pixels a vector holds: maps at least `lanes` wide go row by row (a row's last vector
-partly filled); narrower maps (8x8, 7x7, 4x4) along t across rows, computing the Wp - Wo
+partly filled); narrower maps (8x8, 7x7, 4x4) along t across rows, computing the Wq - Wo
 columns of padding too and storing only the pixels of the map, so that an 8-wide map fills
 80% of the lanes instead of half. Each vector's lanes name the output value they store
 (`targets`, -1 for none); a vector whose lanes are one full run of a row is stored whole.
 Two samples are padded at a time and their vectors taken two by two as one list, so that a
 sample's odd last vector shares a tile with the next sample's first.
 
+At stride (sh, sw) the padded input is split into its sh*sw phase planes (`phase_planes`),
+padded row sh*h' + a and column sw*w' + b of phase (a, b) at (h', w'): output pixel (h, w) at
+tap (i, j) reads phase (i % sh, j % sw) at (h + i // sh, w + j // sw), so t = h*Wq + w and
+the vectors are contiguous again; stride 1 is one phase, the padded input itself.
+
 A 1x1 convolution needs no padding: `pointwise_tiles` reads x where it is (taps c*H*W), its
 vectors along each sample's H*W pixels (a multiple of the lanes), a tile's two vectors of one
 sample or of two.
 
 Each output value is one chain of multiply-adds in tap order, in one thread: the same bits
-on any number of threads. Serves stride 1 (the forward, and the data gradient, which is a
-stride-1 convolution of gy with the flipped weight: cpu_conv).
+on any number of threads. Serves cpu_conv's forward and its data gradient (at stride 1 a
+stride-1 convolution of gy with the flipped weight).
 """
 
 import llvmlite.ir as ir
@@ -116,17 +121,26 @@ def fma_tile(typingctx, x, p0, p1, offsets, w, wstart, bias, y, ystart, targets,
     return types.void(*arguments), codegen
 
 
-def padded_values(channels, hp, wp, kw, itemsize):
-    """Values of a group's padded planes: two samples', then lanes + kw more, as far as the last
-    vector's lanes read past them (lanes whose values are not stored)."""
-    return 2 * channels * hp * wp + lanes_of(itemsize) + kw
+def phase_planes(height, width, padding, stride):
+    """(Hq, Wq): the planes a sample's input is padded into at `stride`, one per phase (a, b) of
+    (row, column) mod stride: padded row sh*h' + a and column sw*w' + b at (h', w')."""
+    (ph, pw), (sh, sw) = padding, stride
+    return -(-(height + 2 * ph) // sh), -(-(width + 2 * pw) // sw)
 
 
-def pack_weight(weight, hp, wp, wpack, biases, offsets, bias):
+def padded_values(channels, hq, wq, phases, kw, itemsize):
+    """Values of a group's padded planes: two samples' (phases x channels planes of Hq x Wq),
+    then lanes + kw more, as far as the last vector's lanes read past them (lanes whose values
+    are not stored)."""
+    return 2 * phases * channels * hq * wq + lanes_of(itemsize) + kw
+
+
+def pack_weight(weight, planes, stride, wpack, biases, offsets, bias):
     """Fill wpack (blocks, K, BLOCK_OUTS) with weight (O, C, kh, kw), any strides, as
     wpack[b, (c, i, j), o] = weight[b*BLOCK_OUTS + o, c, i, j] (zeros past O), biases
-    (blocks*BLOCK_OUTS,) with `bias` (empty: none, zeros) and offsets (K,) with each tap's
-    c*Hp*Wp + i*Wp + j; no array made on the way."""
+    (blocks*BLOCK_OUTS,) with `bias` (empty: none, zeros) and offsets (K,) with where each tap
+    reads in the phase planes (Hq, Wq) = `planes` at `stride` (_tap_offsets); no array made on
+    the way."""
     outs, channels, kh, kw = weight.shape
     wpack[...] = 0
     for b in range(wpack.shape[0]):
@@ -134,34 +148,54 @@ def pack_weight(weight, hp, wp, wpack, biases, offsets, bias):
         wpack[b].reshape(channels, kh, kw, BLOCK_OUTS)[..., :o1 - o0] = weight[o0:o1].transpose(1, 2, 3, 0)
     biases[...] = 0
     biases[:bias.size] = bias
-    _tap_offsets(kh, kw, hp, wp, offsets)
+    _tap_offsets(channels, kh, kw, *planes, *stride, offsets)
 
 
 @njit(**THREADED)
-def _tap_offsets(kh, kw, hp, wp, offsets):
-    """offsets[(c, i, j)] = c*hp*wp + i*wp + j."""
+def _tap_offsets(channels, kh, kw, hq, wq, sh, sw, offsets):
+    """offsets[(c, i, j)]: output pixel (h, w) reads padded x[c, sh*h + i, sw*w + j], which is
+    at (h + i // sh, w + j // sw) of the plane of phase (i % sh, j % sw) and channel c; at
+    stride 1 that is c*Hq*Wq + i*Wq + j."""
     for k in range(offsets.size):
         c, tap = k // (kh * kw), k % (kh * kw)
-        offsets[k] = c * hp * wp + tap // kw * wp + tap % kw
+        i, j = tap // kw, tap % kw
+        plane = ((i % sh) * sw + j % sw) * channels + c
+        offsets[k] = plane * hq * wq + i // sh * wq + j // sw
 
 
 @njit(**THREADED)
-def _pad_sample(x, n, ph, pw, hp, wp, xpad):
-    """xpad[c*Hp*Wp + (ph + h)*Wp + pw + w] = x[n, c, h, w], zeros elsewhere."""
-    xpad[:] = 0
+def _pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad):
+    """Sample n of x zero-padded by (ph, pw) into its phase planes (phase_planes): plane
+    ((a*sw + b)*C + c) holds padded x[c, sh*h' + a, sw*w' + b] at h'*Wq + w'."""
     channels, height, width = x.shape[1], x.shape[2], x.shape[3]
-    for c in range(channels):
-        for h in range(height):
-            start = c * hp * wp + (ph + h) * wp + pw
-            xpad[start:start + width] = x[n, c, h]
+    xpad[:sh * sw * channels * hq * wq] = 0
+    if sh == 1 and sw == 1:  # one plane a channel: whole rows at once
+        for c in range(channels):
+            for h in range(height):
+                start = c * hq * wq + (ph + h) * wq + pw
+                xpad[start:start + width] = x[n, c, h]
+        return
+    for a in range(sh):
+        for b in range(sw):
+            first = max(0, -(-(pw - b) // sw))  # the first column q with sw*q + b - pw >= 0
+            for c in range(channels):
+                base = ((a * sw + b) * channels + c) * hq * wq
+                for r in range(hq):
+                    h = sh * r + a - ph
+                    if h < 0 or h >= height:
+                        continue
+                    src, row = x[n, c, h], xpad[base + r * wq:base + (r + 1) * wq]
+                    last = min(wq, (width - 1 + pw - b) // sw + 1)  # past the last column in x
+                    for q in range(first, last):
+                        row[q] = src[sw * q + b - pw]
 
 
 @njit(**THREADED)
-def _vector(v, spans, wp, wo, sample_values, plane_values, lanes, targets, slot):
+def _vector(v, spans, wq, wo, sample_values, plane_values, lanes, targets, slot):
     """The x position of vector v of a group's spans (per sample slot: n, first row, end row,
     vectors), filling targets[slot*lanes:][:lanes] with the y index of each lane's value (-1:
     none); and 1 if that is one whole run of a row. Maps at least `lanes` wide go row by row,
-    narrower ones along t = h*Wp + w across rows (only h in the span, w < Wo stored)."""
+    narrower ones along t = h*Wq + w across rows (only h in the span, w < Wo stored)."""
     s = 0 if v < spans[0, 3] else 1
     v -= s * spans[0, 3]
     n, ha, hb = spans[s, 0], spans[s, 1], spans[s, 2]
@@ -172,26 +206,27 @@ def _vector(v, spans, wp, wo, sample_values, plane_values, lanes, targets, slot)
         filled = min(lanes, wo - w0)
         for lane in range(lanes):
             targets[slot * lanes + lane] = base + h * wo + w0 + lane if lane < filled else -1
-        return s * sample_values + h * wp + w0, 1 if filled == lanes else 0
-    first = ha * wp + v * lanes
+        return s * sample_values + h * wq + w0, 1 if filled == lanes else 0
+    first = ha * wq + v * lanes
     for lane in range(lanes):
-        h, w = (first + lane) // wp, (first + lane) % wp
+        h, w = (first + lane) // wq, (first + lane) % wq
         targets[slot * lanes + lane] = base + h * wo + w if h < hb and w < wo else -1
     return s * sample_values + first, 0
 
 
 @njit(**THREADED)
-def convolve_tiles(x, wpack, biases, offsets, ph, pw, r0, r1, xpad, targets, spans, y):
-    """y rows r0 <= r < r1 (r = n*Ho + h) of the stride-1 convolution of x (N, C, H, W) zero-
-    padded by (ph, pw), the weight packed by pack_weight. Two samples at a time (a group): both
+def convolve_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, r0, r1, xpad, targets, spans, y):
+    """y rows r0 <= r < r1 (r = n*Ho + h) of the convolution of x (N, C, H, W) zero-padded by
+    (ph, pw) at stride (sh, sw), the weight packed by pack_weight for its phase planes (at
+    stride 1 one plane a channel, the padded input itself). Two samples at a time (a group): both
     padded into xpad (2 * padded_values), their vectors one list, taken two by two, so that a
     sample's odd last vector pairs with the next's first. targets (PIXEL_VECTORS*lanes int64)
     and spans ((2, 4) int64) are scratch; all three this thread's own."""
     outs, ho, wo = y.shape[1], y.shape[2], y.shape[3]
-    hp, wp = x.shape[2] + 2 * ph, x.shape[3] + 2 * pw
+    hq, wq = -(-(x.shape[2] + 2 * ph) // sh), -(-(x.shape[3] + 2 * pw) // sw)  # phase_planes
     blocks, taps = wpack.shape[0], wpack.shape[1]
     flat_w, flat_y, plane = wpack.reshape(-1), y.reshape(-1), ho * wo
-    sample_values = x.shape[1] * hp * wp
+    sample_values = sh * sw * x.shape[1] * hq * wq
     lanes = VECTOR_BYTES // x.itemsize  # lanes_of
     per_row = (wo + lanes - 1) // lanes
     r = r0
@@ -200,15 +235,15 @@ def convolve_tiles(x, wpack, biases, offsets, ph, pw, r0, r1, xpad, targets, spa
         for s in range(2):
             n, ha = r // ho, r % ho
             hb = min(ho, ha + r1 - r) if r < r1 else ha
-            vectors = (hb - ha) * per_row if wo >= lanes else ((hb - ha) * wp + lanes - 1) // lanes
+            vectors = (hb - ha) * per_row if wo >= lanes else ((hb - ha) * wq + lanes - 1) // lanes
             spans[s, 0], spans[s, 1], spans[s, 2], spans[s, 3] = n, ha, hb, vectors
             if hb > ha:
-                _pad_sample(x, n, ph, pw, hp, wp, xpad[s * sample_values:(s + 1) * sample_values])
+                _pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad[s * sample_values:(s + 1) * sample_values])
             count += vectors
             r += hb - ha
         for t in range(0, count, PIXEL_VECTORS):
-            p0, whole0 = _vector(t, spans, wp, wo, sample_values, outs * plane, lanes, targets, 0)
-            p1, whole1 = _vector(min(t + 1, count - 1), spans, wp, wo, sample_values, outs * plane, lanes, targets, 1)
+            p0, whole0 = _vector(t, spans, wq, wo, sample_values, outs * plane, lanes, targets, 0)
+            p1, whole1 = _vector(min(t + 1, count - 1), spans, wq, wo, sample_values, outs * plane, lanes, targets, 1)
             if t + 1 == count:  # one vector left: the second slot repeats it and stores nothing
                 targets[lanes:] = -1
                 whole1 = 0

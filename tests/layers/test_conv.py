@@ -208,9 +208,9 @@ from snrt.backends.cpu_conv import DirectConv2d
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.conv import Conv2d
 errors = []
-for shape, outs, kernel, padding in json.loads(sys.argv[1]):
+for shape, outs, kernel, padding, stride in json.loads(sys.argv[1]):
     rng = np.random.default_rng(1)
-    layer = Conv2d(out_channels=outs, kernel=kernel, padding=padding)
+    layer = Conv2d(out_channels=outs, kernel=kernel, padding=padding, stride=stride)
     x = rng.standard_normal(shape, dtype=np.float32)
     params = {k: rng.standard_normal(s.shape, dtype=np.float32) for k, s in layer.param_specs([x.shape]).items()}
     kernel_ = DirectConv2d(layer)
@@ -222,7 +222,7 @@ for shape, outs, kernel, padding in json.loads(sys.argv[1]):
     kernel_.backward(KernelContext(np, workspace=workspace[BACKWARD]), gy, Saved(xs=(x,)), params, {}, [gx], grads)
     xt = torch.tensor(x, requires_grad=True)
     yt = torch.nn.functional.conv2d(xt, torch.tensor(params["weight"]), torch.tensor(params["bias"]),
-                                    padding=layer.padding)
+                                    padding=layer.padding, stride=layer.stride)
     yt.backward(torch.tensor(gy))
     errors.append(max(float(np.abs(y - yt.detach().numpy()).max()), float(np.abs(gx - xt.grad.numpy()).max())))
 print(json.dumps({"lanes": cpu_tiles.lanes_of(4), "block": cpu_tiles.BLOCK_OUTS, "errors": errors}))
@@ -232,8 +232,8 @@ print(json.dumps({"lanes": cpu_tiles.lanes_of(4), "block": cpu_tiles.BLOCK_OUTS,
 def test_the_tile_kernel_with_avx_vectors_matches_pytorch(tmp_path):
     """The tiles as a processor without AVX-512 runs them (8 lanes, 4 output channels a tile), in
     a process of their own (compiled afresh: numba's cache keeps no global's value)."""
-    cases = [[(3, 5, 10, 9), 6, 3, 1], [(3, 4, 5, 37), 19, 3, 1], [(5, 3, 3, 16), 9, [3, 5], [1, 2]],
-             [(3, 5, 4, 6), 3, 1, 0]]
+    cases = [[(3, 5, 10, 9), 6, 3, 1, 1], [(3, 4, 5, 37), 19, 3, 1, 1], [(5, 3, 3, 16), 9, [3, 5], [1, 2], 1],
+             [(3, 5, 4, 6), 3, 1, 0, 1], [(2, 3, 11, 20), 5, 3, 1, [2, 3]]]
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", AVX_CHECK, json.dumps(cases)], capture_output=True, text=True,
                           env=env, cwd=str(Path(__file__).resolve().parents[2]), timeout=600)

@@ -187,10 +187,9 @@ class DirectConv2d(LayerLike):
         return [((c, length + (kh - 1) * wp + kw - 1), None), ((self.layer.out_channels, length), None)]
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
-        """Forward: the tile kernel's arrays (stride 1), else the stacked-rows kernel's. Backward:
-        the larger of the weight gradient's (a chunk's padded planes of x and gy) and the data
-        gradient's (the tile kernel's for gy and the flipped weight); they run one after the
-        other; the layer's at a stride over 1."""
+        """Forward: the tile kernel's arrays. Backward: the larger of the weight gradient's (a
+        chunk's padded planes of x and gy) and the data gradient's (the tile kernel's for gy and
+        the flipped weight); they run one after the other; the layer's at a stride over 1."""
         threads = kernel_threads()
         if phase != BACKWARD:
             return _size(self._forward_arrays(in_shapes, threads, itemsize), itemsize)

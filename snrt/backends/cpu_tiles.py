@@ -39,7 +39,7 @@ stride-1 convolution of gy with the flipped weight).
 import llvmlite.ir as ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, register_jitable
 
 from snrt.backends.cpu_common import THREADED
 from snrt.backends.cpu_dots import VECTOR_BYTES
@@ -48,6 +48,7 @@ BLOCK_OUTS = 8 if VECTOR_BYTES == 64 else 4  # output channels a tile holds: 2*B
 PIXEL_VECTORS = 2  # pixel vectors a tile holds (fma_tile's p0 and p1)
 
 
+@register_jitable
 def lanes_of(itemsize):
     """Pixels a vector holds, of values of `itemsize` bytes (16 float32 with AVX-512)."""
     return VECTOR_BYTES // itemsize
@@ -121,6 +122,7 @@ def fma_tile(typingctx, x, p0, p1, offsets, w, wstart, bias, y, ystart, targets,
     return types.void(*arguments), codegen
 
 
+@register_jitable
 def phase_planes(height, width, padding, stride):
     """(Hq, Wq): the planes a sample's input is padded into at `stride`, one per phase (a, b) of
     (row, column) mod stride: padded row sh*h' + a and column sw*w' + b at (h', w')."""
@@ -223,11 +225,11 @@ def convolve_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, r0, r1, xpad, targ
     sample's odd last vector pairs with the next's first. targets (PIXEL_VECTORS*lanes int64)
     and spans ((2, 4) int64) are scratch; all three this thread's own."""
     outs, ho, wo = y.shape[1], y.shape[2], y.shape[3]
-    hq, wq = -(-(x.shape[2] + 2 * ph) // sh), -(-(x.shape[3] + 2 * pw) // sw)  # phase_planes
+    hq, wq = phase_planes(x.shape[2], x.shape[3], (ph, pw), (sh, sw))
     blocks, taps = wpack.shape[0], wpack.shape[1]
     flat_w, flat_y, plane = wpack.reshape(-1), y.reshape(-1), ho * wo
     sample_values = sh * sw * x.shape[1] * hq * wq
-    lanes = VECTOR_BYTES // x.itemsize  # lanes_of
+    lanes = lanes_of(x.itemsize)
     per_row = (wo + lanes - 1) // lanes
     r = r0
     while r < r1:
@@ -260,7 +262,7 @@ def pointwise_tiles(x, wpack, biases, offsets, v0, v1, targets, y):
     and a tile's two vectors may be of two samples. targets (PIXEL_VECTORS*lanes) this thread's."""
     outs, channels = y.shape[1], x.shape[1]
     pixels = y.shape[2] * y.shape[3]
-    lanes = VECTOR_BYTES // x.itemsize  # lanes_of
+    lanes = lanes_of(x.itemsize)
     per_sample = pixels // lanes
     blocks, taps = wpack.shape[0], wpack.shape[1]
     flat_x, flat_w, flat_y = x.reshape(-1), wpack.reshape(-1), y.reshape(-1)

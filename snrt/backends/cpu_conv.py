@@ -42,6 +42,7 @@ import numpy as np
 from numba import njit
 
 from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, run_split
+from snrt.backends.cpu_copy import copy_run
 from snrt.backends.cpu_dots import dots4x4
 from snrt.backends.cpu_tiles import (BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, lanes_of, pack_weight, padded_values,
                                     phase_planes, pointwise_tiles)
@@ -56,13 +57,14 @@ GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chu
 def pad_planes(x, n0, n1, ph, pw, hp, wp, planes, c0, c1):
     """planes[c, (n - n0)*hp*wp + (ph + h)*wp + pw + w] = x[n, c, h, w] for the samples n0 <= n <
     n1 and channels c0 <= c < c1 of x (N, C, H, W); zeros elsewhere in those rows of planes."""
-    _, _, h, w = x.shape
+    _, channels, h, w = x.shape
+    flat = x.reshape(-1)
     for c in range(c0, c1):
-        planes[c] = 0
+        plane = planes[c]
+        plane[:] = 0
         for n in range(n0, n1):
             for r in range(h):
-                start = (n - n0) * hp * wp + (ph + r) * wp + pw
-                planes[c, start:start + w] = x[n, c, r]
+                copy_run(plane, (n - n0) * hp * wp + (ph + r) * wp + pw, flat, ((n * channels + c) * h + r) * w, w)
 
 
 @njit(**THREADED)

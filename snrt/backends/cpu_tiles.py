@@ -42,6 +42,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, register_jitable
 
 from snrt.backends.cpu_common import THREADED
+from snrt.backends.cpu_copy import copy_run
 from snrt.backends.cpu_dots import VECTOR_BYTES
 
 BLOCK_OUTS = 8 if VECTOR_BYTES == 64 else 4  # output channels a tile holds: 2*BLOCK_OUTS accumulators
@@ -172,10 +173,10 @@ def _pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad):
     channels, height, width = x.shape[1], x.shape[2], x.shape[3]
     xpad[:sh * sw * channels * hq * wq] = 0
     if sh == 1 and sw == 1:  # one plane a channel: whole rows at once
+        flat = x.reshape(-1)
         for c in range(channels):
             for h in range(height):
-                start = c * hq * wq + (ph + h) * wq + pw
-                xpad[start:start + width] = x[n, c, h]
+                copy_run(xpad, c * hq * wq + (ph + h) * wq + pw, flat, ((n * channels + c) * height + h) * width, width)
         return
     for a in range(sh):
         for b in range(sw):

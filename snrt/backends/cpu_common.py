@@ -8,9 +8,7 @@ output value is one thread's, computed in an order fixed by the compiled code: r
 depend on the number of threads.
 """
 
-import os
-from concurrent.futures import ThreadPoolExecutor, wait
-
+from snrt.backends.cpu_handoff import pool
 from snrt.layers.base import FLOAT32_BYTES
 from snrt.threads import kernel_threads
 
@@ -23,30 +21,19 @@ FASTMATH = {"reassoc", "contract"}
 COMPILED = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy"}
 THREADED = dict(COMPILED, nogil=True)  # for kernels that run on the kernel threads
 
-_POOL = {}  # (process id, worker count): its ThreadPoolExecutor (a forked child makes its own)
-
 
 def run_split(function, start, stop, per_thread_args, shared_args):
     """function(*shared_args, r0, r1, *per_thread_args[t]) for thread t's even share [r0, r1)
-    of range(start, stop), on the kernel threads: share 0 on the calling thread while the pool's
-    threads run the others (a hand-off wakes a sleeping thread, tens of µs, so the caller does
-    not wait idle for its own); returns when all are done (raising the caller's error, else the
-    first of the others')."""
+    of range(start, stop), on the kernel threads: share 0 on the calling thread while the
+    threads of its pool (cpu_handoff) run the others; returns when all are done (raising the
+    caller's error, else the first of the others')."""
     threads = len(per_thread_args)
     bounds = [start + (stop - start) * t // threads for t in range(threads + 1)]
     calls = [(*shared_args, bounds[t], bounds[t + 1], *per_thread_args[t]) for t in range(threads)]
     if threads == 1:
         function(*calls[0])
         return
-    key = (os.getpid(), threads - 1)
-    pool = _POOL.get(key) or _POOL.setdefault(key, ThreadPoolExecutor(threads - 1, "snrt-kernel"))
-    others = [pool.submit(function, *call) for call in calls[1:]]
-    try:
-        function(*calls[0])
-    finally:
-        wait(others)  # no share still runs when this returns or raises
-    for future in others:
-        future.result()
+    pool(threads - 1).run(function, calls)
 
 
 def no_arguments_per_thread(values, minimum):

@@ -10,6 +10,7 @@ import pytest
 import snrt.threads
 from snrt.backends import cpu_activation, cpu_channel, cpu_depthwise, cpu_kernels, cpu_norm, cpu_pool, cpu_resample
 from snrt.backends.cpu_common import run_split
+from snrt.backends.cpu_handoff import SLOT, current, publish, watch
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.layers.activation import ELU, GELU, ReLU, ReLU6, Sigmoid, SiLU, Softmax
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
@@ -127,3 +128,14 @@ def test_run_split_from_several_threads_at_once_gives_each_its_own_results():
     for thread in ranks:
         thread.join()
     assert not failures
+
+
+def test_a_watched_counter_gives_the_value_another_thread_published_or_the_one_seen_when_none_came():
+    counters = np.zeros(2 * SLOT, np.int64)
+    assert watch(counters, SLOT, 0, 1000) == 0  # nothing published: the value seen, after 1,000 loads
+    publisher = threading.Thread(target=lambda: (time.sleep(0.01), publish(counters, SLOT, 7)))
+    publisher.start()
+    while (value := watch(counters, SLOT, 0, 1 << 20)) == 0:
+        pass
+    publisher.join()
+    assert value == 7 and current(counters, SLOT) == 7 and counters[0] == 0

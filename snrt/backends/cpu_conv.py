@@ -27,7 +27,10 @@ Here:
   the threads, the chunks summed in order. A tap past an output row's end meets gp's zeros, so
   a non-finite input value can turn a weight gradient that would be infinite into NaN (both
   are non-finite, which is what check mode looks for). No BLAS call: OpenBLAS's threads, which
-  spin a while after each call, do not compete with the kernel threads.
+  spin a while after each call, do not compete with the kernel threads. A 1x1 kernel needs no
+  planes: gW[o, c] is the dot product of gy's channel o and x's channel c, each a run of H*W
+  values per sample, read where they are (dots4x4 over the runs, N*C*H*W apart), in spans of
+  pixels of at most about GRAD_WEIGHT_ELEMENTS values of x and gy, the spans added in order.
 
 Serves dilation 1, one group, a kernel larger than 1x1 (or a 1x1 at stride 1 over maps of a
 multiple of 16 pixels, which the tiles read in place) and padding at most kernel-1 (so the
@@ -78,11 +81,12 @@ def pad_both(x, gy, n0, n1, ph, pw, hp, wp, xp, gp, p0, p1):
 
 
 @njit(**THREADED)
-def weight_grad_planes(gp, xp, length, wp, add, gw, b0, b1):
-    """gw[o, c, i, j] = (add: gw + ) the dot product of gp[o, :length] and xp[c, i*wp + j:][:length]
-    for the blocks b0 <= b < b1 of 4 output channels by 4 taps (c, i, j) (a block past the last
-    channel or tap computes it again, written once). gp (O, >= length), xp (C, >=
-    length + (kh-1)*wp + kw-1), gw (O, C, kh, kw)."""
+def weight_grad_rows(g, g_row, g_run, x, x_row, x_run, length, runs, wp, add, gw, b0, b1):
+    """gw[o, c, i, j] = (add: gw + ) the sum over the runs s < `runs` of the dot products of
+    g[o*g_row + s*g_run:][:length] and x[c*x_row + s*x_run + i*wp + j:][:length], for the blocks
+    b0 <= b < b1 of 4 output channels by 4 taps (c, i, j) (a block past the last channel or
+    tap computes it again, written once). g and x flat; gw (O, C, kh, kw). The padded planes:
+    rows of one run each; a 1x1 kernel: x and gy as they are, a run per sample."""
     outs, channels, kh, kw = gw.shape
     taps = channels * kh * kw
     tap_blocks = (taps + 3) // 4
@@ -90,12 +94,12 @@ def weight_grad_planes(gp, xp, length, wp, add, gw, b0, b1):
         o0, k0 = 4 * (b // tap_blocks), 4 * (b % tap_blocks)
         o = (o0, min(o0 + 1, outs - 1), min(o0 + 2, outs - 1), min(o0 + 3, outs - 1))
         k = (k0, min(k0 + 1, taps - 1), min(k0 + 2, taps - 1), min(k0 + 3, taps - 1))
-        g0, g1, g2, g3 = gp[o[0]], gp[o[1]], gp[o[2]], gp[o[3]]
-        x0 = xp[k[0] // (kh * kw), (k[0] % (kh * kw)) // kw * wp + k[0] % kw:]
-        x1 = xp[k[1] // (kh * kw), (k[1] % (kh * kw)) // kw * wp + k[1] % kw:]
-        x2 = xp[k[2] // (kh * kw), (k[2] % (kh * kw)) // kw * wp + k[2] % kw:]
-        x3 = xp[k[3] // (kh * kw), (k[3] % (kh * kw)) // kw * wp + k[3] % kw:]
-        sums = dots4x4(g0, g1, g2, g3, x0, x1, x2, x3, length)
+        g0, g1, g2, g3 = g[o[0] * g_row:], g[o[1] * g_row:], g[o[2] * g_row:], g[o[3] * g_row:]
+        x0 = x[k[0] // (kh * kw) * x_row + (k[0] % (kh * kw)) // kw * wp + k[0] % kw:]
+        x1 = x[k[1] // (kh * kw) * x_row + (k[1] % (kh * kw)) // kw * wp + k[1] % kw:]
+        x2 = x[k[2] // (kh * kw) * x_row + (k[2] % (kh * kw)) // kw * wp + k[2] % kw:]
+        x3 = x[k[3] // (kh * kw) * x_row + (k[3] % (kh * kw)) // kw * wp + k[3] % kw:]
+        sums = dots4x4(g0, g1, g2, g3, x0, x1, x2, x3, length, runs, g_run, x_run)
         for d in range(min(4, outs - o0)):  # not the repeats: with `add` they would add twice
             for e in range(min(4, taps - k0)):
                 c, tap = k[e] // (kh * kw), k[e] % (kh * kw)
@@ -182,9 +186,12 @@ class DirectConv2d(LayerLike):
 
     def _grad_weight_arrays(self, in_shapes):
         """A chunk's padded planes of x, (C, L + (kh-1)*Wp + kw-1) (the taps read past the last
-        plane), and of gy, (O, L), L = samples * Hp * Wp."""
+        plane), and of gy, (O, L), L = samples * Hp * Wp; none for a 1x1 kernel (x and gy read
+        where they are)."""
         c = in_shapes[0][1]
         (kh, kw), (hp, wp) = self.layer.kernel, self._plane(in_shapes)
+        if kh * kw == 1:
+            return []
         length = self._grad_weight_samples(in_shapes) * hp * wp
         return [((c, length + (kh - 1) * wp + kw - 1), None), ((self.layer.out_channels, length), None)]
 
@@ -248,20 +255,30 @@ class DirectConv2d(LayerLike):
             ctx.release_scratch()
 
     def _grad_weight(self, ctx, gy, x, gweight):
-        """gweight (O, C, kh, kw) by weight_grad_planes, chunk by chunk of samples, each chunk's
-        planes padded by the kernel threads (a share of x's and gy's channels each), its blocks of
-        weights split among them, the chunks added in order."""
-        n = x.shape[0]
+        """gweight (O, C, kh, kw) by weight_grad_rows, its blocks of weights split among the
+        kernel threads: of a 1x1 kernel from x and gy as they are; else chunk by chunk of
+        samples, each chunk's planes padded by the threads (a share of x's and gy's channels
+        each), the chunks added in order."""
+        n, channels, h, w = x.shape
+        outs, _, kh, kw = gweight.shape
+        threads = [()] * kernel_threads()
+        blocks = -(-outs // 4) * -(-channels * kh * kw // 4)
+        if kh * kw == 1:
+            pixels = h * w
+            span = -(-pixels // -(-(n * (channels + outs) * pixels) // GRAD_WEIGHT_ELEMENTS))
+            for p0 in range(0, pixels, span):
+                run_split(weight_grad_rows, 0, blocks, threads, (gy.reshape(-1)[p0:], pixels, outs * pixels,
+                                                                 x.reshape(-1)[p0:], pixels, channels * pixels,
+                                                                 min(span, pixels - p0), n, w, p0 > 0, gweight))
+            return
         (ph, pw), (hp, wp) = self.layer.padding, self._plane([x.shape])
         xp, gp = (ctx.scratch(shape, x.dtype) for shape, _ in self._grad_weight_arrays([x.shape]))
-        threads = [()] * kernel_threads()
-        outs, channels, kh, kw = gweight.shape
-        blocks = -(-outs // 4) * -(-channels * kh * kw // 4)
         chunk = self._grad_weight_samples([x.shape])
         for n0 in range(0, n, chunk):
             n1 = min(n, n0 + chunk)
             run_split(pad_both, 0, channels + outs, threads, (x, gy, n0, n1, ph, pw, hp, wp, xp, gp))
-            run_split(weight_grad_planes, 0, blocks, threads, (gp, xp, (n1 - n0) * hp * wp, wp, n0 > 0, gweight))
+            run_split(weight_grad_rows, 0, blocks, threads, (gp.reshape(-1), gp.shape[1], 0, xp.reshape(-1), xp.shape[1],
+                                                             0, (n1 - n0) * hp * wp, 1, wp, n0 > 0, gweight))
 
 
 class ChosenConv2d(LayerLike):

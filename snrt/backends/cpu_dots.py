@@ -1,7 +1,9 @@
 """Sixteen dot products at once for the CPU's compiled kernels, written in LLVM's IR.
 
-`dots4x4(a0, a1, a2, a3, b0, b1, b2, b3, length)` is ((a0.b0, a0.b1, a0.b2, a0.b3), (a1.b0,
-...), ...) over [0, length): each step of the loop loads 8 vectors (one of each row, of
+`dots4x4(a0, a1, a2, a3, b0, b1, b2, b3, length, segments, a_stride, b_stride)` is ((a0.b0,
+a0.b1, a0.b2, a0.b3), (a1.b0, ...), ...) over `segments` runs of `length` values, run s at
+s*a_stride of each a row and s*b_stride of each b row (one run: a plain dot product over
+[0, length); several: a pixel row per sample of an NCHW tensor, say): each step of the loop loads 8 vectors (one of each row, of
 `VECTOR_BYTES`) and adds their 16 products to 16 vector accumulators, 8 loads for 16 fused
 multiply-adds; the last length % lanes values take a scalar loop of their own. numba's loop
 vectorizer gives the same loop, but then sums each accumulator across its lanes on its own,
@@ -11,8 +13,8 @@ shuffled so that each half of the lanes holds one of the pair's, and added, halv
 vectors at each step until one vector holds a lane's worth of the sums (about 2 instructions
 an output).
 
-The sums run in an order fixed by the code (lane by lane along the row, then the tree, then
-the tail) and the machine's vector width: the same rows give the same bits in every run on a
+The sums run in an order fixed by the code (lane by lane along the runs, then the tree, then
+the tails) and the machine's vector width: the same rows give the same bits in every run on a
 machine, on any number of threads.
 """
 
@@ -54,9 +56,10 @@ def _lane_sums(builder, vectors, lanes):
 
 
 @intrinsic
-def dots4x4(typingctx, a0, a1, a2, a3, b0, b1, b2, b3, length):
-    """The 16 dot products of 4 rows by 4 rows over [0, length) (module docstring). The rows:
-    contiguous 1-d arrays of one dtype, float32 or float64, at least `length` long."""
+def dots4x4(typingctx, a0, a1, a2, a3, b0, b1, b2, b3, length, segments, a_stride, b_stride):
+    """The 16 dot products of 4 rows by 4 rows over `segments` runs of `length` values (module
+    docstring). The rows: contiguous 1-d arrays of one dtype, float32 or float64, reaching past
+    their last run."""
     rows = (a0, a1, a2, a3, b0, b1, b2, b3)
     dtype = a0.dtype
     if dtype not in (types.float32, types.float64) or any(r.dtype != dtype or r.ndim != 1 or r.layout != "C"
@@ -74,28 +77,32 @@ def dots4x4(typingctx, a0, a1, a2, a3, b0, b1, b2, b3, length):
                                                     f"llvm.fma.v{lanes}{suffix}")
         fma_scalar = cgutils.get_or_insert_function(builder.module, ir.FunctionType(scalar, [scalar] * 3),
                                                     f"llvm.fma.{suffix}")
-        data = [context.make_array(ty)(context, builder, value).data for ty, value in zip(signature.args[:8], args)]
-        length = args[8]
+        bases = [context.make_array(ty)(context, builder, value).data for ty, value in zip(signature.args[:8], args)]
+        length, segments, a_stride, b_stride = args[8:]
         lane_count = ir.Constant(length.type, lanes)
         vectors = [[cgutils.alloca_once_value(builder, ir.Constant(vector, [0.0] * lanes)) for _ in range(4)]
                    for _ in range(4)]  # promoted to registers by the compiler
         scalars = [[cgutils.alloca_once_value(builder, ir.Constant(scalar, 0.0)) for _ in range(4)] for _ in range(4)]
         steps = builder.sdiv(length, lane_count)
-        with cgutils.for_range(builder, steps) as loop:
-            t = builder.mul(loop.index, lane_count)
-            loaded = [builder.load(builder.bitcast(builder.gep(p, [t]), vector.as_pointer()), align=1) for p in data]
-            for i in range(4):
-                for j in range(4):
-                    slot = vectors[i][j]
-                    builder.store(builder.call(fma_vector, [loaded[i], loaded[4 + j], builder.load(slot)]), slot)
         done = builder.mul(steps, lane_count)
-        with cgutils.for_range(builder, builder.sub(length, done)) as loop:
-            t = builder.add(done, loop.index)
-            loaded = [builder.load(builder.gep(p, [t])) for p in data]
-            for i in range(4):
-                for j in range(4):
-                    slot = scalars[i][j]
-                    builder.store(builder.call(fma_scalar, [loaded[i], loaded[4 + j], builder.load(slot)]), slot)
+        with cgutils.for_range(builder, segments) as segment:
+            data = [builder.gep(p, [builder.mul(segment.index, a_stride if k < 4 else b_stride)])
+                    for k, p in enumerate(bases)]
+            with cgutils.for_range(builder, steps) as loop:
+                t = builder.mul(loop.index, lane_count)
+                loaded = [builder.load(builder.bitcast(builder.gep(p, [t]), vector.as_pointer()), align=1)
+                          for p in data]
+                for i in range(4):
+                    for j in range(4):
+                        slot = vectors[i][j]
+                        builder.store(builder.call(fma_vector, [loaded[i], loaded[4 + j], builder.load(slot)]), slot)
+            with cgutils.for_range(builder, builder.sub(length, done)) as loop:
+                t = builder.add(done, loop.index)
+                loaded = [builder.load(builder.gep(p, [t])) for p in data]
+                for i in range(4):
+                    for j in range(4):
+                        slot = scalars[i][j]
+                        builder.store(builder.call(fma_scalar, [loaded[i], loaded[4 + j], builder.load(slot)]), slot)
         flat = [builder.load(vectors[i][j]) for i in range(4) for j in range(4)]
         sums = [_lane_sums(builder, flat[k:k + lanes], lanes) for k in range(0, 16, lanes)]
         values = [builder.fadd(builder.extract_element(sums[k // lanes], ir.Constant(ir.IntType(32), k % lanes)),
@@ -103,4 +110,4 @@ def dots4x4(typingctx, a0, a1, a2, a3, b0, b1, b2, b3, length):
         return context.make_tuple(builder, result, [
             context.make_tuple(builder, result.dtype, values[4 * i:4 * i + 4]) for i in range(4)])
 
-    return result(*rows, types.intp), codegen
+    return result(*rows, types.intp, types.intp, types.intp, types.intp), codegen

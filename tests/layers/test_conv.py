@@ -122,6 +122,18 @@ def test_direct_pointwise_convolution(bias):
     check_layer(DirectConv2d(layer), [x], _reference(layer))
 
 
+@pytest.mark.parametrize("elements", [100, 400, 1 << 20])  # spans of 3 pixels (the last 1), 8 (a vector), all 16
+def test_the_direct_pointwise_weight_gradient_sums_its_spans_of_pixels(elements, monkeypatch):
+    """A 1x1's weight gradient reads x and gy where they are, a run of pixels per sample, the
+    pixels in spans of about GRAD_WEIGHT_ELEMENTS values of x and gy, added in order."""
+    monkeypatch.setattr(cpu_conv, "GRAD_WEIGHT_ELEMENTS", elements)
+    x = np.random.default_rng(4).standard_normal((3, 5, 4, 4))
+    kernel = DirectConv2d(Conv2d(out_channels=9, kernel=1, bias=False))
+    data_gradient = kernel._grad_input_arrays([x.shape], snrt.threads.kernel_threads(), 8)
+    assert kernel.workspace_bytes([x.shape], BACKWARD, 8) == cpu_conv._size(data_gradient, 8)  # no copies of x or gy
+    check_layer(kernel, [x], _reference(kernel.layer))
+
+
 @pytest.mark.parametrize("elements", [1, 2000])  # a chunk per sample; two samples a chunk, the last short
 def test_the_direct_weight_gradient_sums_its_chunks_of_samples(elements, monkeypatch):
     monkeypatch.setattr(cpu_conv, "GRAD_WEIGHT_ELEMENTS", elements)

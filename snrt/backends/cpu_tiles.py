@@ -55,6 +55,26 @@ def lanes_of(itemsize):
     return VECTOR_BYTES // itemsize
 
 
+def _vector_ops(builder, dtype, lanes):
+    """(vector type, fused multiply-add of three vectors, broadcast of a scalar to every lane)
+    for `lanes` values of numba's float `dtype`, in the module `builder` writes."""
+    single = dtype == types.float32
+    vector = ir.VectorType(ir.FloatType() if single else ir.DoubleType(), lanes)
+    undefined = ir.Constant(vector, ir.Undefined)
+    lane0 = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                         f"llvm.fma.v{lanes}{'f32' if single else 'f64'}")
+
+    def broadcast(value):
+        return builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0)),
+                                      undefined, lane0)
+
+    def multiply_add(a, b, c):
+        return builder.call(fma, [a, b, c])
+
+    return vector, multiply_add, broadcast
+
+
 @intrinsic
 def fma_tile(typingctx, x, p0, p1, offsets, w, wstart, bias, y, ystart, targets, whole0, whole1, plane, outs):
     """For the pixel vectors v = 0, 1 (starting at x[p_v]) and the output channels o < outs of
@@ -76,19 +96,10 @@ def fma_tile(typingctx, x, p0, p1, offsets, w, wstart, bias, y, ystart, targets,
         xs, offsets_d, ws, biases, ys, targets_d = (a.data for a in arrays)
         count = builder.extract_value(arrays[1].shape, 0)
         index = p0_v.type
-        single = dtype == types.float32
-        vector = ir.VectorType(ir.FloatType() if single else ir.DoubleType(), lanes)
-        undefined = ir.Constant(vector, ir.Undefined)
-        lane0 = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
-                                             f"llvm.fma.v{lanes}{'f32' if single else 'f64'}")
+        vector, fma, broadcast = _vector_ops(builder, dtype, lanes)
 
         def at(pointer, i):
             return builder.gep(pointer, [i if isinstance(i, ir.Value) else ir.Constant(index, i)])
-
-        def broadcast(value):
-            return builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0)),
-                                          undefined, lane0)
 
         sums = [[cgutils.alloca_once_value(builder, broadcast(builder.load(at(biases, o))))
                  for _ in range(PIXEL_VECTORS)] for o in range(BLOCK_OUTS)]  # promoted to registers
@@ -101,7 +112,7 @@ def fma_tile(typingctx, x, p0, p1, offsets, w, wstart, bias, y, ystart, targets,
             for o in range(BLOCK_OUTS):
                 weight = broadcast(builder.load(at(weights, o)))
                 for v in range(PIXEL_VECTORS):
-                    builder.store(builder.call(fma, [weight, pixels[v], builder.load(sums[o][v])]), sums[o][v])
+                    builder.store(fma(weight, pixels[v], builder.load(sums[o][v])), sums[o][v])
         for o in range(BLOCK_OUTS):
             with builder.if_then(builder.icmp_signed("<", ir.Constant(index, o), outs_v)):
                 shift = builder.add(ystart, builder.mul(ir.Constant(index, o), plane_v))
@@ -144,18 +155,9 @@ def fma_run(typingctx, plane, kh, kw, row_step, column_step, taps, bias, out, co
         plane_v, kh_v, kw_v, row_v, column_v, taps_v, bias_v, out_v, count_v = args
         xs, ws, ys = (context.make_array(signature.args[i])(context, builder, v).data
                       for i, v in ((0, plane_v), (5, taps_v), (7, out_v)))
-        single = dtype == types.float32
-        vector = ir.VectorType(ir.FloatType() if single else ir.DoubleType(), lanes)
-        undefined = ir.Constant(vector, ir.Undefined)
-        lane0 = ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
-                                             f"llvm.fma.v{lanes}{'f32' if single else 'f64'}")
+        vector, fma, broadcast = _vector_ops(builder, dtype, lanes)
         index = count_v.type
         step = ir.Constant(index, RUN_VECTORS * lanes)
-
-        def broadcast(value):
-            return builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0)),
-                                          undefined, lane0)
 
         def at(pointer, offset):
             return builder.bitcast(builder.gep(pointer, [offset]), vector.as_pointer())
@@ -173,7 +175,7 @@ def fma_run(typingctx, plane, kh, kw, row_step, column_step, taps, bias, out, co
                                                                                  column.index)])))
                     for v in range(RUN_VECTORS):
                         pixels = builder.load(at(xs, builder.add(offset, ir.Constant(index, v * lanes))), align=4)
-                        builder.store(builder.call(fma, [weight, pixels, builder.load(sums[v])]), sums[v])
+                        builder.store(fma(weight, pixels, builder.load(sums[v])), sums[v])
             for v in range(RUN_VECTORS):
                 builder.store(builder.load(sums[v]), at(ys, builder.add(base, ir.Constant(index, v * lanes))), align=4)
         return context.get_dummy_value()

@@ -5,7 +5,7 @@ runs for it (`NumpyBackend.kernel_choice().kernel_for(layer, in_shapes)`: the la
 NumPy code, or a compiled kernel from snrt/backends/cpu_kernels.py), with its buffers and
 planned workspace allocated once, against PyTorch's (forward under no_grad; backward =
 `torch.autograd.grad` of the output with respect to every input and parameter), both with
-as many threads as cores. Timing as in bench_conv.py (one warm-up, then `--repeats` rounds,
+as many threads as cores (`--threads`). Timing as in bench_conv.py (one warm-up, then `--repeats` rounds,
 best time kept, median in the JSON, each framework in a phase of its own), but kernels run
 back to back as in training: no wait for idle CPUs before a round by default (after an idle
 pause every call starts with parked threads and cold caches, which inflates small kernels
@@ -18,14 +18,18 @@ imported before numpy and torch, as the `snrt` command does: OpenBLAS's threads 
 otherwise spin for about 0.1 s after each call of im2col's GEMMs, taking the cores from the
 direct kernel's threads while the chooser times it (a 64@56 b8 forward measured 17 ms against
 11 that way).
-Writes results/bench_layers.{json,md}.
+Writes results/bench_layers.{json,md}. `--threads 1` times both frameworks on one thread: on
+this shared 2-core machine two-thread times swing up to 2x with the other tenant, one-thread
+times repeat to about 2% (results/bench_layers_1thread.{json,md}).
 
     python scripts/bench_layers.py [--repeats 7] [--out results/bench_layers] [--only TEXT ...]
+    python scripts/bench_layers.py --threads 1 --out results/bench_layers_1thread
 """
 
 import os
 
 CORES = os.cpu_count() or 1
+DEFAULT_OUT = "results/bench_layers"
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, str(CORES))  # before numpy loads its BLAS
 
@@ -177,12 +181,16 @@ def torch_kernels(layer, xs, params, rng):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per kernel, after one warm-up")
-    parser.add_argument("--out", default="results/bench_layers", help="path without suffix for .json and .md")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="path without suffix for .json and .md")
     parser.add_argument("--only", nargs="+", metavar="TEXT", help="time only the layers whose name contains a TEXT")
     parser.add_argument("--settle", action=argparse.BooleanOptionalAction, default=False,
                         help="wait for idle CPUs before each timing round (Linux; off: kernels run back to back)")
+    parser.add_argument("--threads", type=int, default=CORES,
+                        help="threads of both frameworks (default: every core); one thread is this shared "
+                             "machine's stable measure of the kernels themselves")
     args = parser.parse_args(argv)
-    torch.set_num_threads(CORES)
+    snrt.limit_threads(args.threads)  # snrt's kernel threads and the BLAS pools
+    torch.set_num_threads(args.threads)
     meta = machine()
     start = time.perf_counter()
     cases = [case for case in CASES if not args.only or any(text in case[0] for text in args.only)]
@@ -208,7 +216,7 @@ def main(argv=None):
               f"bwd {row['snrt_backward_ms']:7.2f} vs {row['torch_backward_ms']:7.2f} ms", flush=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta.update({"repeats": args.repeats, "settle": args.settle, "threads": CORES,
+    meta.update({"repeats": args.repeats, "settle": args.settle, "threads": args.threads,
                  "seconds": time.perf_counter() - start, "snrt": snrt.__version__,
                  "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")})
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
@@ -216,7 +224,9 @@ def main(argv=None):
              f"Generated {meta['date']} on {meta['platform']} ({meta['cpu_model']}, {meta['cores']} cores), "
              f"NumPy {meta['numpy']}, "
              f"PyTorch {meta['torch']}; load average {meta['load_average'][0]:.2f} when it started. "
-             f"`python scripts/bench_layers.py` (best of {args.repeats} after a warm-up, ms; "
+             f"`python scripts/bench_layers.py{'' if args.threads == CORES else f' --threads {args.threads}'}"
+             f"{'' if args.out == DEFAULT_OUT else f' --out {args.out}'}` ({args.threads} thread"
+             f"{'s' if args.threads != 1 else ''} each; best of {args.repeats} after a warm-up, ms; "
              "speed = PyTorch ms / snrt ms, above 1 snrt is faster; kernel = what the CPU backend runs: "
              "numpy = the layer's own code, numba = snrt/backends/cpu_kernels.py; for dense "
              "convolutions forward's/backward's as measured here: im2col = the layer's, "

@@ -2,13 +2,14 @@
 
 Padding a map copies it row by row, and the rows of CIFAR's maps are 8, 16 or 32 values. A
 compiled loop copies such a row a value at a time: LLVM vectorizes it 64 values a step, so a
-shorter row never reaches the vector loop (about 11 ns a row of 32 here, 2 GB/s). `copy_run`
-moves a row as full vectors and one masked vector for the rest, in LLVM's IR (as cpu_dots):
-about 2 ns a row, 4x faster on the padding of a CIFAR ResNet's layers.
+shorter row never reaches the vector loop. `copy_run` moves a row as full vectors and one
+masked vector for the rest, in LLVM's IR (as cpu_dots): padding 16 samples of 16 channels at
+32x32 (8,192 rows, the planes zeroed first) took 127 us on one thread, 40 us this way.
+`pad_plane` pads one channel of one sample with it.
 """
 
 import llvmlite.ir as ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -64,3 +65,14 @@ def copy_run(typingctx, dst, dst_start, src, src_start, count):
         return context.get_dummy_value()
 
     return types.void(dst, types.intp, src, types.intp, types.intp), codegen
+
+
+@njit(cache=True, nogil=True)
+def pad_plane(x, s, c, ph, pw, plane):
+    """plane[(r + ph) * Wp + q + pw] = x[s, c, r, q] with Wp = W + 2*pw: the interior of a flat
+    zero-bordered (H + 2*ph, Wp) plane (its border left as it is), a row at a time."""
+    h, w = x.shape[2], x.shape[3]
+    width = w + 2 * pw
+    source = x[s, c].reshape(-1)
+    for r in range(h):
+        copy_run(plane, (r + ph) * width + pw, source, r * w, w)

@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit, uint64
 
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_threads, run_split
-from snrt.backends.cpu_copy import copy_run
+from snrt.backends.cpu_copy import copy_run, pad_plane
 from snrt.backends.cpu_tiles import fma_run, run_slack
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
@@ -48,17 +48,6 @@ SPLIT_VALUES = 1 << 20  # inputs of fewer values run on one thread
 
 
 # ---- by rows ------------------------------------------------------------------------------
-@njit(cache=True)
-def _padded_plane(x, s, c, ph, pw, plane):
-    """plane[(r + ph) * Wp + q + pw] = x[s, c, r, q]: the interior of a flat zero-bordered
-    (Hp, Wp) plane, a row at a time by vectors (cpu_copy)."""
-    h, w = x.shape[2], x.shape[3]
-    width = w + 2 * pw
-    source = x[s, c].reshape(-1)
-    for r in range(h):
-        copy_run(plane, (r + ph) * width + pw, source, r * w, w)
-
-
 @njit(inline="always")
 def _add_taps(row, plane, top, dw, taps, wo):
     """row[q] += sum over j of taps[j] * plane[top + j*dw + q] for q < wo: four taps a pass
@@ -99,7 +88,7 @@ def rows_forward(x, weight, bias, sh, sw, ph, pw, dh, dw, y, c0, c1, plane, row)
     plane[:] = 0.0
     for c in range(c0, c1):
         for s in range(n):
-            _padded_plane(x, s, c, ph, pw, plane)
+            pad_plane(x, s, c, ph, pw, plane)
             for o in range(c * m, (c + 1) * m):
                 b = bias[o] if bias.size else plane.dtype.type(0)
                 if sh == 1 and sw == 1:
@@ -161,7 +150,7 @@ def rows_grad_weight(gy, x, sh, sw, ph, pw, dh, dw, gweight, gbias, o0, o1, plan
     for o in range(o0, o1):
         sums[:] = 0.0
         for s in range(n):
-            _padded_plane(x, s, o // m, ph, pw, plane)
+            pad_plane(x, s, o // m, ph, pw, plane)
             for r in range(ho):
                 if gbias.size:
                     row_sum = gy[s, o, r, 0] * 0.0
@@ -309,11 +298,12 @@ class CompiledDepthwiseConv2d(LayerLike):
         (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
         padded = (h + 2 * ph, w + 2 * pw)
         if wo >= ROWS_MIN_WIDTH[phase]:  # a flat plane, zeros past its end for the last row's taps
-            slack = run_slack(FLOAT32_BYTES)  # fma_run's last group of vectors (float64: half of it)
-            plane = ((threads, padded[0] * padded[1] + (kw - 1) * self.layer.dilation[1] + slack), None)
+            plane = padded[0] * padded[1] + (kw - 1) * self.layer.dilation[1]
             if phase == BACKWARD:
-                return [plane, ((threads, kh * kw + 1), np.float64)]
-            return [plane, ((threads, ho * padded[1] + slack if self.layer.stride == (1, 1) else wo), None)]
+                return [((threads, plane), None), ((threads, kh * kw + 1), np.float64)]
+            slack = run_slack(FLOAT32_BYTES)  # fma_run's last group of vectors (float64: half of it)
+            return [((threads, plane + slack), None),
+                    ((threads, ho * padded[1] + slack if self.layer.stride == (1, 1) else wo), None)]
         shapes = [((kh, kw, outs), None), ((*padded, outs), None), ((ho, wo, outs), None)]
         if phase == BACKWARD:
             shapes += [((kh * kw + 1, outs), None), ((kh * kw + 1, outs), np.float64)]

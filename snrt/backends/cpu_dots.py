@@ -3,9 +3,10 @@
 `dots4x4(a0, a1, a2, a3, b0, b1, b2, b3, length, segments, a_stride, b_stride)` is ((a0.b0,
 a0.b1, a0.b2, a0.b3), (a1.b0, ...), ...) over `segments` runs of `length` values, run s at
 s*a_stride of each a row and s*b_stride of each b row (one run: a plain dot product over
-[0, length); several: a pixel row per sample of an NCHW tensor, say): each step of the loop loads 8 vectors (one of each row, of
-`VECTOR_BYTES`) and adds their 16 products to 16 vector accumulators, 8 loads for 16 fused
-multiply-adds; the last length % lanes values take a scalar loop of their own. numba's loop
+[0, length); several: a channel's pixels in each sample of an NCHW tensor, say): each step of
+the loop loads 8 vectors (one of each row, of `VECTOR_BYTES`) and adds their 16 products to
+16 vector accumulators, 8 loads for 16 fused multiply-adds; the last length % lanes values of
+each run take a scalar loop of their own. numba's loop
 vectorizer gives the same loop, but then sums each accumulator across its lanes on its own,
 about 8 instructions an output: for the short rows of a 3x3 convolution over 16 channels (144
 values) a sixth of the work. Here the accumulators are summed together: vectors are paired,

@@ -1,7 +1,7 @@
 """The kernel threads' pool: a worker that watches for its next share before it sleeps.
 
-A thread asleep on a lock takes tens of µs to wake, and a CIFAR ResNet-110 iteration makes
-about 1,000 hand-offs (nine a convolution). So a worker, having finished a share, first
+A thread asleep on a lock takes tens of µs to wake, and a CIFAR ResNet-110 b32 iteration makes
+about 500 hand-offs (its convolutions' kernels). So a worker, having finished a share, first
 watches a counter of its own (`seq`) for about `SPIN_SECONDS`, in compiled code that holds no
 GIL; only then does it sleep on an Event. The caller likewise watches the worker's `done`
 counter before it sleeps. Measured here (2 vCPUs), a run_split of an empty kernel on two

@@ -42,7 +42,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, register_jitable
 
 from snrt.backends.cpu_common import THREADED
-from snrt.backends.cpu_copy import copy_run
+from snrt.backends.cpu_copy import pad_plane
 from snrt.backends.cpu_dots import VECTOR_BYTES
 
 BLOCK_OUTS = 8 if VECTOR_BYTES == 64 else 4  # output channels a tile holds: 2*BLOCK_OUTS accumulators
@@ -237,11 +237,9 @@ def _pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad):
     ((a*sw + b)*C + c) holds padded x[c, sh*h' + a, sw*w' + b] at h'*Wq + w'."""
     channels, height, width = x.shape[1], x.shape[2], x.shape[3]
     xpad[:sh * sw * channels * hq * wq] = 0
-    if sh == 1 and sw == 1:  # one plane a channel: whole rows at once
-        flat = x.reshape(-1)
+    if sh == 1 and sw == 1:  # one plane a channel, Wq = W + 2*pw wide
         for c in range(channels):
-            for h in range(height):
-                copy_run(xpad, c * hq * wq + (ph + h) * wq + pw, flat, ((n * channels + c) * height + h) * width, width)
+            pad_plane(x, n, c, ph, pw, xpad[c * hq * wq:])
         return
     for a in range(sh):
         for b in range(sw):

@@ -59,7 +59,7 @@ def timed_run(name, size, batch, iterations):
 
     trainer.fit(iterations=iterations, on_iteration=clock)
     trainer.backend.close()
-    return list(record), trainer.config.graph, trainer.plan, statistics.median(walls[1:] or walls)
+    return list(record), executor.graph, trainer.plan, statistics.median(walls[1:] or walls)
 
 
 def features(step, graph, batch):

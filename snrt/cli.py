@@ -160,6 +160,9 @@ def _add_precision(parser):
     parser.add_argument("--precision", choices=tuple(PRECISIONS),
                         help="the dtype tensors are stored in: fp32, tf32 (fp32 storage, tensor-core math), "
                              "bf16 or fp16 (2-byte activations) (overrides train.precision)")
+    parser.add_argument("--no-fuse", dest="fuse", action="store_false", default=None,
+                        help="plan every layer as a node of its own: no BatchNorm+ReLU or Add+ReLU fusion "
+                             "(sets train.fuse false)")
     parser.add_argument("--data", type=_data_spec, metavar="TYPE[:PATH]",
                         help=f"data set: {', '.join(DATASETS)}; npz, cifar and folder (DIR/train/<class>/*) take :PATH")
     parser.add_argument("--workers", type=int, metavar="N",
@@ -193,7 +196,7 @@ def _overrides(args):
                       ("budget", "memory.budget"), ("seed", "train.seed"),
                       ("stream_parameters", "memory.stream_parameters"), ("host_store", "memory.host_store"),
                       ("precision", "train.precision"), ("skip_bad_images", "train.data.skip_bad_images"),
-                      ("deterministic", "train.deterministic"),
+                      ("deterministic", "train.deterministic"), ("fuse", "train.fuse"),
                       ("workers", "train.data.workers")):
         if getattr(args, flag, None) is not None:
             out[key] = getattr(args, flag)
@@ -306,6 +309,7 @@ def policy_row(plan, budget):
 
 
 def run_plan(args, console):
+    from snrt.scheduler.fuse import planned_graph
     from snrt.scheduler.planner import each_plan, make_plan
 
     config = load_config(args.config, _overrides(args))
@@ -316,7 +320,7 @@ def run_plan(args, console):
     batch = config.train.batch // ranks  # each rank's
     update = {**make_optimizer(config.train.optimizer).plan_options, "ranks": ranks,  # planned as training plans it
               "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters,
-              "precision": config.train.precision}
+              "precision": config.train.precision, "fuse": config.train.fuse}
     chosen = args.policy or config.memory.policy
     here = policies.planned_first(chosen)
     others = policies.planning_groups([p for p in policies.POLICIES if p not in here])
@@ -357,7 +361,7 @@ def run_plan(args, console):
         console.print(_policy_table(config, batch, budget, table))
         console.print(plan_headline(detail))
         if args.layers:
-            console.print(layers_table(detail, config.graph))
+            console.print(layers_table(detail, planned_graph(config.graph, detail)))
     if args.steps:
         for i in range(len(detail.steps)):
             console.print(detail.describe_step(i), highlight=False, markup=False)
@@ -666,7 +670,8 @@ def run_tune(args, console):
     if budget is None:
         raise SnrtError(f"{args.config}: memory.budget: snrt tune needs a budget: pass --budget, e.g. --budget 12GiB")
     options = {**make_optimizer(config.train.optimizer).plan_options, "stream_parameters": config.memory.stream_parameters,
-               "cost_model": {"cpu": cost.CPU, "cuda": cost.CUDA}[args.device], "precision": config.train.precision}
+               "cost_model": {"cpu": cost.CPU, "cuda": cost.CUDA}[args.device], "precision": config.train.precision,
+               "fuse": config.train.fuse}
     points = []
     with console.status("planning...") as status:
         def planning(policy, batch):

@@ -11,6 +11,7 @@ import time
 from snrt.layers.base import KernelContext, Saved
 from snrt.layers.staging import Staged, is_two_byte
 from snrt.precision import holds_floats
+from snrt.scheduler.fuse import planned_graph
 from snrt.scheduler.plan import PERSISTENT_ROLES
 
 
@@ -20,7 +21,9 @@ class PlanViolation(RuntimeError):
 
 class Executor:
     """Runs `plan` for `graph` on `backend` (a snrt.backends.base.Backend). Persistent buffers
-    are reserved once, here, and start at zero.
+    are reserved once, here, and start at zero. `graph` is the network as built; `self.graph`
+    the one the plan's steps name (fused where the plan was made so, snrt/scheduler/fuse.py).
+    Random layers are keyed by their index in `graph`, so fusion never changes their masks.
 
     Every step is bound once, here, to its views, kernel and KernelContext: running a step is
     one call of a prepared closure, with no lookups and no allocations
@@ -28,7 +31,7 @@ class Executor:
     """
 
     def __init__(self, graph, plan, backend, group=None):
-        self.graph, self.plan, self.backend = graph, plan, backend
+        self.graph, self.plan, self.backend = planned_graph(graph, plan), plan, backend
         self.group = group  # the ranks the gradients are summed over (snrt.parallel), for plan.ranks > 1
         if plan.ranks > 1 and (group is None or group.size != plan.ranks):
             raise ValueError(f"the plan sums gradients over {plan.ranks} ranks; this process's group has "
@@ -45,8 +48,8 @@ class Executor:
                     arena.reserve(b)
                     self.views[b.id].fill(0)
         self.kernels = {  # the backend's kernel choice: the layer itself, or a faster kernel for it
-            name: backend.kernel_for(node.layer, graph.in_shapes(name, plan.batch))
-            for name, node in graph.nodes.items() if node.inputs
+            name: backend.kernel_for(node.layer, self.graph.in_shapes(name, plan.batch))
+            for name, node in self.graph.nodes.items() if node.inputs
         }
         self.contexts = []  # one KernelContext per compute step; run() sets their iteration and seed
         self.waited = []  # copy events waited for this iteration (their times are read at the end)

@@ -59,7 +59,7 @@ def check_trainable(graph, batch):
 
 def plan_run(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
              deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES, stream_parameters=False, precision="fp32",
-             deterministic=True):
+             deterministic=True, fuse=True):
     """The plan `prepare` carries out with the same arguments, made with the cost model and
     kernel choice of the backend called `backend`; nothing is allocated. Raises SnrtError when
     the backend is not available or cannot run `precision`, the graph cannot train at `batch`,
@@ -75,12 +75,12 @@ def plan_run(graph, batch, policy="none", budget=None, backend="cpu", training=T
                      cost_model=device_class.planning_cost_model(),
                      kernels=device_class.kernel_choice(precision, deterministic),
                      deferred_updates=deferred_updates, ranks=ranks, bucket_bytes=bucket_bytes,
-                     stream_parameters=stream_parameters, precision=precision)
+                     stream_parameters=stream_parameters, precision=precision, fuse=fuse)
 
 
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
             check=False, values=None, deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES,
-            stream_parameters=False, host_folder=None, plan=None, precision="fp32", deterministic=True):
+            stream_parameters=False, host_folder=None, plan=None, precision="fp32", deterministic=True, fuse=True):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
     backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
     such pairs) loaded.
@@ -94,13 +94,15 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     optimizer state in the host store, on the device only while steps use them; `host_folder`
     (CPU) puts the host store in a file there instead of memory. `precision` (snrt/precision.py)
     is the one the plan stores tensors in; `deterministic` False lets the GPU run kernels whose
-    bits vary from run to run (faster cuDNN engines). `plan`, when given, is the one `plan_run`
+    bits vary from run to run (faster cuDNN engines); `fuse` False plans every layer as its own
+    node (snrt/scheduler/fuse.py). `plan`, when given, is the one `plan_run`
     made with the same arguments (not made again).
     """
     if plan is None:
         plan = plan_run(graph, batch, policy, budget, backend, training=training, optimizer_states=optimizer_states,
                         deferred_updates=deferred_updates, group=group, bucket_bytes=bucket_bytes,
-                        stream_parameters=stream_parameters, precision=precision, deterministic=deterministic)
+                        stream_parameters=stream_parameters, precision=precision, deterministic=deterministic,
+                        fuse=fuse)
     device_class = backend_class(backend)
     on_disk = {"host_folder": host_folder} if host_folder else {}
     kernels = device_class.kernel_choice(precision, deterministic)

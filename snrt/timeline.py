@@ -11,7 +11,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from snrt.scheduler import cost  # noqa: E402
+from snrt.scheduler import cost
+from snrt.scheduler.fuse import planned_graph  # noqa: E402
 from snrt.scheduler.plan import ROLES  # noqa: E402
 
 GIB = 2**30
@@ -111,9 +112,11 @@ STREAMS = ("compute", "offload", "prefetch")
 
 
 def predicted_streams(plan, graph, model, kernels=None, itemsize=4):
-    """[(stream, start_s, end_s)] of `plan`'s steps (of `graph`) as CostModel `model` times them,
-    copies on their own streams (snrt/scheduler/cost.py's simulate; step times from `kernels`'
-    measurements where it has them, stored in `itemsize`-byte tensors)."""
+    """[(stream, start_s, end_s)] of `plan`'s steps (of `graph`, as built or as planned) as
+    CostModel `model` times them, copies on their own streams (snrt/scheduler/cost.py's
+    simulate; step times from `kernels`' measurements where it has them, stored in
+    `itemsize`-byte tensors)."""
+    graph = planned_graph(graph, plan)
     seconds = [cost.step_seconds(step, graph, plan.batch, model, kernels, itemsize) for step in plan.steps]
     intervals = []
     cost.simulate(plan.steps, plan.buffers, seconds, model, intervals=intervals)

@@ -61,7 +61,7 @@ def _run_options(config, group):
     return dict(graph=config.graph, batch=train.batch // group.size, policy=memory.policy, budget=memory.budget,
                 training=True, **options, group=group, bucket_bytes=train.gradient_bucket,
                 stream_parameters=memory.stream_parameters, precision=train.precision,
-                deterministic=train.deterministic)
+                deterministic=train.deterministic, fuse=train.fuse)
 
 
 class Trainer:
@@ -243,7 +243,7 @@ class Trainer:
         forward = prepare(self.graph, self.plan.batch, "liveness", backend=self._backend_name, training=False,
                           check=self._check, values=self.host_arrays(("parameter", "state")),
                           precision=self.config.train.precision,  # evaluated as it trains
-                          deterministic=self.config.train.deterministic)
+                          deterministic=self.config.train.deterministic, fuse=self.config.train.fuse)
         loss_sum, correct, seen = 0.0, 0.0, 0
         # a loss that overflows is reported once, by the caller (nonfinite_evaluation), not as warnings
         with np.errstate(all="ignore"):

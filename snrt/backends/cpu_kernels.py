@@ -40,9 +40,11 @@ from snrt.backends.cpu_pool import CompiledGlobalAvgPool, CompiledMaxPool
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
 from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledUpsample
 from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
+from snrt.layers.fused import FusedReLU
 from snrt.layers.norm import blend_running
 from snrt.layers.staging import fp32_kernel_workspace_bytes
 
+ZERO = np.float32(0.0)
 SPLIT_CHANNELWISE = 1 << 20  # BatchNorm runs on one thread below this many values (measured break-even ~2^19)
 
 @njit(**COMPILED)
@@ -58,12 +60,26 @@ def channel_sums(a, b, c):
     return total, products
 
 
+@njit(**COMPILED)
+def masked_channel_sums(gy, y, x, c):
+    """channel_sums(g, x, c) of g = gy * sign(y) (ReLU's gradient, y >= 0), not stored (a fused
+    BatchNorm whose input needs no gradient)."""
+    total = 0.0
+    products = 0.0
+    for i in range(gy.shape[0]):
+        for j in range(gy.shape[2]):
+            v = np.float64(np.sign(y[i, c, j]) * gy[i, c, j])
+            total += v
+            products += v * x[i, c, j]
+    return total, products
+
+
 @njit(**THREADED)
-def batchnorm_forward(x, weight, bias, eps, y, mean, inv_std, var, scale_shift, c0, c1):
+def batchnorm_forward(x, weight, bias, eps, relu, y, mean, inv_std, var, scale_shift, c0, c1):
     """Per channel c in [c0, c1) of x (N, C, K): mean[c], biased var[c] (float64) and inv_std[c] over the
     N*K values, then y = x * scale + shift with scale = weight * inv_std and shift = bias -
-    mean * scale (kept in scale_shift (2, C), x's dtype). Empty weight and bias: weight 1,
-    bias 0 (BatchNorm without its affine part)."""
+    mean * scale (kept in scale_shift (2, C), x's dtype), and with `relu` y = max(y, 0) (a NaN
+    stays NaN). Empty weight and bias: weight 1, bias 0 (BatchNorm without its affine part)."""
     n, _, k = x.shape
     count = n * k
     for c in range(c0, c1):
@@ -77,19 +93,33 @@ def batchnorm_forward(x, weight, bias, eps, y, mean, inv_std, var, scale_shift, 
         a, b = scale_shift[0, c], scale_shift[1, c]
         for i in range(n):
             for j in range(k):
-                y[i, c, j] = x[i, c, j] * a + b
+                v = x[i, c, j] * a + b
+                y[i, c, j] = ZERO if relu and v <= ZERO else v
 
 
 @njit(**THREADED)
-def batchnorm_backward(x, gy, weight, mean, inv_std, gweight, gbias, gx, coefficients, c0, c1):
+def batchnorm_backward(x, gy, y, weight, mean, inv_std, gweight, gbias, gx, coefficients, c0, c1):
     """Per channel c in [c0, c1): gbias = sum(gy), gweight = sum(gy * xhat) (float64 sums), then, unless
     gx has no samples, gx = a * gy + b * x + d with a = weight * inv_std, b = -a * inv_std *
     gweight / M, d = -b * mean - a * gbias / M (kept in coefficients (3, C), x's dtype).
-    Empty weight, gweight and gbias: weight 1, the sums are not stored."""
+    Empty weight, gweight and gbias: weight 1, the sums are not stored. With the output `y` of
+    a BatchNorm fused with ReLU (not empty), g = gy * sign(y), ReLU's gradient, stands for gy:
+    written into gx's channel first (while it is in cache), then read as the unfused kernel
+    reads gy, so the bits are those of ReLU's kernel and this one apart."""
     n, _, k = x.shape
     count = n * k
+    relu = y.size > 0
     for c in range(c0, c1):
-        sum_gy, sum_gy_x = channel_sums(gy, x, c)
+        g = gy
+        if relu and gx.shape[0]:
+            for i in range(n):
+                for j in range(k):
+                    gx[i, c, j] = np.sign(y[i, c, j]) * gy[i, c, j]
+            g = gx
+        if relu and not gx.shape[0]:
+            sum_gy, sum_gy_x = masked_channel_sums(gy, y, x, c)
+        else:
+            sum_gy, sum_gy_x = channel_sums(g, x, c)
         mu, istd = np.float64(mean[c]), np.float64(inv_std[c])
         sum_gy_xhat = (sum_gy_x - mu * sum_gy) * istd
         if gweight.size:
@@ -105,13 +135,17 @@ def batchnorm_backward(x, gy, weight, mean, inv_std, gweight, gbias, gx, coeffic
         ca, cb, cd = coefficients[0, c], coefficients[1, c], coefficients[2, c]
         for i in range(n):
             for j in range(k):
-                gx[i, c, j] = ca * gy[i, c, j] + cb * x[i, c, j] + cd
+                gx[i, c, j] = ca * g[i, c, j] + cb * x[i, c, j] + cd
 
 
 class CompiledBatchNorm(LayerLike):
     """BatchNorm's training steps by the kernels above; eval steps run the layer's own code.
     Same contract as snrt.layers.norm.BatchNorm: aux `mean` and `inv_std`, running statistics
-    blended unless the forward is a recomputation."""
+    blended unless the forward is a recomputation. BatchNormReLU (snrt/layers/fused.py) too:
+    the ReLU inside the same passes, no workspace."""
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return 0
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         if not ctx.training:
@@ -122,7 +156,8 @@ class CompiledBatchNorm(LayerLike):
         var = np.empty(channels, np.float64)
         none = np.empty(0, x3.dtype)  # no affine part: weight 1, bias 0
         run_split(batchnorm_forward, 0, channels, no_arguments_per_thread(x3.size, SPLIT_CHANNELWISE),
-                  (x3, params.get("weight", none), params.get("bias", none), self.layer.eps, by_channel(y),
+                  (x3, params.get("weight", none), params.get("bias", none), self.layer.eps,
+                   isinstance(self.layer, FusedReLU), by_channel(y),
                    aux["mean"], aux["inv_std"], var, np.empty((2, channels), x3.dtype)))
         if not recompute:
             count = n * k
@@ -135,8 +170,9 @@ class CompiledBatchNorm(LayerLike):
         x3 = by_channel(saved.xs[0])
         gx3 = by_channel(gxs[0]) if gxs[0] is not None else x3[:0]  # no samples: sums only
         none = np.empty(0, x3.dtype)  # no affine part: weight 1, no parameter gradients
+        y3 = by_channel(saved.y) if isinstance(self.layer, FusedReLU) else x3[:0]  # empty: no ReLU
         run_split(batchnorm_backward, 0, x3.shape[1], no_arguments_per_thread(x3.size, SPLIT_CHANNELWISE), (
-            x3, by_channel(gy), params.get("weight", none), aux["mean"], aux["inv_std"], gparams.get("weight", none),
+            x3, by_channel(gy), y3, params.get("weight", none), aux["mean"], aux["inv_std"], gparams.get("weight", none),
             gparams.get("bias", none), gx3, np.empty((3, x3.shape[1]), x3.dtype)))
 
 
@@ -144,7 +180,7 @@ class CpuKernels(LayerKernels):
     """The CPU's kernel of every layer: a compiled kernel where REGISTRY has one, else the layer."""
 
     REGISTRY = {  # type name: the kernels to ask, in turn
-        "BatchNorm": (CompiledBatchNorm,), "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d),
+        "BatchNorm": (CompiledBatchNorm,), "BatchNormReLU": (CompiledBatchNorm,), "AddReLU": (CompiledAdd,), "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d),
         "MaxPool": (CompiledMaxPool,), "GlobalAvgPool": (CompiledGlobalAvgPool,), "GroupNorm": (CompiledGroupNorm,),
         "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
         "Upsample": (CompiledUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),

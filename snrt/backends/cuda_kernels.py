@@ -3,7 +3,8 @@
 `REGISTRY` maps a layer type to the factory of its kernel: cuDNN frontend graphs for Conv2d
 and BatchNorm (snrt/backends/cudnn_graphs.py) with the CUDA kernels as their fallback, the
 CUDA kernels (snrt/backends/cuda_layers.py) for the other layers whose `xp` code allocates,
-and the layer's own `xp` code for the rest. `CudaKernels` is the kernel choice the CUDA
+the fused layers as their first part's kernel then ReLU's (CudaReLUAfter), and the layer's own
+`xp` code for the rest. `CudaKernels` is the kernel choice the CUDA
 backend plans and runs with. Importing this module does not import CuPy.
 """
 
@@ -15,6 +16,7 @@ from snrt.backends.cuda_layers import (CublasLinear, CudaAdd, CudaAvgPool, CudaB
 from snrt.backends.cuda_source import KernelModule
 from snrt.backends.cudnn_graphs import CudnnBatchNorm, CudnnContext, CudnnConv2d
 from snrt.layers.base import FLOAT32_BYTES
+from snrt.layers.fused import RELU, ReLUAfter
 from snrt.layers.staging import fp32_kernel_workspace_bytes
 
 
@@ -38,6 +40,20 @@ def _plain(kernel_class):
     return lambda layer, in_shapes, kernels: kernel_class(layer, in_shapes, kernels.module)
 
 
+class CudaReLUAfter(ReLUAfter):
+    """A fused layer (snrt/layers/fused.py) on CUDA: the kernel of its first part (the one an
+    unfused node of that layer and shape runs, cuDNN graphs included), then ReLU's: in place
+    forward, snrt_relu_backward backward. Named "<first's name>+relu"; not timed as a whole
+    (the cost model's rates time the step)."""
+
+    def __init__(self, layer, in_shapes, kernels):
+        super().__init__(layer, kernels.kernel_for(layer.first, in_shapes), kernels.kernel_for(RELU, in_shapes[:1]))
+        self.name = f"{self.first.name}+relu"
+
+    def measured_seconds(self, phase):
+        return None
+
+
 # layer type -> factory(layer, in_shapes, CudaKernels) -> kernel; other layers: XpKernel
 REGISTRY = {
     "Conv2d": _cudnn_conv,
@@ -51,6 +67,8 @@ REGISTRY = {
     "ReLU": _plain(CudaReLU),
     "Add": _plain(CudaAdd),
     "Upsample": _upsample,
+    "BatchNormReLU": CudaReLUAfter,
+    "AddReLU": CudaReLUAfter,
 }
 
 

@@ -41,6 +41,7 @@ from snrt.layers.random import stream_key
 NUMPY_ONLY = {
     "BatchNorm": "einsum (no out=, allocates its result and operands), (C,)-sized temporaries "
                  "(var, scale, sum_gy, c1) from arithmetic on arrays",
+    "BatchNormReLU": "BatchNorm's (its first part)",
     "Conv2d": "matmul with out= a non-contiguous view (CuPy computes into a temporary and copies)",
     "ConvTranspose2d": "Conv2d's products (it runs the adjoint convolution's kernels)",
     "Linear": "matmul with a transposed operand may stage a contiguous copy",

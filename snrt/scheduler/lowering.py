@@ -178,5 +178,5 @@ def _placed(work, recipe):
     plan = Plan(batch, recipe.row.name, session.options.training, tuple(buffers), tuple(steps), tuple(device_bytes),
                 arena_bytes, work.table.host_bytes, tuple(allocations), tuple(it.inputs), it.losses,
                 predicted_s=predicted_s, stall_s=stall_s, recompute_flops=recompute_flops,
-                ranks=session.options.ranks)
+                ranks=session.options.ranks, fused=session.options.fuse)
     return Assembly(plan, recipe, work.segments, seconds, stalls)

@@ -32,6 +32,8 @@ class PlanOptions:
     - `stream_parameters`: a training plan of a freeing policy keeps parameters and optimizer
       state in the host store and brings each to the device only while steps use it
       (snrt/scheduler/stream.py).
+    - `fuse`: plan the graph with each ReLU folded into the BatchNorm or Add before it
+      (snrt/scheduler/fuse.py); False plans every layer as its own node.
     """
 
     training: bool = True
@@ -43,6 +45,7 @@ class PlanOptions:
     ranks: int = 1
     bucket_bytes: int = BUCKET_BYTES
     stream_parameters: bool = False
+    fuse: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "optimizer_states", tuple(self.optimizer_states))

@@ -258,6 +258,7 @@ class Plan:
     stall_s: float = 0.0  # of which the compute stream waits for copies
     recompute_flops: int = 0
     ranks: int = 1  # data-parallel processes; the loss is the mean over all ranks' samples
+    fused: bool = False  # made from the fused graph (snrt/scheduler/fuse.py: planned_graph)
 
     @property
     def peak_bytes(self):

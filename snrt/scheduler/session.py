@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from snrt.precision import precision_named
 from snrt.scheduler import cost as cost_models
+from snrt.scheduler.fuse import fuse_layers
 from snrt.scheduler.lowering import Recipe, capabilities, lower
 from snrt.scheduler.order import ITEMSIZE, build_iteration
 from snrt.scheduler.steps import COMPUTE_KINDS, NO_COMPUTE
@@ -50,6 +51,7 @@ class Session:
     """Planning `graph` at `batch` under PlanOptions `options` (see the module docstring)."""
 
     def __init__(self, graph, batch, options):
+        graph = fuse_layers(graph) if options.fuse else graph
         self.graph, self.batch, self.options = graph, batch, options
         inputs = tuple(repr(n.layer) for n in graph.nodes.values() if not n.inputs)  # shapes and dtypes
         settings = getattr(options.kernels, "settings", None)  # what else decides the kernel choice's answers

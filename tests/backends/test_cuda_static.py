@@ -84,8 +84,10 @@ def test_unknown_backend_is_an_error():
 
 
 def test_registry_covers_every_layer_whose_xp_code_allocates():
+    from snrt.layers.fused import FUSED_WITH_RELU
+
     assert set(NUMPY_ONLY) <= set(REGISTRY)
-    assert set(REGISTRY) <= set(LAYERS)
+    assert set(REGISTRY) <= set(LAYERS) | {fused.type_name for fused in FUSED_WITH_RELU.values()}
 
 
 def test_gemm_convolution_fits_the_workspace_existing_plans_give():
@@ -433,6 +435,37 @@ def test_the_one_pass_relu_and_add_backwards_match_the_layers_own(inputs):
     gxs[1] = None
     CudaAdd(Add(), [gy.shape] * inputs, OnePassModule()).backward(ctx, gy, Saved(xs=(None,) * inputs), {}, {}, gxs, {})
     assert all(np.array_equal(gx, gy) for gx in gxs if gx is not None)
+
+
+def test_a_fused_add_relu_on_cuda_runs_add_then_relu_without_workspace():
+    """CudaReLUAfter: AddReLU by CudaAdd's forward then ReLU's in place, and backward by
+    snrt_relu_backward into the first input gradient, then snrt_copy_to_two from it (no
+    workspace), the layer's own bits; its kernels are those of Add and ReLU alone."""
+    from types import SimpleNamespace
+
+    from snrt.backends.cuda_kernels import CudaReLUAfter
+    from snrt.backends.cuda_layers import CudaAdd, CudaReLU
+    from snrt.layers.fused import AddReLU
+
+    module = OnePassModule()
+    kinds = {"Add": CudaAdd, "ReLU": CudaReLU}
+    kernels = SimpleNamespace(kernel_for=lambda layer, shapes: kinds[layer.type_name](layer, shapes, module))
+    layer, shape = AddReLU(), (2, 3, 5)
+    kernel = CudaReLUAfter(layer, [shape] * 3, kernels)
+    assert kernel.name == "cuda+relu" and kernel.workspace_bytes([shape] * 3, BACKWARD) == 0
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+    gy = rng.standard_normal(shape).astype(np.float32)
+    ctx = KernelContext(np, True, 0, 0, 0, None)
+    y, expected_y = np.empty_like(gy), np.empty_like(gy)
+    kernel.forward(ctx, xs, {}, {}, y, {})
+    layer.forward(ctx, xs, {}, {}, expected_y, {})
+    np.testing.assert_array_equal(y, expected_y)
+    gxs, expected = [np.empty_like(gy), None, np.empty_like(gy)], [np.empty_like(gy), None, np.empty_like(gy)]
+    kernel.backward(ctx, gy, Saved((None,) * 3, y), {}, {}, gxs, {})
+    layer.backward(ctx, gy, Saved((None,) * 3, y), {}, {}, expected, {})
+    for got, want in zip(gxs[::2], expected[::2]):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("layer, in_shapes", [(Conv2d(out_channels=4, kernel=3), [(2, 3, 8, 8)]),

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import snrt
+from snrt.scheduler.fuse import planned_graph
 from snrt.scheduler.plan import Plan
 from snrt.scheduler.planner import BudgetError, make_plan
 from snrt.scheduler.policies import POLICIES
@@ -83,9 +84,10 @@ def test_superneurons_recomputes_only_where_that_costs_no_more_memory_than_offlo
 def test_recompute_replays_only_cheap_layers():
     graph = snrt.load_config("configs/cifar_resnet20.yaml").graph
     plan = make_plan(graph, 4, "recompute")
-    replayed = {graph[s.node].layer.type_name for s in plan.steps if s.kind == "recompute"}
-    assert {"BatchNorm", "ReLU"} <= replayed
-    assert all(snrt.LAYERS[t].recompute_cost == "cheap" for t in replayed)
+    planned = planned_graph(graph, plan)  # each BatchNorm's ReLU fused into it
+    replayed = {planned[s.node].layer for s in plan.steps if s.kind == "recompute"}
+    assert {"BatchNorm", "BatchNormReLU"} <= {layer.type_name for layer in replayed}
+    assert all(layer.recompute_cost == "cheap" for layer in replayed)
     assert plan.recompute_flops > 0
 
 
@@ -205,6 +207,7 @@ def test_plans_made_one_after_another_follow_the_graph_batch_and_options():
 def test_node_decisions_and_copied_bytes_say_what_each_policy_does():
     graph = snrt.load_config("configs/cifar_resnet20.yaml").graph
     by_policy = {p: make_plan(graph, 8, p) for p in POLICIES}
+    graph = planned_graph(graph, by_policy["none"])
     for policy, plan in by_policy.items():
         decisions = plan.node_decisions()
         assert sorted(decisions) == sorted(graph.nodes)  # every node: inputs first, then in forward order
@@ -289,7 +292,7 @@ def test_a_kernel_choice_that_timed_its_kernels_gives_the_plan_those_seconds():
                        if s.kind in ("forward", "backward") and graph[s.node].layer.type_name == "Conv2d")
     overhead = 2 * convolutions * model.step_overhead_s
     assert timed.predicted_s == pytest.approx(rated.predicted_s - rated_conv_s + convolutions * 0.75 + overhead)
-    assert ("Conv2d", FORWARD, 4) in kernels.asked and ("BatchNorm", BACKWARD, 4) in kernels.asked
+    assert ("Conv2d", FORWARD, 4) in kernels.asked and ("BatchNormReLU", BACKWARD, 4) in kernels.asked
     in_bf16 = make_plan(graph, 2, "none", cost_model=model, kernels=kernels, precision="bf16")
     assert in_bf16.predicted_s < 0.75 and ("Conv2d", BACKWARD, 2) in kernels.asked
 

@@ -1,0 +1,126 @@
+"""The fused layers (snrt/layers/fused.py): against finite differences and PyTorch through the
+harness, and bit for bit against their two parts run one after the other, for the layers' own
+code and for the CPU's compiled kernels."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from snrt.backends.cpu_kernels import CPU_KERNELS
+from snrt.layers.activation import ReLU
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
+from snrt.layers.fused import AddReLU, BatchNormReLU
+from snrt.layers.join import Add
+from snrt.layers.norm import BatchNorm
+from tests.layers.harness import check_layer, make_params, make_state
+
+# the layers' own NumPy code, and the CPU backend's kernel choice (compiled kernels)
+KERNELS = pytest.mark.parametrize("kernels", [lambda layer, shapes: layer, CPU_KERNELS.kernel_for],
+                                  ids=["numpy", "compiled"])
+
+
+def _off_kinks(shape, seed):
+    """float64 values whose BatchNorm output stays away from 0 (ReLU's kink) for finite differences."""
+    x = np.random.default_rng(seed).standard_normal(shape)
+    return x + np.sign(x) * 0.3
+
+
+@KERNELS
+@pytest.mark.parametrize("shape", [(4, 3, 5, 6), (6, 4)])
+def test_batch_norm_relu_matches_torch_and_finite_differences(shape, kernels):
+    layer = BatchNormReLU(momentum=0.2)
+    state = make_state(layer, [shape], np.float64)
+
+    def reference(xs, p):
+        mean, var = torch.zeros(shape[1], dtype=xs[0].dtype), torch.ones(shape[1], dtype=xs[0].dtype)
+        return F.relu(F.batch_norm(xs[0], mean, var, p["weight"], p["bias"], training=True, momentum=0.2))
+    params = {"weight": np.linspace(0.5, 1.5, shape[1]), "bias": np.zeros(shape[1])}  # y = 0 only where x is mean
+    check_layer(kernels(layer, [shape]), [_off_kinks(shape, 0)], reference, params=params, state=state,
+                rtol=1e-4, atol=1e-4)
+
+
+@KERNELS
+@pytest.mark.parametrize("inputs", [2, 3])
+def test_add_relu_matches_torch_and_finite_differences(inputs, kernels):
+    shape = (3, 4, 5, 5)
+    xs = [_off_kinks(shape, seed) / inputs for seed in range(inputs)]
+    xs[0] = xs[0] + np.sign(sum(xs)) * 0.5  # the sum away from 0
+    check_layer(kernels(AddReLU(), [shape] * inputs), xs, lambda t, p: F.relu(sum(t[1:], t[0])))
+
+
+def _ctx():
+    return KernelContext(np, workspace=np.zeros(1 << 22, np.uint8))
+
+
+def _parts_and_fused(kernels, fused, part, shapes, xs, params, gy, input_grads=True):
+    """[output, input gradients, parameter gradients, aux, state] of `part` then ReLU, and the
+    same of `fused`, each run by its kernel in `kernels` in float32."""
+    results = []
+    for layers in ((part, ReLU()), (fused,)):
+        first = kernels(layers[0], shapes)
+        state = make_state(layers[0], shapes)
+        aux = {name: np.empty(spec.shape, np.float32) for name, spec in layers[0].aux_specs(shapes).items()}
+        y = np.empty(shapes[0], np.float32)
+        first.forward(_ctx(), xs, params, state, y, aux)
+        gparams = {name: np.full(v.shape, np.nan, np.float32) for name, v in params.items()}
+        gxs = [np.full(shapes[0], np.nan, np.float32) if input_grads else None for _ in xs]
+        if len(layers) == 2:
+            z, g = np.empty_like(y), np.empty_like(y)
+            relu = kernels(layers[1], [shapes[0]])
+            relu.forward(_ctx(), [y], {}, {}, z, {})
+            relu.backward(_ctx(), gy, Saved((None,), z), {}, {}, [g], {})
+            first.backward(_ctx(), g, Saved(tuple(xs), None), params, aux, gxs, gparams)
+        else:
+            z = y
+            first.backward(_ctx(), gy, Saved(tuple(xs), z), params, aux, gxs, gparams)
+        results.append([z, *(g for g in gxs if g is not None), *gparams.values(), *aux.values(), *state.values()])
+    return results
+
+
+def _assert_same_bits(a, b):
+    assert np.array_equal(a, b, equal_nan=True) and np.array_equal(np.signbit(a), np.signbit(b))
+
+
+@KERNELS
+@pytest.mark.parametrize("input_grads", [True, False])
+@pytest.mark.parametrize("shape", [(8, 16, 9, 9), (5, 3)])
+def test_batch_norm_relu_gives_the_bits_of_batch_norm_then_relu(shape, input_grads, kernels):
+    rng = np.random.default_rng(3)
+    x, gy = rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32)
+    x[0, 0] = np.nan  # propagates as it would unfused (check mode relies on NaN)
+    params = make_params(BatchNorm(), [shape], rng)
+    unfused, fused = _parts_and_fused(kernels, BatchNormReLU(), BatchNorm(), [shape], [x], params, gy, input_grads)
+    assert len(unfused) == len(fused) == 1 + input_grads + 2 + 2 + 2
+    for a, b in zip(unfused, fused):
+        _assert_same_bits(a, b)
+
+
+@KERNELS
+@pytest.mark.parametrize("inputs", [2, 3])
+def test_add_relu_gives_the_bits_of_add_then_relu(inputs, kernels):
+    rng = np.random.default_rng(4)
+    shape = (4, 8, 6, 6)
+    xs = [rng.standard_normal(shape, dtype=np.float32) for _ in range(inputs)]
+    xs[0][0, 0, 0] = np.nan
+    gy = rng.standard_normal(shape, dtype=np.float32)
+    unfused, fused = _parts_and_fused(kernels, AddReLU(), Add(), [shape] * inputs, xs, {}, gy)
+    assert len(unfused) == len(fused) == 1 + inputs
+    for a, b in zip(unfused, fused):
+        _assert_same_bits(a, b)
+
+
+def test_fused_layers_save_what_the_fusion_needs_and_keep_their_parts_options():
+    layer = BatchNormReLU(momentum=0.3, eps=1e-3, affine=True)
+    assert layer.first == BatchNorm(momentum=0.3, eps=1e-3, affine=True)
+    assert layer.saves.inputs == (0,) and layer.saves.output  # x for BatchNorm, y for the mask
+    assert AddReLU().saves.inputs == () and AddReLU().saves.output
+    shape = (8, 16, 10, 10)
+    assert layer.param_specs([shape]) == BatchNorm().param_specs([shape])
+    assert layer.aux_specs([shape]) == BatchNorm().aux_specs([shape])
+    # the layers' own code keeps the masked gradient in scratch; the CPU's compiled kernels need none
+    assert layer.workspace_bytes([shape], BACKWARD) == 8 * 16 * 10 * 10 * 4
+    assert layer.workspace_bytes([shape], FORWARD) == 0
+    assert CPU_KERNELS.workspace_bytes(layer, [shape], BACKWARD) == 0
+    parts = [BatchNorm().cost([shape], phase).bytes + ReLU().cost([shape], phase).bytes for phase in (FORWARD, BACKWARD)]
+    assert [layer.cost([shape], phase).bytes for phase in (FORWARD, BACKWARD)] < parts

@@ -61,25 +61,34 @@ def channel_sums(a, b, c):
 
 
 @njit(**COMPILED)
-def masked_channel_sums(gy, y, x, c):
-    """channel_sums(g, x, c) of g = gy * sign(y) (ReLU's gradient, y >= 0), not stored (a fused
-    BatchNorm whose input needs no gradient)."""
+def relu_masked_sums(gy, x, a, b, c):
+    """channel_sums(g, x, c) of g = gy * sign(max(x * a + b, 0)): ReLU's gradient at the output
+    of a BatchNorm whose channel c has scale a and shift b, that output computed again."""
     total = 0.0
     products = 0.0
     for i in range(gy.shape[0]):
         for j in range(gy.shape[2]):
-            v = np.float64(np.sign(y[i, c, j]) * gy[i, c, j])
+            v = x[i, c, j] * a + b
+            v = np.float64(np.sign(ZERO if v <= ZERO else v) * gy[i, c, j])
             total += v
             products += v * x[i, c, j]
     return total, products
 
 
+@njit(inline="always")
+def scale_and_shift(weight, bias, mean, inv_std, c):
+    """(weight * inv_std, bias - mean * scale) of channel c, in x's dtype: BatchNorm's y = x *
+    scale + shift (empty weight and bias: weight 1, bias 0)."""
+    scale = weight[c] * inv_std[c] if weight.size else inv_std[c]
+    shift = (bias[c] if bias.size else 0.0) - mean[c] * scale
+    return scale, shift
+
+
 @njit(**THREADED)
 def batchnorm_forward(x, weight, bias, eps, relu, y, mean, inv_std, var, scale_shift, c0, c1):
     """Per channel c in [c0, c1) of x (N, C, K): mean[c], biased var[c] (float64) and inv_std[c] over the
-    N*K values, then y = x * scale + shift with scale = weight * inv_std and shift = bias -
-    mean * scale (kept in scale_shift (2, C), x's dtype), and with `relu` y = max(y, 0) (a NaN
-    stays NaN). Empty weight and bias: weight 1, bias 0 (BatchNorm without its affine part)."""
+    N*K values, then y = x * scale + shift (scale_and_shift, kept in scale_shift (2, C), x's
+    dtype), and with `relu` y = max(y, 0) (a NaN stays NaN)."""
     n, _, k = x.shape
     count = n * k
     for c in range(c0, c1):
@@ -88,8 +97,7 @@ def batchnorm_forward(x, weight, bias, eps, relu, y, mean, inv_std, var, scale_s
         var[c] = max(squares / count - mu * mu, 0.0)
         mean[c] = mu
         inv_std[c] = 1.0 / np.sqrt(var[c] + eps)
-        scale_shift[0, c] = weight[c] * inv_std[c] if weight.size else inv_std[c]
-        scale_shift[1, c] = (bias[c] if bias.size else 0.0) - mean[c] * scale_shift[0, c]
+        scale_shift[0, c], scale_shift[1, c] = scale_and_shift(weight, bias, mean, inv_std, c)
         a, b = scale_shift[0, c], scale_shift[1, c]
         for i in range(n):
             for j in range(k):
@@ -98,26 +106,29 @@ def batchnorm_forward(x, weight, bias, eps, relu, y, mean, inv_std, var, scale_s
 
 
 @njit(**THREADED)
-def batchnorm_backward(x, gy, y, weight, mean, inv_std, gweight, gbias, gx, coefficients, c0, c1):
+def batchnorm_backward(x, gy, weight, bias, relu, mean, inv_std, gweight, gbias, gx, coefficients, c0, c1):
     """Per channel c in [c0, c1): gbias = sum(gy), gweight = sum(gy * xhat) (float64 sums), then, unless
     gx has no samples, gx = a * gy + b * x + d with a = weight * inv_std, b = -a * inv_std *
     gweight / M, d = -b * mean - a * gbias / M (kept in coefficients (3, C), x's dtype).
-    Empty weight, gweight and gbias: weight 1, the sums are not stored. With the output `y` of
-    a BatchNorm fused with ReLU (not empty), g = gy * sign(y), ReLU's gradient, stands for gy:
-    written into gx's channel first (while it is in cache), then read as the unfused kernel
-    reads gy, so the bits are those of ReLU's kernel and this one apart."""
+    Empty weight, gweight and gbias: weight 1, the sums are not stored. With `relu` (a
+    BatchNorm fused with ReLU), g = gy * sign(y), ReLU's gradient at the output y computed
+    again from x as the forward computes it, stands for gy: written into gx's channel first
+    (while it is in cache) and read as the unfused kernel reads gy, so the bits are those of
+    ReLU's kernel and this one apart."""
     n, _, k = x.shape
     count = n * k
-    relu = y.size > 0
     for c in range(c0, c1):
+        coefficients[0, c], coefficients[1, c] = scale_and_shift(weight, bias, mean, inv_std, c)
+        scale, shift = coefficients[0, c], coefficients[1, c]  # the forward's, as it keeps them (x's dtype)
         g = gy
         if relu and gx.shape[0]:
             for i in range(n):
                 for j in range(k):
-                    gx[i, c, j] = np.sign(y[i, c, j]) * gy[i, c, j]
+                    v = x[i, c, j] * scale + shift
+                    gx[i, c, j] = np.sign(ZERO if v <= ZERO else v) * gy[i, c, j]
             g = gx
         if relu and not gx.shape[0]:
-            sum_gy, sum_gy_x = masked_channel_sums(gy, y, x, c)
+            sum_gy, sum_gy_x = relu_masked_sums(gy, x, scale, shift, c)
         else:
             sum_gy, sum_gy_x = channel_sums(g, x, c)
         mu, istd = np.float64(mean[c]), np.float64(inv_std[c])
@@ -170,17 +181,18 @@ class CompiledBatchNorm(LayerLike):
         x3 = by_channel(saved.xs[0])
         gx3 = by_channel(gxs[0]) if gxs[0] is not None else x3[:0]  # no samples: sums only
         none = np.empty(0, x3.dtype)  # no affine part: weight 1, no parameter gradients
-        y3 = by_channel(saved.y) if isinstance(self.layer, FusedReLU) else x3[:0]  # empty: no ReLU
         run_split(batchnorm_backward, 0, x3.shape[1], no_arguments_per_thread(x3.size, SPLIT_CHANNELWISE), (
-            x3, by_channel(gy), y3, params.get("weight", none), aux["mean"], aux["inv_std"], gparams.get("weight", none),
-            gparams.get("bias", none), gx3, np.empty((3, x3.shape[1]), x3.dtype)))
+            x3, by_channel(gy), params.get("weight", none), params.get("bias", none), isinstance(self.layer, FusedReLU),
+            aux["mean"], aux["inv_std"], gparams.get("weight", none), gparams.get("bias", none), gx3,
+            np.empty((3, x3.shape[1]), x3.dtype)))
 
 
 class CpuKernels(LayerKernels):
     """The CPU's kernel of every layer: a compiled kernel where REGISTRY has one, else the layer."""
 
     REGISTRY = {  # type name: the kernels to ask, in turn
-        "BatchNorm": (CompiledBatchNorm,), "BatchNormReLU": (CompiledBatchNorm,), "AddReLU": (CompiledAdd,), "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d),
+        "BatchNorm": (CompiledBatchNorm,), "BatchNormReLU": (CompiledBatchNorm,), "AddReLU": (CompiledAdd,),
+        "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d),
         "MaxPool": (CompiledMaxPool,), "GlobalAvgPool": (CompiledGlobalAvgPool,), "GroupNorm": (CompiledGroupNorm,),
         "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
         "Upsample": (CompiledUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),

@@ -2,20 +2,24 @@
 
 The planner makes them (snrt/scheduler/fuse.py); a network file never names them. A fused node
 is one step each way with one output, y = max(first(x...), 0), and it saves what the fusion
-needs, not what its parts did: the first part's saved inputs and y, whose sign is ReLU's mask.
-The tensor between the parts and its gradient are never planned.
+needs, not what its parts did; the tensor between the parts and its gradient are never planned.
 
 - forward: the first part writes y, ReLU then runs in place on it;
-- backward: g = gy * sign(y) (ReLU's gradient), then the first part's backward from g. g goes
-  into scratch for BatchNorm, and into an input gradient for Add, whose backward copies its
-  output gradient to each input's (one of them then already holds it). BatchNorm's and Add's
-  backwards never read their output, so y stands in for it.
+- backward: g = gy * sign(y) (ReLU's gradient), then the first part's backward from g.
 
-These are the same operations in the same order as the two layers unfused, so a fused plan
-computes the same bits as an unfused one. `ReLUAfter` composes any kernel of the first part
-with any kernel of ReLU: the layers' own code uses it with the layers, the CUDA backend with its
-kernels (snrt/backends/cuda_kernels.py); the CPU's compiled kernels apply the ReLU inside their
-own passes instead (snrt/backends/cpu_kernels.py, cpu_join.py).
+BatchNormReLU saves only its input: its backward computes BatchNorm's output again from x and
+the saved statistics (the forward's arithmetic, so the same values) for the mask, so that x, gy
+and gx are all it holds, one tensor fewer than BatchNorm's backward after ReLU's (z, gy, gx_z,
+then x, gx_z, gx) asks for at once. AddReLU saves its output y for the mask (its inputs are not
+saved), and its masked gradient goes straight into an input gradient, which Add's backward then
+copies to the others.
+
+Both compute what the two layers compute: the same bits in fp32 and bf16 (tested), and in fp16
+too except that an output below fp16's smallest value (6e-8), stored as 0 by an unfused
+BatchNorm, keeps its gradient. `ReLUAfter` composes any kernel of the first part with any kernel
+of ReLU: the layers' own code uses it with the layers, the CUDA backend with its kernels
+(snrt/backends/cuda_kernels.py); the CPU's compiled kernels apply the ReLU inside their own
+passes instead (snrt/backends/cpu_kernels.py, cpu_join.py).
 """
 
 import dataclasses
@@ -23,7 +27,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from snrt.layers.activation import ReLU
-from snrt.layers.base import BACKWARD, FLOAT32_BYTES, Cost, Saved, Saves, numel, scratch_aligned
+from snrt.layers.base import (BACKWARD, FLOAT32_BYTES, Cost, Saved, Saves, by_channel, numel, scratch_aligned,
+                              scratch_bytes)
 from snrt.layers.join import Add
 from snrt.layers.norm import BatchNorm
 
@@ -33,17 +38,19 @@ RELU = ReLU()
 class ReLUAfter:
     """The kernel of fused layer `layer` from `first`, a kernel of its first part, and `relu`,
     a kernel of ReLU (layer-like: `forward`, `backward` and `workspace_bytes` as a layer's).
-    Workspace: the first part's, and in backward, unless the layer's masked gradient goes into
-    an input gradient (`masks_into_input_gradient`), that gradient (gy's size) before it."""
+    Backward workspace: where the layer does not save its output, that output again
+    (`layer.output_again`) with what computing it needs, the masked gradient then written over
+    it; then the first part's workspace."""
 
     def __init__(self, layer, first, relu=RELU):
-        self.first, self.relu, self.in_place = first, relu, layer.masks_into_input_gradient
+        self.layer, self.first, self.relu = layer, first, relu
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         first = self.first.workspace_bytes(in_shapes, phase, itemsize)
-        if phase != BACKWARD or self.in_place:
+        if phase != BACKWARD or self.layer.saves.output:
             return first
-        return scratch_aligned(numel(in_shapes[0]) * itemsize) + first
+        again = scratch_bytes(numel(in_shapes[0]) * itemsize, *self.layer.output_again_bytes(in_shapes, itemsize))
+        return scratch_aligned(again) + first
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         self.first.forward(ctx, xs, params, state, y, aux, recompute=recompute)
@@ -53,8 +60,14 @@ class ReLUAfter:
         targets = [gx for gx in gxs if gx is not None]
         if not targets and not gparams:
             return
-        g = targets[0] if self.in_place and targets else ctx.scratch(gy.shape, gy.dtype)
-        self.relu.backward(ctx, gy, Saved((None,), saved.y), {}, {}, [g], {})
+        y = saved.y
+        if y is None:  # not saved: the forward's output again, the masked gradient then over it
+            y = g = ctx.scratch(gy.shape, gy.dtype)
+            self.layer.output_again(ctx, saved.xs, params, aux, y)
+            self.relu.forward(ctx, [y], {}, {}, y, {})
+        else:  # into an input gradient (Add's backward copies it to the others)
+            g = targets[0]
+        self.relu.backward(ctx, gy, Saved((None,), y), {}, {}, [g], {})
         self.first.backward(ctx.rest(), g, Saved(saved.xs, None), params, aux, gxs, gparams)
         ctx.release_scratch()
 
@@ -65,7 +78,6 @@ class FusedReLU:
     the cost of both, the kernels by ReLUAfter. `first` is the first part as its own layer."""
 
     part = None  # the first part's layer class
-    masks_into_input_gradient = False  # whether the first part's backward may read gy from an input gradient
 
     @cached_property
     def first(self):
@@ -89,11 +101,30 @@ class FusedReLU:
 
 @dataclass(frozen=True)
 class BatchNormReLU(FusedReLU, BatchNorm):
-    """y = max(BatchNorm(x), 0), the options BatchNorm's. Backward reads x and y (the mask)."""
+    """y = max(BatchNorm(x), 0), the options BatchNorm's. Backward reads x (the mask from
+    BatchNorm's output computed again)."""
 
     type_name = "BatchNormReLU"
     part = BatchNorm
-    saves = Saves(inputs=(0,), output=True)
+    saves = Saves(inputs=(0,))
+
+    def output_again_bytes(self, in_shapes, itemsize):
+        """What output_again needs besides its output: the per-channel scale."""
+        return (in_shapes[0][1] * itemsize,)
+
+    def output_again(self, ctx, xs, params, aux, y):
+        """y = BatchNorm's training output from x and the saved statistics, as its forward
+        computes it ((x - mean) * scale + bias), allocating nothing but a scratch scale."""
+        xp, x3, y3 = ctx.xp, by_channel(xs[0]), by_channel(y)
+        scale = ctx.scratch(aux["inv_std"].shape, y.dtype)
+        if self.affine:
+            xp.multiply(params["weight"], aux["inv_std"], out=scale)
+        else:
+            scale[...] = aux["inv_std"]
+        xp.subtract(x3, aux["mean"][:, None], out=y3)
+        y3 *= scale[:, None]
+        if self.affine:
+            y3 += params["bias"][:, None]
 
 
 @dataclass(frozen=True)
@@ -102,7 +133,6 @@ class AddReLU(FusedReLU, Add):
 
     type_name = "AddReLU"
     part = Add
-    masks_into_input_gradient = True  # Add's backward copies gy into each input gradient
     saves = Saves(output=True)
 
 

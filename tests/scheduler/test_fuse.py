@@ -87,13 +87,16 @@ def test_every_policy_of_a_fused_plan_agrees_with_none():
     assert_policies_agree(snrt.load_config(SMALL_RESNET), iterations=2)
 
 
-def test_fused_steps_save_the_input_and_the_output_and_nothing_between():
+def test_fused_steps_save_what_the_fusion_needs_and_nothing_between():
     plan = snrt.plan(snrt.load_config(SMALL_RESNET).graph, batch=4, policy="liveness")
     forward = {s.node: s for s in plan.steps if s.kind == "forward"}
     backward = {s.node: s for s in plan.steps if s.kind == "backward"}
     assert "batchnorm0" in forward and "relu0" not in forward  # the stem's BatchNorm took its ReLU
-    step = backward["batchnorm0"]
-    assert step.saved_inputs[0] >= 0 and step.saved_output == forward["batchnorm0"].output
+    step = backward["batchnorm0"]  # BatchNormReLU: its input (the mask is computed again from it)
+    assert step.saved_inputs == (forward["batchnorm0"].inputs[0],) and step.saved_output == -1
+    step = backward["basic0.add0"]  # AddReLU: its output (the mask)
+    assert step.saved_inputs == (-1, -1) and step.saved_output == forward["basic0.add0"].output
+    assert not any(b.name.startswith(("relu", "basic0.relu")) for b in plan.buffers)
 
 
 def test_train_fuse_must_be_true_or_false():

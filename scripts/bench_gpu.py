@@ -71,10 +71,10 @@ def _timed(backend, step, action):
         action()
 
 
-def run_policy(config, batch, policy, iterations, budget, precision, deterministic, figures=None):
+def run_policy(config, batch, policy, iterations, budget, precision, deterministic, figures=None, fuse=True):
     graph = config.graph
     runtime = prepare(graph, batch, policy, budget, backend="cuda", precision=precision, deterministic=deterministic,
-                      values={**initial_parameters(graph, 0), **initial_state(graph)})
+                      values={**initial_parameters(graph, 0), **initial_state(graph)}, fuse=fuse)
     plan, backend, executor = runtime.plan, runtime.backend, runtime.executor
     try:
         rng = np.random.default_rng(0)
@@ -96,7 +96,7 @@ def run_policy(config, batch, policy, iterations, budget, precision, determinist
         report = backend.memory_report()
         copy_s = executor.copy_stats["copy_s"] / (iterations + 1)
         return {
-            "policy": policy, "precision": precision, "deterministic": deterministic, "batch": batch,
+            "policy": policy, "precision": precision, "deterministic": deterministic, "fused": fuse, "batch": batch,
             "seconds_per_iteration": statistics.median(seconds), "images_per_s": batch / statistics.median(seconds),
             "planned_peak_bytes": plan.peak_bytes, "measured_peak_bytes": backend.arena.peak_bytes,
             "arena_bytes": plan.arena_bytes, "host_bytes": plan.host_bytes,
@@ -117,6 +117,8 @@ def main():
     parser.add_argument("--policies", nargs="*", default=list(snrt.POLICIES))
     parser.add_argument("--precision", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--nondeterministic", action="store_true", help="admit cuDNN's non-deterministic engines")
+    parser.add_argument("--no-fuse", dest="fuse", action="store_false",
+                        help="plan every layer as its own node (no BatchNorm+ReLU or Add+ReLU fusion)")
     parser.add_argument("--figures", help="folder for each copying policy's streams figure")
     parser.add_argument("--budget", type=int, default=None, help="device budget in bytes")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_gpu.json"))
@@ -130,14 +132,14 @@ def main():
     rows = []
     for policy in args.policies:
         row = run_policy(config, args.batch, policy, args.iterations, args.budget, args.precision,
-                         not args.nondeterministic, args.figures)
+                         not args.nondeterministic, args.figures, args.fuse)
         rows.append(row)
         print(f"{policy:13s} {row['seconds_per_iteration'] * 1e3:9.1f} ms/iter  {row['images_per_s']:8.1f} img/s  "
               f"peak {human_bytes(row['measured_peak_bytes'])} (plan {human_bytes(row['planned_peak_bytes'])})  "
               f"untracked {human_bytes(row['memory']['untracked_bytes'])}  kernels {row['kernels']}"
               + (f"  copies {row['copies']['hidden']:.0%} hidden" if row["copies"] else ""), flush=True)
     doc = {"device": device_summary(), "config": args.config, "precision": args.precision,
-           "deterministic": not args.nondeterministic,
+           "deterministic": not args.nondeterministic, "fused": args.fuse,
            "when": datetime.now(timezone.utc).isoformat(), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")

@@ -18,8 +18,8 @@
 # Stages, each time-boxed (a stage that fails or runs out of time is recorded, and the others
 # still run): the environment and device; tests/backends and the rest of the suite, side by
 # side (pytest-xdist); ResNet-50 batch 32 at 224x224 under every policy (bench_gpu.py), in
-# tf32 under none and superneurons, and under none with cuDNN's non-deterministic engines
-# admitted; two iterations of `snrt train configs/resnet2500.yaml --backend cuda` at its own
+# tf32 under none and superneurons, under none with cuDNN's non-deterministic engines
+# admitted, and unfused (--no-fuse) under none and superneurons, last; two iterations of `snrt train configs/resnet2500.yaml --backend cuda` at its own
 # settings; PyTorch's ResNet-50 at the same batch (bench_torch.py:
 # fp32 with TF32 off, then PyTorch's defaults, each also with checkpoint_sequential). The report
 # opens with the targets of the GPU work, measured or not. On one H100 the whole check took
@@ -149,6 +149,8 @@ if (( bench )); then  # what most targets need first, the variants last (skipped
         --out "$work/bench-snrt-tf32.json"
     run_stage bench-snrt-nondeterministic 60 "$python" scripts/bench_gpu.py --nondeterministic --policies none \
         --out "$work/bench-snrt-nondeterministic.json"
+    run_stage bench-snrt-unfused 90 "$python" scripts/bench_gpu.py --no-fuse --policies none superneurons \
+        --out "$work/bench-snrt-unfused.json"
 fi
 
 "$python" scripts/gpu_report.py "$work" --out results/gpu_check

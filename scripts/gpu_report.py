@@ -6,7 +6,8 @@ OUT.md and OUT.json (default results/gpu_check.*), then prints a short table.
 The work folder holds stages.txt (one line per stage: name, exit status or -1 when the
 check's time ran out before it, seconds, limit),
 environment.json, the pytest runs' JUnit XML (tests-backends.xml, tests-rest.xml), bench_gpu's
-JSON (bench-snrt.json in fp32, bench-snrt-tf32.json, bench-snrt-nondeterministic.json), the
+JSON (bench-snrt.json in fp32, bench-snrt-tf32.json, bench-snrt-nondeterministic.json,
+bench-snrt-unfused.json), the
 ResNet-2500 run folder
 (resnet2500/summary.json) and bench_torch's JSON (bench-torch.json). A stage that did not leave
 its file is reported as missing, with its exit status: the report is written whatever failed.
@@ -86,6 +87,7 @@ def collect(work):
         "snrt_resnet50": read_json(work / "bench-snrt.json"),
         "snrt_resnet50_tf32": read_json(work / "bench-snrt-tf32.json"),
         "snrt_resnet50_nondeterministic": read_json(work / "bench-snrt-nondeterministic.json"),
+        "snrt_resnet50_unfused": read_json(work / "bench-snrt-unfused.json"),
         "resnet2500": read_resnet2500(work / "resnet2500"),
         "torch_resnet50": read_json(work / "bench-torch.json"),
     }
@@ -162,7 +164,8 @@ def speed_rows(report):
     """(what, ms per iteration, images/s, peak) of every ResNet-50 row, snrt's then PyTorch's."""
     rows = []
     for part, label in (("snrt_resnet50", ""), ("snrt_resnet50_tf32", " tf32"),
-                        ("snrt_resnet50_nondeterministic", " non-deterministic")):
+                        ("snrt_resnet50_nondeterministic", " non-deterministic"),
+                        ("snrt_resnet50_unfused", " unfused (--no-fuse)")):
         for row in (report.get(part) or {}).get("rows", []):
             seconds = row["seconds_per_iteration"]
             hidden = f", copies {row['copies']['hidden']:.0%} hidden" if row.get("copies") else ""

@@ -7,8 +7,10 @@ how many nodes fusion folded.
 
 Part 2, measured on this CPU: a Trainer of each network below with fuse true and one with fuse
 false, built in one process on the same batch, their iterations alternated (so a drift of a
-shared machine's speed slows both alike); the median seconds of an iteration, the measured
-peak (which equals the planned one), and whether the losses agree bit for bit.
+shared machine's speed slows both alike); the median seconds of an iteration, the seconds per
+iteration of the steps fusion touches (BatchNorm, ReLU, Add and the fused nodes, forward and
+backward, timed one by one), the measured peak (which equals the planned one), and whether the
+losses agree bit for bit.
 
 Writes results/fusion.{md,json}.
 
@@ -17,6 +19,7 @@ Writes results/fusion.{md,json}.
 
 import os
 import statistics
+import time
 
 import numpy as np
 from reproduce_common import (MIB, gib, machine, meta_line, parse_args, save_json, save_markdown, synthetic_config,
@@ -28,6 +31,7 @@ from snrt.scheduler.planner import each_plan
 from snrt.train import Trainer
 
 POLICIES = ("none", "liveness", "superneurons")
+TOUCHED = ("BatchNorm", "ReLU", "Add", "BatchNormReLU", "AddReLU")  # the layers fusion folds, and its nodes
 PLANNED = [("cifar_resnet110", 32, 128), ("resnet50", 224, 32), ("resnet152", 224, 32), ("densenet121", 224, 32),
            ("mobilenet_v2", 224, 32), ("efficientnet_b0", 224, 32), ("convnext_tiny", 224, 32), ("unet", 256, 16),
            ("vgg16", 224, 64), ("resnet2500", 227, 16)]
@@ -49,15 +53,39 @@ def planned_rows(networks):
     return rows
 
 
+def time_touched_steps(trainer):
+    """Time the trainer's forward and backward steps of the layers in TOUCHED one by one; the
+    returned one-element list accumulates their seconds."""
+    total = [0.0]
+    graph = trainer.executor.graph
+
+    def timed(step, action):
+        if graph[step.node].layer.type_name not in TOUCHED:
+            return action
+
+        def run():
+            start = time.perf_counter()
+            action()
+            total[0] += time.perf_counter() - start
+        return run
+
+    trainer.executor.wrap_steps(("forward", "backward", "recompute"), timed)
+    return total
+
+
 def measured_row(name, size, batch, rounds):
     config = synthetic_config(name, size, batch)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, *config.input.shape)).astype(np.float32)
     y = rng.integers(0, config.input.classes, batch)
     trainers = {fuse: Trainer(with_settings(config, train={"fuse": fuse})) for fuse in (False, True)}
+    touched_s = {fuse: time_touched_steps(trainer) for fuse, trainer in trainers.items()}
     seconds, losses = {fuse: [] for fuse in trainers}, {fuse: [] for fuse in trainers}
     load_before = os.getloadavg()[0]
     for r in range(2 + rounds):  # two warm-up iterations each
+        if r == 2:
+            for total in touched_s.values():
+                total[0] = 0.0
         order = list(trainers.items()) if r % 2 == 0 else list(reversed(trainers.items()))
         for fuse, trainer in order:
             metrics = trainer.step(x, y, 2 + rounds)
@@ -69,6 +97,7 @@ def measured_row(name, size, batch, rounds):
     for fuse, trainer in trainers.items():
         key = "fused" if fuse else "unfused"
         row[key] = {"median_s": statistics.median(seconds[fuse]), "seconds": seconds[fuse],
+                    "touched_s": touched_s[fuse][0] / rounds,
                     "steps": len(trainer.plan.steps), "planned_peak": trainer.plan.peak_bytes,
                     "measured_peak": trainer.backend.arena.peak_bytes}
         trainer.backend.close()
@@ -92,10 +121,12 @@ def main():
          *(f"{gib(r['unfused'][p])} -> {gib(r['fused'][p])}" for p in POLICIES),
          " / ".join(f"{r['fused'][p] / r['unfused'][p]:.2f}" for p in POLICIES)] for r in planned])
     lines += ["", "## Measured on this CPU (iterations alternated in one process)", ""]
-    lines += table(["network", "image", "batch", "unfused s/iter", "fused s/iter", "fused / unfused", "steps",
-                    "peak MiB (measured = planned)", "same losses", "load"], [
+    lines += table(["network", "image", "batch", "unfused s/iter", "fused s/iter", "fused / unfused",
+                    "BatchNorm, ReLU, Add steps ms/iter", "steps", "peak MiB (measured = planned)", "same losses",
+                    "load"], [
         [r["network"], r["image"], r["batch"], f"{r['unfused']['median_s']:.3f}", f"{r['fused']['median_s']:.3f}",
          f"{r['fused']['median_s'] / r['unfused']['median_s']:.3f}",
+         f"{1e3 * r['unfused']['touched_s']:.1f} -> {1e3 * r['fused']['touched_s']:.1f}",
          f"{r['unfused']['steps']} -> {r['fused']['steps']}",
          f"{r['unfused']['measured_peak'] / MIB:.1f} -> {r['fused']['measured_peak'] / MIB:.1f}"
          + ("" if all(r[k]["measured_peak"] == r[k]["planned_peak"] for k in ("fused", "unfused")) else " (differs!)"),

@@ -118,7 +118,7 @@ def main():
     parser.add_argument("--precision", choices=("fp32", "tf32", "bf16", "fp16"), default="fp32")
     parser.add_argument("--nondeterministic", action="store_true", help="admit cuDNN's non-deterministic engines")
     parser.add_argument("--no-fuse", dest="fuse", action="store_false",
-                        help="plan every layer as its own node (no BatchNorm+ReLU or Add+ReLU fusion)")
+                        help="plan every layer as its own node (no BatchNorm+ReLU fusion)")
     parser.add_argument("--figures", help="folder for each copying policy's streams figure")
     parser.add_argument("--budget", type=int, default=None, help="device budget in bytes")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_gpu.json"))

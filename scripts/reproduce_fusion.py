@@ -1,4 +1,4 @@
-"""What fusion (BatchNorm+ReLU and Add+ReLU as one node, train.fuse) saves: planned peaks of
+"""What fusion (each BatchNorm and the ReLU after it as one node, train.fuse) saves: planned peaks of
 the zoo, and training time and peak measured on this CPU, fused against unfused.
 
 Part 1, plans (exact for any device): each network below at its image size and batch, the
@@ -8,7 +8,7 @@ how many nodes fusion folded.
 Part 2, measured on this CPU: a Trainer of each network below with fuse true and one with fuse
 false, built in one process on the same batch, their iterations alternated (so a drift of a
 shared machine's speed slows both alike); the median seconds of an iteration, the seconds per
-iteration of the steps fusion touches (BatchNorm, ReLU, Add and the fused nodes, forward and
+iteration of the steps fusion touches (BatchNorm, ReLU and the fused nodes, forward and
 backward, timed one by one), the measured peak (which equals the planned one), and whether the
 losses agree bit for bit.
 
@@ -31,7 +31,7 @@ from snrt.scheduler.planner import each_plan
 from snrt.train import Trainer
 
 POLICIES = ("none", "liveness", "superneurons")
-TOUCHED = ("BatchNorm", "ReLU", "Add", "BatchNormReLU", "AddReLU")  # the layers fusion folds, and its nodes
+TOUCHED = ("BatchNorm", "ReLU", "BatchNormReLU")  # the layers fusion folds, and its node
 PLANNED = [("cifar_resnet110", 32, 128), ("resnet50", 224, 32), ("resnet152", 224, 32), ("densenet121", 224, 32),
            ("mobilenet_v2", 224, 32), ("efficientnet_b0", 224, 32), ("convnext_tiny", 224, 32), ("unet", 256, 16),
            ("vgg16", 224, 64), ("resnet2500", 227, 16)]
@@ -111,10 +111,10 @@ def main():
     planned = planned_rows(QUICK_PLANNED if args.quick else PLANNED)
     measured = [measured_row(*case) for case in (QUICK_MEASURED if args.quick else MEASURED)]
     save_json(args.out, "fusion", {"meta": meta, "planned": planned, "measured": measured})
-    lines = ["# Fusion: BatchNorm+ReLU and Add+ReLU as one node each", "", meta_line(meta, args.quick), "",
-             "`python scripts/reproduce_fusion.py`. Each ReLU that alone reads a BatchNorm's or an Add's output is "
-             "planned as part of that layer (snrt/scheduler/fuse.py): one step each way, its input and output "
-             "saved, the tensor between and its gradient never planned.", "",
+    lines = ["# Fusion: a BatchNorm and its ReLU as one node", "", meta_line(meta, args.quick), "",
+             "`python scripts/reproduce_fusion.py`. Each ReLU that alone reads a BatchNorm's output is planned "
+             "as part of it (snrt/scheduler/fuse.py): one step each way, only the BatchNorm's input saved, the "
+             "tensor between and its gradient never planned.", "",
              "## Planned peak (GiB), unfused -> fused", ""]
     lines += table(["network", "image", "batch", "nodes folded", *POLICIES, "fused / unfused"], [
         [r["network"], r["image"], r["batch"], f"{r['folded']} of {r['nodes']}",
@@ -122,7 +122,7 @@ def main():
          " / ".join(f"{r['fused'][p] / r['unfused'][p]:.2f}" for p in POLICIES)] for r in planned])
     lines += ["", "## Measured on this CPU (iterations alternated in one process)", ""]
     lines += table(["network", "image", "batch", "unfused s/iter", "fused s/iter", "fused / unfused",
-                    "BatchNorm, ReLU, Add steps ms/iter", "steps", "peak MiB (measured = planned)", "same losses",
+                    "BatchNorm and ReLU steps ms/iter", "steps", "peak MiB (measured = planned)", "same losses",
                     "load"], [
         [r["network"], r["image"], r["batch"], f"{r['unfused']['median_s']:.3f}", f"{r['fused']['median_s']:.3f}",
          f"{r['fused']['median_s'] / r['unfused']['median_s']:.3f}",

@@ -1,13 +1,11 @@
-"""Add (and Add fused with ReLU) on the CPU: one compiled pass on the kernel threads each way.
+"""Add on the CPU: one compiled pass on the kernel threads each way.
 
 The layer's NumPy code (snrt/layers/join.py) runs on one core: y = x0 + x1 (then += each
 further input), and its backward copies the output's gradient into each input's, reading it
 once per input. These kernels split the flat tensor among the kernel threads (from
 SPLIT_VALUES values; the adds are bound by memory), add in the layer's order, so the bits are
-the layer's, and copy the gradient into two inputs' per read. AddReLU (snrt/layers/fused.py)
-takes max(., 0) in the last add's pass and ReLU's gradient gy * sign(y) in the copies' (the
-bits of Add and ReLU apart). Contiguous float32 arrays (as arena views are); anything else runs
-the layer's code. No workspace.
+the layer's, and copy the gradient into two inputs' per read. Contiguous float32 arrays (as
+arena views are); anything else runs the layer's code. No workspace.
 """
 
 import numpy as np
@@ -15,43 +13,30 @@ from numba import njit
 
 from snrt.backends.cpu_common import THREADED, LayerLike, no_arguments_per_thread, run_split
 from snrt.layers.base import FLOAT32_BYTES
-from snrt.layers.fused import FusedReLU
 
 SPLIT_VALUES = 1 << 20  # a pass over fewer values runs on one thread
 
 
-ZERO = np.float32(0.0)
-
-
 @njit(**THREADED)
-def add_into(a, b, relu, y, r0, r1):
-    """y[r0:r1] = a[r0:r1] + b[r0:r1] over flat arrays (y may be a), with `relu` max(., 0) (a
-    NaN stays NaN)."""
+def add_into(a, b, y, r0, r1):
+    """y[r0:r1] = a[r0:r1] + b[r0:r1] over flat arrays (y may be a)."""
     xs, zs, ys = a[r0:r1], b[r0:r1], y[r0:r1]
-    if relu:
-        for i in range(ys.size):
-            v = xs[i] + zs[i]
-            ys[i] = ZERO if v <= ZERO else v
-    else:
-        for i in range(ys.size):
-            ys[i] = xs[i] + zs[i]
+    for i in range(ys.size):
+        ys[i] = xs[i] + zs[i]
 
 
 @njit(**THREADED)
-def copy_to_two(source, mask, first, second, r0, r1):
-    """first[r0:r1] = source[r0:r1], and second's too unless it is empty, over flat arrays;
-    with a `mask` (not empty: a ReLU's output, >= 0) source * sign(mask) instead."""
+def copy_to_two(source, first, second, r0, r1):
+    """first[r0:r1] = source[r0:r1], and second's too unless it is empty, over flat arrays."""
     values, ones = source[r0:r1], first[r0:r1]
-    masks = mask[r0:r1] if mask.size else mask
-    if second.size == 0 and mask.size == 0:
+    if second.size == 0:
         ones[:] = values
         return
-    twos = second[r0:r1] if second.size else second
+    twos = second[r0:r1]
     for i in range(values.size):
-        v = np.sign(masks[i]) * values[i] if mask.size else values[i]
+        v = values[i]
         ones[i] = v
-        if second.size:
-            twos[i] = v
+        twos[i] = v
 
 
 class CompiledAdd(LayerLike):
@@ -65,24 +50,21 @@ class CompiledAdd(LayerLike):
         return all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
 
     @staticmethod
-    def _split(function, arguments):
-        """function(*arguments, r0, r1), the arrays among them flat, over the first one's values."""
-        flat = tuple(a.reshape(-1) if isinstance(a, np.ndarray) else a for a in arguments)
+    def _split(function, arrays):
+        flat = tuple(a.reshape(-1) for a in arrays)
         run_split(function, 0, flat[0].size, no_arguments_per_thread(flat[0].size, SPLIT_VALUES), flat)
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         if not self._served([y, *xs]):
             return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
-        relu = isinstance(self.layer, FusedReLU)
-        self._split(add_into, (xs[0], xs[1], relu and len(xs) == 2, y))
-        for i, x in enumerate(xs[2:], start=3):
-            self._split(add_into, (y, x, relu and i == len(xs), y))
+        self._split(add_into, (xs[0], xs[1], y))
+        for x in xs[2:]:
+            self._split(add_into, (y, x, y))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         targets = [gx for gx in gxs if gx is not None]
-        mask = saved.y if isinstance(self.layer, FusedReLU) else gy[:0]  # empty: no ReLU
-        if not self._served([gy, mask, *targets]):
+        if not self._served([gy, *targets]):
             return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
         for first in range(0, len(targets), 2):
             pair = targets[first:first + 2]
-            self._split(copy_to_two, (gy, mask, pair[0], pair[1] if len(pair) == 2 else gy[:0]))
+            self._split(copy_to_two, (gy, pair[0], pair[1] if len(pair) == 2 else gy[:0]))

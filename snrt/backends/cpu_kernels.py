@@ -40,7 +40,7 @@ from snrt.backends.cpu_pool import CompiledGlobalAvgPool, CompiledMaxPool
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
 from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledUpsample
 from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
-from snrt.layers.fused import FusedReLU
+from snrt.layers.fused import BatchNormReLU
 from snrt.layers.norm import blend_running
 from snrt.layers.staging import fp32_kernel_workspace_bytes
 
@@ -168,7 +168,7 @@ class CompiledBatchNorm(LayerLike):
         none = np.empty(0, x3.dtype)  # no affine part: weight 1, bias 0
         run_split(batchnorm_forward, 0, channels, no_arguments_per_thread(x3.size, SPLIT_CHANNELWISE),
                   (x3, params.get("weight", none), params.get("bias", none), self.layer.eps,
-                   isinstance(self.layer, FusedReLU), by_channel(y),
+                   isinstance(self.layer, BatchNormReLU), by_channel(y),
                    aux["mean"], aux["inv_std"], var, np.empty((2, channels), x3.dtype)))
         if not recompute:
             count = n * k
@@ -182,7 +182,7 @@ class CompiledBatchNorm(LayerLike):
         gx3 = by_channel(gxs[0]) if gxs[0] is not None else x3[:0]  # no samples: sums only
         none = np.empty(0, x3.dtype)  # no affine part: weight 1, no parameter gradients
         run_split(batchnorm_backward, 0, x3.shape[1], no_arguments_per_thread(x3.size, SPLIT_CHANNELWISE), (
-            x3, by_channel(gy), params.get("weight", none), params.get("bias", none), isinstance(self.layer, FusedReLU),
+            x3, by_channel(gy), params.get("weight", none), params.get("bias", none), isinstance(self.layer, BatchNormReLU),
             aux["mean"], aux["inv_std"], gparams.get("weight", none), gparams.get("bias", none), gx3,
             np.empty((3, x3.shape[1]), x3.dtype)))
 
@@ -191,7 +191,7 @@ class CpuKernels(LayerKernels):
     """The CPU's kernel of every layer: a compiled kernel where REGISTRY has one, else the layer."""
 
     REGISTRY = {  # type name: the kernels to ask, in turn
-        "BatchNorm": (CompiledBatchNorm,), "BatchNormReLU": (CompiledBatchNorm,), "AddReLU": (CompiledAdd,),
+        "BatchNorm": (CompiledBatchNorm,), "BatchNormReLU": (CompiledBatchNorm,),
         "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d),
         "MaxPool": (CompiledMaxPool,), "GlobalAvgPool": (CompiledGlobalAvgPool,), "GroupNorm": (CompiledGroupNorm,),
         "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),

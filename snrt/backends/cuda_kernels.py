@@ -3,7 +3,7 @@
 `REGISTRY` maps a layer type to the factory of its kernel: cuDNN frontend graphs for Conv2d
 and BatchNorm (snrt/backends/cudnn_graphs.py) with the CUDA kernels as their fallback, the
 CUDA kernels (snrt/backends/cuda_layers.py) for the other layers whose `xp` code allocates,
-the fused layers as their first part's kernel then ReLU's (CudaReLUAfter), and the layer's own
+BatchNormReLU as BatchNorm's kernel then ReLU's (CudaReLUAfter), and the layer's own
 `xp` code for the rest. `CudaKernels` is the kernel choice the CUDA
 backend plans and runs with. Importing this module does not import CuPy.
 """
@@ -41,10 +41,12 @@ def _plain(kernel_class):
 
 
 class CudaReLUAfter(ReLUAfter):
-    """A fused layer (snrt/layers/fused.py) on CUDA: the kernel of its first part (the one an
-    unfused node of that layer and shape runs, cuDNN graphs included), then ReLU's: in place
-    forward, snrt_relu_backward backward. Named "<first's name>+relu"; not timed as a whole
-    (the cost model's rates time the step)."""
+    """BatchNormReLU (snrt/layers/fused.py) on CUDA: the kernel of BatchNorm (the one an unfused
+    node of that shape runs, cuDNN graphs included), then ReLU's: in place forward,
+    snrt_relu_backward backward after the output is computed again by xp kernels (its mask
+    may differ from the forward's where cuDNN's arithmetic rounds an output across 0). Named
+    "<BatchNorm kernel's name>+relu"; not timed as a whole (the cost model's rates time the
+    step)."""
 
     def __init__(self, layer, in_shapes, kernels):
         super().__init__(layer, kernels.kernel_for(layer.first, in_shapes), kernels.kernel_for(RELU, in_shapes[:1]))
@@ -68,7 +70,6 @@ REGISTRY = {
     "Add": _plain(CudaAdd),
     "Upsample": _upsample,
     "BatchNormReLU": CudaReLUAfter,
-    "AddReLU": CudaReLUAfter,
 }
 
 

@@ -1,5 +1,5 @@
 """Fusion as a graph fact: the graph a plan is made for, with each ReLU folded into the
-BatchNorm or Add before it where nothing else reads that layer's output.
+BatchNorm before it where nothing else reads the BatchNorm's output.
 
     conv -> bn -> relu -> conv        becomes        conv -> bn (BatchNormReLU) -> conv
 
@@ -13,18 +13,19 @@ the graph a plan's steps name.
 
 from snrt.graph import Graph
 from snrt.layers.activation import ReLU
-from snrt.layers.fused import FUSED_WITH_RELU
+from snrt.layers.fused import BatchNormReLU
+from snrt.layers.norm import BatchNorm
 
 
 def fuse_layers(graph):
-    """The graph with every fusable (BatchNorm or Add, ReLU) pair as one node, in the order and
-    with the names of `graph` (less the ReLUs folded in); `graph` itself when there is none."""
+    """The graph with every fusable (BatchNorm, ReLU) pair as one node, in the order and with
+    the names of `graph` (less the ReLUs folded in); `graph` itself when there is none."""
     consumers = graph.consumers()
     folded = {}  # ReLU's name -> the node it folds into
     for name, node in graph.nodes.items():
         if type(node.layer) is ReLU and len(node.inputs) == 1:
             first = graph.nodes[node.inputs[0]]
-            if type(first.layer) in FUSED_WITH_RELU and consumers[first.name] == [name]:
+            if type(first.layer) is BatchNorm and consumers[first.name] == [name]:
                 folded[name] = first.name
     if not folded:
         return graph
@@ -35,8 +36,7 @@ def fuse_layers(graph):
             continue
         layer = node.layer
         if name in into:
-            kind = FUSED_WITH_RELU[type(layer)]
-            layer = kind(**{field: getattr(layer, field) for field in layer.__dataclass_fields__})
+            layer = BatchNormReLU(**{field: getattr(layer, field) for field in layer.__dataclass_fields__})
         fused.add(layer, inputs=[folded.get(i, i) for i in node.inputs], name=name, key=node.key)
     return fused
 

@@ -84,10 +84,10 @@ def test_unknown_backend_is_an_error():
 
 
 def test_registry_covers_every_layer_whose_xp_code_allocates():
-    from snrt.layers.fused import FUSED_WITH_RELU
+    from snrt.layers.fused import BatchNormReLU
 
     assert set(NUMPY_ONLY) <= set(REGISTRY)
-    assert set(REGISTRY) <= set(LAYERS) | {fused.type_name for fused in FUSED_WITH_RELU.values()}
+    assert set(REGISTRY) <= set(LAYERS) | {BatchNormReLU.type_name}  # and the node fusion makes
 
 
 def test_gemm_convolution_fits_the_workspace_existing_plans_give():
@@ -437,34 +437,37 @@ def test_the_one_pass_relu_and_add_backwards_match_the_layers_own(inputs):
     assert all(np.array_equal(gx, gy) for gx in gxs if gx is not None)
 
 
-def test_a_fused_add_relu_on_cuda_runs_add_then_relu_without_workspace():
-    """CudaReLUAfter: AddReLU by CudaAdd's forward then ReLU's in place, and backward by
-    snrt_relu_backward into the first input gradient, then snrt_copy_to_two from it (no
-    workspace), the layer's own bits; its kernels are those of Add and ReLU alone."""
+def test_a_fused_batch_norm_relu_on_cuda_runs_batch_norm_then_relu():
+    """CudaReLUAfter: BatchNormReLU by BatchNorm's kernel then ReLU's forward in place, and
+    backward by the output computed again (xp kernels into its scratch), snrt_relu_backward
+    over it and BatchNorm's backward from that: the layer's own bits, within the workspace it
+    declares; its kernels are those of BatchNorm and ReLU alone."""
     from types import SimpleNamespace
 
     from snrt.backends.cuda_kernels import CudaReLUAfter
-    from snrt.backends.cuda_layers import CudaAdd, CudaReLU
-    from snrt.layers.fused import AddReLU
+    from snrt.backends.cuda_layers import CudaReLU, XpKernel
+    from snrt.layers.fused import BatchNormReLU
 
     module = OnePassModule()
-    kinds = {"Add": CudaAdd, "ReLU": CudaReLU}
+    kinds = {"BatchNorm": XpKernel, "ReLU": CudaReLU}  # BatchNorm's stand-in: its xp code, on the host
     kernels = SimpleNamespace(kernel_for=lambda layer, shapes: kinds[layer.type_name](layer, shapes, module))
-    layer, shape = AddReLU(), (2, 3, 5)
-    kernel = CudaReLUAfter(layer, [shape] * 3, kernels)
-    assert kernel.name == "cuda+relu" and kernel.workspace_bytes([shape] * 3, BACKWARD) == 0
+    layer, shape = BatchNormReLU(), (4, 3, 5, 5)
+    kernel = CudaReLUAfter(layer, [shape], kernels)
+    assert kernel.name == "xp+relu" and kernel.measured_seconds(BACKWARD) is None
     rng = np.random.default_rng(2)
-    xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
-    gy = rng.standard_normal(shape).astype(np.float32)
-    ctx = KernelContext(np, True, 0, 0, 0, None)
-    y, expected_y = np.empty_like(gy), np.empty_like(gy)
-    kernel.forward(ctx, xs, {}, {}, y, {})
-    layer.forward(ctx, xs, {}, {}, expected_y, {})
-    np.testing.assert_array_equal(y, expected_y)
-    gxs, expected = [np.empty_like(gy), None, np.empty_like(gy)], [np.empty_like(gy), None, np.empty_like(gy)]
-    kernel.backward(ctx, gy, Saved((None,) * 3, y), {}, {}, gxs, {})
-    layer.backward(ctx, gy, Saved((None,) * 3, y), {}, {}, expected, {})
-    for got, want in zip(gxs[::2], expected[::2]):
+    x, gy = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    params = {"weight": rng.uniform(0.5, 1.5, 3).astype(np.float32), "bias": rng.standard_normal(3).astype(np.float32)}
+    results = []
+    for runner in (kernel, layer):
+        state = {"running_mean": np.zeros(3, np.float32), "running_var": np.ones(3, np.float32)}
+        aux = {"mean": np.empty(3, np.float32), "inv_std": np.empty(3, np.float32)}
+        y, gx = np.empty_like(x), np.empty_like(x)
+        gparams = {k: np.empty_like(v) for k, v in params.items()}
+        runner.forward(KernelContext(np, True, 0, 0, 0, None), [x], params, state, y, aux)
+        workspace = np.empty(runner.workspace_bytes([shape], BACKWARD), np.uint8)
+        runner.backward(KernelContext(np, True, 0, 0, 0, workspace), gy, Saved((x,), None), params, aux, [gx], gparams)
+        results.append([y, gx, *gparams.values(), *aux.values(), *state.values()])
+    for got, want in zip(*results):
         np.testing.assert_array_equal(got, want)
 
 

@@ -1,6 +1,6 @@
-"""The fused layers (snrt/layers/fused.py): against finite differences and PyTorch through the
-harness, and bit for bit against their two parts run one after the other, for the layers' own
-code and for the CPU's compiled kernels."""
+"""The fused layer (snrt/layers/fused.py): against finite differences and PyTorch through the
+harness, and bit for bit against BatchNorm then ReLU, for the layers' own code and for the
+CPU's compiled kernels."""
 
 import numpy as np
 import pytest
@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.layers.activation import ReLU
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
-from snrt.layers.fused import AddReLU, BatchNormReLU
-from snrt.layers.join import Add
+from snrt.layers.fused import BatchNormReLU
 from snrt.layers.norm import BatchNorm
 from tests.layers.harness import check_layer, make_params, make_state
 
@@ -38,15 +37,6 @@ def test_batch_norm_relu_matches_torch_and_finite_differences(shape, kernels):
     params = {"weight": np.linspace(0.5, 1.5, shape[1]), "bias": np.zeros(shape[1])}  # y = 0 only where x is mean
     check_layer(kernels(layer, [shape]), [_off_kinks(shape, 0)], reference, params=params, state=state,
                 rtol=1e-4, atol=1e-4)
-
-
-@KERNELS
-@pytest.mark.parametrize("inputs", [2, 3])
-def test_add_relu_matches_torch_and_finite_differences(inputs, kernels):
-    shape = (3, 4, 5, 5)
-    xs = [_off_kinks(shape, seed) / inputs for seed in range(inputs)]
-    xs[0] = xs[0] + np.sign(sum(xs)) * 0.5  # the sum away from 0
-    check_layer(kernels(AddReLU(), [shape] * inputs), xs, lambda t, p: F.relu(sum(t[1:], t[0])))
 
 
 def _ctx():
@@ -98,32 +88,17 @@ def test_batch_norm_relu_gives_the_bits_of_batch_norm_then_relu(shape, input_gra
         _assert_same_bits(a, b)
 
 
-@KERNELS
-@pytest.mark.parametrize("inputs", [2, 3])
-def test_add_relu_gives_the_bits_of_add_then_relu(inputs, kernels):
-    rng = np.random.default_rng(4)
-    shape = (4, 8, 6, 6)
-    xs = [rng.standard_normal(shape, dtype=np.float32) for _ in range(inputs)]
-    xs[0][0, 0, 0] = np.nan
-    gy = rng.standard_normal(shape, dtype=np.float32)
-    unfused, fused = _parts_and_fused(kernels, AddReLU(), Add(), [shape] * inputs, xs, {}, gy)
-    assert len(unfused) == len(fused) == 1 + inputs
-    for a, b in zip(unfused, fused):
-        _assert_same_bits(a, b)
-
-
-def test_fused_layers_save_what_the_fusion_needs_and_keep_their_parts_options():
+def test_the_fused_layer_saves_only_its_input_and_keeps_batch_norms_options():
     layer = BatchNormReLU(momentum=0.3, eps=1e-3, affine=True)
     assert layer.first == BatchNorm(momentum=0.3, eps=1e-3, affine=True)
     assert layer.saves.inputs == (0,) and not layer.saves.output  # x: BatchNorm's, and the mask from it
-    assert AddReLU().saves.inputs == () and AddReLU().saves.output
     shape = (8, 16, 10, 10)
     assert layer.param_specs([shape]) == BatchNorm().param_specs([shape])
     assert layer.aux_specs([shape]) == BatchNorm().aux_specs([shape])
     # the layers' own code computes the output again in scratch (and a scale per channel), the masked
     # gradient then over it; the CPU's compiled kernels need none
     assert 8 * 16 * 10 * 10 * 4 < layer.workspace_bytes([shape], BACKWARD) <= 8 * 16 * 10 * 10 * 4 + 256
-    assert layer.workspace_bytes([shape], FORWARD) == 0 == AddReLU().workspace_bytes([shape] * 2, BACKWARD)
+    assert layer.workspace_bytes([shape], FORWARD) == 0
     assert CPU_KERNELS.workspace_bytes(layer, [shape], BACKWARD) == 0
     parts = [BatchNorm().cost([shape], phase).bytes + ReLU().cost([shape], phase).bytes for phase in (FORWARD, BACKWARD)]
     assert [layer.cost([shape], phase).bytes for phase in (FORWARD, BACKWARD)] < parts

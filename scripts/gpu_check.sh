@@ -19,9 +19,10 @@
 # still run): the environment and device; tests/backends and the rest of the suite, side by
 # side (pytest-xdist); ResNet-50 batch 32 at 224x224 under every policy (bench_gpu.py), in
 # tf32 under none and superneurons, under none with cuDNN's non-deterministic engines
-# admitted, and unfused (--no-fuse) under none and superneurons, last; two iterations of `snrt train configs/resnet2500.yaml --backend cuda` at its own
-# settings; PyTorch's ResNet-50 at the same batch (bench_torch.py:
-# fp32 with TF32 off, then PyTorch's defaults, each also with checkpoint_sequential). The report
+# admitted, and unfused (--no-fuse) under none and superneurons (the last stage); two
+# iterations of `snrt train configs/resnet2500.yaml --backend cuda` at its own settings;
+# PyTorch's ResNet-50 at the same batch (bench_torch.py: fp32 with TF32 off, then PyTorch's
+# defaults, each also with checkpoint_sequential). The report
 # opens with the targets of the GPU work, measured or not. On one H100 the whole check took
 # under 5 minutes before cuDNN's engines were timed; the first run on a machine now also times
 # them (kept in the cache folder for the next).

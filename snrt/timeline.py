@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from snrt.scheduler import cost
+from snrt.scheduler import cost  # noqa: E402
 from snrt.scheduler.fuse import planned_graph  # noqa: E402
 from snrt.scheduler.plan import ROLES  # noqa: E402
 

@@ -118,19 +118,21 @@ def batchnorm_backward(x, gy, weight, bias, relu, mean, inv_std, gweight, gbias,
     n, _, k = x.shape
     count = n * k
     for c in range(c0, c1):
-        coefficients[0, c], coefficients[1, c] = scale_and_shift(weight, bias, mean, inv_std, c)
-        scale, shift = coefficients[0, c], coefficients[1, c]  # the forward's, as it keeps them (x's dtype)
         g = gy
-        if relu and gx.shape[0]:
-            for i in range(n):
-                for j in range(k):
-                    v = x[i, c, j] * scale + shift
-                    gx[i, c, j] = np.sign(ZERO if v <= ZERO else v) * gy[i, c, j]
-            g = gx
-        if relu and not gx.shape[0]:
-            sum_gy, sum_gy_x = relu_masked_sums(gy, x, scale, shift, c)
+        if relu:
+            coefficients[0, c], coefficients[1, c] = scale_and_shift(weight, bias, mean, inv_std, c)
+            scale, shift = coefficients[0, c], coefficients[1, c]  # the forward's, as it keeps them (x's dtype)
+            if gx.shape[0]:
+                for i in range(n):
+                    for j in range(k):
+                        v = x[i, c, j] * scale + shift
+                        gx[i, c, j] = np.sign(ZERO if v <= ZERO else v) * gy[i, c, j]
+                g = gx
+                sum_gy, sum_gy_x = channel_sums(g, x, c)
+            else:
+                sum_gy, sum_gy_x = relu_masked_sums(gy, x, scale, shift, c)
         else:
-            sum_gy, sum_gy_x = channel_sums(g, x, c)
+            sum_gy, sum_gy_x = channel_sums(gy, x, c)
         mu, istd = np.float64(mean[c]), np.float64(inv_std[c])
         sum_gy_xhat = (sum_gy_x - mu * sum_gy) * istd
         if gweight.size:

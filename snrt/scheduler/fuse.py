@@ -23,7 +23,7 @@ def fuse_layers(graph):
     consumers = graph.consumers()
     folded = {}  # ReLU's name -> the node it folds into
     for name, node in graph.nodes.items():
-        if type(node.layer) is ReLU and len(node.inputs) == 1:
+        if type(node.layer) is ReLU:
             first = graph.nodes[node.inputs[0]]
             if type(first.layer) is BatchNorm and consumers[first.name] == [name]:
                 folded[name] = first.name

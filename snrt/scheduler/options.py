@@ -32,7 +32,7 @@ class PlanOptions:
     - `stream_parameters`: a training plan of a freeing policy keeps parameters and optimizer
       state in the host store and brings each to the device only while steps use it
       (snrt/scheduler/stream.py).
-    - `fuse`: plan the graph with each ReLU folded into the BatchNorm or Add before it
+    - `fuse`: plan the graph with each ReLU folded into the BatchNorm before it
       (snrt/scheduler/fuse.py); False plans every layer as its own node.
     """
 

@@ -27,7 +27,8 @@ from numba import njit  # noqa: E402
 from reproduce_common import RESULTS, machine, meta_line, save_json, save_markdown, table  # noqa: E402
 
 from snrt.backends.cpu_choice import best_seconds  # noqa: E402
-from snrt.backends.cpu_common import THREADED, run_split  # noqa: E402
+from snrt.backends.cpu_common import THREADED  # noqa: E402
+from snrt.backends.cpu_parallel import run_split  # noqa: E402
 from snrt.backends.cpu_conv import DirectConv2d  # noqa: E402
 from snrt.layers.base import FORWARD, KernelContext  # noqa: E402
 from snrt.layers.conv import Conv2d  # noqa: E402
@@ -98,11 +99,11 @@ def winograd(x, weight, y, u, v, m, rows):
     marks = [time.perf_counter()]
     np.matmul(WEIGHT_TRANSFORM, weight.reshape(o * c, 9).T, out=u.reshape(16, o * c))
     marks.append(time.perf_counter())
-    run_split(input_tiles, 0, c, rows, (x, tiles_h, tiles_w, v))
+    run_split(input_tiles, 0, c, len(rows[0]), (x, tiles_h, tiles_w, v), rows)
     marks.append(time.perf_counter())
     np.matmul(u, v, out=m)
     marks.append(time.perf_counter())
-    run_split(output_tiles, 0, o, [()] * len(rows), (m, tiles_h, tiles_w, y))
+    run_split(output_tiles, 0, o, len(rows[0]), (m, tiles_h, tiles_w, y))
     marks.append(time.perf_counter())
     return [b - a for a, b in zip(marks, marks[1:])]
 
@@ -115,8 +116,8 @@ def measure(channels, size, batch, rounds):
     tiles = batch * tiles_w ** 2
     u = np.empty((16, channels, channels), np.float32)
     v, m = np.empty((16, channels, tiles), np.float32), np.empty((16, channels, tiles), np.float32)
-    rows = [(np.zeros((4, 2 * tiles_w + 2), np.float32), np.zeros((4, 4, tiles_w), np.float32))
-            for _ in range(kernel_threads())]
+    rows = (np.zeros((kernel_threads(), 4, 2 * tiles_w + 2), np.float32),
+            np.zeros((kernel_threads(), 4, 4, tiles_w), np.float32))  # each thread's scratch
     y = np.empty_like(x)
     winograd(x, weight, y, u, v, m, rows)  # compiles
     layer = Conv2d(out_channels=channels, kernel=3, padding=1, bias=False)

@@ -22,7 +22,7 @@ gy s (1 + x (1 - s)) for SiLU. ReLU, ReLU6, Sigmoid and ELU read their output: g
 sign(y), gy [0 < y < 6], gy (1 - y) y and gy (y > 0 ? 1 : y + alpha), in one pass (a NaN in
 y gives NaN). ReLU's and ReLU6's forwards are one pass of comparisons that keep a NaN.
 
-The kernels run on the kernel threads (cpu_common.run_split), each thread a share of the flat
+The kernels run on the kernel threads (cpu_parallel.run_split), each thread a share of the flat
 tensor: the exponential's from SPLIT_VALUES values, each thread with its own two blocks of
 workspace, the one-pass kernels, bound by memory, from SPLIT_PASS_VALUES. float32 only; other
 dtypes run the layer's code.
@@ -33,14 +33,15 @@ import math
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, no_arguments_per_thread, run_split
+from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, threads_for
+from snrt.backends.cpu_parallel import run_split
 from snrt.layers.activation import ERF_A, ERF_P, TANH_GELU_C, TANH_GELU_K
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
 BLOCK = 1024  # values per block
 SPLIT_VALUES = 1 << 17  # an exponential's tensor of fewer values runs on one thread
-SPLIT_PASS_VALUES = 1 << 20  # the same for the one-pass kernels, bound by memory (2^19 ReLU values: 3x slower split)
+SPLIT_PASS_VALUES = 1 << 17  # the same for the one-pass kernels, bound by memory (2^16 ReLU values: 2-3x slower split)
 F = np.float32  # every constant below is float32, so that no value is widened
 EXP_LOW, EXP_HIGH = F(-87.0), F(88.0)  # exp of either is a normal float32
 LOG2E, LN2_HI, LN2_LO = F(1 / math.log(2)), F(0.693145751953125), F(1.4286068203094173e-06)
@@ -179,7 +180,7 @@ class CompiledActivation(LayerLike):
     def _blocks_bytes(self, phase, threads):
         """Each thread's two blocks where `phase` takes exponentials, else none."""
         takes_exp = self._kind() not in ((RELU, RELU6) if phase == FORWARD else READS_OUTPUT)
-        return scratch_bytes(*[BLOCK * FLOAT32_BYTES] * (2 * threads)) if takes_exp else 0
+        return scratch_bytes(*[threads * BLOCK * FLOAT32_BYTES] * 2) if takes_exp else 0
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         if itemsize != FLOAT32_BYTES:
@@ -191,8 +192,8 @@ class CompiledActivation(LayerLike):
         threads that fit the workspace when size >= SPLIT_VALUES."""
         threads = fitting_threads(ctx.workspace.nbytes, lambda count: self._blocks_bytes(phase, count))
         threads = max(1, min(threads, size // SPLIT_VALUES))
-        blocks = [(ctx.scratch((BLOCK,), np.float32), ctx.scratch((BLOCK,), np.int32)) for _ in range(threads)]
-        run_split(function, 0, size, blocks, shared)
+        blocks = (ctx.scratch((threads, BLOCK), np.float32), ctx.scratch((threads, BLOCK), np.int32))
+        run_split(function, 0, size, threads, shared, blocks)
         ctx.release_scratch()
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
@@ -201,8 +202,7 @@ class CompiledActivation(LayerLike):
             return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
         kind = self._kind()
         if kind in (RELU, RELU6):
-            run_split(clip_forward, 0, x.size, no_arguments_per_thread(x.size, SPLIT_PASS_VALUES),
-                      (kind, x.reshape(-1), y.reshape(-1)))
+            run_split(clip_forward, 0, x.size, threads_for(x.size, SPLIT_PASS_VALUES), (kind, x.reshape(-1), y.reshape(-1)))
             return
         self._exponentials_split(ctx, FORWARD, exponential_forward, (kind, self._alpha(), x.reshape(-1),
                                                                       y.reshape(-1)), x.size)
@@ -215,7 +215,7 @@ class CompiledActivation(LayerLike):
         if given.dtype != np.float32:
             return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
         if kind in READS_OUTPUT:
-            run_split(output_backward, 0, given.size, no_arguments_per_thread(given.size, SPLIT_PASS_VALUES),
+            run_split(output_backward, 0, given.size, threads_for(given.size, SPLIT_PASS_VALUES),
                       (kind, self._alpha(), given.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1)))
             return
         self._exponentials_split(ctx, BACKWARD, exponential_backward, (kind, given.reshape(-1), gy.reshape(-1),
@@ -289,7 +289,7 @@ class CompiledSoftmax(LayerLike):
     BLOCKS = {FORWARD: 4, BACKWARD: 1}
 
     def _blocks_bytes(self, phase, threads):
-        return scratch_bytes(*[BLOCK * FLOAT32_BYTES] * (self.BLOCKS[phase] * threads))
+        return scratch_bytes(*[threads * BLOCK * FLOAT32_BYTES] * self.BLOCKS[phase])
 
     def _threads(self, size):
         return kernel_threads() if size >= SPLIT_VALUES else 1
@@ -309,9 +309,9 @@ class CompiledSoftmax(LayerLike):
         chunks = -(-inner // BLOCK)
         threads = fitting_threads(ctx.workspace.nbytes, lambda count: self._blocks_bytes(phase, count))
         threads = max(1, min(threads, self._threads(arrays[0].size), outer * chunks))
-        per_thread = [tuple(ctx.scratch((BLOCK,), dtype) for dtype in blocks) for _ in range(threads)]
+        per_thread = tuple(ctx.scratch((threads, BLOCK), dtype) for dtype in blocks)
         flat = tuple(a.reshape(-1) for a in arrays)
-        run_split(function, 0, outer * chunks, per_thread, (*flat, channels, inner, chunks))
+        run_split(function, 0, outer * chunks, threads, (*flat, channels, inner, chunks), per_thread)
         ctx.release_scratch()
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):

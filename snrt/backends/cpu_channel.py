@@ -12,10 +12,11 @@ layer's code.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import THREADED, LayerLike, no_arguments_per_thread, run_split
+from snrt.backends.cpu_common import THREADED, LayerLike, threads_for
+from snrt.backends.cpu_parallel import run_split
 from snrt.layers.base import FLOAT32_BYTES, by_channel
 
-SPLIT_VALUES = 1 << 20  # a product of fewer values runs on one thread (it is bound by memory)
+SPLIT_VALUES = 1 << 19  # a product of fewer values runs on one thread (it is bound by memory)
 
 
 @njit(**THREADED)
@@ -62,13 +63,13 @@ class _ChannelProduct(LayerLike):
 
     @staticmethod
     def _product(x, factors, y):
-        run_split(scale_rows, 0, x.shape[1], no_arguments_per_thread(x.size, SPLIT_VALUES),
+        run_split(scale_rows, 0, x.shape[1], threads_for(x.size, SPLIT_VALUES),
                   (by_channel(x), factors, by_channel(y)))
 
     @staticmethod
     def _product_backward(x, gy, factors, gx, gfactors):
         gx3 = by_channel(gx) if gx is not None else by_channel(x)[:0]  # no samples: the factors' sums only
-        run_split(scale_rows_backward, 0, x.shape[1], no_arguments_per_thread(x.size, SPLIT_VALUES),
+        run_split(scale_rows_backward, 0, x.shape[1], threads_for(x.size, SPLIT_VALUES),
                   (by_channel(x), by_channel(gy), factors, gx3, gfactors))
 
 

@@ -1,14 +1,12 @@
 """What the CPU's compiled kernels share: numba's options (`COMPILED`, `THREADED`), the kernel
-threads (`run_split`, `no_arguments_per_thread`, `fitting_threads`) and `LayerLike`, the base
-that makes a kernel stand in for its layer.
+threads (`run_split`, `threads_for`, `fitting_threads`) and `LayerLike`, the base that makes a
+kernel stand in for its layer.
 
-Kernel threads: `snrt.threads.kernel_threads()` OS threads of a pool per process, each running
-compiled code that releases the GIL (`THREADED`). A kernel splits its work so that every
-output value is one thread's, computed in an order fixed by the compiled code: results do not
-depend on the number of threads.
+Kernel threads: `snrt.threads.kernel_threads()` shares of a kernel that run at once
+(cpu_parallel.run_split); every output value is one share's, so results do not depend on the
+number of threads.
 """
 
-from snrt.backends.cpu_handoff import pool
 from snrt.layers.base import FLOAT32_BYTES
 from snrt.threads import kernel_threads
 
@@ -22,24 +20,10 @@ COMPILED = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy"}
 THREADED = dict(COMPILED, nogil=True)  # for kernels that run on the kernel threads
 
 
-def run_split(function, start, stop, per_thread_args, shared_args):
-    """function(*shared_args, r0, r1, *per_thread_args[t]) for thread t's even share [r0, r1)
-    of range(start, stop), on the kernel threads: share 0 on the calling thread while the
-    threads of its pool (cpu_handoff) run the others; returns when all are done (raising the
-    caller's error, else the first of the others')."""
-    threads = len(per_thread_args)
-    bounds = [start + (stop - start) * t // threads for t in range(threads + 1)]
-    calls = [(*shared_args, bounds[t], bounds[t + 1], *per_thread_args[t]) for t in range(threads)]
-    if threads == 1:
-        function(*calls[0])
-        return
-    pool(threads - 1).run(function, calls)
-
-
-def no_arguments_per_thread(values, minimum):
-    """[()] for each thread a kernel without per-thread arguments runs on: the kernel threads
-    when it covers at least `minimum` values, else one (a hand-off costs tens of µs)."""
-    return [()] * (kernel_threads() if values >= minimum else 1)
+def threads_for(values, minimum):
+    """The threads a kernel without per-thread scratch splits `values` among: the kernel threads
+    when it covers at least `minimum` values, else one (a hand-off costs a few µs)."""
+    return kernel_threads() if values >= minimum else 1
 
 
 def fitting_threads(workspace_bytes, bytes_for):

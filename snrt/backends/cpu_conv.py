@@ -36,7 +36,7 @@ Serves dilation 1, one group, a kernel larger than 1x1 (or a 1x1 at stride 1 ove
 multiple of 16 pixels, which the tiles read in place) and padding at most kernel-1 (so the
 data gradient's padding is not negative); everything else is the layer's im2col. At a stride
 over 1 the backward is the layer's (its data gradient is no convolution of gy).
-Kernel threads (cpu_common.run_split): each output value is one thread's sum in an order fixed
+Kernel threads (cpu_parallel.run_split): each output value is one thread's sum in an order fixed
 by the compiled code, so results do not depend on the number of threads: the same bits in
 every run and policy.
 """
@@ -44,7 +44,8 @@ every run and policy.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, run_split
+from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads
+from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_copy import copy_run
 from snrt.backends.cpu_dots import dots4x4
 from snrt.backends.cpu_tiles import (BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, lanes_of, pack_weight, padded_values,
@@ -218,17 +219,15 @@ class DirectConv2d(LayerLike):
         scratch = [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in arrays_for(threads, itemsize)]
         outs, _, kh, kw = weight_t.shape
         rows = y.shape[0] * y.shape[2]
-        pack_weight(weight_t, phase_planes(*x.shape[2:], padding, stride), stride, *scratch[:3], bias)
+        pack_weight(weight_t, *phase_planes(*x.shape[2:], padding, stride), *stride, *scratch[:3], bias)
         if kh * kw == 1:
             if numel(y.shape[2:]) % lanes_of(itemsize):
                 raise ValueError(f"a 1x1 convolution's direct kernel needs maps of a multiple of "
                                  f"{lanes_of(itemsize)} pixels, not {y.shape[2]}x{y.shape[3]} (see serves)")
             vectors = numel(y.shape) // (outs * lanes_of(itemsize))
-            run_split(pointwise_tiles, 0, vectors, list(zip(scratch[3], [y] * threads)), (x, *scratch[:3]))
+            run_split(pointwise_tiles, 0, vectors, threads, (x, *scratch[:3], y), scratch[3:])
             return
-        xpads, targets, spans = scratch[3:]
-        run_split(convolve_tiles, 0, rows, list(zip(xpads, targets, spans, [y] * threads)),
-                  (x, *scratch[:3], *padding, *stride))
+        run_split(convolve_tiles, 0, rows, threads, (x, *scratch[:3], *padding, *stride, y), scratch[3:])
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x, weight = xs[0], params["weight"]
@@ -261,7 +260,7 @@ class DirectConv2d(LayerLike):
         each), the chunks added in order."""
         n, channels, h, w = x.shape
         outs, _, kh, kw = gweight.shape
-        threads = [()] * kernel_threads()
+        threads = kernel_threads()
         blocks = -(-outs // 4) * -(-channels * kh * kw // 4)
         if kh * kw == 1:
             pixels = h * w

@@ -24,7 +24,7 @@ direct kernels replace them, each where it measured faster (`ROWS_MIN_WIDTH`, pe
 Weight gradients sum rows (or one sample's pixels) in the input's dtype and those sums in
 float64. x (N, C, H, W), weight (O, 1, kh, kw) with O = C * m, bias (O,), y (N, O, Ho, Wo);
 any stride, padding and dilation; every buffer in the planned workspace. By rows, the channels
-are split among the kernel threads (cpu_common.run_split) from SPLIT_VALUES input values, each
+are split among the kernel threads (cpu_parallel.run_split) from SPLIT_VALUES input values, each
 with its own plane and row buffers; channels last runs on one. (numba's own OpenMP threads,
 tried first, halved MobileNetV2's speed: they and OpenBLAS's threads took the two cores from
 each other.) Sums run in a fixed order, each channel's on one thread, so the same inputs give
@@ -34,7 +34,8 @@ the same bits in every run and policy and on any number of threads.
 import numpy as np
 from numba import njit, uint64
 
-from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_threads, run_split
+from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_threads
+from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_copy import copy_run, pad_plane
 from snrt.backends.cpu_tiles import fma_run, run_slack
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
@@ -335,8 +336,8 @@ class CompiledDepthwiseConv2d(LayerLike):
         work = self._workspace(ctx, x, FORWARD)
         if len(work) == 2:  # by rows, the input channels split among the threads
             planes, rows = work
-            run_split(rows_forward, 0, x.shape[1], list(zip(planes, rows)),
-                      (x, weight[:, 0], bias, *self._geometry(), y))
+            run_split(rows_forward, 0, x.shape[1], len(planes), (x, weight[:, 0], bias, *self._geometry(), y),
+                      (planes, rows))
         else:
             taps, padded, rows = work
             taps[...] = weight[:, 0].transpose(1, 2, 0)
@@ -349,11 +350,11 @@ class CompiledDepthwiseConv2d(LayerLike):
         work = self._workspace(ctx, x, BACKWARD)
         if len(work) == 2:  # by rows, the output channels (input channels) split among the threads
             planes, sums = work
-            run_split(rows_grad_weight, 0, gy.shape[1], list(zip(planes, sums)),
-                      (gy, x, *self._geometry(), gparams["weight"], gbias))
+            run_split(rows_grad_weight, 0, gy.shape[1], len(planes), (gy, x, *self._geometry(), gparams["weight"], gbias),
+                      (planes, sums))
             if gxs[0] is not None:
-                run_split(rows_grad_input, 0, x.shape[1], [(plane,) for plane in planes],
-                          (gy, weight[:, 0], *self._geometry(), gxs[0]))
+                run_split(rows_grad_input, 0, x.shape[1], len(planes), (gy, weight[:, 0], *self._geometry(), gxs[0]),
+                          (planes,))
         else:
             taps, padded, rows, partial, sums = work
             taps[...] = weight[:, 0].transpose(1, 2, 0)

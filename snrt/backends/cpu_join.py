@@ -11,10 +11,11 @@ arena views are); anything else runs the layer's code. No workspace.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import THREADED, LayerLike, no_arguments_per_thread, run_split
+from snrt.backends.cpu_common import THREADED, LayerLike, threads_for
+from snrt.backends.cpu_parallel import run_split
 from snrt.layers.base import FLOAT32_BYTES
 
-SPLIT_VALUES = 1 << 20  # a pass over fewer values runs on one thread
+SPLIT_VALUES = 1 << 17  # a pass over fewer values runs on one thread (2^16: split slower)
 
 
 @njit(**THREADED)
@@ -52,7 +53,7 @@ class CompiledAdd(LayerLike):
     @staticmethod
     def _split(function, arrays):
         flat = tuple(a.reshape(-1) for a in arrays)
-        run_split(function, 0, flat[0].size, no_arguments_per_thread(flat[0].size, SPLIT_VALUES), flat)
+        run_split(function, 0, flat[0].size, threads_for(flat[0].size, SPLIT_VALUES), flat)
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         if not self._served([y, *xs]):

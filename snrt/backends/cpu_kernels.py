@@ -14,7 +14,7 @@ activations (cpu_activation.py), MaxPool and GlobalAvgPool (cpu_pool.py), Adapti
 nearest Upsample (cpu_resample.py), and the channel products of Mul and Scale (cpu_channel.py)
 have modules of their own.
 
-Determinism: a kernel on the kernel threads (cpu_common.run_split) gives each output value to
+Determinism: a kernel on the kernel threads (cpu_parallel.run_split) gives each output value to
 one thread; all are compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a sum
 is vectorised in one order fixed by the compiled code: the same inputs give the same bits in
 every run, every policy and on any number of threads (a recomputed BatchNorm reproduces the
@@ -32,7 +32,8 @@ from numba import njit
 from snrt.backends.cpu_activation import CompiledActivation, CompiledSoftmax
 from snrt.backends.cpu_channel import CompiledGateMul, CompiledScale
 from snrt.backends.cpu_choice import setting
-from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, no_arguments_per_thread, run_split
+from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, threads_for
+from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
 from snrt.backends.cpu_join import CompiledAdd
@@ -45,7 +46,7 @@ from snrt.layers.norm import blend_running
 from snrt.layers.staging import fp32_kernel_workspace_bytes
 
 ZERO = np.float32(0.0)
-SPLIT_CHANNELWISE = 1 << 20  # BatchNorm runs on one thread below this many values (measured break-even ~2^19)
+SPLIT_CHANNELWISE = 1 << 17  # BatchNorm runs on one thread below this many values (2^16: split slower, 2^17 faster)
 
 @njit(**COMPILED)
 def channel_sums(a, b, c):
@@ -168,7 +169,7 @@ class CompiledBatchNorm(LayerLike):
         n, channels, k = x3.shape
         var = np.empty(channels, np.float64)
         none = np.empty(0, x3.dtype)  # no affine part: weight 1, bias 0
-        run_split(batchnorm_forward, 0, channels, no_arguments_per_thread(x3.size, SPLIT_CHANNELWISE),
+        run_split(batchnorm_forward, 0, channels, threads_for(x3.size, SPLIT_CHANNELWISE),
                   (x3, params.get("weight", none), params.get("bias", none), self.layer.eps,
                    isinstance(self.layer, BatchNormReLU), by_channel(y),
                    aux["mean"], aux["inv_std"], var, np.empty((2, channels), x3.dtype)))
@@ -183,7 +184,7 @@ class CompiledBatchNorm(LayerLike):
         x3 = by_channel(saved.xs[0])
         gx3 = by_channel(gxs[0]) if gxs[0] is not None else x3[:0]  # no samples: sums only
         none = np.empty(0, x3.dtype)  # no affine part: weight 1, no parameter gradients
-        run_split(batchnorm_backward, 0, x3.shape[1], no_arguments_per_thread(x3.size, SPLIT_CHANNELWISE), (
+        run_split(batchnorm_backward, 0, x3.shape[1], threads_for(x3.size, SPLIT_CHANNELWISE), (
             x3, by_channel(gy), params.get("weight", none), params.get("bias", none), isinstance(self.layer, BatchNormReLU),
             aux["mean"], aux["inv_std"], gparams.get("weight", none), gparams.get("bias", none), gx3,
             np.empty((3, x3.shape[1]), x3.dtype)))

@@ -23,7 +23,8 @@ layers' code, so they say what workspace they need: float64 sums.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, no_arguments_per_thread, run_split
+from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, threads_for
+from snrt.backends.cpu_parallel import run_split
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
 
 SUM_BYTES = 8  # float64 sums
@@ -221,7 +222,7 @@ class CompiledGroupNorm(_CompiledNormalize):
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
         view = self._block_view(x.shape)
-        run_split(group_norm_forward, 0, view[0], no_arguments_per_thread(x.size, SPLIT_VALUES),
+        run_split(group_norm_forward, 0, view[0], threads_for(x.size, SPLIT_VALUES),
                   (x.reshape(view), params["weight"], params["bias"], self.layer.eps, self.layer.groups,
                    aux["mean"], aux["inv_std"], y.reshape(view)))
 
@@ -230,7 +231,7 @@ class CompiledGroupNorm(_CompiledNormalize):
         view = self._block_view(x.shape)
         block_sums, parameter_sums = self._sums(ctx, x, BACKWARD)
         gx = gxs[0].reshape(view) if gxs[0] is not None else x.reshape(view)[:0]  # empty: not asked for
-        run_split(group_norm_backward_blocks, 0, view[0], no_arguments_per_thread(x.size, SPLIT_VALUES),
+        run_split(group_norm_backward_blocks, 0, view[0], threads_for(x.size, SPLIT_VALUES),
                   (x.reshape(view), gy.reshape(view), params["weight"], aux["mean"], aux["inv_std"],
                    self.layer.groups, block_sums, gx))
         group_norm_parameter_grads(self.layer.groups, block_sums, parameter_sums, gparams["weight"], gparams["bias"])

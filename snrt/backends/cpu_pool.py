@@ -15,10 +15,11 @@ bit.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, no_arguments_per_thread, run_split
+from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, threads_for
+from snrt.backends.cpu_parallel import run_split
 from snrt.layers.base import FLOAT32_BYTES, by_channel
 
-SPLIT_VALUES = 1 << 18  # outputs below which a pooling runs on one thread
+SPLIT_VALUES = 1 << 15  # outputs below which a pooling runs on one thread
 
 
 @njit(inline="always")
@@ -106,13 +107,13 @@ class CompiledMaxPool(LayerLike):
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
-        run_split(maxpool_forward, 0, x.shape[0] * x.shape[1], no_arguments_per_thread(y.size, SPLIT_VALUES),
+        run_split(maxpool_forward, 0, x.shape[0] * x.shape[1], threads_for(y.size, SPLIT_VALUES),
                   (x, *self._geometry(), y, aux["argmax"]))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         gx = gxs[0]
         if gx is not None:
-            run_split(maxpool_backward, 0, gx.shape[0] * gx.shape[1], no_arguments_per_thread(gy.size, SPLIT_VALUES),
+            run_split(maxpool_backward, 0, gx.shape[0] * gx.shape[1], threads_for(gy.size, SPLIT_VALUES),
                       (gy, aux["argmax"], *self._geometry(), gx))
 
 

@@ -16,122 +16,112 @@ thread's.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import THREADED, LayerLike, no_arguments_per_thread, run_split
+from snrt.backends.cpu_common import THREADED, LayerLike, threads_for
+from snrt.backends.cpu_parallel import run_split
 from snrt.layers.base import FLOAT32_BYTES
 from snrt.layers.pool import adaptive_bins, bilinear_taps
 
-SPLIT_VALUES = 1 << 20  # input and output values below which a kernel runs on one thread
+SPLIT_VALUES = 1 << 17  # input and output values below which a kernel runs on one thread
 
 
 @njit(**THREADED)
-def adaptive_avg_forward(x, row_bins, col_bins, y):
-    """y[n, c, i, j] = the mean of x[n, c] over rows row_bins[i] and columns col_bins[j]."""
-    n, channels = x.shape[0], x.shape[1]
-    for s in range(n):
-        for c in range(channels):
-            for i in range(row_bins.shape[0]):
-                r0, r1 = row_bins[i, 0], row_bins[i, 1]
-                for j in range(col_bins.shape[0]):
-                    c0, c1 = col_bins[j, 0], col_bins[j, 1]
-                    total = x[s, c, r0, c0] * 0
-                    for r in range(r0, r1):
-                        for q in range(c0, c1):
-                            total += x[s, c, r, q]
-                    y[s, c, i, j] = total / ((r1 - r0) * (c1 - c0))
+def adaptive_avg_forward(x, row_bins, col_bins, y, m0, m1):
+    """y[m, i, j] = the mean of x[m] over rows row_bins[i] and columns col_bins[j], for the maps
+    m0 <= m < m1 of x and y (maps, H, W)."""
+    for m in range(m0, m1):
+        for i in range(row_bins.shape[0]):
+            r0, r1 = row_bins[i, 0], row_bins[i, 1]
+            for j in range(col_bins.shape[0]):
+                c0, c1 = col_bins[j, 0], col_bins[j, 1]
+                total = x[m, r0, c0] * 0
+                for r in range(r0, r1):
+                    for q in range(c0, c1):
+                        total += x[m, r, q]
+                y[m, i, j] = total / ((r1 - r0) * (c1 - c0))
 
 
 @njit(**THREADED)
-def adaptive_avg_backward(gy, row_bins, col_bins, gx):
-    """gx[n, c] = 0, then every bin's gy / its size added over the bin."""
-    n, channels = gx.shape[0], gx.shape[1]
-    for s in range(n):
-        for c in range(channels):
-            gx[s, c] = 0.0
-            for i in range(row_bins.shape[0]):
-                r0, r1 = row_bins[i, 0], row_bins[i, 1]
-                for j in range(col_bins.shape[0]):
-                    c0, c1 = col_bins[j, 0], col_bins[j, 1]
-                    share = gy[s, c, i, j] / ((r1 - r0) * (c1 - c0))
-                    for r in range(r0, r1):
-                        for q in range(c0, c1):
-                            gx[s, c, r, q] += share
+def adaptive_avg_backward(gy, row_bins, col_bins, gx, m0, m1):
+    """gx[m] = 0, then every bin's gy / its size added over the bin, for the maps m0 <= m < m1."""
+    for m in range(m0, m1):
+        gx[m] = 0.0
+        for i in range(row_bins.shape[0]):
+            r0, r1 = row_bins[i, 0], row_bins[i, 1]
+            for j in range(col_bins.shape[0]):
+                c0, c1 = col_bins[j, 0], col_bins[j, 1]
+                share = gy[m, i, j] / ((r1 - r0) * (c1 - c0))
+                for r in range(r0, r1):
+                    for q in range(c0, c1):
+                        gx[m, r, q] += share
 
 
 @njit(**THREADED)
-def nearest_forward(x, sh, sw, y):
-    """y[n, c, i * sh + a, j * sw + b] = x[n, c, i, j]."""
-    n, channels, h, w = x.shape
-    for s in range(n):
-        for c in range(channels):
-            for i in range(h):
-                for a in range(sh):
-                    for j in range(w):
-                        v = x[s, c, i, j]
-                        for b in range(sw):
-                            y[s, c, i * sh + a, j * sw + b] = v
-
-
-@njit(**THREADED)
-def nearest_backward(gy, sh, sw, gx):
-    """gx[n, c, i, j] = the sum of gy over the sh x sw copies of pixel (i, j), in the order
-    (a, b) of the copies: a whole row of gx at a time, each copy's row added in turn."""
-    n, channels, h, w = gx.shape
-    for s in range(n):
-        for c in range(channels):
-            for i in range(h):
-                row = gx[s, c, i]
-                row[:] = 0
-                for a in range(sh):
-                    copies = gy[s, c, i * sh + a]
+def nearest_forward(x, sh, sw, y, m0, m1):
+    """y[m, i * sh + a, j * sw + b] = x[m, i, j] for the maps m0 <= m < m1."""
+    _, h, w = x.shape
+    for m in range(m0, m1):
+        for i in range(h):
+            for a in range(sh):
+                for j in range(w):
+                    v = x[m, i, j]
                     for b in range(sw):
-                        for j in range(w):
-                            row[j] += copies[j * sw + b]
+                        y[m, i * sh + a, j * sw + b] = v
 
 
 @njit(**THREADED)
-def bilinear_forward(x, row_taps, row_weights, col_taps, col_weights, y):
-    """y[n, c, i, j] from the four taps of x[n, c]: row i reads input rows row_taps[i] (low,
-    high) with row_weights[i], column j input columns col_taps[j] with col_weights[j]."""
-    n, channels = x.shape[0], x.shape[1]
-    for s in range(n):
-        for c in range(channels):
-            for i in range(y.shape[2]):
-                low, high, out = x[s, c, row_taps[i, 0]], x[s, c, row_taps[i, 1]], y[s, c, i]
-                h0, h1 = row_weights[i, 0], row_weights[i, 1]
-                for j in range(y.shape[3]):
-                    q0, q1, w0, w1 = col_taps[j, 0], col_taps[j, 1], col_weights[j, 0], col_weights[j, 1]
-                    out[j] = h0 * (w0 * low[q0] + w1 * low[q1]) + h1 * (w0 * high[q0] + w1 * high[q1])
+def nearest_backward(gy, sh, sw, gx, m0, m1):
+    """gx[m, i, j] = the sum of gy over the sh x sw copies of pixel (i, j), in the order (a, b)
+    of the copies, for the maps m0 <= m < m1: a whole row of gx at a time, each copy's row
+    added in turn."""
+    _, h, w = gx.shape
+    for m in range(m0, m1):
+        for i in range(h):
+            row = gx[m, i]
+            row[:] = 0
+            for a in range(sh):
+                copies = gy[m, i * sh + a]
+                for b in range(sw):
+                    for j in range(w):
+                        row[j] += copies[j * sw + b]
 
 
 @njit(**THREADED)
-def bilinear_backward(gy, row_taps, row_weights, col_taps, col_weights, gx):
-    """gx[n, c] = 0, then each gy[n, c, i, j] added into its four taps, weighted, in the order
-    of i, then j."""
-    n, channels = gx.shape[0], gx.shape[1]
-    for s in range(n):
-        for c in range(channels):
-            gx[s, c] = 0.0
-            for i in range(gy.shape[2]):
-                low, high, g = gx[s, c, row_taps[i, 0]], gx[s, c, row_taps[i, 1]], gy[s, c, i]
-                h0, h1 = row_weights[i, 0], row_weights[i, 1]
-                for j in range(gy.shape[3]):
-                    q0, q1, w0, w1 = col_taps[j, 0], col_taps[j, 1], col_weights[j, 0], col_weights[j, 1]
-                    low[q0] += h0 * w0 * g[j]
-                    low[q1] += h0 * w1 * g[j]
-                    high[q0] += h1 * w0 * g[j]
-                    high[q1] += h1 * w1 * g[j]
+def bilinear_forward(x, row_taps, row_weights, col_taps, col_weights, y, m0, m1):
+    """y[m, i, j] from the four taps of x[m], for the maps m0 <= m < m1: row i reads input rows
+    row_taps[i] (low, high) with row_weights[i], column j input columns col_taps[j] with
+    col_weights[j]."""
+    for m in range(m0, m1):
+        for i in range(y.shape[1]):
+            low, high, out = x[m, row_taps[i, 0]], x[m, row_taps[i, 1]], y[m, i]
+            h0, h1 = row_weights[i, 0], row_weights[i, 1]
+            for j in range(y.shape[2]):
+                q0, q1, w0, w1 = col_taps[j, 0], col_taps[j, 1], col_weights[j, 0], col_weights[j, 1]
+                out[j] = h0 * (w0 * low[q0] + w1 * low[q1]) + h1 * (w0 * high[q0] + w1 * high[q1])
+
+
+@njit(**THREADED)
+def bilinear_backward(gy, row_taps, row_weights, col_taps, col_weights, gx, m0, m1):
+    """gx[m] = 0, then each gy[m, i, j] added into its four taps, weighted, in the order of i,
+    then j, for the maps m0 <= m < m1."""
+    for m in range(m0, m1):
+        gx[m] = 0.0
+        for i in range(gy.shape[1]):
+            low, high, g = gx[m, row_taps[i, 0]], gx[m, row_taps[i, 1]], gy[m, i]
+            h0, h1 = row_weights[i, 0], row_weights[i, 1]
+            for j in range(gy.shape[2]):
+                q0, q1, w0, w1 = col_taps[j, 0], col_taps[j, 1], col_weights[j, 0], col_weights[j, 1]
+                low[q0] += h0 * w0 * g[j]
+                low[q1] += h0 * w1 * g[j]
+                high[q0] += h1 * w0 * g[j]
+                high[q1] += h1 * w1 * g[j]
 
 
 def _on_maps(kernel, source, args, target):
-    """kernel(source, *args, target) (source and target (N, C, ...)) on each thread's share of
-    the N*C maps, as arrays (1, maps, ...) whose maps run as one sample's channels."""
+    """kernel(source, *args, target, m0, m1) (source and target (N, C, ...) seen as (N*C, ...)
+    maps) on each thread's share of the maps."""
     maps = source.shape[0] * source.shape[1]
-    source, target = source.reshape(1, maps, *source.shape[2:]), target.reshape(1, maps, *target.shape[2:])
-
-    def share(m0, m1):
-        kernel(source[:, m0:m1], *args, target[:, m0:m1])
-
-    run_split(share, 0, maps, no_arguments_per_thread(source.size + target.size, SPLIT_VALUES), ())
+    source, target = source.reshape(maps, *source.shape[2:]), target.reshape(maps, *target.shape[2:])
+    run_split(kernel, 0, maps, threads_for(source.size + target.size, SPLIT_VALUES), (source, *args, target))
 
 
 def _bins(size, out):

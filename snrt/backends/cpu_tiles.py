@@ -203,32 +203,26 @@ def padded_values(channels, hq, wq, phases, kw, itemsize):
     return 2 * phases * channels * hq * wq + lanes_of(itemsize) + kw
 
 
-def pack_weight(weight, planes, stride, wpack, biases, offsets, bias):
+@njit(**THREADED)
+def pack_weight(weight, hq, wq, sh, sw, wpack, biases, offsets, bias):
     """Fill wpack (blocks, K, BLOCK_OUTS) with weight (O, C, kh, kw), any strides, as
     wpack[b, (c, i, j), o] = weight[b*BLOCK_OUTS + o, c, i, j] (zeros past O), biases
     (blocks*BLOCK_OUTS,) with `bias` (empty: none, zeros) and offsets (K,) with where each tap
-    reads in the phase planes (Hq, Wq) = `planes` at `stride` (_tap_offsets); no array made on
-    the way."""
+    reads in the phase planes (Hq, Wq) at stride (sh, sw): output pixel (h, w) reads padded
+    x[c, sh*h + i, sw*w + j], which is at (h + i // sh, w + j // sw) of the plane of phase
+    (i % sh, j % sw) and channel c; at stride 1 that is c*Hq*Wq + i*Wq + j."""
     outs, channels, kh, kw = weight.shape
-    wpack[...] = 0
-    for b in range(wpack.shape[0]):
-        o0, o1 = b * BLOCK_OUTS, min(outs, (b + 1) * BLOCK_OUTS)
-        wpack[b].reshape(channels, kh, kw, BLOCK_OUTS)[..., :o1 - o0] = weight[o0:o1].transpose(1, 2, 3, 0)
-    biases[...] = 0
-    biases[:bias.size] = bias
-    _tap_offsets(channels, kh, kw, *planes, *stride, offsets)
-
-
-@njit(**THREADED)
-def _tap_offsets(channels, kh, kw, hq, wq, sh, sw, offsets):
-    """offsets[(c, i, j)]: output pixel (h, w) reads padded x[c, sh*h + i, sw*w + j], which is
-    at (h + i // sh, w + j // sw) of the plane of phase (i % sh, j % sw) and channel c; at
-    stride 1 that is c*Hq*Wq + i*Wq + j."""
     for k in range(offsets.size):
         c, tap = k // (kh * kw), k % (kh * kw)
         i, j = tap // kw, tap % kw
         plane = ((i % sh) * sw + j % sw) * channels + c
         offsets[k] = plane * hq * wq + i // sh * wq + j // sw
+        for b in range(wpack.shape[0]):
+            for o in range(BLOCK_OUTS):
+                out = b * BLOCK_OUTS + o
+                wpack[b, k, o] = weight[out, c, i, j] if out < outs else 0
+    biases[:] = 0
+    biases[:bias.size] = bias
 
 
 @njit(**THREADED)
@@ -281,7 +275,7 @@ def _vector(v, spans, wq, wo, sample_values, plane_values, lanes, targets, slot)
 
 
 @njit(**THREADED)
-def convolve_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, r0, r1, xpad, targets, spans, y):
+def convolve_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, y, r0, r1, xpad, targets, spans):
     """y rows r0 <= r < r1 (r = n*Ho + h) of the convolution of x (N, C, H, W) zero-padded by
     (ph, pw) at stride (sh, sw), the weight packed by pack_weight for its phase planes (at
     stride 1 one plane a channel, the padded input itself). Two samples at a time (a group): both
@@ -319,7 +313,7 @@ def convolve_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, r0, r1, xpad, targ
 
 
 @njit(**THREADED)
-def pointwise_tiles(x, wpack, biases, offsets, v0, v1, targets, y):
+def pointwise_tiles(x, wpack, biases, offsets, y, v0, v1, targets):
     """The vectors v0 <= v < v1 of a 1x1 stride-1 convolution of x (N, C, H, W) into y (N, O, H,
     W), H*W a multiple of the lanes: vector v is sample v // (H*W / lanes), pixels from
     (v % that) * lanes. Without padding x is read where it is (no copy: offsets[c] = c*H*W),

@@ -1,16 +1,16 @@
 """The CPU kernels that run on the kernel threads give the same bits on any number of them,
 also in a workspace planned for fewer threads than run (threads limited after planning)."""
 
+import multiprocessing
 import threading
-import time
 
 import numpy as np
 import pytest
+from numba import njit
 
 import snrt.threads
 from snrt.backends import cpu_activation, cpu_channel, cpu_depthwise, cpu_kernels, cpu_norm, cpu_pool, cpu_resample
-from snrt.backends.cpu_common import run_split
-from snrt.backends.cpu_handoff import SLOT, current, publish, watch
+from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.layers.activation import ELU, GELU, ReLU, ReLU6, Sigmoid, SiLU, Softmax
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
@@ -47,9 +47,9 @@ def run(layer, x, planned_threads, threads, monkeypatch):
     on (expected_threads)."""
     used = []
 
-    def counted(function, start, stop, per_thread_args, shared_args):
-        used.append(len(per_thread_args))
-        run_split(function, start, stop, per_thread_args, shared_args)
+    def counted(function, start, stop, threads, shared_args, per_thread=()):
+        used.append(threads)
+        run_split(function, start, stop, threads, shared_args, per_thread)
 
     for module in (cpu_activation, cpu_channel, cpu_depthwise, cpu_kernels, cpu_norm, cpu_pool, cpu_resample):
         monkeypatch.setattr(module, "run_split", counted)
@@ -83,32 +83,23 @@ def test_a_threaded_cpu_kernel_gives_the_same_bits_on_any_number_of_threads(laye
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("failing", [0, 2])  # the caller's own share, another thread's
-def test_run_split_raises_a_shares_error_once_every_share_has_ended(failing):
-    ended = []
-
-    def share(r0, r1):
-        time.sleep(0.02 * r0)  # the caller's share (r0 = 0) ends first
-        ended.append(r0)
-        if r0 == failing:
-            raise ValueError(f"share {r0}")
-
-    with pytest.raises(ValueError, match=f"share {failing}"):
-        run_split(share, 0, 3, [()] * 3, ())
-    assert sorted(ended) == [0, 1, 2]
+@njit(nogil=True)
+def _fill(out, value, r0, r1, own):
+    """out[r0:r1] = value + the thread's own scratch row's first value."""
+    out[r0:r1] = value + own[0]
 
 
-def _fill(out, value, r0, r1):
-    out[r0:r1] = value
+def _split_fill(out, value, threads):
+    """out after run_split of _fill over it, thread t's scratch row holding 1000 t."""
+    own = (1000 * np.arange(threads, dtype=np.float64)).reshape(threads, 1)
+    run_split(_fill, 0, out.size, threads, (out, value), (own,))
+    return out
 
 
-def test_run_split_hands_every_share_to_a_worker_however_long_it_slept():
-    for value in range(1, 301):
-        out = np.zeros(6)
-        run_split(_fill, 0, 6, [()] * 3, (out, value))
-        assert (out == value).all()
-        if value % 100 == 0:
-            time.sleep(0.01)
+def test_run_split_gives_each_thread_its_share_and_its_own_scratch_row():
+    out = _split_fill(np.zeros(7), 5.0, 3)  # shares [0, 2), [2, 4), [4, 7)
+    np.testing.assert_array_equal(out, [5, 5, 1005, 1005, 2005, 2005, 2005])
+    np.testing.assert_array_equal(_split_fill(np.zeros(3), 1.0, 1), [1, 1, 1])
 
 
 def test_run_split_from_several_threads_at_once_gives_each_its_own_results():
@@ -117,9 +108,8 @@ def test_run_split_from_several_threads_at_once_gives_each_its_own_results():
 
     def rank(number):
         for value in range(200):
-            out = np.zeros(8)
-            run_split(_fill, 0, 8, [()] * 2, (out, number * 1000 + value))
-            if not (out == number * 1000 + value).all():
+            out = _split_fill(np.zeros(8), float(number * 100000 + value), 2)
+            if not (out == number * 100000 + value + np.repeat([0, 1000], 4)).all():
                 failures.append((number, value, out))
 
     ranks = [threading.Thread(target=rank, args=(number,)) for number in range(4)]
@@ -130,12 +120,14 @@ def test_run_split_from_several_threads_at_once_gives_each_its_own_results():
     assert not failures
 
 
-def test_a_watched_counter_gives_the_value_another_thread_published_or_the_one_seen_when_none_came():
-    counters = np.zeros(2 * SLOT, np.int64)
-    assert watch(counters, SLOT, 0, 1000) == 0  # nothing published: the value seen, after 1,000 loads
-    publisher = threading.Thread(target=lambda: (time.sleep(0.01), publish(counters, SLOT, 7)))
-    publisher.start()
-    while (value := watch(counters, SLOT, 0, 1 << 20)) == 0:
-        pass
-    publisher.join()
-    assert value == 7 and current(counters, SLOT) == 7 and counters[0] == 0
+def test_a_process_forked_after_a_parallel_split_runs_its_shares_one_after_the_other():
+    """GNU OpenMP cannot start a parallel loop in a child forked after one ran (the child would
+    stop): the child's splits run on its one thread, with the same results."""
+    _split_fill(np.zeros(8), 1.0, 2)  # a parallel loop in this process
+    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(
+        target=lambda: send.send(_split_fill(np.zeros(8), 2.0, 2).tolist()))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert receive.recv() == [2.0] * 4 + [1002.0] * 4

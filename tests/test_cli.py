@@ -76,9 +76,9 @@ def test_train_writes_metrics_checkpoint_summary_and_timeline(tmp_path):
 
 
 @pytest.mark.parametrize("forced, expected", [
-    ("direct", "direct kernel for 2 of the 2 dense convolutions' forwards, 2 of the 2 stride-1 ones' backwards "
+    ("direct", "direct kernel for 2 of the 2 dense convolutions' forwards, 2 of their backwards "
                "(SNRT_CPU_KERNELS=direct)"),
-    ("im2col", "direct kernel for 0 of the 2 dense convolutions' forwards, 0 of the 2 stride-1 ones' backwards "
+    ("im2col", "direct kernel for 0 of the 2 dense convolutions' forwards, 0 of their backwards "
                "(SNRT_CPU_KERNELS=im2col)"),
 ])
 def test_train_says_which_kernel_runs_the_convolutions(tmp_path, capsys, monkeypatch, forced, expected):

@@ -35,7 +35,9 @@ Here:
 Serves dilation 1, one group, a kernel larger than 1x1 (or a 1x1 at stride 1 over maps of a
 multiple of 16 pixels, which the tiles read in place) and padding at most kernel-1 (so the
 data gradient's padding is not negative); everything else is the layer's im2col. At a stride
-over 1 the backward is the layer's (its data gradient is no convolution of gy).
+over 1 the weight gradient reads the phase planes of x (cpu_tiles.phase_planes: tap (i, j)
+at (i // s, j // s) of phase (i % s, j % s)), gy at their top left, and the data gradient is
+the layer's im2col (it is no convolution of gy).
 Kernel threads (cpu_parallel.run_split): each output value is one thread's sum in an order fixed
 by the compiled code, so results do not depend on the number of threads: the same bits in
 every run and policy.
@@ -58,34 +60,46 @@ GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chu
 
 
 @njit(**THREADED)
-def pad_planes(x, n0, n1, ph, pw, hp, wp, planes, c0, c1):
-    """planes[c, (n - n0)*hp*wp + (ph + h)*wp + pw + w] = x[n, c, h, w] for the samples n0 <= n <
-    n1 and channels c0 <= c < c1 of x (N, C, H, W); zeros elsewhere in those rows of planes."""
+def pad_planes(x, n0, n1, ph, pw, sh, sw, hp, wp, planes, p0, p1):
+    """The samples n0 <= n < n1 of x (N, C, H, W) zero-padded by (ph, pw), split into the sh*sw
+    phase planes of each channel, for the planes p0 <= p < p1, p = (a*sw + b)*C + c: planes[p,
+    (n - n0)*hp*wp + r*wp + q] = x[n, c, sh*r + a - ph, sw*q + b - pw] where that is inside x,
+    zeros elsewhere in those rows of planes. At stride 1, one plane a channel: x at (ph, pw)."""
     _, channels, h, w = x.shape
     flat = x.reshape(-1)
-    for c in range(c0, c1):
-        plane = planes[c]
+    for p in range(p0, p1):
+        plane = planes[p]
         plane[:] = 0
+        a, b, c = p // channels // sw, p // channels % sw, p % channels
         for n in range(n0, n1):
-            for r in range(h):
-                copy_run(plane, (n - n0) * hp * wp + (ph + r) * wp + pw, flat, ((n * channels + c) * h + r) * w, w)
+            base = (n - n0) * hp * wp
+            if sh == 1 and sw == 1:
+                for r in range(h):
+                    copy_run(plane, base + (ph + r) * wp + pw, flat, ((n * channels + c) * h + r) * w, w)
+                continue
+            first, last = -(-(pw - b) // sw), min(wp, (w - 1 + pw - b) // sw + 1)  # columns q inside x
+            for r in range(hp):
+                row = sh * r + a - ph
+                if 0 <= row < h:
+                    for q in range(max(first, 0), last):
+                        plane[base + r * wp + q] = x[n, c, row, sw * q + b - pw]
 
 
 @njit(**THREADED)
-def pad_both(x, gy, n0, n1, ph, pw, hp, wp, xp, gp, p0, p1):
-    """pad_planes of x (padded by (ph, pw)) into xp and of gy (at the planes' top left) into gp
-    for the planes p0 <= p < p1 of the C + O: x's channels first, then gy's (one hand-off to
-    the threads for both)."""
-    c = x.shape[1]
-    pad_planes(x, n0, n1, ph, pw, hp, wp, xp, min(p0, c), min(p1, c))
-    pad_planes(gy, n0, n1, 0, 0, hp, wp, gp, max(p0, c) - c, max(p1, c) - c)
+def pad_both(x, gy, n0, n1, ph, pw, sh, sw, hp, wp, xp, gp, p0, p1):
+    """pad_planes of x (padded by (ph, pw), its sh*sw phases) into xp and of gy (at the planes'
+    top left) into gp for the planes p0 <= p < p1 of x's then gy's (one hand-off to the threads
+    for both)."""
+    planes = sh * sw * x.shape[1]
+    pad_planes(x, n0, n1, ph, pw, sh, sw, hp, wp, xp, min(p0, planes), min(p1, planes))
+    pad_planes(gy, n0, n1, 0, 0, 1, 1, hp, wp, gp, max(p0, planes) - planes, max(p1, planes) - planes)
 
 
 @njit(**THREADED)
-def weight_grad_rows(g, g_row, g_run, x, x_row, x_run, length, runs, wp, add, gw, b0, b1):
+def weight_grad_rows(g, g_row, g_run, x, tap_starts, x_run, length, runs, add, gw, b0, b1):
     """gw[o, c, i, j] = (add: gw + ) the sum over the runs s < `runs` of the dot products of
-    g[o*g_row + s*g_run:][:length] and x[c*x_row + s*x_run + i*wp + j:][:length], for the blocks
-    b0 <= b < b1 of 4 output channels by 4 taps (c, i, j) (a block past the last channel or
+    g[o*g_row + s*g_run:][:length] and x[tap_starts[k] + s*x_run:][:length], k = (c, i, j), for
+    the blocks b0 <= b < b1 of 4 output channels by 4 taps (a block past the last channel or
     tap computes it again, written once). g and x flat; gw (O, C, kh, kw). The padded planes:
     rows of one run each; a 1x1 kernel: x and gy as they are, a run per sample."""
     outs, channels, kh, kw = gw.shape
@@ -96,16 +110,25 @@ def weight_grad_rows(g, g_row, g_run, x, x_row, x_run, length, runs, wp, add, gw
         o = (o0, min(o0 + 1, outs - 1), min(o0 + 2, outs - 1), min(o0 + 3, outs - 1))
         k = (k0, min(k0 + 1, taps - 1), min(k0 + 2, taps - 1), min(k0 + 3, taps - 1))
         g0, g1, g2, g3 = g[o[0] * g_row:], g[o[1] * g_row:], g[o[2] * g_row:], g[o[3] * g_row:]
-        x0 = x[k[0] // (kh * kw) * x_row + (k[0] % (kh * kw)) // kw * wp + k[0] % kw:]
-        x1 = x[k[1] // (kh * kw) * x_row + (k[1] % (kh * kw)) // kw * wp + k[1] % kw:]
-        x2 = x[k[2] // (kh * kw) * x_row + (k[2] % (kh * kw)) // kw * wp + k[2] % kw:]
-        x3 = x[k[3] // (kh * kw) * x_row + (k[3] % (kh * kw)) // kw * wp + k[3] % kw:]
+        x0, x1, x2, x3 = x[tap_starts[k[0]]:], x[tap_starts[k[1]]:], x[tap_starts[k[2]]:], x[tap_starts[k[3]]:]
         sums = dots4x4(g0, g1, g2, g3, x0, x1, x2, x3, length, runs, g_run, x_run)
         for d in range(min(4, outs - o0)):  # not the repeats: with `add` they would add twice
             for e in range(min(4, taps - k0)):
                 c, tap = k[e] // (kh * kw), k[e] % (kh * kw)
                 i, j = tap // kw, tap % kw
                 gw[o[d], c, i, j] = sums[d][e] + (gw[o[d], c, i, j] if add else 0)
+
+
+@njit(**THREADED)
+def tap_starts(channels, kh, kw, sh, sw, wp, x_row, starts):
+    """starts[(c, i, j)]: where tap (i, j) of channel c starts in the weight gradient's planes of
+    x (rows of x_row values, the phase planes of each channel at stride (sh, sw)): output pixel
+    (h, w) reads padded x[c, sh*h + i, sw*w + j], at (h + i // sh, w + j // sw) of the plane of
+    phase (i % sh, j % sw), rows wp apart."""
+    for k in range(starts.size):
+        c, tap = k // (kh * kw), k % (kh * kw)
+        i, j = tap // kw, tap % kw
+        starts[k] = (((i % sh) * sw + j % sw) * channels + c) * x_row + i // sh * wp + j // sw
 
 
 INDEX = np.int64  # the dtype of the tile kernel's index arrays
@@ -126,17 +149,16 @@ class DirectConv2d(LayerLike):
     @staticmethod
     def serves(layer, in_shapes):
         """One group, dilation 1 and padding at most kernel-1, a kernel larger than 1x1 or a 1x1
-        at stride 1 over maps of a multiple of 16 pixels (cpu_tiles.pointwise_tiles); the
-        forward at any stride, the backward at stride 1 (`serves_backward`; the layer's own
-        otherwise)."""
+        at stride 1 over maps of a multiple of 16 pixels (cpu_tiles.pointwise_tiles), at any
+        stride (the data gradient at a stride over 1 by the layer's im2col: `tiles_grad_input`)."""
         (kh, kw), (ph, pw) = layer.kernel, layer.padding
         pointwise = layer.stride == (1, 1) and numel(in_shapes[0][2:]) % lanes_of(FLOAT32_BYTES) == 0
         return (layer.groups == 1 and layer.dilation == (1, 1) and (kh * kw > 1 or pointwise) and ph <= kh - 1
                 and pw <= kw - 1)
 
     @staticmethod
-    def serves_backward(layer):
-        """Whether the backward is this kernel's (stride 1: the data gradient is a convolution)."""
+    def tiles_grad_input(layer):
+        """Whether the data gradient is the tiles' (stride 1: it is a convolution of gy)."""
         return layer.stride == (1, 1)
 
     # ---- workspace ---------------------------------------------------------------------
@@ -154,13 +176,17 @@ class DirectConv2d(LayerLike):
                 ((threads, 2, 4), INDEX)]
 
     def _plane(self, in_shapes):
-        """(Hp, Wp): a sample's plane in the weight gradient's layout of x (and of gy): H x W
-        values and a gap of zeros after each row and after the last row, which serves as the
-        padding on both sides (the taps past one row's end read the gap before the next row's
-        start, the taps below the last row the gap rows above the next sample's first), so
-        each gap is as wide as the wider of the two paddings, max(p, k-1-p), not both."""
+        """(Hp, Wp): a sample's plane in the weight gradient's layout of x (and of gy). At stride
+        1, H x W values and a gap of zeros after each row and after the last row, which serves
+        as the padding on both sides (the taps past one row's end read the gap before the next
+        row's start, the taps below the last row the gap rows above the next sample's first),
+        so each gap is as wide as the wider of the two paddings, max(p, k-1-p), not both. At a
+        stride over 1, the phase planes of x padded (cpu_tiles.phase_planes), gy at their top
+        left."""
         _, _, h, w = in_shapes[0]
         (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
+        if self.layer.stride != (1, 1):
+            return phase_planes(h, w, self.layer.padding, self.layer.stride)
         return h + max(ph, kh - 1 - ph), w + max(pw, kw - 1 - pw)
 
     def _grad_weight_samples(self, in_shapes):
@@ -168,8 +194,8 @@ class DirectConv2d(LayerLike):
         values, the batch cut into chunks as even as that allows (32 samples as 16 and 16, not
         30 and a chunk of 2 that costs its hand-offs and horizontal sums for little work)."""
         n, c = in_shapes[0][:2]
-        hp, wp = self._plane(in_shapes)
-        most = max(1, min(n, GRAD_WEIGHT_ELEMENTS // ((c + self.layer.out_channels) * hp * wp)))
+        (hp, wp), (sh, sw) = self._plane(in_shapes), self.layer.stride
+        most = max(1, min(n, GRAD_WEIGHT_ELEMENTS // ((sh * sw * c + self.layer.out_channels) * hp * wp)))
         return -(-n // -(-n // most))
 
     def _forward_arrays(self, in_shapes, threads, itemsize):
@@ -186,27 +212,29 @@ class DirectConv2d(LayerLike):
         return self._tile_arrays(o, c, (h + kh - 1, w + kw - 1), 1, threads, itemsize)
 
     def _grad_weight_arrays(self, in_shapes):
-        """A chunk's padded planes of x, (C, L + (kh-1)*Wp + kw-1) (the taps read past the last
-        plane), and of gy, (O, L), L = samples * Hp * Wp; none for a 1x1 kernel (x and gy read
-        where they are)."""
+        """Where each tap (c, i, j) starts in x's planes, (C*kh*kw,); then a chunk's padded planes
+        of x, (sh*sw*C, L + the farthest tap's shift) (the taps read past the last plane), and of
+        gy, (O, L), L = samples * Hp * Wp; no planes for a 1x1 kernel (x and gy read where they
+        are)."""
         c = in_shapes[0][1]
-        (kh, kw), (hp, wp) = self.layer.kernel, self._plane(in_shapes)
+        (kh, kw), (hp, wp), (sh, sw) = self.layer.kernel, self._plane(in_shapes), self.layer.stride
+        starts = ((c * kh * kw,), INDEX)
         if kh * kw == 1:
-            return []
+            return [starts]
         length = self._grad_weight_samples(in_shapes) * hp * wp
-        return [((c, length + (kh - 1) * wp + kw - 1), None), ((self.layer.out_channels, length), None)]
+        return [starts, ((sh * sw * c, length + (kh - 1) // sh * wp + (kw - 1) // sw), None),
+                ((self.layer.out_channels, length), None)]
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """Forward: the tile kernel's arrays. Backward: the larger of the weight gradient's (a
         chunk's padded planes of x and gy) and the data gradient's (the tile kernel's for gy and
-        the flipped weight); they run one after the other; the layer's at a stride over 1."""
+        the flipped weight; the layer's at a stride over 1); they run one after the other."""
         threads = kernel_threads()
         if phase != BACKWARD:
             return _size(self._forward_arrays(in_shapes, threads, itemsize), itemsize)
-        if not self.serves_backward(self.layer):
-            return self.layer.workspace_bytes(in_shapes, phase, itemsize)
-        return max(_size(self._grad_weight_arrays(in_shapes), itemsize),
-                   _size(self._grad_input_arrays(in_shapes, threads, itemsize), itemsize))
+        grad_input = (_size(self._grad_input_arrays(in_shapes, threads, itemsize), itemsize)
+                      if self.tiles_grad_input(self.layer) else self.layer.workspace_bytes(in_shapes, phase, itemsize))
+        return max(_size(self._grad_weight_arrays(in_shapes), itemsize), grad_input)
 
     # ---- kernels -----------------------------------------------------------------------
     def _convolve(self, ctx, x, weight_t, bias, padding, stride, y, arrays_for):
@@ -237,16 +265,15 @@ class DirectConv2d(LayerLike):
         ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        if not self.serves_backward(self.layer):
-            self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
-            return
         x, weight = saved.xs[0], params["weight"]
         if self.layer.bias:
             n, o = gy.shape[:2]
             np.sum(gy.reshape(n, o, -1), axis=(0, 2), out=gparams["bias"])
         self._grad_weight(ctx, gy, x, gparams["weight"])
         ctx.release_scratch()
-        if gxs[0] is not None:
+        if gxs[0] is not None and not self.tiles_grad_input(self.layer):
+            self.layer.adjoint(ctx, gy, weight, gx=gxs[0])
+        elif gxs[0] is not None:
             (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
             flipped = weight[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)  # (C, O, kh, kw)
             self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (kh - 1 - ph, kw - 1 - pw), (1, 1), gxs[0],
@@ -260,24 +287,28 @@ class DirectConv2d(LayerLike):
         each), the chunks added in order."""
         n, channels, h, w = x.shape
         outs, _, kh, kw = gweight.shape
+        (ph, pw), (hp, wp), (sh, sw) = self.layer.padding, self._plane([x.shape]), self.layer.stride
         threads = kernel_threads()
         blocks = -(-outs // 4) * -(-channels * kh * kw // 4)
+        arrays = [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in self._grad_weight_arrays([x.shape])]
+        starts = arrays[0]
         if kh * kw == 1:
             pixels = h * w
+            tap_starts(channels, 1, 1, 1, 1, 0, pixels, starts)
             span = -(-pixels // -(-(n * (channels + outs) * pixels) // GRAD_WEIGHT_ELEMENTS))
             for p0 in range(0, pixels, span):
                 run_split(weight_grad_rows, 0, blocks, threads, (gy.reshape(-1)[p0:], pixels, outs * pixels,
-                                                                 x.reshape(-1)[p0:], pixels, channels * pixels,
-                                                                 min(span, pixels - p0), n, w, p0 > 0, gweight))
+                                                                 x.reshape(-1)[p0:], starts, channels * pixels,
+                                                                 min(span, pixels - p0), n, p0 > 0, gweight))
             return
-        (ph, pw), (hp, wp) = self.layer.padding, self._plane([x.shape])
-        xp, gp = (ctx.scratch(shape, x.dtype) for shape, _ in self._grad_weight_arrays([x.shape]))
+        xp, gp = arrays[1:]
+        tap_starts(channels, kh, kw, sh, sw, wp, xp.shape[1], starts)
         chunk = self._grad_weight_samples([x.shape])
         for n0 in range(0, n, chunk):
             n1 = min(n, n0 + chunk)
-            run_split(pad_both, 0, channels + outs, threads, (x, gy, n0, n1, ph, pw, hp, wp, xp, gp))
-            run_split(weight_grad_rows, 0, blocks, threads, (gp.reshape(-1), gp.shape[1], 0, xp.reshape(-1), xp.shape[1],
-                                                             0, (n1 - n0) * hp * wp, 1, wp, n0 > 0, gweight))
+            run_split(pad_both, 0, xp.shape[0] + outs, threads, (x, gy, n0, n1, ph, pw, sh, sw, hp, wp, xp, gp))
+            run_split(weight_grad_rows, 0, blocks, threads, (gp.reshape(-1), gp.shape[1], 0, xp.reshape(-1), starts,
+                                                             0, (n1 - n0) * hp * wp, 1, n0 > 0, gweight))
 
 
 class ChosenConv2d(LayerLike):
@@ -293,8 +324,6 @@ class ChosenConv2d(LayerLike):
 
     def chosen(self, in_shapes, phase):
         """The kernel that runs `phase` at `in_shapes` (the layer's backward at a stride over 1)."""
-        if phase == BACKWARD and not DirectConv2d.serves_backward(self.layer):
-            return self.layer
         return self.candidates[choose(self.layer, in_shapes, phase, self.candidates)]
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
@@ -308,17 +337,16 @@ class ChosenConv2d(LayerLike):
 
 
 def describe_choices(executor):
-    """'direct kernel for F of the N dense convolutions' forwards, B of the M stride-1 ones'
-    backwards (choices: FILE)': what the choices among `executor`'s kernels came to ('' when
-    it has none to make)."""
+    """'direct kernel for F of the N dense convolutions' forwards, B of their backwards
+    (choices: FILE)': what the choices among `executor`'s kernels came to ('' when it has none
+    to make)."""
     chosen = [(kernel, executor.graph.in_shapes(name, executor.plan.batch))
               for name, kernel in executor.kernels.items() if isinstance(kernel, ChosenConv2d)]
     if not chosen:
         return ""
     direct = [sum(isinstance(kernel.chosen(shapes, phase), DirectConv2d) for kernel, shapes in chosen)
               for phase in (FORWARD, BACKWARD)]
-    stride_one = sum(DirectConv2d.serves_backward(kernel.layer) for kernel, _ in chosen)
     forced = setting()
     where = f"choices: {cache_path()}" if forced == "measure" else f"{VARIABLE}={forced}"
     return (f"direct kernel for {direct[0]} of the {len(chosen)} dense convolutions' forwards, "
-            f"{direct[1]} of the {stride_one} stride-1 ones' backwards ({where})")
+            f"{direct[1]} of their backwards ({where})")

@@ -135,9 +135,10 @@ def test_the_direct_pointwise_weight_gradient_sums_its_spans_of_pixels(elements,
 
 
 @pytest.mark.parametrize("elements", [1, 2000])  # a chunk per sample; two samples a chunk, the last short
-def test_the_direct_weight_gradient_sums_its_chunks_of_samples(elements, monkeypatch):
-    monkeypatch.setattr(cpu_conv, "GRAD_WEIGHT_ELEMENTS", elements)
-    layer = Conv2d(out_channels=5, kernel=(3, 2), padding=(1, 0))
+@pytest.mark.parametrize("stride", [1, (2, 3)])  # at (2, 3): 6 phase planes of x a channel
+def test_the_direct_weight_gradient_sums_its_chunks_of_samples(elements, stride, monkeypatch):
+    monkeypatch.setattr(cpu_conv, "GRAD_WEIGHT_ELEMENTS", elements if stride == 1 else elements * 13 // 20)
+    layer = Conv2d(out_channels=5, kernel=(3, 2), padding=(1, 0), stride=stride)
     x = np.random.default_rng(2).standard_normal((5, 6, 7, 8))
     kernel = DirectConv2d(layer)
     assert kernel._grad_weight_samples([x.shape]) == (1 if elements == 1 else 2)
@@ -159,14 +160,17 @@ def test_direct_convolution_serves_dense_kernels(options, served):
     assert isinstance(kernel, ChosenConv2d) is served
 
 
-def test_a_strided_convolution_runs_the_direct_forward_and_the_layers_own_backward(monkeypatch):
+def test_a_strided_convolutions_direct_backward_takes_its_data_gradient_from_the_layer(monkeypatch):
+    """At a stride over 1 the weight gradient reads x's phase planes; the data gradient is the
+    layer's im2col, in the layer's workspace (the larger of the two is reserved)."""
     monkeypatch.setenv("SNRT_CPU_KERNELS", "direct")
     layer, shapes = Conv2d(out_channels=4, kernel=3, padding=1, stride=2), [(2, 4, 9, 9)]
-    kernel = CPU_KERNELS.kernel_for(layer, shapes)
+    kernel, direct = CPU_KERNELS.kernel_for(layer, shapes), DirectConv2d(layer)
     assert isinstance(kernel.chosen(shapes, FORWARD), DirectConv2d)
-    assert kernel.chosen(shapes, BACKWARD) is layer
-    assert kernel.workspace_bytes(shapes, BACKWARD) == layer.workspace_bytes(shapes, BACKWARD)
-    assert kernel.workspace_bytes(shapes, FORWARD) == DirectConv2d(layer).workspace_bytes(shapes, FORWARD)
+    assert isinstance(kernel.chosen(shapes, BACKWARD), DirectConv2d)
+    assert direct._plane(shapes) == (6, 6)  # 11 x 11 padded, in 2 x 2 phases
+    weight_gradient = cpu_conv._size(direct._grad_weight_arrays(shapes), 4)
+    assert kernel.workspace_bytes(shapes, BACKWARD) == max(weight_gradient, layer.workspace_bytes(shapes, BACKWARD))
 
 
 def _direct_run(layer, x, params, gy, threads, monkeypatch):

@@ -37,7 +37,9 @@ multiple of 16 pixels, which the tiles read in place) and padding at most kernel
 data gradient's padding is not negative); everything else is the layer's im2col. At a stride
 over 1 the weight gradient reads the phase planes of x (cpu_tiles.phase_planes: tap (i, j)
 at (i // s, j // s) of phase (i % s, j % s)), gy at their top left, and the data gradient is
-the layer's im2col (it is no convolution of gy).
+no one convolution of gy but one per phase of gx: the pixels p + ph = s*P' + a take the taps
+i = a + s*u only, a stride-1 convolution of gy with that sub-kernel flipped
+(`_strided_grad_input`), by the same tiles.
 Kernel threads (cpu_parallel.run_split): each output value is one thread's sum in an order fixed
 by the compiled code, so results do not depend on the number of threads: the same bits in
 every run and policy.
@@ -46,7 +48,7 @@ every run and policy.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads
+from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, threads_for
 from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_copy import copy_run
 from snrt.backends.cpu_dots import dots4x4
@@ -120,6 +122,22 @@ def weight_grad_rows(g, g_row, g_run, x, tap_starts, x_run, length, runs, add, g
 
 
 @njit(**THREADED)
+def scatter_phase(z, a, b, sh, sw, ph, pw, gx, m0, m1):
+    """gx[m, p, q] = z[m, P', Q'] for the pixels of phase (a, b), p + ph = sh*P' + a and q + pw =
+    sw*Q' + b, of the maps m0 <= m < m1 (z, gx (maps, ., .)); 0 where (P', Q') is past z."""
+    _, h, w = gx.shape
+    rows, columns = z.shape[1], z.shape[2]
+    for m in range(m0, m1):
+        for p in range(h):
+            if (p + ph) % sh != a:
+                continue
+            r = (p + ph - a) // sh
+            for q in range((b - pw) % sw, w, sw):
+                s = (q + pw - b) // sw
+                gx[m, p, q] = z[m, r, s] if r < rows and s < columns else 0
+
+
+@njit(**THREADED)
 def tap_starts(channels, kh, kw, sh, sw, wp, x_row, starts):
     """starts[(c, i, j)]: where tap (i, j) of channel c starts in the weight gradient's planes of
     x (rows of x_row values, the phase planes of each channel at stride (sh, sw)): output pixel
@@ -132,6 +150,12 @@ def tap_starts(channels, kh, kw, sh, sw, wp, x_row, starts):
 
 
 INDEX = np.int64  # the dtype of the tile kernel's index arrays
+
+
+def _pointwise(kernel, planes, itemsize):
+    """Whether a convolution with `kernel` over maps of `planes` (padded: a 1x1 has none) runs
+    by pointwise_tiles: a 1x1 over maps of a multiple of the lanes (else by convolve_tiles)."""
+    return kernel == (1, 1) and numel(planes) % lanes_of(itemsize) == 0
 
 
 def _size(arrays, itemsize):
@@ -150,27 +174,23 @@ class DirectConv2d(LayerLike):
     def serves(layer, in_shapes):
         """One group, dilation 1 and padding at most kernel-1, a kernel larger than 1x1 or a 1x1
         at stride 1 over maps of a multiple of 16 pixels (cpu_tiles.pointwise_tiles), at any
-        stride (the data gradient at a stride over 1 by the layer's im2col: `tiles_grad_input`)."""
+        stride."""
         (kh, kw), (ph, pw) = layer.kernel, layer.padding
         pointwise = layer.stride == (1, 1) and numel(in_shapes[0][2:]) % lanes_of(FLOAT32_BYTES) == 0
         return (layer.groups == 1 and layer.dilation == (1, 1) and (kh * kw > 1 or pointwise) and ph <= kh - 1
                 and pw <= kw - 1)
 
-    @staticmethod
-    def tiles_grad_input(layer):
-        """Whether the data gradient is the tiles' (stride 1: it is a convolution of gy)."""
-        return layer.stride == (1, 1)
-
     # ---- workspace ---------------------------------------------------------------------
-    def _tile_arrays(self, channels, outs, planes, phases, threads, itemsize):
+    def _tile_arrays(self, channels, outs, planes, phases, threads, itemsize, kernel=None):
         """The tile kernel's (cpu_tiles): the packed weight, biases and tap offsets, and per
         thread two samples' padded planes (`phases` x channels planes of `planes` = (Hq, Wq)),
-        a tile's lane targets and the spans of the two samples."""
-        kh, kw = self.layer.kernel
+        a tile's lane targets and the spans of the two samples; for `kernel` (kh, kw), the
+        layer's by default."""
+        kh, kw = kernel or self.layer.kernel
         taps, blocks = channels * kh * kw, -(-outs // BLOCK_OUTS)
         packed = [((blocks, taps, BLOCK_OUTS), None), ((blocks * BLOCK_OUTS,), None), ((taps,), INDEX)]
         targets = ((threads, PIXEL_VECTORS * lanes_of(itemsize)), INDEX)
-        if kh * kw == 1:  # pointwise_tiles: x read in place
+        if _pointwise((kh, kw), planes, itemsize):  # pointwise_tiles: x read in place
             return [*packed, targets]
         return [*packed, ((threads, padded_values(channels, *planes, phases, kw, itemsize)), None), targets,
                 ((threads, 2, 4), INDEX)]
@@ -205,11 +225,30 @@ class DirectConv2d(LayerLike):
                                  itemsize)
 
     def _grad_input_arrays(self, in_shapes, threads, itemsize):
-        """The data gradient's: gy (O channels, Ho x Wo) padded by (kh-1-ph, kw-1-pw) is
-        (H + kh - 1) x (W + kw - 1)."""
+        """The data gradient's at stride 1: gy (O channels, Ho x Wo) padded by (kh-1-ph,
+        kw-1-pw) is (H + kh - 1) x (W + kw - 1)."""
         _, c, h, w = in_shapes[0]
         o, (kh, kw) = self.layer.out_channels, self.layer.kernel
         return self._tile_arrays(o, c, (h + kh - 1, w + kw - 1), 1, threads, itemsize)
+
+    def _phase_taps(self, phase):
+        """(U, V): the taps (a + sh*u, b + sw*v) of the kernel in gx's phase (a, b) at a stride."""
+        (kh, kw), (sh, sw) = self.layer.kernel, self.layer.stride
+        return max(0, -(-(kh - phase[0]) // sh)), max(0, -(-(kw - phase[1]) // sw))
+
+    def _phase_arrays(self, in_shapes, phase, threads, itemsize):
+        """The strided data gradient's for gx's `phase`: its plane Z (N, C, Ho+U-1, Wo+V-1), then
+        the tile kernel's for gy padded by (U-1, V-1) and the (U, V) sub-kernel."""
+        n, c = in_shapes[0][:2]
+        _, o, ho, wo = self.layer.infer_shape(in_shapes)
+        u, v = self._phase_taps(phase)
+        return [((n, c, ho + u - 1, wo + v - 1), None),
+                *self._tile_arrays(o, c, (ho + 2 * (u - 1), wo + 2 * (v - 1)), 1, threads, itemsize, (u, v))]
+
+    def _phases(self):
+        """gx's phases (a, b) at the layer's stride that some taps reach."""
+        sh, sw = self.layer.stride
+        return [(a, b) for a in range(sh) for b in range(sw) if min(self._phase_taps((a, b))) > 0]
 
     def _grad_weight_arrays(self, in_shapes):
         """Where each tap (c, i, j) starts in x's planes, (C*kh*kw,); then a chunk's padded planes
@@ -232,26 +271,26 @@ class DirectConv2d(LayerLike):
         threads = kernel_threads()
         if phase != BACKWARD:
             return _size(self._forward_arrays(in_shapes, threads, itemsize), itemsize)
-        grad_input = (_size(self._grad_input_arrays(in_shapes, threads, itemsize), itemsize)
-                      if self.tiles_grad_input(self.layer) else self.layer.workspace_bytes(in_shapes, phase, itemsize))
+        if self.layer.stride == (1, 1):
+            grad_input = _size(self._grad_input_arrays(in_shapes, threads, itemsize), itemsize)
+        else:
+            grad_input = max(_size(self._phase_arrays(in_shapes, p, threads, itemsize), itemsize)
+                             for p in self._phases())
         return max(_size(self._grad_weight_arrays(in_shapes), itemsize), grad_input)
 
     # ---- kernels -----------------------------------------------------------------------
-    def _convolve(self, ctx, x, weight_t, bias, padding, stride, y, arrays_for):
+    def _convolve(self, ctx, x, weight_t, bias, padding, stride, y, arrays_for, taken=0):
         """y = the convolution of x padded by `padding` with weight_t (O, C, kh, kw, any strides)
         at `stride`, plus bias, on the kernel threads that fit the planned workspace;
-        arrays_for(threads, itemsize): its workspace arrays (_forward_arrays or
-        _grad_input_arrays of the layer's input)."""
+        arrays_for(threads, itemsize): its workspace arrays (_forward_arrays, _grad_input_arrays
+        or _phase_arrays of the layer's input), the first `taken` of them already the caller's."""
         itemsize = x.dtype.itemsize
         threads = fitting_threads(ctx.workspace.nbytes, lambda count: _size(arrays_for(count, itemsize), itemsize))
-        scratch = [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in arrays_for(threads, itemsize)]
+        scratch = [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in arrays_for(threads, itemsize)[taken:]]
         outs, _, kh, kw = weight_t.shape
         rows = y.shape[0] * y.shape[2]
         pack_weight(weight_t, *phase_planes(*x.shape[2:], padding, stride), *stride, *scratch[:3], bias)
-        if kh * kw == 1:
-            if numel(y.shape[2:]) % lanes_of(itemsize):
-                raise ValueError(f"a 1x1 convolution's direct kernel needs maps of a multiple of "
-                                 f"{lanes_of(itemsize)} pixels, not {y.shape[2]}x{y.shape[3]} (see serves)")
+        if _pointwise((kh, kw), y.shape[2:], itemsize):
             vectors = numel(y.shape) // (outs * lanes_of(itemsize))
             run_split(pointwise_tiles, 0, vectors, threads, (x, *scratch[:3], y), scratch[3:])
             return
@@ -271,13 +310,33 @@ class DirectConv2d(LayerLike):
             np.sum(gy.reshape(n, o, -1), axis=(0, 2), out=gparams["bias"])
         self._grad_weight(ctx, gy, x, gparams["weight"])
         ctx.release_scratch()
-        if gxs[0] is not None and not self.tiles_grad_input(self.layer):
-            self.layer.adjoint(ctx, gy, weight, gx=gxs[0])
+        if gxs[0] is not None and self.layer.stride != (1, 1):
+            self._strided_grad_input(ctx, gy, weight, gxs[0])
         elif gxs[0] is not None:
             (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
             flipped = weight[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)  # (C, O, kh, kw)
             self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (kh - 1 - ph, kw - 1 - pw), (1, 1), gxs[0],
                            lambda threads, itemsize: self._grad_input_arrays([x.shape], threads, itemsize))
+            ctx.release_scratch()
+
+    def _strided_grad_input(self, ctx, gy, weight, gx):
+        """gx at a stride (sh, sw), phase by phase: the pixels p = sh*P' + a - ph (columns
+        likewise) take the taps i = a + sh*u, whose sum over (o, u, v) of W[o, c, a + sh*u,
+        b + sw*v] gy[o, P' - u, Q' - v] is a stride-1 convolution of gy padded by (U-1, V-1) with
+        that sub-kernel flipped, into the phase's plane Z; then Z's values go to their pixels
+        (scatter_phase, zeros where no tap reaches)."""
+        (ph, pw), (sh, sw) = self.layer.padding, self.layer.stride
+        shape, planes = [gx.shape], gx.shape[0] * gx.shape[1]
+        if len(self._phases()) < sh * sw:  # phases no tap reaches stay 0
+            gx[...] = 0
+        for a, b in self._phases():
+            u, v = self._phase_taps((a, b))
+            z = ctx.scratch(self._phase_arrays(shape, (a, b), 1, gx.dtype.itemsize)[0][0], gx.dtype)
+            flipped = weight[:, :, a::sh, b::sw][:, :, ::-1, ::-1].transpose(1, 0, 2, 3)  # (C, O, U, V)
+            self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (u - 1, v - 1), (1, 1), z,
+                           lambda threads, itemsize: self._phase_arrays(shape, (a, b), threads, itemsize), taken=1)
+            run_split(scatter_phase, 0, planes, threads_for(gx.size, 1 << 17),
+                      (z.reshape(planes, *z.shape[2:]), a, b, sh, sw, ph, pw, gx.reshape(planes, *gx.shape[2:])))
             ctx.release_scratch()
 
     def _grad_weight(self, ctx, gy, x, gweight):

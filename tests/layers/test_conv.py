@@ -160,17 +160,21 @@ def test_direct_convolution_serves_dense_kernels(options, served):
     assert isinstance(kernel, ChosenConv2d) is served
 
 
-def test_a_strided_convolutions_direct_backward_takes_its_data_gradient_from_the_layer(monkeypatch):
-    """At a stride over 1 the weight gradient reads x's phase planes; the data gradient is the
-    layer's im2col, in the layer's workspace (the larger of the two is reserved)."""
+def test_a_strided_convolutions_direct_backward_works_phase_by_phase(monkeypatch):
+    """At a stride over 1 the weight gradient reads x's phase planes, and gx is computed phase by
+    phase, each the convolution of gy with a sub-kernel (2x2, 2x1, 1x2 and 1x1 of a 3x3 at
+    stride 2) into a plane of its own; the larger of the two parts' workspaces is reserved."""
     monkeypatch.setenv("SNRT_CPU_KERNELS", "direct")
     layer, shapes = Conv2d(out_channels=4, kernel=3, padding=1, stride=2), [(2, 4, 9, 9)]
     kernel, direct = CPU_KERNELS.kernel_for(layer, shapes), DirectConv2d(layer)
     assert isinstance(kernel.chosen(shapes, FORWARD), DirectConv2d)
     assert isinstance(kernel.chosen(shapes, BACKWARD), DirectConv2d)
     assert direct._plane(shapes) == (6, 6)  # 11 x 11 padded, in 2 x 2 phases
-    weight_gradient = cpu_conv._size(direct._grad_weight_arrays(shapes), 4)
-    assert kernel.workspace_bytes(shapes, BACKWARD) == max(weight_gradient, layer.workspace_bytes(shapes, BACKWARD))
+    assert [direct._phase_taps(p) for p in direct._phases()] == [(2, 2), (2, 1), (1, 2), (1, 1)]
+    assert direct._phase_arrays(shapes, (0, 0), 1, 4)[0][0] == (2, 4, 6, 6)  # 5 x 5 outputs, a row more
+    parts = [direct._grad_weight_arrays(shapes)] + [direct._phase_arrays(shapes, p, snrt.threads.kernel_threads(), 4)
+                                                    for p in direct._phases()]
+    assert kernel.workspace_bytes(shapes, BACKWARD) == max(cpu_conv._size(arrays, 4) for arrays in parts)
 
 
 def _direct_run(layer, x, params, gy, threads, monkeypatch):

@@ -37,6 +37,7 @@ stride-1 convolution of gy with the flipped weight).
 """
 
 import llvmlite.ir as ir
+import numpy as np
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, register_jitable
@@ -203,26 +204,35 @@ def padded_values(channels, hq, wq, phases, kw, itemsize):
     return 2 * phases * channels * hq * wq + lanes_of(itemsize) + kw
 
 
-@njit(**THREADED)
 def pack_weight(weight, hq, wq, sh, sw, wpack, biases, offsets, bias):
     """Fill wpack (blocks, K, BLOCK_OUTS) with weight (O, C, kh, kw), any strides, as
-    wpack[b, (c, i, j), o] = weight[b*BLOCK_OUTS + o, c, i, j] (zeros past O), biases
-    (blocks*BLOCK_OUTS,) with `bias` (empty: none, zeros) and offsets (K,) with where each tap
-    reads in the phase planes (Hq, Wq) at stride (sh, sw): output pixel (h, w) reads padded
-    x[c, sh*h + i, sw*w + j], which is at (h + i // sh, w + j // sw) of the plane of phase
-    (i % sh, j % sw) and channel c; at stride 1 that is c*Hq*Wq + i*Wq + j."""
+    wpack[b, (c, i, j), o] = weight[b*BLOCK_OUTS + o, c, i, j] (zeros past O): one strided
+    copy for the whole blocks (splitting O into blocks is a view at any strides, so nothing is
+    allocated), one for a last partial block; biases (blocks*BLOCK_OUTS,) with `bias` (empty:
+    none, zeros) and offsets (K,) with where each tap reads (_tap_offsets)."""
     outs, channels, kh, kw = weight.shape
+    whole = outs // BLOCK_OUTS
+    packed = wpack.reshape(wpack.shape[0], channels, kh, kw, BLOCK_OUTS)
+    np.copyto(packed[:whole], weight[:whole * BLOCK_OUTS].reshape(whole, BLOCK_OUTS, channels, kh, kw)
+              .transpose(0, 2, 3, 4, 1))
+    if whole < wpack.shape[0]:
+        packed[whole] = 0
+        packed[whole, ..., :outs - whole * BLOCK_OUTS] = weight[whole * BLOCK_OUTS:].transpose(1, 2, 3, 0)
+    biases[:] = 0
+    biases[:bias.size] = bias
+    _tap_offsets(channels, kh, kw, hq, wq, sh, sw, offsets)
+
+
+@njit(**THREADED)
+def _tap_offsets(channels, kh, kw, hq, wq, sh, sw, offsets):
+    """offsets[(c, i, j)]: output pixel (h, w) reads padded x[c, sh*h + i, sw*w + j], which is
+    at (h + i // sh, w + j // sw) of the plane of phase (i % sh, j % sw) and channel c, in the
+    phase planes (Hq, Wq) at stride (sh, sw); at stride 1 that is c*Hq*Wq + i*Wq + j."""
     for k in range(offsets.size):
         c, tap = k // (kh * kw), k % (kh * kw)
         i, j = tap // kw, tap % kw
         plane = ((i % sh) * sw + j % sw) * channels + c
         offsets[k] = plane * hq * wq + i // sh * wq + j // sw
-        for b in range(wpack.shape[0]):
-            for o in range(BLOCK_OUTS):
-                out = b * BLOCK_OUTS + o
-                wpack[b, k, o] = weight[out, c, i, j] if out < outs else 0
-    biases[:] = 0
-    biases[:bias.size] = bias
 
 
 @njit(**THREADED)

@@ -32,8 +32,8 @@ Here:
   values per sample, read where they are (dots4x4 over the runs, N*C*H*W apart), in spans of
   pixels of at most about GRAD_WEIGHT_ELEMENTS values of x and gy, the spans added in order.
 
-Serves dilation 1, one group, a kernel larger than 1x1 (or a 1x1 at stride 1 over maps of a
-multiple of 16 pixels, which the tiles read in place) and padding at most kernel-1 (so the
+Serves dilation 1, one group, a kernel larger than 1x1 (or a 1x1 at stride 1 over maps of at
+least 16 pixels, which the tiles read in place) and padding at most kernel-1 (so the
 data gradient's padding is not negative); everything else is the layer's im2col. At a stride
 over 1 the weight gradient reads the phase planes of x (cpu_tiles.phase_planes: tap (i, j)
 at (i // s, j // s) of phase (i % s, j % s)), gy at their top left, and the data gradient is
@@ -53,7 +53,7 @@ from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_copy import copy_run
 from snrt.backends.cpu_dots import dots4x4
 from snrt.backends.cpu_tiles import (BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, lanes_of, pack_weight, padded_values,
-                                    phase_planes, pointwise_tiles)
+                                    phase_planes, pointwise_tiles, pointwise_vectors)
 from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
@@ -154,8 +154,8 @@ INDEX = np.int64  # the dtype of the tile kernel's index arrays
 
 def _pointwise(kernel, planes, itemsize):
     """Whether a convolution with `kernel` over maps of `planes` (padded: a 1x1 has none) runs
-    by pointwise_tiles: a 1x1 over maps of a multiple of the lanes (else by convolve_tiles)."""
-    return kernel == (1, 1) and numel(planes) % lanes_of(itemsize) == 0
+    by pointwise_tiles: a 1x1 over maps of at least the lanes' pixels (else by convolve_tiles)."""
+    return kernel == (1, 1) and numel(planes) >= lanes_of(itemsize)
 
 
 def _size(arrays, itemsize):
@@ -173,10 +173,9 @@ class DirectConv2d(LayerLike):
     @staticmethod
     def serves(layer, in_shapes):
         """One group, dilation 1 and padding at most kernel-1, a kernel larger than 1x1 or a 1x1
-        at stride 1 over maps of a multiple of 16 pixels (cpu_tiles.pointwise_tiles), at any
-        stride."""
+        at stride 1 over maps of at least 16 pixels (cpu_tiles.pointwise_tiles), at any stride."""
         (kh, kw), (ph, pw) = layer.kernel, layer.padding
-        pointwise = layer.stride == (1, 1) and numel(in_shapes[0][2:]) % lanes_of(FLOAT32_BYTES) == 0
+        pointwise = layer.stride == (1, 1) and numel(in_shapes[0][2:]) >= lanes_of(FLOAT32_BYTES)
         return (layer.groups == 1 and layer.dilation == (1, 1) and (kh * kw > 1 or pointwise) and ph <= kh - 1
                 and pw <= kw - 1)
 
@@ -291,7 +290,7 @@ class DirectConv2d(LayerLike):
         rows = y.shape[0] * y.shape[2]
         pack_weight(weight_t, *phase_planes(*x.shape[2:], padding, stride), *stride, *scratch[:3], bias)
         if _pointwise((kh, kw), y.shape[2:], itemsize):
-            vectors = numel(y.shape) // (outs * lanes_of(itemsize))
+            vectors = y.shape[0] * pointwise_vectors(numel(y.shape[2:]), lanes_of(itemsize))
             run_split(pointwise_tiles, 0, vectors, threads, (x, *scratch[:3], y), scratch[3:])
             return
         run_split(convolve_tiles, 0, rows, threads, (x, *scratch[:3], *padding, *stride, y), scratch[3:])

@@ -28,8 +28,9 @@ tap (i, j) reads phase (i % sh, j % sw) at (h + i // sh, w + j // sw), so t = h*
 the vectors are contiguous again; stride 1 is one phase, the padded input itself.
 
 A 1x1 convolution needs no padding: `pointwise_tiles` reads x where it is (taps c*H*W), its
-vectors along each sample's H*W pixels (a multiple of the lanes), a tile's two vectors of one
-sample or of two.
+vectors along each sample's H*W pixels (at least the lanes; a last partial vector is moved
+back to end at the sample's last pixel, its repeated lanes not stored), a tile's two vectors
+of one sample or of two.
 
 Each output value is one chain of multiply-adds in tap order, in one thread: the same bits
 on any number of threads. Serves cpu_conv's forward and its data gradient (at stride 1 a
@@ -323,25 +324,47 @@ def convolve_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, y, r0, r1, xpad, t
 
 
 @njit(**THREADED)
+@register_jitable
+def pointwise_vectors(pixels, lanes):
+    """Vectors a sample's H*W = `pixels` (at least `lanes`) takes in pointwise_tiles."""
+    return -(-pixels // lanes)
+
+
+@njit(**THREADED)
+def _pointwise_vector(v, pixels, lanes, outs, channels, targets, slot):
+    """(where vector v starts in x flat, whether its lanes are one whole run of y) for
+    pointwise_tiles, filling targets[slot*lanes:][:lanes]: vector j of sample n covers pixels
+    from j*lanes, the last one a whole vector ending at the sample's last pixel, whose lanes
+    that the vector before covered store nothing (so no load reads past a channel's pixels)."""
+    per_sample = pointwise_vectors(pixels, lanes)
+    n, j = v // per_sample, v % per_sample
+    start = min(j * lanes, pixels - lanes)
+    skip = j * lanes - start
+    base = n * outs * pixels + start
+    for lane in range(lanes):
+        targets[slot * lanes + lane] = base + lane if lane >= skip else -1
+    return n * channels * pixels + start, 1 if skip == 0 else 0
+
+
+@njit(**THREADED)
 def pointwise_tiles(x, wpack, biases, offsets, y, v0, v1, targets):
     """The vectors v0 <= v < v1 of a 1x1 stride-1 convolution of x (N, C, H, W) into y (N, O, H,
-    W), H*W a multiple of the lanes: vector v is sample v // (H*W / lanes), pixels from
-    (v % that) * lanes. Without padding x is read where it is (no copy: offsets[c] = c*H*W),
-    and a tile's two vectors may be of two samples. targets (PIXEL_VECTORS*lanes) this thread's."""
+    W), H*W at least the lanes: sample v // pointwise_vectors(H*W), its pixels from (v % that) *
+    lanes (_pointwise_vector). Without padding x is read where it is (no copy: offsets[c] =
+    c*H*W), and a tile's two vectors may be of two samples. targets (PIXEL_VECTORS*lanes) this
+    thread's."""
     outs, channels = y.shape[1], x.shape[1]
     pixels = y.shape[2] * y.shape[3]
     lanes = lanes_of(x.itemsize)
-    per_sample = pixels // lanes
     blocks, taps = wpack.shape[0], wpack.shape[1]
     flat_x, flat_w, flat_y = x.reshape(-1), wpack.reshape(-1), y.reshape(-1)
     for v in range(v0, v1, PIXEL_VECTORS):
         second = v + 1 if v + 1 < v1 else v  # one vector left: the second slot repeats it, storing nothing
-        n0, t0 = v // per_sample, v % per_sample * lanes
-        n1, t1 = second // per_sample, second % per_sample * lanes
-        targets[0], targets[lanes] = n0 * outs * pixels + t0, n1 * outs * pixels + t1
+        p0, whole0 = _pointwise_vector(v, pixels, lanes, outs, channels, targets, 0)
+        p1, whole1 = _pointwise_vector(second, pixels, lanes, outs, channels, targets, 1)
         if second == v:
             targets[lanes:] = -1
+            whole1 = 0
         for b in range(blocks):
-            fma_tile(flat_x, n0 * channels * pixels + t0, n1 * channels * pixels + t1, offsets, flat_w,
-                     b * taps * BLOCK_OUTS, biases[b * BLOCK_OUTS:], flat_y, b * BLOCK_OUTS * pixels, targets, 1,
-                     1 if second > v else 0, pixels, min(BLOCK_OUTS, outs - b * BLOCK_OUTS))
+            fma_tile(flat_x, p0, p1, offsets, flat_w, b * taps * BLOCK_OUTS, biases[b * BLOCK_OUTS:], flat_y,
+                     b * BLOCK_OUTS * pixels, targets, whole0, whole1, pixels, min(BLOCK_OUTS, outs - b * BLOCK_OUTS))

@@ -150,7 +150,7 @@ def test_the_direct_weight_gradient_sums_its_chunks_of_samples(elements, stride,
     (dict(out_channels=4, kernel=3, padding=1, stride=2), True),  # the forward
     (dict(out_channels=4, kernel=3, padding=2, dilation=2), False),
     (dict(out_channels=4, kernel=3, padding=1, groups=2), False),
-    (dict(out_channels=4, kernel=1), False),  # a 1x1 over 81 pixels, no multiple of 16
+    (dict(out_channels=4, kernel=1), True),  # a 1x1 over 81 pixels: 5 vectors, the last moved back
     (dict(out_channels=4, kernel=1, stride=2), False),
     (dict(out_channels=4, kernel=3, padding=3), False),  # the data gradient's padding would be negative
 ])
@@ -158,6 +158,7 @@ def test_direct_convolution_serves_dense_kernels(options, served):
     assert DirectConv2d.serves(Conv2d(**options), [(2, 4, 9, 9)]) is served
     kernel = CPU_KERNELS.kernel_for(Conv2d(**options), [(2, 4, 9, 9)])
     assert isinstance(kernel, ChosenConv2d) is served
+    assert not DirectConv2d.serves(Conv2d(out_channels=4, kernel=1), [(2, 4, 3, 5)])  # 15 pixels: under a vector
 
 
 def test_a_strided_convolutions_direct_backward_works_phase_by_phase(monkeypatch):
@@ -198,6 +199,8 @@ def _direct_run(layer, x, params, gy, threads, monkeypatch):
     ((2, 6, 7, 7), 4, 3, 0),  # no padding
     ((3, 6, 4, 8), 19, 1, 0),  # 1x1: x read in place, 2 vectors a sample, three blocks of channels
     ((3, 5, 4, 12), 3, 1, 0),  # 1x1: 3 vectors a sample, tiles across samples, the last vector alone
+    ((3, 5, 7, 7), 10, 1, 0),  # 1x1 over 49 pixels: a sample's 4th vector moved back 15 lanes, 1 stored
+    ((2, 3, 5, 5), 9, 1, 0),  # 1x1 over 25 pixels: 2 vectors a sample, the second 9 lanes new
 ])
 def test_the_tile_kernel_matches_pytorch_forward_and_data_gradient_in_float32(shape, outs, kernel, padding,
                                                                                 monkeypatch):

@@ -39,7 +39,7 @@ VARIABLE = "SNRT_CPU_KERNELS"
 ROUNDS = 5  # timed calls of each candidate
 MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
-REVISION = 10  # of the candidate kernels: raised when one changes (10: a 1x1 over any map of 16 pixels or more)
+REVISION = 11  # of the candidate kernels: raised when one changes (11: a 1x1 weight gradient over small maps as a GEMM)
 _CHOSEN = {}  # key: candidate name, this process's choices
 
 

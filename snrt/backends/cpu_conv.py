@@ -30,7 +30,10 @@ Here:
   spin a while after each call, do not compete with the kernel threads. A 1x1 kernel needs no
   planes: gW[o, c] is the dot product of gy's channel o and x's channel c, each a run of H*W
   values per sample, read where they are (dots4x4 over the runs, N*C*H*W apart), in spans of
-  pixels of at most about GRAD_WEIGHT_ELEMENTS values of x and gy, the spans added in order.
+  pixels of at most about GRAD_WEIGHT_ELEMENTS values of x and gy, the spans added in order;
+  over maps of fewer than GEMM_PIXELS pixels, where such short runs leave the dot products
+  their horizontal sums to pay for, gW = gy x^T is a GEMM by the pointwise tiles instead
+  (x transposed in the workspace, vectors of input channels, gy's values broadcast).
 
 Serves dilation 1, one group, a kernel larger than 1x1 (or a 1x1 at stride 1 over maps of at
 least 16 pixels, which the tiles read in place) and padding at most kernel-1 (so the
@@ -58,6 +61,7 @@ from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
+GEMM_PIXELS = 256  # a 1x1's maps below which its weight gradient is a GEMM by the tiles
 GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chunk: about 4 MB of fp32
 
 
@@ -249,6 +253,21 @@ class DirectConv2d(LayerLike):
         sh, sw = self.layer.stride
         return [(a, b) for a in range(sh) for b in range(sw) if min(self._phase_taps((a, b))) > 0]
 
+    def _gemm_grad_weight(self, in_shapes, itemsize=FLOAT32_BYTES):
+        """Whether a 1x1's weight gradient is a GEMM by the pointwise tiles (runs of H*W pixels
+        shorter than GEMM_PIXELS, where the dot products' horizontal sums dominate, and at
+        least a vector of input channels)."""
+        _, c, h, w = in_shapes[0]
+        return self.layer.kernel == (1, 1) and h * w < GEMM_PIXELS and c >= lanes_of(itemsize)
+
+    def _gemm_arrays(self, in_shapes, threads, itemsize):
+        """The 1x1 weight gradient's as a GEMM: x transposed, (N*H*W, C), then the tiles' arrays
+        with gy (O, N*H*W) as the packed weight."""
+        n, c, h, w = in_shapes[0]
+        taps, blocks = n * h * w, -(-self.layer.out_channels // BLOCK_OUTS)
+        return [((taps, c), None), ((blocks, taps, BLOCK_OUTS), None), ((blocks * BLOCK_OUTS,), None), ((taps,), INDEX),
+                ((threads, PIXEL_VECTORS * lanes_of(itemsize)), INDEX)]
+
     def _grad_weight_arrays(self, in_shapes):
         """Where each tap (c, i, j) starts in x's planes, (C*kh*kw,); then a chunk's padded planes
         of x, (sh*sw*C, L + the farthest tap's shift) (the taps read past the last plane), and of
@@ -275,7 +294,9 @@ class DirectConv2d(LayerLike):
         else:
             grad_input = max(_size(self._phase_arrays(in_shapes, p, threads, itemsize), itemsize)
                              for p in self._phases())
-        return max(_size(self._grad_weight_arrays(in_shapes), itemsize), grad_input)
+        weight_grad = (_size(self._gemm_arrays(in_shapes, threads, itemsize), itemsize)
+                       if self._gemm_grad_weight(in_shapes, itemsize) else _size(self._grad_weight_arrays(in_shapes), itemsize))
+        return max(weight_grad, grad_input)
 
     # ---- kernels -----------------------------------------------------------------------
     def _convolve(self, ctx, x, weight_t, bias, padding, stride, y, arrays_for, taken=0):
@@ -338,6 +359,24 @@ class DirectConv2d(LayerLike):
                       (z.reshape(planes, *z.shape[2:]), a, b, sh, sw, ph, pw, gx.reshape(planes, *gx.shape[2:])))
             ctx.release_scratch()
 
+    def _grad_weight_gemm(self, ctx, gy, x, gweight):
+        """A 1x1's gweight[o, c] = sum over t = (n, p) of gy[n, o, p] x[n, c, p] as the pointwise
+        tiles' convolution of x transposed, xt (1, N*H*W, 1, C), with gy as an (O, N, H*W, 1)
+        weight: vectors of input channels, gy's values broadcast, the sum in the order of t."""
+        n, channels, h, w = x.shape
+        outs, pixels = gweight.shape[0], h * w
+        itemsize = x.dtype.itemsize
+        threads = fitting_threads(ctx.workspace.nbytes, lambda count: _size(self._gemm_arrays([x.shape], count, itemsize),
+                                                                           itemsize))
+        xt, wpack, biases, offsets, targets = (ctx.scratch(shape, dtype or x.dtype) for shape, dtype
+                                               in self._gemm_arrays([x.shape], threads, itemsize))
+        np.copyto(xt.reshape(n, pixels, channels), x.reshape(n, channels, pixels).transpose(0, 2, 1))
+        weight = gy.reshape(n, outs, pixels, 1).transpose(1, 0, 2, 3)  # (O, N, H*W, 1): tap t = (n, p)
+        pack_weight(weight, pixels, channels, 1, 1, wpack, biases, offsets, gweight[:0, 0, 0, 0])
+        vectors = pointwise_vectors(channels, lanes_of(itemsize))
+        run_split(pointwise_tiles, 0, vectors, threads, (xt.reshape(1, n * pixels, 1, channels), wpack, biases, offsets,
+                                                          gweight.reshape(1, outs, 1, channels)), (targets,))
+
     def _grad_weight(self, ctx, gy, x, gweight):
         """gweight (O, C, kh, kw) by weight_grad_rows, its blocks of weights split among the
         kernel threads: of a 1x1 kernel from x and gy as they are; else chunk by chunk of
@@ -345,6 +384,9 @@ class DirectConv2d(LayerLike):
         each), the chunks added in order."""
         n, channels, h, w = x.shape
         outs, _, kh, kw = gweight.shape
+        if self._gemm_grad_weight([x.shape], x.dtype.itemsize):
+            self._grad_weight_gemm(ctx, gy, x, gweight)
+            return
         (ph, pw), (hp, wp), (sh, sw) = self.layer.padding, self._plane([x.shape]), self.layer.stride
         threads = kernel_threads()
         blocks = -(-outs // 4) * -(-channels * kh * kw // 4)

@@ -122,6 +122,16 @@ def test_direct_pointwise_convolution(bias):
     check_layer(DirectConv2d(layer), [x], _reference(layer))
 
 
+@pytest.mark.parametrize("shape", [(3, 20, 7, 7), (2, 9, 4, 5)])  # 20 channels: 3 vectors of 8, the last moved back
+def test_a_1x1_weight_gradient_over_small_maps_is_a_gemm_by_the_tiles(shape):
+    """Maps under GEMM_PIXELS: gweight = gy x^T by the pointwise tiles over x transposed (vectors
+    of input channels), in float64, against finite differences and the reference."""
+    x = np.random.default_rng(5).standard_normal(shape)
+    kernel = DirectConv2d(Conv2d(out_channels=11, kernel=1))
+    assert kernel._gemm_grad_weight([x.shape], 8)
+    check_layer(kernel, [x], _reference(kernel.layer))
+
+
 @pytest.mark.parametrize("elements", [100, 400, 1 << 20])  # spans of 3 pixels (the last 1), 8 (a vector), all 16
 def test_the_direct_pointwise_weight_gradient_sums_its_spans_of_pixels(elements, monkeypatch):
     """A 1x1's weight gradient reads x and gy where they are, a run of pixels per sample, the

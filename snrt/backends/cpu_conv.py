@@ -62,6 +62,7 @@ from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_by
 from snrt.threads import kernel_threads
 
 GEMM_PIXELS = 256  # a 1x1's maps below which its weight gradient is a GEMM by the tiles
+SCATTER_SPLIT = 1 << 17  # gx values from which scatter_phase's maps are split among the kernel threads
 GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chunk: about 4 MB of fp32
 
 
@@ -355,7 +356,7 @@ class DirectConv2d(LayerLike):
             flipped = weight[:, :, a::sh, b::sw][:, :, ::-1, ::-1].transpose(1, 0, 2, 3)  # (C, O, U, V)
             self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (u - 1, v - 1), (1, 1), z,
                            lambda threads, itemsize: self._phase_arrays(shape, (a, b), threads, itemsize), taken=1)
-            run_split(scatter_phase, 0, planes, threads_for(gx.size, 1 << 17),
+            run_split(scatter_phase, 0, planes, threads_for(gx.size, SCATTER_SPLIT),
                       (z.reshape(planes, *z.shape[2:]), a, b, sh, sw, ph, pw, gx.reshape(planes, *gx.shape[2:])))
             ctx.release_scratch()
 

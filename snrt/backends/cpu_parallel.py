@@ -42,7 +42,8 @@ def _forked():
         _STATE["parallel"] = False
 
 
-os.register_at_fork(after_in_child=_forked)
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_forked)
 
 
 class Kernel:

@@ -56,7 +56,7 @@ from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_copy import copy_run
 from snrt.backends.cpu_dots import dots4x4
 from snrt.backends.cpu_tiles import (BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, lanes_of, pack_weight, padded_values,
-                                    phase_planes, pointwise_tiles, pointwise_vectors)
+                                    phase_planes, pointwise_tiles, pointwise_vectors, tap_offsets)
 from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
@@ -103,9 +103,9 @@ def pad_both(x, gy, n0, n1, ph, pw, sh, sw, hp, wp, xp, gp, p0, p1):
 
 
 @njit(**THREADED)
-def weight_grad_rows(g, g_row, g_run, x, tap_starts, x_run, length, runs, add, gw, b0, b1):
+def weight_grad_rows(g, g_row, g_run, x, starts, x_run, length, runs, add, gw, b0, b1):
     """gw[o, c, i, j] = (add: gw + ) the sum over the runs s < `runs` of the dot products of
-    g[o*g_row + s*g_run:][:length] and x[tap_starts[k] + s*x_run:][:length], k = (c, i, j), for
+    g[o*g_row + s*g_run:][:length] and x[starts[k] + s*x_run:][:length], k = (c, i, j), for
     the blocks b0 <= b < b1 of 4 output channels by 4 taps (a block past the last channel or
     tap computes it again, written once). g and x flat; gw (O, C, kh, kw). The padded planes:
     rows of one run each; a 1x1 kernel: x and gy as they are, a run per sample."""
@@ -117,7 +117,7 @@ def weight_grad_rows(g, g_row, g_run, x, tap_starts, x_run, length, runs, add, g
         o = (o0, min(o0 + 1, outs - 1), min(o0 + 2, outs - 1), min(o0 + 3, outs - 1))
         k = (k0, min(k0 + 1, taps - 1), min(k0 + 2, taps - 1), min(k0 + 3, taps - 1))
         g0, g1, g2, g3 = g[o[0] * g_row:], g[o[1] * g_row:], g[o[2] * g_row:], g[o[3] * g_row:]
-        x0, x1, x2, x3 = x[tap_starts[k[0]]:], x[tap_starts[k[1]]:], x[tap_starts[k[2]]:], x[tap_starts[k[3]]:]
+        x0, x1, x2, x3 = x[starts[k[0]]:], x[starts[k[1]]:], x[starts[k[2]]:], x[starts[k[3]]:]
         sums = dots4x4(g0, g1, g2, g3, x0, x1, x2, x3, length, runs, g_run, x_run)
         for d in range(min(4, outs - o0)):  # not the repeats: with `add` they would add twice
             for e in range(min(4, taps - k0)):
@@ -140,18 +140,6 @@ def scatter_phase(z, a, b, sh, sw, ph, pw, gx, m0, m1):
             for q in range((b - pw) % sw, w, sw):
                 s = (q + pw - b) // sw
                 gx[m, p, q] = z[m, r, s] if r < rows and s < columns else 0
-
-
-@njit(**THREADED)
-def tap_starts(channels, kh, kw, sh, sw, wp, x_row, starts):
-    """starts[(c, i, j)]: where tap (i, j) of channel c starts in the weight gradient's planes of
-    x (rows of x_row values, the phase planes of each channel at stride (sh, sw)): output pixel
-    (h, w) reads padded x[c, sh*h + i, sw*w + j], at (h + i // sh, w + j // sw) of the plane of
-    phase (i % sh, j % sw), rows wp apart."""
-    for k in range(starts.size):
-        c, tap = k // (kh * kw), k % (kh * kw)
-        i, j = tap // kw, tap % kw
-        starts[k] = (((i % sh) * sw + j % sw) * channels + c) * x_row + i // sh * wp + j // sw
 
 
 INDEX = np.int64  # the dtype of the tile kernel's index arrays
@@ -285,8 +273,9 @@ class DirectConv2d(LayerLike):
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         """Forward: the tile kernel's arrays. Backward: the larger of the weight gradient's (a
-        chunk's padded planes of x and gy) and the data gradient's (the tile kernel's for gy and
-        the flipped weight; the layer's at a stride over 1); they run one after the other."""
+        chunk's padded planes of x and gy, or a 1x1's GEMM arrays) and the data gradient's (the
+        tile kernel's for gy and the flipped weight; at a stride over 1 the largest phase's);
+        they run one after the other."""
         threads = kernel_threads()
         if phase != BACKWARD:
             return _size(self._forward_arrays(in_shapes, threads, itemsize), itemsize)
@@ -380,9 +369,9 @@ class DirectConv2d(LayerLike):
 
     def _grad_weight(self, ctx, gy, x, gweight):
         """gweight (O, C, kh, kw) by weight_grad_rows, its blocks of weights split among the
-        kernel threads: of a 1x1 kernel from x and gy as they are; else chunk by chunk of
-        samples, each chunk's planes padded by the threads (a share of x's and gy's channels
-        each), the chunks added in order."""
+        kernel threads (a 1x1 over small maps: _grad_weight_gemm): of a 1x1 kernel from x and gy
+        as they are; else chunk by chunk of samples, each chunk's planes padded by the threads
+        (a share of x's and gy's planes each), the chunks added in order."""
         n, channels, h, w = x.shape
         outs, _, kh, kw = gweight.shape
         if self._gemm_grad_weight([x.shape], x.dtype.itemsize):
@@ -395,7 +384,7 @@ class DirectConv2d(LayerLike):
         starts = arrays[0]
         if kh * kw == 1:
             pixels = h * w
-            tap_starts(channels, 1, 1, 1, 1, 0, pixels, starts)
+            tap_offsets(channels, 1, 1, 1, 1, pixels, 0, starts)
             span = -(-pixels // -(-(n * (channels + outs) * pixels) // GRAD_WEIGHT_ELEMENTS))
             for p0 in range(0, pixels, span):
                 run_split(weight_grad_rows, 0, blocks, threads, (gy.reshape(-1)[p0:], pixels, outs * pixels,
@@ -403,7 +392,7 @@ class DirectConv2d(LayerLike):
                                                                  min(span, pixels - p0), n, p0 > 0, gweight))
             return
         xp, gp = arrays[1:]
-        tap_starts(channels, kh, kw, sh, sw, wp, xp.shape[1], starts)
+        tap_offsets(channels, kh, kw, sh, sw, xp.shape[1], wp, starts)
         chunk = self._grad_weight_samples([x.shape])
         for n0 in range(0, n, chunk):
             n1 = min(n, n0 + chunk)
@@ -424,7 +413,7 @@ class ChosenConv2d(LayerLike):
         self.candidates = {"im2col": layer, "direct": DirectConv2d(layer)}
 
     def chosen(self, in_shapes, phase):
-        """The kernel that runs `phase` at `in_shapes` (the layer's backward at a stride over 1)."""
+        """The kernel that runs `phase` at `in_shapes`."""
         return self.candidates[choose(self.layer, in_shapes, phase, self.candidates)]
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):

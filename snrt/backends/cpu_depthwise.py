@@ -25,10 +25,9 @@ Weight gradients sum rows (or one sample's pixels) in the input's dtype and thos
 float64. x (N, C, H, W), weight (O, 1, kh, kw) with O = C * m, bias (O,), y (N, O, Ho, Wo);
 any stride, padding and dilation; every buffer in the planned workspace. By rows, the channels
 are split among the kernel threads (cpu_parallel.run_split) from SPLIT_VALUES input values, each
-with its own plane and row buffers; channels last runs on one. (numba's own OpenMP threads,
-tried first, halved MobileNetV2's speed: they and OpenBLAS's threads took the two cores from
-each other.) Sums run in a fixed order, each channel's on one thread, so the same inputs give
-the same bits in every run and policy and on any number of threads.
+with its own plane and row buffers; channels last runs on one. Sums run in a fixed order, each
+channel's on one thread, so the same inputs give the same bits in every run and policy and on
+any number of threads.
 """
 
 import numpy as np

@@ -210,7 +210,8 @@ def pack_weight(weight, hq, wq, sh, sw, wpack, biases, offsets, bias):
     wpack[b, (c, i, j), o] = weight[b*BLOCK_OUTS + o, c, i, j] (zeros past O): one strided
     copy for the whole blocks (splitting O into blocks is a view at any strides, so nothing is
     allocated), one for a last partial block; biases (blocks*BLOCK_OUTS,) with `bias` (empty:
-    none, zeros) and offsets (K,) with where each tap reads (_tap_offsets)."""
+    none, zeros) and offsets (K,) with where each tap reads in the phase planes (Hq, Wq) at
+    stride (sh, sw) (tap_offsets)."""
     outs, channels, kh, kw = weight.shape
     whole = outs // BLOCK_OUTS
     packed = wpack.reshape(wpack.shape[0], channels, kh, kw, BLOCK_OUTS)
@@ -221,19 +222,20 @@ def pack_weight(weight, hq, wq, sh, sw, wpack, biases, offsets, bias):
         packed[whole, ..., :outs - whole * BLOCK_OUTS] = weight[whole * BLOCK_OUTS:].transpose(1, 2, 3, 0)
     biases[:] = 0
     biases[:bias.size] = bias
-    _tap_offsets(channels, kh, kw, hq, wq, sh, sw, offsets)
+    tap_offsets(channels, kh, kw, sh, sw, hq * wq, wq, offsets)
 
 
 @njit(**THREADED)
-def _tap_offsets(channels, kh, kw, hq, wq, sh, sw, offsets):
+def tap_offsets(channels, kh, kw, sh, sw, plane_values, row_values, offsets):
     """offsets[(c, i, j)]: output pixel (h, w) reads padded x[c, sh*h + i, sw*w + j], which is
-    at (h + i // sh, w + j // sw) of the plane of phase (i % sh, j % sw) and channel c, in the
-    phase planes (Hq, Wq) at stride (sh, sw); at stride 1 that is c*Hq*Wq + i*Wq + j."""
+    at (h + i // sh, w + j // sw) of the plane of phase (i % sh, j % sw) and channel c (plane
+    (a*sw + b)*C + c), planes `plane_values` and rows `row_values` apart; at stride 1 that is
+    c*plane_values + i*row_values + j."""
     for k in range(offsets.size):
         c, tap = k // (kh * kw), k % (kh * kw)
         i, j = tap // kw, tap % kw
         plane = ((i % sh) * sw + j % sw) * channels + c
-        offsets[k] = plane * hq * wq + i // sh * wq + j // sw
+        offsets[k] = plane * plane_values + i // sh * row_values + j // sw
 
 
 @njit(**THREADED)
@@ -323,7 +325,6 @@ def convolve_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, y, r0, r1, xpad, t
                          b * BLOCK_OUTS * plane, targets, whole0, whole1, plane, min(BLOCK_OUTS, outs - b * BLOCK_OUTS))
 
 
-@njit(**THREADED)
 @register_jitable
 def pointwise_vectors(pixels, lanes):
     """Vectors a sample's H*W = `pixels` (at least `lanes`) takes in pointwise_tiles."""

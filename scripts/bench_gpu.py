@@ -4,11 +4,13 @@ on the CUDA backend (needs a GPU and the gpu extra).
 For each policy: the plan (made with the CUDA cost model, in `--precision`), one warm-up
 iteration, then the median of `--iterations` timed iterations (the compute and copy streams
 synchronized around each), the measured peak of live arena bytes against the plan's, the copy
-time (CUDA events), and what cudaMemGetInfo saw beyond the arena. A plan with copies then runs
-one more iteration with every step timed by CUDA events: the share of the copy time that ran
-while kernels did (`copies.hidden`), each direction's achieved bandwidth and, with `--figures
-DIR`, DIR/gpu_streams_POLICY.png: that iteration on the compute, offload and prefetch streams
-against the plan's prediction. Writes results/bench_gpu.json.
+time (CUDA events), and what cudaMemGetInfo saw beyond the arena. Then one more iteration
+with every step timed by CUDA events: where the time goes (`steps`: GPU seconds per step kind
+and layer type, largest first, against the iteration's wall time) and, for a plan with copies,
+the share of the copy time that ran while kernels did (`copies.hidden`), each direction's
+achieved bandwidth and, with `--figures DIR`, DIR/gpu_streams_POLICY.png: that iteration on
+the compute, offload and prefetch streams against the plan's prediction. Writes
+results/bench_gpu.json.
 
     python scripts/bench_gpu.py                      # ResNet-50, 224x224, batch 32
     python scripts/bench_gpu.py --precision tf32 --policies none superneurons
@@ -43,17 +45,34 @@ def load(config_path, image_size):
     return snrt.load_config(config_path, overrides)
 
 
-def copies(runtime, feed, optimizer, precision, figure=None):
-    """{"hidden", "copy_s", "overlapped_s", "offload_GBps", "prefetch_GBps"} of one more
-    iteration with every compute step (kernels and updates) and copy timed by CUDA events;
-    with a `figure` path, that iteration's streams against the plan's prediction there."""
+def profiled(runtime, feed, optimizer, precision, figure=None):
+    """One more iteration with every compute step (kernels and updates) and copy timed by CUDA
+    events: {"wall_s", "steps": [[what, GPU seconds, count], ...] by step kind and layer type,
+    largest first, "copies": None without copies, else {"hidden", "copy_s", "overlapped_s",
+    "offload_GBps", "prefetch_GBps"}}; with a `figure` path and copies, that iteration's
+    streams against the plan's prediction there."""
     plan, backend, executor = runtime.plan, runtime.backend, runtime.executor
     backend.profile = True
     executor.wrap_steps(("forward", "recompute", "backward", "update"),
                         lambda step, action: lambda: _timed(backend, step, action))
     backend.clear_timeline()
+    backend.synchronize()
+    start = time.perf_counter()
     executor.run(feed, 0, seed=0, optimizer=optimizer, lr=0.01)
+    backend.synchronize()
+    wall = time.perf_counter() - start
     events = backend.timeline()
+    steps = {}
+    for kind, what, s, e in events:
+        if kind == "compute":
+            step_kind, node = what.split(" ", 1)
+            key = f"{step_kind} {type(executor.graph.nodes[node].layer).__name__}"
+            seconds, count = steps.get(key, (0.0, 0))
+            steps[key] = (seconds + e - s, count + 1)
+    out = {"wall_s": wall, "steps": sorted(([k, s, n] for k, (s, n) in steps.items()), key=lambda r: -r[1]),
+           "copies": None}
+    if not plan.host_bytes:
+        return out
     seconds = {kind: sum(e - s for k, what, s, e in events if k == "copy" and what.startswith(kind))
                for kind in ("offload", "prefetch")}
     nbytes = {kind: sum(plan.buffers[s.buffer].nbytes for s in plan.steps if s.kind == kind) for kind in seconds}
@@ -62,8 +81,9 @@ def copies(runtime, feed, optimizer, precision, figure=None):
                                       ITEMSIZE[precision_named(precision).storage])
         draw_streams(predicted, measured_streams(events), figure,
                      f"{plan.policy}, batch {plan.batch}: predicted (upper bars) and CUDA events (lower)")
-    return {**copy_overlap(events),
-            **{f"{kind}_GBps": nbytes[kind] / seconds[kind] / 1e9 if seconds[kind] else None for kind in seconds}}
+    out["copies"] = {**copy_overlap(events), **{f"{kind}_GBps": nbytes[kind] / seconds[kind] / 1e9
+                                                if seconds[kind] else None for kind in seconds}}
+    return out
 
 
 def _timed(backend, step, action):
@@ -95,14 +115,15 @@ def run_policy(config, batch, policy, iterations, budget, precision, determinist
                 seconds.append(time.perf_counter() - start)
         report = backend.memory_report()
         copy_s = executor.copy_stats["copy_s"] / (iterations + 1)
+        profile = profiled(runtime, feed, optimizer, precision, figures and f"{figures}/gpu_streams_{policy}.png")
         return {
             "policy": policy, "precision": precision, "deterministic": deterministic, "fused": fuse, "batch": batch,
             "seconds_per_iteration": statistics.median(seconds), "images_per_s": batch / statistics.median(seconds),
+            "predicted_s": plan.predicted_s,
             "planned_peak_bytes": plan.peak_bytes, "measured_peak_bytes": backend.arena.peak_bytes,
             "arena_bytes": plan.arena_bytes, "host_bytes": plan.host_bytes,
             "copy_s": copy_s, "memory": report, "kernels": backend.kernels.summary(),
-            "copies": copies(runtime, feed, optimizer, precision, figures and f"{figures}/gpu_streams_{policy}.png")
-            if plan.host_bytes else None,
+            "profiled_wall_s": profile["wall_s"], "steps": profile["steps"], "copies": profile["copies"],
         }
     finally:
         runtime.close()
@@ -138,6 +159,11 @@ def main():
               f"peak {human_bytes(row['measured_peak_bytes'])} (plan {human_bytes(row['planned_peak_bytes'])})  "
               f"untracked {human_bytes(row['memory']['untracked_bytes'])}  kernels {row['kernels']}"
               + (f"  copies {row['copies']['hidden']:.0%} hidden" if row["copies"] else ""), flush=True)
+        gpu_s = sum(seconds for _, seconds, _ in row["steps"])
+        print(f"  predicted {row['predicted_s'] * 1e3:.1f} ms; profiled iteration {row['profiled_wall_s'] * 1e3:.1f} ms, "
+              f"{gpu_s * 1e3:.1f} ms of it in steps: "
+              + ", ".join(f"{what} {seconds * 1e3:.1f} ({count})" for what, seconds, count in row["steps"][:8]),
+              flush=True)
     doc = {"device": device_summary(), "config": args.config, "precision": args.precision,
            "deterministic": not args.nondeterministic, "fused": args.fuse,
            "when": datetime.now(timezone.utc).isoformat(), "rows": rows}

@@ -7,6 +7,7 @@
 #     bash scripts/gpu_check.sh                       # in the Python environment it is started in
 #     bash scripts/gpu_check.sh --venv gpu-cuda13     # a fresh venv with that extra (needs network)
 #     bash scripts/gpu_check.sh --no-bench            # the tests only
+#     bash scripts/gpu_check.sh --no-rest             # the backend tests only (CI runs the rest)
 #     bash scripts/gpu_check.sh --seconds 300         # end within 300 s (default 540)
 #
 # By default it uses the Python environment it is started in (`python3`, or $PYTHON): CuPy,
@@ -30,14 +31,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 bench=1
+rest=1
 venv_extra=""
 seconds=540  # the whole check's time: a stage gets at most what is left, and none starts with under 15 s
 while (( $# )); do
     case "$1" in
         --no-bench) bench=0; shift ;;
+        --no-rest) rest=0; shift ;;
         --venv) venv_extra="${2:?--venv needs an extra: gpu (CUDA 12) or gpu-cuda13}"; shift 2 ;;
         --seconds) seconds="${2:?--seconds needs a number}"; shift 2 ;;
-        *) echo "usage: bash scripts/gpu_check.sh [--venv gpu|gpu-cuda13] [--no-bench] [--seconds N]" >&2; exit 2 ;;
+        *) echo "usage: bash scripts/gpu_check.sh [--venv gpu|gpu-cuda13] [--no-bench] [--no-rest] [--seconds N]" >&2; exit 2 ;;
     esac
 done
 deadline=$(( SECONDS + seconds - 15 ))  # 15 s kept for the report
@@ -112,8 +115,10 @@ backend_workers=$(( cores > 8 ? 6 : 2 ))
 rest_workers=$(( cores > 8 ? cores - backend_workers : 2 ))
 run_stage tests-backends 200 "$python" -m pytest -n "$backend_workers" tests/backends -q -rs -p no:cacheprovider \
     --junitxml "$work/tests-backends.xml" &
-run_stage tests-rest 200 "$python" -m pytest -n "$rest_workers" -q -p no:cacheprovider --ignore tests/backends \
-    --junitxml "$work/tests-rest.xml" &
+if (( rest )); then
+    run_stage tests-rest 200 "$python" -m pytest -n "$rest_workers" -q -p no:cacheprovider --ignore tests/backends \
+        --junitxml "$work/tests-rest.xml" &
+fi
 wait
 
 # Data parallel on NCCL needs a GPU per rank: with two or more, two ranks train a few iterations

@@ -64,8 +64,8 @@ def profiled(runtime, feed, optimizer, precision, figure=None):
     events = backend.timeline()
     steps = {}
     for kind, what, s, e in events:
-        if kind == "compute":
-            step_kind, node = what.split(" ", 1)
+        step_kind, _, node = what.partition(" ")
+        if kind == "compute" and node in executor.graph.nodes:  # a step's, not one of its kernels' (nested)
             key = f"{step_kind} {type(executor.graph.nodes[node].layer).__name__}"
             seconds, count = steps.get(key, (0.0, 0))
             steps[key] = (seconds + e - s, count + 1)
@@ -150,11 +150,15 @@ def main():
     from snrt.backends.cupy_backend import device_summary
 
     config = load(args.config, args.image_size)
-    rows = []
+    doc = {"device": device_summary(), "config": args.config, "precision": args.precision,
+           "deterministic": not args.nondeterministic, "fused": args.fuse,
+           "when": datetime.now(timezone.utc).isoformat(), "rows": []}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for policy in args.policies:
         row = run_policy(config, args.batch, policy, args.iterations, args.budget, args.precision,
                          not args.nondeterministic, args.figures, args.fuse)
-        rows.append(row)
+        doc["rows"].append(row)
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")  # after each policy: a cut-off run keeps its rows
         print(f"{policy:13s} {row['seconds_per_iteration'] * 1e3:9.1f} ms/iter  {row['images_per_s']:8.1f} img/s  "
               f"peak {human_bytes(row['measured_peak_bytes'])} (plan {human_bytes(row['planned_peak_bytes'])})  "
               f"untracked {human_bytes(row['memory']['untracked_bytes'])}  kernels {row['kernels']}"
@@ -164,11 +168,6 @@ def main():
               f"{gpu_s * 1e3:.1f} ms of it in steps: "
               + ", ".join(f"{what} {seconds * 1e3:.1f} ({count})" for what, seconds, count in row["steps"][:8]),
               flush=True)
-    doc = {"device": device_summary(), "config": args.config, "precision": args.precision,
-           "deterministic": not args.nondeterministic, "fused": args.fuse,
-           "when": datetime.now(timezone.utc).isoformat(), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -11,8 +11,8 @@ backend plans and runs with. Importing this module does not import CuPy.
 import gc
 
 from snrt.backends.cuda_layers import (CublasLinear, CudaAdd, CudaAvgPool, CudaBatchNorm, CudaConvTranspose2d,
-                                       CudaDropout, CudaReLU, CudaSoftmaxCrossEntropy, CudaUpsample, GemmConv2d,
-                                       XpKernel)
+                                       CudaDropout, CudaMaxPool, CudaReLU, CudaSoftmaxCrossEntropy, CudaUpsample,
+                                       GemmConv2d, XpKernel)
 from snrt.backends.cuda_source import KernelModule
 from snrt.backends.cudnn_graphs import CudnnBatchNorm, CudnnContext, CudnnConv2d
 from snrt.layers.base import FLOAT32_BYTES
@@ -66,6 +66,7 @@ REGISTRY = {
     "Dropout": _plain(CudaDropout),
     "Dropout2d": _plain(CudaDropout),
     "AvgPool": _plain(CudaAvgPool),
+    "MaxPool": _plain(CudaMaxPool),
     "ReLU": _plain(CudaReLU),
     "Add": _plain(CudaAdd),
     "Upsample": _upsample,
@@ -157,9 +158,10 @@ class CudaKernels:
 
     def describe(self):
         """'cuDNN: G graphs, T on engines timed now, K kept from before (FILE), F on cuDNN's
-        first; R refused (the CUDA kernels run them)', of the graphs built so far ('' when
-        none): what the engine choice came to."""
-        from snrt.backends import choice_file, cudnn_engines
+        first; P of them pointwise, run by cuBLAS GEMMs (timed faster); R refused (the CUDA
+        kernels run them)', of the graphs built so far ('' when none): what the engine
+        choice came to."""
+        from snrt.backends import choice_file, cuda_pointwise, cudnn_engines
 
         graphs = [graph for kernel in self._kernels.values() if kernel.name == "cudnn" for graph in kernel.graphs()]
         if not graphs:
@@ -171,7 +173,9 @@ class CudaKernels:
         where = (choice_file.cache_path(cudnn_engines.CACHE_FILE) if setting == "measure"
                  else f"{cudnn_engines.VARIABLE}={setting}")
         refused = len(graphs) - len(built)
+        gemms = sum(graph.name == cuda_pointwise.GEMM for graph in built)
         return (f"cuDNN: {len(built)} graphs, engines {', '.join(counts)} ({where})"
+                + (f"; {gemms} of them pointwise, run by cuBLAS GEMMs (timed faster)" if gemms else "")
                 + (f"; {refused} refused (the CUDA kernels run them)" if refused else ""))
 
     def summary(self):

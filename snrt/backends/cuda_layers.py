@@ -12,14 +12,17 @@ buffers and workspace.
 
 A kernel here is "layer-like": it has the layer's `forward`, `backward` and
 `workspace_bytes` signatures and delegates everything else to the layer. Each one fits in
-the workspace the NumPy layer plans (Dropout, SoftmaxCrossEntropy, AvgPool and the
+the workspace the NumPy layer plans (Dropout, SoftmaxCrossEntropy, AvgPool, MaxPool and the
 BatchNorm/Linear kernels need none; the GEMM convolution cuts its column matrix into bands
 of output rows that fit whatever the plan gave), so existing plans run as they are, and
 `workspace_bytes` says what each would like when the planner asks the backend
 (`CudaKernels.workspace_bytes`).
 
-Everything is float32; a float64 plan runs the layers' own `xp` code. Dropout's mask and
-AvgPool are bit-identical to the NumPy kernels (same integer hash, same summation order);
+Some layers have a kernel here for speed alone: MaxPool (one pass each way where its xp code
+makes four per window tap), ReLU's and Add's backwards.
+
+Everything is float32; a float64 plan runs the layers' own `xp` code. Dropout's mask, AvgPool
+and MaxPool are bit-identical to the NumPy kernels (same integer hash, same summation order);
 BatchNorm, the softmax and the GEMMs sum in a different order, so they agree to rounding.
 
 The CUDA C they launch is in snrt/backends/cuda_source.py; cuDNN's convolution and
@@ -229,22 +232,23 @@ class CudaAdd(Float32Kernel):
                                (gy, pair[0], pair[1] if len(pair) == 2 else NULL_POINTER, np.int64(gy.size)))
 
 
-class CudaAvgPool(Float32Kernel):
-    """AvgPool by snrt_avgpool_* (a gather per output / per input), no workspace."""
+class _WindowPoolKernel(Float32Kernel):
+    """A pooling layer by two CUDA kernels, no workspace: `_forward` gathers each output's
+    window, `_backward` each input element's outputs."""
 
     name = "cuda"
 
     def _geometry(self, x_shape, y_shape):
+        """The kernels' size arguments: planes, input and output sizes, kernel, stride, padding."""
         layer = self.layer
         n, c, h, w = x_shape
-        return (*int64_args(n * c, h, w, y_shape[2], y_shape[3], *layer.kernel, *layer.stride, *layer.padding),
-                np.int32(bool(layer.count_include_pad)))
+        return int64_args(n * c, h, w, y_shape[2], y_shape[3], *layer.kernel, *layer.stride, *layer.padding)
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
         if not self.is_float32(x):
             return super().forward(ctx, xs, params, state, y, aux, recompute)
-        self.module.launch("snrt_avgpool_forward", grid_for(y.size), (x, y, *self._geometry(x.shape, y.shape)))
+        self._forward(x, y, aux)
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         gx = gxs[0]
@@ -252,7 +256,41 @@ class CudaAvgPool(Float32Kernel):
             return
         if not self.is_float32(gx):
             return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
-        self.module.launch("snrt_avgpool_backward", grid_for(gx.size), (gy, gx, *self._geometry(gx.shape, gy.shape)))
+        self._backward(gy, aux, gx)
+
+
+class CudaAvgPool(_WindowPoolKernel):
+    """AvgPool by snrt_avgpool_forward / _backward."""
+
+    def _include_pad(self):
+        return np.int32(bool(self.layer.count_include_pad))
+
+    def _forward(self, x, y, aux):
+        self.module.launch("snrt_avgpool_forward", grid_for(y.size),
+                           (x, y, *self._geometry(x.shape, y.shape), self._include_pad()))
+
+    def _backward(self, gy, aux, gx):
+        self.module.launch("snrt_avgpool_backward", grid_for(gx.size),
+                           (gy, gx, *self._geometry(gx.shape, gy.shape), self._include_pad()))
+
+
+class CudaMaxPool(_WindowPoolKernel):
+    """MaxPool by snrt_maxpool_forward / _backward (their uint8 or int32 instance, as the
+    argmax indices are): the outputs, indices and gradients of the layer's xp code."""
+
+    @staticmethod
+    def _suffix(argmax):
+        return "u8" if argmax.dtype == np.uint8 else "i32"
+
+    def _forward(self, x, y, aux):
+        argmax = aux["argmax"]
+        self.module.launch(f"snrt_maxpool_forward_{self._suffix(argmax)}", grid_for(y.size),
+                           (x, y, argmax, *self._geometry(x.shape, y.shape)))
+
+    def _backward(self, gy, aux, gx):
+        argmax = aux["argmax"]
+        self.module.launch(f"snrt_maxpool_backward_{self._suffix(argmax)}", grid_for(gx.size),
+                           (gy, argmax, gx, *self._geometry(gx.shape, gy.shape)))
 
 
 class CublasLinear(Float32Kernel):

@@ -24,6 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from snrt.backends import choice_file
+from snrt.backends.cuda_source import best_seconds
 
 RATES_FILE = "cuda-rates.json"
 FIELDS = ("flops_per_s", "memory_bytes_per_s", "copy_bytes_per_s")
@@ -82,21 +83,7 @@ def _timed_calls(cupy, stream):
     source, target = cupy.ones(values, np.float32), cupy.empty(values, np.float32)
     pinned = cupyx.empty_pinned(values, np.float32)
     a, product = cupy.ones((GEMM_SIZE, GEMM_SIZE), np.float32), cupy.empty((GEMM_SIZE, GEMM_SIZE), np.float32)
-    return {"memory": _best_seconds(cupy, stream, lambda: cupy.copyto(target, source)),
-            "to_device": _best_seconds(cupy, stream, lambda: target.set(pinned, stream=stream)),
-            "to_host": _best_seconds(cupy, stream, lambda: target.get(stream=stream, out=pinned, blocking=False)),
-            "gemm": _best_seconds(cupy, stream, lambda: cupy.matmul(a, a, out=product))}
-
-
-def _best_seconds(cupy, stream, action):
-    """The least seconds of ROUNDS calls of `action` on `stream` (one untimed call first)."""
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    action()
-    best = math.inf
-    for _ in range(ROUNDS):
-        start.record(stream)
-        action()
-        end.record(stream)
-        end.synchronize()
-        best = min(best, cupy.cuda.get_elapsed_time(start, end) / 1e3)
-    return best
+    return {"memory": best_seconds(stream, lambda: cupy.copyto(target, source), ROUNDS),
+            "to_device": best_seconds(stream, lambda: target.set(pinned, stream=stream), ROUNDS),
+            "to_host": best_seconds(stream, lambda: target.get(stream=stream, out=pinned, blocking=False), ROUNDS),
+            "gemm": best_seconds(stream, lambda: cupy.matmul(a, a, out=product), ROUNDS)}

@@ -258,6 +258,64 @@ extern "C" __global__ void snrt_avgpool_backward(
     }
 }
 
+// MaxPool, as the layer's xp code (snrt/layers/pool.py) computes it. Forward, one thread per
+// output: taps in k = a * kw + b order, those outside the input skipped (they read -inf);
+// y = the maximum, NaN when a tap is NaN; argmax = the last k whose tap was greater than the
+// maximum before it (the first maximum). Backward, one thread per input element: every
+// output whose window holds the element at offset k adds gy * (argmax == k), in k order.
+#define SNRT_MAXPOOL(SUFFIX, INDEX)                                                                     \
+extern "C" __global__ void snrt_maxpool_forward_##SUFFIX(                                               \
+        const float* x, float* y, INDEX* argmax, long long nc, long long h, long long w, long long ho,   \
+        long long wo, long long kh, long long kw, long long sh, long long sw, long long ph, long long pw) { \
+    SNRT_GRID_LOOP(i, nc * ho * wo) {                                                                   \
+        long long ow = i % wo, oh = (i / wo) % ho, plane = i / (wo * ho);                               \
+        const float* src = x + plane * h * w;                                                           \
+        float best = SNRT_NEG_INF;                                                                      \
+        long long index = 0;                                                                            \
+        for (long long a = 0; a < kh; ++a) {                                                            \
+            long long r = oh * sh - ph + a;                                                             \
+            if (r < 0 || r >= h) continue;                                                              \
+            for (long long b = 0; b < kw; ++b) {                                                        \
+                long long q = ow * sw - pw + b;                                                         \
+                if (q < 0 || q >= w) continue;                                                          \
+                float v = src[r * w + q];                                                               \
+                if (v > best) index = a * kw + b;                                                       \
+                best = (best != best || v != v) ? (best != best ? best : v) : fmaxf(best, v);           \
+            }                                                                                           \
+        }                                                                                               \
+        y[i] = best;                                                                                    \
+        argmax[i] = (INDEX)index;                                                                       \
+    }                                                                                                   \
+}                                                                                                       \
+extern "C" __global__ void snrt_maxpool_backward_##SUFFIX(                                              \
+        const float* gy, const INDEX* argmax, float* gx, long long nc, long long h, long long w,         \
+        long long ho, long long wo, long long kh, long long kw, long long sh, long long sw, long long ph, \
+        long long pw) {                                                                                 \
+    SNRT_GRID_LOOP(i, nc * h * w) {                                                                     \
+        long long q = i % w, r = (i / w) % h, plane = i / (w * h);                                      \
+        const float* g = gy + plane * ho * wo;                                                          \
+        const INDEX* at = argmax + plane * ho * wo;                                                     \
+        float acc = 0.0f;                                                                               \
+        for (long long a = 0; a < kh; ++a) {                                                            \
+            long long top = r + ph - a;                                                                 \
+            if (top < 0 || top % sh) continue;                                                          \
+            long long oh = top / sh;                                                                    \
+            if (oh >= ho) continue;                                                                     \
+            for (long long b = 0; b < kw; ++b) {                                                        \
+                long long left = q + pw - b;                                                            \
+                if (left < 0 || left % sw) continue;                                                    \
+                long long ow = left / sw;                                                               \
+                if (ow >= wo) continue;                                                                 \
+                long long o = oh * wo + ow;                                                             \
+                acc = __fadd_rn(acc, __fmul_rn(g[o], (long long)at[o] == a * kw + b ? 1.0f : 0.0f));  \
+            }                                                                                           \
+        }                                                                                               \
+        gx[i] = acc;                                                                                    \
+    }                                                                                                   \
+}
+SNRT_MAXPOOL(u8, unsigned char)
+SNRT_MAXPOOL(i32, int)
+
 // im2col for one sample and output rows [r0, r0 + rows): col (C*kh*kw, rows*Wo), rows of
 // col ordered (c, i, j), columns (oh - r0, ow); zero where the window reads padding.
 extern "C" __global__ void snrt_im2col(
@@ -298,6 +356,16 @@ extern "C" __global__ void snrt_col2im_add(
             }
         }
         gx[(ch * h + r) * w + q] += acc;
+    }
+}
+
+// out[i] = parts[i] + parts[size + i] + ... + parts[(count - 1) * size + i], added in that order
+// (the pointwise weight gradient's partial sums, snrt/backends/cuda_pointwise.py)
+extern "C" __global__ void snrt_sum_slices(const float* parts, float* out, long long count, long long size) {
+    SNRT_GRID_LOOP(i, size) {
+        float acc = parts[i];
+        for (long long k = 1; k < count; ++k) acc += parts[k * size + i];
+        out[i] = acc;
     }
 }
 
@@ -366,7 +434,8 @@ KERNEL_NAMES = (
     "snrt_channel_sum", "snrt_bias_add", "snrt_bn_forward_train", "snrt_bn_forward_eval", "snrt_bn_backward",
     "snrt_xent_forward_i32", "snrt_xent_backward_i32", "snrt_xent_forward_i64", "snrt_xent_backward_i64",
     "snrt_dropout", "snrt_avgpool_forward", "snrt_avgpool_backward", "snrt_im2col", "snrt_col2im_add",
-    "snrt_relu_backward", "snrt_copy_to_two", "snrt_sgd_step", "snrt_adam_step",
+    "snrt_relu_backward", "snrt_copy_to_two", "snrt_sgd_step", "snrt_adam_step", "snrt_sum_slices",
+    "snrt_maxpool_forward_u8", "snrt_maxpool_backward_u8", "snrt_maxpool_forward_i32", "snrt_maxpool_backward_i32",
 )
 NVRTC_OPTIONS = ("--std=c++14",)
 
@@ -475,6 +544,23 @@ class KernelModule:
                                    c, ldc, stride_c, batch)
 
 
+def best_seconds(stream, action, rounds):
+    """The least seconds of `rounds` calls of `action` on `stream`, each between two CUDA
+    events (one untimed call first); raises what `action` raises."""
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    action()
+    best = float("inf")
+    for _ in range(rounds):
+        start.record(stream)
+        action()
+        end.record(stream)
+        end.synchronize()
+        best = min(best, cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return best
+
+
 NULL_POINTER = np.uint64(0)  # a null device pointer as a kernel argument (an optional buffer left out)
 
 
@@ -489,5 +575,5 @@ def int64_args(*values):
 
 
 __all__ = ["BLOCK", "KERNEL_NAMES", "KERNEL_SOURCE", "MAX_GRID", "NULL_POINTER", "NVRTC_OPTIONS", "CompileError",
-           "KernelModule", "compile_ptx", "device_name", "device_pointer", "grid_for", "int64_args", "nvrtc_toolkit",
+           "KernelModule", "best_seconds", "compile_ptx", "device_name", "device_pointer", "grid_for", "int64_args", "nvrtc_toolkit",
            "unsupported_device_reason"]

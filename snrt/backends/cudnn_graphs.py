@@ -45,9 +45,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snrt.backends import cudnn_engines
+from snrt.backends import cuda_pointwise, cudnn_engines
 from snrt.backends.cuda_layers import Float32Kernel, XpKernel
-from snrt.backends.cuda_source import device_name, device_pointer, grid_for, int64_args
+from snrt.backends.cuda_source import best_seconds, device_name, device_pointer, grid_for, int64_args
 from snrt.errors import SnrtError
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 
@@ -235,6 +235,8 @@ class CudnnGraph:
     measured seconds (None when not timed), how the engine was chosen (cudnn_engines.TIMED,
     KEPT or FIRST), the workspace it needs, and `execute`."""
 
+    name = "cudnn"
+
     def __init__(self, graph, tensors, handle, engine, seconds=None, chosen=cudnn_engines.FIRST):
         self.graph, self.tensors, self.handle = graph, tensors, handle
         self.engine, self.seconds, self.chosen = engine, seconds, chosen
@@ -269,6 +271,11 @@ class CudnnContext:
                              f"{cudnn_versions()} | {'deterministic' if deterministic else 'any'}"
                              f"{', TF32' if allow_tf32 else ''}")
 
+    def choice_key(self, description, limit):
+        """The key of a choice about `description` under workspace `limit` in the choices file:
+        the device, the cuDNN versions and the context's filters come first."""
+        return f"{self._choices_key} | {description} | workspace limit {limit}"
+
     def set_stream(self, stream):
         self.stream_ptr = stream.ptr
         self.cudnn.set_stream(self.handle, stream.ptr)
@@ -300,7 +307,7 @@ class CudnnContext:
                 graph.deselect_workspace_greater_than(int(limit))
             graph.check_support()
             engine, seconds, chosen = cudnn_engines.select(
-                graph, f"{self._choices_key} | {description} | workspace limit {limit}", limit,
+                graph, self.choice_key(description, limit), limit,
                 (lambda graph, engines: self.time_engines(graph, tensors, engines)) if timed else None)
             return CudnnGraph(graph, tensors, self.handle, engine, seconds, chosen)
         except Exception as e:  # cudnnGraphNotSupportedError, or a lowering the library rejects
@@ -342,22 +349,14 @@ class CudnnContext:
         need = max(engine.workspace_bytes for engine in engines)
         held.append(cupy.empty(need, np.uint8) if need else None)
         workspace = held[-1].data.ptr if need else None
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
         seconds = []
         for engine in engines:
-            best = math.inf
             try:
-                for round_ in range(cudnn_engines.ROUNDS + 1):  # round 0 untimed
-                    start.record(stream)
-                    graph.execute_plan_at_index(pack, workspace, index=engine.index, handle=self.handle)
-                    end.record(stream)
-                    end.synchronize()
-                    if round_:
-                        best = min(best, cupy.cuda.get_elapsed_time(start, end) / 1e3)
+                seconds.append(best_seconds(stream, lambda: graph.execute_plan_at_index(
+                    pack, workspace, index=engine.index, handle=self.handle), cudnn_engines.ROUNDS))
             except Exception as e:  # the library's error for this engine: it is not chosen
                 self.refusals[f"timing {engine.name}"] = f"{type(e).__name__}: {e}"
-                best = math.inf
-            seconds.append(best)
+                seconds.append(math.inf)
         return seconds
 
 
@@ -419,14 +418,35 @@ class _CudnnKernel(Float32Kernel):
 
 
 class CudnnConv2d(_CudnnKernel):
-    """Conv2d by cuDNN conv_fprop / conv_dgrad / conv_wgrad; the bias by snrt_bias_add and
-    snrt_channel_sum; whatever cuDNN refuses by the GEMM fallback."""
+    """Conv2d by cuDNN conv_fprop / conv_dgrad / conv_wgrad, or for a pointwise convolution
+    each of them by cuBLAS GEMMs where those were timed faster (snrt/backends/cuda_pointwise.py);
+    the bias by snrt_bias_add and snrt_channel_sum; whatever cuDNN refuses by the GEMM fallback."""
 
     describe = staticmethod(describe_conv)
     OPS = {FORWARD: ("fprop",), BACKWARD: ("dgrad", "wgrad")}  # the graphs a phase runs
 
     def __init__(self, layer, in_shapes, kernels, fallback):
         super().__init__(layer, in_shapes, kernels, fallback, conv_spec(layer, in_shapes))
+        self.pointwise = cuda_pointwise.pointwise_shape(self.spec)
+        self._chosen = {}  # (op, limit) -> the cuDNN graph or the PointwiseGemm that runs it
+
+    def graph(self, op, limit, timed=False):
+        """The cuDNN graph of `op` under workspace `limit`, or for a pointwise convolution the
+        faster of it and the cuBLAS GEMMs (cuda_pointwise.choose); None when cuDNN refused."""
+        built = super().graph(op, limit, timed)
+        if self.pointwise is None or built is None or cudnn_engines.setting() == "heuristic":
+            return built
+        key = (op, limit)
+        if key not in self._chosen:
+            gemm = cuda_pointwise.PointwiseGemm(self.module, op, self.pointwise, limit)
+            description = f"{self.layer.type_name} {op} {self.spec} | pointwise GEMM"
+            self._chosen[key] = cuda_pointwise.choose(built, gemm, self.context.choice_key(description, limit), timed)
+        return self._chosen[key]
+
+    def graphs(self):
+        """What runs each operation built so far: a CudnnGraph, a PointwiseGemm, or None
+        where cuDNN refused."""
+        return [self._chosen.get(key, graph) for key, graph in self._graphs.items()]
 
     def own_workspace_bytes(self, in_shapes, phase):
         limit = self.context.workspace_limit_bytes

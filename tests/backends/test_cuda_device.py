@@ -196,6 +196,37 @@ def test_cudnn_serves_common_convolutions(cupy):
     assert served == 9, kernels.cudnn.refusals
 
 
+@pytest.mark.parametrize("limit", [None, 2 * 24 * 16 * 4, 0], ids=["a partial per sample", "two partials", "none"])
+def test_pointwise_gemms_agree_with_numpy_and_repeat_their_bits(cupy, limit):
+    """The three cuBLAS operations of a 1x1 convolution (snrt/backends/cuda_pointwise.py) on
+    the device against the layer's NumPy kernels; the weight gradient run twice gives the
+    same bits."""
+    from snrt.backends.cuda_kernels import CudaKernels
+    from snrt.backends.cuda_pointwise import PointwiseGemm, pointwise_shape
+    from snrt.backends.cudnn_graphs import conv_spec
+
+    layer, in_shapes = Conv2d(out_channels=24, kernel=1, bias=False), [(6, 16, 5, 7)]
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(in_shapes[0]).astype(np.float32)
+    params = {"weight": rng.standard_normal((24, 16, 1, 1)).astype(np.float32)}
+    gy = rng.standard_normal(layer.infer_shape(in_shapes)).astype(np.float32)
+    expected = _run(layer, layer, [x], params, {}, gy, np)
+    module, shape = CudaKernels().module, pointwise_shape(conv_spec(layer, in_shapes))
+    ops = {op: PointwiseGemm(module, op, shape, limit) for op in ("fprop", "dgrad", "wgrad")}
+    d = {"x": cupy.asarray(x), "w": cupy.asarray(params["weight"]), "dy": cupy.asarray(gy)}
+    d.update(y=cupy.full(gy.shape, cupy.nan, cupy.float32), dx=cupy.full(x.shape, cupy.nan, cupy.float32),
+             dw=cupy.full((24, 16, 1, 1), cupy.nan, cupy.float32))
+    workspace = cupy.full(max(ops["wgrad"].workspace_bytes, 1), 255, cupy.uint8)
+    pointers = {role: array.data.ptr for role, array in d.items()}
+    for op in ("fprop", "dgrad", "wgrad"):
+        ops[op].execute({role: pointers[role] for role in ops[op].sizes()}, workspace.data.ptr)
+    first_dw = cupy.asnumpy(d["dw"])
+    ops["wgrad"].execute({role: pointers[role] for role in ops["wgrad"].sizes()}, workspace.data.ptr)
+    np.testing.assert_array_equal(cupy.asnumpy(d["dw"]), first_dw)
+    for role, key in (("y", "y"), ("dx", "gx0"), ("dw", "gweight")):
+        np.testing.assert_allclose(cupy.asnumpy(d[role]), expected[key], rtol=2e-4, atol=2e-4, err_msg=role)
+
+
 def test_engines_are_timed_at_planning_kept_on_disk_and_used_again_untimed(cupy, tmp_path, monkeypatch):
     """The workspace query times cuDNN's engines and selects the fastest (its seconds are
     the least timed); a new process (new kernels, same file) builds that engine again and

@@ -143,6 +143,15 @@ class HostModule:
         getattr(self, name)(*args)
 
     @staticmethod
+    def snrt_sum_slices(parts, out, count, size):
+        count, size = int(count), int(size)
+        slices = _host_view(_address(parts), (count, size), (size, 1))
+        total = slices[0].copy()
+        for k in range(1, count):  # in order, in float32, as the kernel adds
+            total += slices[k]
+        _host_view(_address(out), (size,), (1,))[...] = total
+
+    @staticmethod
     def snrt_bias_add(y, b, total, c, hw):
         y.reshape(-1, int(c), int(hw))[...] += b[:, None]
 
@@ -231,6 +240,92 @@ def test_gemm_convolution_matches_the_numpy_kernel(options, workspace_rows, host
     kernel.backward_parts(KernelContext(np, workspace=np.zeros(nbytes, np.uint8) if nbytes else None),
                           gy, x, gx_only, params, grads, weight_grad=False, bias_grad=False)
     np.testing.assert_allclose(gx_only, gx_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("limit", [None, 2 * 6 * 5 * 4, 0], ids=["a partial per sample", "two partials", "no partials"])
+def test_pointwise_gemms_match_the_numpy_convolution(limit):
+    """cuda_pointwise's three operations (batched cuBLAS GEMMs, with the weight gradient's
+    partial sums in the workspace, or none) against the layer's NumPy kernels, on host memory."""
+    from snrt.backends.cuda_pointwise import PointwiseGemm, pointwise_shape
+    from snrt.backends.cudnn_graphs import conv_spec
+
+    layer = Conv2d(out_channels=6, kernel=1, bias=False)
+    x, params, y_ref, gy, gx_ref, grads_ref = _numpy_run(layer, (5, 4, 3, 7), np.random.default_rng(4))
+    shape = pointwise_shape(conv_spec(layer, [x.shape]))
+    assert (shape.n, shape.c, shape.o, shape.p) == (5, 4, 6, 21)
+    y, gx, gw = np.full_like(y_ref, np.nan), np.full_like(x, np.nan), np.full_like(params["weight"], np.nan)
+    w = params["weight"]
+    ops = {op: PointwiseGemm(HostModule(), op, shape, limit) for op in ("fprop", "dgrad", "wgrad")}
+    assert ops["wgrad"].partials == {None: 5, 0: 1}.get(limit, 2)
+    assert ops["fprop"].workspace_bytes == ops["dgrad"].workspace_bytes == 0
+    workspace = np.full(max(ops["wgrad"].workspace_bytes, 1), 255, np.uint8)  # NaN-like garbage
+    assert limit is None or ops["wgrad"].workspace_bytes <= limit
+    ops["fprop"].execute({"x": x.ctypes.data, "w": w.ctypes.data, "y": y.ctypes.data}, 0)
+    ops["dgrad"].execute({"dy": gy.ctypes.data, "w": w.ctypes.data, "dx": gx.ctypes.data}, 0)
+    ops["wgrad"].execute({"x": x.ctypes.data, "dy": gy.ctypes.data, "dw": gw.ctypes.data}, workspace.ctypes.data)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gw, grads_ref["weight"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_cudnn_convolution_runs_the_pointwise_gemms_it_timed_faster(tmp_path, monkeypatch):
+    """CudnnConv2d of a 1x1 convolution with a cuDNN graph per operation (stand-ins, timed at
+    2 ms) and GEMMs timed at 1 ms: it plans the GEMMs' workspace and seconds and runs them
+    in its forward and backward (on host memory, the layer's NumPy kernels as reference)."""
+    from types import SimpleNamespace
+
+    from snrt.backends import cuda_pointwise, cudnn_graphs
+    from snrt.backends.cudnn_graphs import CudnnConv2d
+
+    monkeypatch.setenv("SNRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SNRT_CUDNN_ENGINES", raising=False)
+    monkeypatch.setattr(cudnn_graphs, "device_pointer", lambda array: array.ctypes.data)
+    monkeypatch.setattr(cuda_pointwise.PointwiseGemm, "time", lambda self: 1e-3)
+    layer = Conv2d(out_channels=6, kernel=1)
+    x, params, y_ref, gy, gx_ref, grads_ref = _numpy_run(layer, (5, 4, 3, 7), np.random.default_rng(5))
+    in_shapes = [x.shape]
+    context = SimpleNamespace(refusals={}, workspace_limit_bytes=None,
+                              choice_key=lambda description, limit: f"{description} | {limit}")
+    kernel = CudnnConv2d(layer, in_shapes, SimpleNamespace(module=HostModule(), cudnn=context),
+                         GemmConv2d(layer, in_shapes, HostModule()))
+    kernel._graphs = {(op, None): SimpleNamespace(seconds=2e-3, workspace_bytes=0, name="cudnn")
+                      for op in ("fprop", "dgrad", "wgrad")}
+    assert kernel.measured_seconds(FORWARD) == 1e-3 and kernel.measured_seconds(BACKWARD) == 2e-3
+    assert kernel.workspace_bytes(in_shapes, BACKWARD) == 5 * 6 * 4 * 4  # a partial sum per sample
+    assert [graph.name for graph in kernel.graphs()] == ["cublas"] * 3
+    y = np.full_like(y_ref, np.nan)
+    kernel.forward(KernelContext(np), [x], params, {}, y, {})
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    grads = {k: np.full_like(v, np.nan) for k, v in params.items()}
+    gx = np.full_like(x, np.nan)
+    workspace = np.zeros(kernel.workspace_bytes(in_shapes, BACKWARD), np.uint8)
+    kernel.backward(KernelContext(np, workspace=workspace), gy, Saved((x,)), params, {}, [gx], grads)
+    np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(grads[k], grads_ref[k], rtol=1e-5, atol=1e-4)
+    spatial = CudnnConv2d(Conv2d(out_channels=6, kernel=3), in_shapes, SimpleNamespace(module=HostModule(), cudnn=context),
+                          None)
+    spatial._graphs = dict(kernel._graphs)
+    assert spatial.graph("wgrad", None).name == "cudnn"  # not pointwise: cuDNN's graph, nothing timed
+
+
+@pytest.mark.parametrize("options", [dict(kernel=3, padding=1), dict(kernel=1, stride=2), dict(kernel=1, padding=1),
+                                     dict(kernel=1, groups=2), dict(kernel=(1, 3), padding=(0, 1))], ids=str)
+def test_only_pointwise_convolutions_are_offered_to_the_gemms(options):
+    from snrt.backends.cuda_pointwise import pointwise_shape
+    from snrt.backends.cudnn_graphs import conv_spec
+
+    assert pointwise_shape(conv_spec(Conv2d(out_channels=4, **options), [(2, 4, 8, 8)])) is None
+
+
+def test_the_pointwise_weight_gradient_keeps_its_partials_within_the_cap_and_the_limit():
+    from snrt.backends.cuda_pointwise import PARTIALS_CAP_BYTES, PointwiseShape, weight_partials
+
+    small, large = PointwiseShape(32, 64, 256, 3136), PointwiseShape(32, 1024, 2048, 196)
+    assert weight_partials(small, None) == 32
+    assert weight_partials(large, None) == PARTIALS_CAP_BYTES // (1024 * 2048 * 4) == 4
+    assert weight_partials(small, 3 * 64 * 256 * 4 + 5) == 3
+    assert weight_partials(large, 1 << 20) == weight_partials(small, 0) == 1
 
 
 TRANSPOSED = [
@@ -435,6 +530,79 @@ def test_the_one_pass_relu_and_add_backwards_match_the_layers_own(inputs):
     gxs[1] = None
     CudaAdd(Add(), [gy.shape] * inputs, OnePassModule()).backward(ctx, gy, Saved(xs=(None,) * inputs), {}, {}, gxs, {})
     assert all(np.array_equal(gx, gy) for gx in gxs if gx is not None)
+
+
+class MaxPoolModule:
+    """snrt_maxpool_* on host memory, read from their CUDA source into Python loops (a thread
+    per output, a thread per input element); each launch's arguments checked against the C
+    signature of the kernel the macro declares (the uint8 or int32 instance)."""
+
+    def launch(self, name, blocks, args, threads=256):
+        phase, index = name.rsplit("_", 2)[1:]
+        pointer = {"u8": np.uint8, "i32": np.int32}[index]
+        if phase == "forward":
+            assert [type(a) for a in args[:3]] == [np.ndarray] * 3 and args[2].dtype == pointer
+        else:
+            assert [type(a) for a in args[:3]] == [np.ndarray] * 3 and args[1].dtype == pointer
+        assert all(type(a) is np.int64 for a in args[3:]) and len(args) == 14, name
+        getattr(self, phase)(*args[:3], *map(int, args[3:]))
+
+    @staticmethod
+    def forward(x, y, argmax, nc, h, w, ho, wo, kh, kw, sh, sw, ph, pw):
+        x, y, argmax = x.reshape(nc, h, w), y.reshape(nc, ho, wo), argmax.reshape(nc, ho, wo)
+        for plane, oh, ow in np.ndindex(nc, ho, wo):
+            best, index = np.float32(-np.inf), 0
+            for a, b in np.ndindex(kh, kw):
+                r, q = oh * sh - ph + a, ow * sw - pw + b
+                if 0 <= r < h and 0 <= q < w:
+                    v = x[plane, r, q]
+                    if v > best:
+                        index = a * kw + b
+                    best = best if np.isnan(best) else (v if np.isnan(v) else max(best, v))
+            y[plane, oh, ow], argmax[plane, oh, ow] = best, index
+
+    @staticmethod
+    def backward(gy, argmax, gx, nc, h, w, ho, wo, kh, kw, sh, sw, ph, pw):
+        gy, argmax, gx = gy.reshape(nc, ho, wo), argmax.reshape(nc, ho, wo), gx.reshape(nc, h, w)
+        for plane, r, q in np.ndindex(nc, h, w):
+            acc = np.float32(0)
+            for a, b in np.ndindex(kh, kw):
+                top, left = r + ph - a, q + pw - b
+                if top >= 0 and left >= 0 and top % sh == 0 and left % sw == 0 and top // sh < ho and left // sw < wo:
+                    o = (plane, top // sh, left // sw)
+                    acc = np.float32(acc + gy[o] * np.float32(argmax[o] == a * kw + b))
+            gx[plane, r, q] = acc
+
+
+@pytest.mark.parametrize("options", [dict(kernel=3, stride=2, padding=1), dict(kernel=2),
+                                     dict(kernel=3, stride=2, ceil_mode=True), dict(kernel=(2, 3), stride=1),
+                                     dict(kernel=16, stride=4, padding=8)], ids=str)
+def test_the_cuda_max_pool_computes_the_layers_bits(options):
+    """CudaMaxPool's launches, read into NumPy, give the layer's xp outputs, argmax indices
+    (uint8, or int32 past 255 taps) and gradients bit for bit, ties and a NaN included."""
+    from snrt.backends.cuda_layers import CudaMaxPool
+    from snrt.layers.pool import MaxPool
+
+    layer = MaxPool(**options)
+    rng = np.random.default_rng(6)
+    x = rng.integers(-3, 4, (2, 3, 9, 10)).astype(np.float32)  # many ties
+    x[1, 2, 4, 4] = np.nan
+    in_shapes = [x.shape]
+    y_shape = layer.infer_shape(in_shapes)
+    gy = rng.standard_normal(y_shape).astype(np.float32)
+    runs = []
+    for kernel in (layer, CudaMaxPool(layer, in_shapes, MaxPoolModule())):
+        aux = {k: np.zeros(spec.shape, spec.dtype) for k, spec in layer.aux_specs(in_shapes).items()}
+        y, gx = np.full(y_shape, 7.0, np.float32), np.full(x.shape, 7.0, np.float32)
+        workspace = np.zeros(max(kernel.workspace_bytes(in_shapes, FORWARD), kernel.workspace_bytes(in_shapes, BACKWARD), 1),
+                             np.uint8)
+        kernel.forward(KernelContext(np, workspace=workspace), [x], {}, {}, y, aux)
+        kernel.backward(KernelContext(np, workspace=workspace), gy, Saved((None,)), {}, aux, [gx], {})
+        runs.append((y, aux["argmax"], gx))
+    assert CudaMaxPool(layer, in_shapes, None).workspace_bytes(in_shapes, BACKWARD) == 0
+    for expected, got in zip(*runs):
+        np.testing.assert_array_equal(got, expected)
+        assert got.dtype == expected.dtype
 
 
 def test_a_fused_batch_norm_relu_on_cuda_runs_batch_norm_then_relu():

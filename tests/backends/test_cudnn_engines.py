@@ -179,8 +179,8 @@ def test_the_run_says_how_its_cudnn_engines_were_chosen(cache, monkeypatch):
 
     from snrt.backends.cuda_kernels import CudaKernels
 
-    def graph(how):
-        return SimpleNamespace(chosen=how)
+    def graph(how, name="cudnn"):
+        return SimpleNamespace(chosen=how, name=name)
 
     kernels = CudaKernels()
     assert kernels.describe() == ""
@@ -191,5 +191,56 @@ def test_the_run_says_how_its_cudnn_engines_were_chosen(cache, monkeypatch):
         "relu": SimpleNamespace(name="cuda")}
     assert kernels.describe() == (f"cuDNN: 3 graphs, engines 2 timed now, 1 kept from before, 0 cuDNN's first ({cache}); "
                                   "1 refused (the CUDA kernels run them)")
+    kernels._kernels["1x1"] = SimpleNamespace(name="cudnn", graphs=lambda: [graph(cudnn_engines.KEPT, "cublas")])
+    assert kernels.describe() == (f"cuDNN: 4 graphs, engines 2 timed now, 2 kept from before, 0 cuDNN's first ({cache}); "
+                                  "1 of them pointwise, run by cuBLAS GEMMs (timed faster); "
+                                  "1 refused (the CUDA kernels run them)")
     monkeypatch.setenv(cudnn_engines.VARIABLE, "heuristic")
     assert "(SNRT_CUDNN_ENGINES=heuristic)" in kernels.describe()
+
+
+class StandInGemm:
+    """A PointwiseGemm whose `time()` gives set seconds and counts its calls."""
+
+    name = "cublas"
+
+    def __init__(self, seconds):
+        self.seconds_when_timed, self.calls = seconds, 0
+        self.seconds, self.chosen = None, cudnn_engines.FIRST
+
+    def time(self):
+        self.calls += 1
+        return self.seconds_when_timed
+
+
+def test_a_pointwise_convolution_runs_on_the_gemms_only_where_they_were_timed_faster(cache):
+    """cuda_pointwise.choose: timed at planning time against the cuDNN graph's timed engine,
+    the faster kept on disk and taken again without timing; a graph whose engine was not timed
+    keeps cuDNN; a graph built while a step runs takes the kept choice, or cuDNN."""
+    from types import SimpleNamespace
+
+    from snrt.backends.cuda_pointwise import choose
+
+    timed_graph = SimpleNamespace(seconds=2e-3, name="cudnn")
+    faster = StandInGemm(1e-3)
+    assert choose(timed_graph, faster, "wgrad A", timed=True) is faster
+    assert (faster.calls, faster.seconds, faster.chosen) == (1, 1e-3, cudnn_engines.TIMED)
+    assert json.loads(cache.read_text())["wgrad A"] == {"kernel": "cublas", "seconds": {"cublas": 1e-3, "cudnn": 2e-3}}
+    again = StandInGemm(9.0)  # a later run: the kept choice, nothing timed
+    assert choose(timed_graph, again, "wgrad A", timed=True) is again
+    assert (again.calls, again.seconds, again.chosen) == (0, 1e-3, cudnn_engines.KEPT)
+    during_a_step = StandInGemm(9.0)
+    assert choose(timed_graph, during_a_step, "wgrad A", timed=False) is during_a_step and during_a_step.calls == 0
+
+    slower = StandInGemm(3e-3)
+    assert choose(timed_graph, slower, "fprop B", timed=True) is timed_graph and slower.calls == 1
+    assert json.loads(cache.read_text())["fprop B"]["kernel"] == "cudnn"
+    assert choose(timed_graph, StandInGemm(1e-6), "fprop B", timed=True) is timed_graph  # kept: not timed again
+
+    untimed_graph = SimpleNamespace(seconds=None, name="cudnn")
+    never = StandInGemm(1e-6)
+    assert choose(untimed_graph, never, "dgrad C", timed=True) is untimed_graph and never.calls == 0
+    assert choose(timed_graph, StandInGemm(1e-6), "dgrad D", timed=False) is timed_graph  # nothing kept: cuDNN
+    no_memory = StandInGemm(None)
+    assert choose(timed_graph, no_memory, "dgrad E", timed=True) is timed_graph
+    assert "dgrad E" not in json.loads(cache.read_text())

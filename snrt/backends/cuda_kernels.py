@@ -56,6 +56,9 @@ class CudaReLUAfter(ReLUAfter):
         return None
 
 
+# what may run a cuDNN graph's operation instead (cudnn_engines.faster), by name
+ALTERNATIVES = {"cublas": "cuBLAS GEMMs", "cuda": "CUDA kernels"}
+
 # layer type -> factory(layer, in_shapes, CudaKernels) -> kernel; other layers: XpKernel
 REGISTRY = {
     "Conv2d": _cudnn_conv,
@@ -158,10 +161,10 @@ class CudaKernels:
 
     def describe(self):
         """'cuDNN: G graphs, T on engines timed now, K kept from before (FILE), F on cuDNN's
-        first; P of them pointwise, run by cuBLAS GEMMs (timed faster); R refused (the CUDA
-        kernels run them)', of the graphs built so far ('' when none): what the engine
-        choice came to."""
-        from snrt.backends import choice_file, cuda_pointwise, cudnn_engines
+        first; run instead, where timed faster: P by cuBLAS GEMMs, B by CUDA kernels; R refused
+        (the CUDA kernels run them)', of the graphs built so far ('' when none): what the
+        engine choice came to."""
+        from snrt.backends import choice_file, cudnn_engines
 
         graphs = [graph for kernel in self._kernels.values() if kernel.name == "cudnn" for graph in kernel.graphs()]
         if not graphs:
@@ -173,9 +176,10 @@ class CudaKernels:
         where = (choice_file.cache_path(cudnn_engines.CACHE_FILE) if setting == "measure"
                  else f"{cudnn_engines.VARIABLE}={setting}")
         refused = len(graphs) - len(built)
-        gemms = sum(graph.name == cuda_pointwise.GEMM for graph in built)
+        instead = [f"{sum(graph.name == name for graph in built)} by {label}" for name, label in ALTERNATIVES.items()
+                   if any(graph.name == name for graph in built)]
         return (f"cuDNN: {len(built)} graphs, engines {', '.join(counts)} ({where})"
-                + (f"; {gemms} of them pointwise, run by cuBLAS GEMMs (timed faster)" if gemms else "")
+                + (f"; run instead, where timed faster: {', '.join(instead)}" if instead else "")
                 + (f"; {refused} refused (the CUDA kernels run them)" if refused else ""))
 
     def summary(self):

@@ -36,7 +36,7 @@ import numpy as np
 
 from snrt.backends.cuda_source import NULL_POINTER, device_pointer, grid_for, int64_args
 from snrt.errors import SnrtError
-from snrt.layers.base import FLOAT32_BYTES, numel
+from snrt.layers.base import FLOAT32_BYTES, numel, scratch_bytes
 from snrt.layers.random import stream_key
 
 # Layers whose generic xp kernel allocates on CuPy, and what allocates (checked by reading
@@ -102,42 +102,78 @@ class Float32Kernel(XpKernel):
         return array.dtype == np.float32
 
 
+BATCHNORM_BLOCKS = 2048  # the training kernels' grid, about: channels times slices of samples
+
+
+def batchnorm_slices(n, c, hw):
+    """(slices, samples per slice) the BatchNorm training kernels cut each channel's n samples
+    into: about BATCHNORM_BLOCKS blocks over the c channels, every slice holding at least one
+    sample and fewer than 2^32 values (the kernels index a slice in 32 bits)."""
+    if hw >= 1 << 32:
+        raise SnrtError(f"BatchNorm over {hw} values per channel and sample: the CUDA kernels index fewer than 2^32")
+    wanted = min(n, max(1, -(-BATCHNORM_BLOCKS // c)))
+    per = min(-(-n // wanted), max(1, ((1 << 32) - 1) // hw))
+    return -(-n // per), per
+
+
 class CudaBatchNorm(Float32Kernel):
-    """BatchNorm by snrt_bn_* (one block per channel); cuDNN's is in cudnn_graphs. Without an
-    affine part the weight, bias and their gradients go to the kernels as null pointers."""
+    """BatchNorm by snrt_bn_*; cuDNN's is in cudnn_graphs. In training each channel's samples
+    are cut into slices (batchnorm_slices), a block per channel and slice, whose partial sums
+    the next pass adds in order in the workspace: forward, the sums, the squared deviations,
+    then the normalized output; backward, the sums of gy and gy * (x - mean), then gx. Without
+    an affine part the weight, bias and their gradients go to the kernels as null pointers."""
 
     name = "cuda"
+
+    def own_workspace_bytes(self, in_shapes, phase):
+        """Two partial sums per block (none in eval, which this size does not know: reserved)."""
+        n, c = in_shapes[0][:2]
+        slices, _ = batchnorm_slices(n, c, numel(in_shapes[0][2:]))
+        return scratch_bytes(2 * c * slices * FLOAT32_BYTES)
+
+    def _grid(self, x):
+        n, c = x.shape[:2]
+        hw = numel(x.shape[2:])
+        slices, _ = batchnorm_slices(n, c, hw)
+        return c * slices, int64_args(n, c, hw, slices)
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
         if not self.is_float32(x):
             return super().forward(ctx, xs, params, state, y, aux, recompute)
-        n, c = x.shape[:2]
-        hw = numel(x.shape[2:])
-        if ctx.training:
-            self.layer.check_training([x.shape])
-            count = n * hw
-            momentum = self.layer.momentum
-            self.module.launch("snrt_bn_forward_train", c, (
-                x, y, params.get("weight", NULL_POINTER), params.get("bias", NULL_POINTER), aux["mean"], aux["inv_std"],
-                state["running_mean"], state["running_var"], *int64_args(n, c, hw), np.float32(self.layer.eps),
-                np.float32(momentum), np.float32(1 - momentum), np.float32(count / (count - 1)),
-                np.int32(0 if recompute else 1)))
-        else:
+        weight, bias = params.get("weight", NULL_POINTER), params.get("bias", NULL_POINTER)
+        if not ctx.training:
+            c, hw = x.shape[1], numel(x.shape[2:])
             self.module.launch("snrt_bn_forward_eval", grid_for(x.size), (
-                x, y, params.get("weight", NULL_POINTER), params.get("bias", NULL_POINTER), state["running_mean"],
-                state["running_var"], aux["mean"], aux["inv_std"], *int64_args(x.size, c, hw), np.float32(self.layer.eps)))
+                x, y, weight, bias, state["running_mean"], state["running_var"], aux["mean"], aux["inv_std"],
+                *int64_args(x.size, c, hw), np.float32(self.layer.eps)))
+            return
+        self.layer.check_training([x.shape])
+        blocks, sizes = self._grid(x)
+        sums, squares = ctx.scratch((2, blocks), np.float32)
+        count = numel(x.shape) // x.shape[1]
+        momentum = self.layer.momentum
+        self.module.launch("snrt_bn_sums", blocks, (x, sums, *sizes))
+        self.module.launch("snrt_bn_squares", blocks, (x, sums, squares, *sizes))
+        self.module.launch("snrt_bn_normalize", blocks, (
+            x, y, weight, bias, sums, squares, aux["mean"], aux["inv_std"], state["running_mean"], state["running_var"],
+            *sizes, np.float32(self.layer.eps), np.float32(momentum), np.float32(1 - momentum),
+            np.float32(count / (count - 1)), np.int32(0 if recompute else 1)))
+        ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         x = saved.xs[0]
         if not self.is_float32(x):
             return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
-        n, c = x.shape[:2]
         gx = gxs[0]
-        self.module.launch("snrt_bn_backward", c, (
-            x, gy, params.get("weight", NULL_POINTER), aux["mean"], aux["inv_std"], NULL_POINTER if gx is None else gx,
-            gparams.get("weight", NULL_POINTER), gparams.get("bias", NULL_POINTER), *int64_args(n, c, numel(x.shape[2:])),
-            np.int32(bool(ctx.training))))
+        blocks, sizes = self._grid(x)
+        sums, dots = ctx.scratch((2, blocks), np.float32)
+        self.module.launch("snrt_bn_grad_sums", blocks, (x, gy, aux["mean"], sums, dots, *sizes))
+        self.module.launch("snrt_bn_grad_input", blocks, (
+            x, gy, params.get("weight", NULL_POINTER), aux["mean"], aux["inv_std"], sums, dots,
+            NULL_POINTER if gx is None else gx, gparams.get("weight", NULL_POINTER), gparams.get("bias", NULL_POINTER),
+            *sizes, np.int32(bool(ctx.training))))
+        ctx.release_scratch()
 
 
 class CudaSoftmaxCrossEntropy(Float32Kernel):

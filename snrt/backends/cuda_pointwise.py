@@ -14,22 +14,19 @@ gw itself and need no workspace. cuBLAS uses no atomics here, so every run compu
 bits, as a deterministic cuDNN engine does.
 
 cuDNN's deterministic engines ran some of these shapes at a fifth of this GPU's GEMM rate
-(results/gpu_check.md), so for each operation of a pointwise convolution `choose` times the
-GEMMs against the cuDNN graph's engine at planning time and keeps the faster; the choice is
-kept in cudnn-engines.json beside the engines' (snrt/backends/cudnn_engines.py), so a later
-run takes the same one without timing.
+(results/gpu_check.md), so each operation of a pointwise convolution runs on the GEMMs where
+they were timed faster than the cuDNN graph's engine (cudnn_engines.faster).
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from snrt.backends import choice_file, cudnn_engines
-from snrt.backends.cuda_source import best_seconds, grid_for, int64_args
+from snrt.backends import cudnn_engines
+from snrt.backends.cuda_source import best_seconds, grid_for, int64_args, on_own_pool
 from snrt.layers.base import FLOAT32_BYTES
 
 PARTIALS_CAP_BYTES = 32 << 20  # the weight gradient's partial sums, at most (fewer partials beyond)
-GEMM = "cublas"  # the name a kept choice gives the GEMMs (the other is "cudnn")
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ class PointwiseGemm:
     a built cuDNN graph's interface (CudnnGraph): `workspace_bytes`, `seconds` (timed, or
     None), `chosen` (how) and `execute(pointers, workspace_ptr)` with the same roles."""
 
-    name = GEMM
+    name = "cublas"
 
     def __init__(self, module, op, shape, limit):
         self.module, self.op, self.shape = module, op, shape
@@ -105,20 +102,9 @@ class PointwiseGemm:
                                (np.uint64(workspace_ptr), np.uint64(dw), *int64_args(k, o * c)))
 
     def time(self):
-        """The best seconds of the operation on temporary device buffers (every value 0.5,
-        from a memory pool of its own, emptied after), or None when the device has no memory
-        to spare for them."""
-        import cupy
-
-        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-        try:
-            with cupy.cuda.using_allocator(pool.malloc), stream:
-                return self._time_on(cupy, stream)  # its buffers are released when it returns
-        except cupy.cuda.memory.OutOfMemoryError:
-            return None
-        finally:
-            stream.synchronize()
-            pool.free_all_blocks()
+        """The best seconds of the operation on temporary device buffers (every value 0.5),
+        or None when the device has no memory to spare for them."""
+        return on_own_pool(self._time_on)
 
     def _time_on(self, cupy, stream):
         held = {role: cupy.full(values, 0.5, np.float32) for role, values in self.sizes().items()}
@@ -128,42 +114,4 @@ class PointwiseGemm:
                             cudnn_engines.ROUNDS)
 
 
-def choose(graph, gemm, key, timed):
-    """`gemm` (a PointwiseGemm) when it is faster than `graph` (the cuDNN graph of the same
-    operation, built with its engine chosen), else `graph`.
-
-    `key` names the pair in the engines' choices file. `timed` (at planning time): the kept
-    choice, or both timed now and the choice kept; the GEMMs are only chosen over a graph
-    whose engine was timed. Else (a step's graph built while it runs) the kept choice, or
-    `graph` when none is kept."""
-    path = choice_file.cache_path(cudnn_engines.CACHE_FILE)
-    if not timed:
-        entry = choice_file.read(path).get(key)
-        return _chosen(gemm, entry, cudnn_engines.KEPT) if _usable(entry) and entry["kernel"] == GEMM else graph
-    if graph.seconds is None:
-        return graph
-    how = {"how": cudnn_engines.KEPT}
-
-    def measure():
-        how["how"] = cudnn_engines.TIMED
-        seconds = gemm.time()
-        if seconds is None:
-            return None
-        return {"kernel": GEMM if seconds < graph.seconds else "cudnn", "seconds": {GEMM: seconds, "cudnn": graph.seconds}}
-
-    entry = choice_file.remembered(path, key, _usable, measure)
-    return _chosen(gemm, entry, how["how"]) if entry is not None and entry["kernel"] == GEMM else graph
-
-
-def _usable(entry):
-    return (isinstance(entry, dict) and entry.get("kernel") in (GEMM, "cudnn")
-            and isinstance(entry.get("seconds"), dict) and isinstance(entry["seconds"].get(GEMM), (int, float)))
-
-
-def _chosen(gemm, entry, how):
-    gemm.seconds, gemm.chosen = entry["seconds"][GEMM], how
-    return gemm
-
-
-__all__ = ["GEMM", "PARTIALS_CAP_BYTES", "PointwiseGemm", "PointwiseShape", "choose", "pointwise_shape",
-           "weight_partials"]
+__all__ = ["PARTIALS_CAP_BYTES", "PointwiseGemm", "PointwiseShape", "pointwise_shape", "weight_partials"]

@@ -24,7 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from snrt.backends import choice_file
-from snrt.backends.cuda_source import best_seconds
+from snrt.backends.cuda_source import best_seconds, on_own_pool
 
 RATES_FILE = "cuda-rates.json"
 FIELDS = ("flops_per_s", "memory_bytes_per_s", "copy_bytes_per_s")
@@ -62,15 +62,9 @@ def _usable(entry):
 
 def measure_rates():
     """{field: rate} of this GPU (FIELDS), each measured as the module docstring says."""
-    import cupy
-
-    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    try:
-        with cupy.cuda.using_allocator(pool.malloc), stream:
-            seconds = _timed_calls(cupy, stream)  # its buffers are gone when it returns
-    finally:
-        stream.synchronize()
-        pool.free_all_blocks()
+    seconds = on_own_pool(_timed_calls)
+    if seconds is None:
+        raise MemoryError("no device memory to spare for measuring the rates")
     return {"memory_bytes_per_s": 2 * MEASURED_BYTES / seconds["memory"],
             "copy_bytes_per_s": MEASURED_BYTES / max(seconds["to_device"], seconds["to_host"]),
             "flops_per_s": 2 * GEMM_SIZE ** 3 / seconds["gemm"], "seconds": seconds}

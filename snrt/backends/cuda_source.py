@@ -17,8 +17,9 @@ MAX_GRID = 65535 * 32  # grid-stride loops cover the rest
 
 KERNEL_SOURCE = r"""
 // snrt CUDA kernels: float32, NCHW, sizes as long long. Every kernel writes only the buffers
-// it is given; per-channel and per-row reductions run one block per channel (row). No
-// headers: NVRTC compiles this without a CUDA toolkit or a device.
+// it is given; per-channel and per-row reductions run one block per channel (row), BatchNorm's
+// in training a block per channel and slice of samples. No headers: NVRTC compiles this
+// without a CUDA toolkit or a device.
 
 #define SNRT_NEG_INF __int_as_float(0xff800000)
 // A grid-stride loop of i over [0, total).
@@ -68,27 +69,71 @@ extern "C" __global__ void snrt_bias_add(float* y, const float* b, long long tot
         y[i] += b[(i / hw) % c];
 }
 
-// BatchNorm training forward, one block per channel: batch mean and biased variance (two
-// passes, like the NumPy kernel), aux mean and inv_std = 1/sqrt(var + eps), the running
-// statistics (unless recomputing), and y = (x - mean) * (weight * inv_std) + bias.
-// keep = 1 - momentum and unbias = M/(M-1) come from the host in float32, as NumPy rounds them.
-// In every BatchNorm kernel a null weight and bias mean weight 1 and bias 0 (affine: false).
-extern "C" __global__ void snrt_bn_forward_train(
-        const float* x, float* y, const float* weight, const float* bias, float* mean, float* inv_std,
-        float* running_mean, float* running_var, long long n, long long c, long long hw,
-        float eps, float momentum, float keep, float unbias, int update_running) {
-    long long ch = blockIdx.x, count = n * hw;
+// BatchNorm in training, over a grid of c * slices blocks: block b works on channel
+// ch = b / slices and, of its n samples, on [s * per, min(n, (s + 1) * per)) with s = b % slices
+// and per = ceil(n / slices); a pass writes its block's sum to partials[b] and the next kernel
+// adds a channel's `slices` partials in order (snrt_bn_channel_total), so the bits depend on the
+// shapes alone. In every BatchNorm kernel a null weight and bias mean weight 1 and bias 0
+// (affine: false). Values of a slice are indexed with 32-bit arithmetic: per * hw < 2^32.
+__device__ __forceinline__ float snrt_bn_channel_total(const float* partials, long long ch, long long slices) {
+    float total = 0.0f;
+    for (long long s = 0; s < slices; ++s) total = __fadd_rn(total, partials[ch * slices + s]);
+    return total;
+}
+
+// The offset of a slice's k-th value (k < its count) from x: sample n0 + k / hw, pixel k % hw.
+__device__ __forceinline__ long long snrt_bn_at(unsigned int k, unsigned int hw, long long n0, long long c, long long ch) {
+    unsigned int sample = k / hw;
+    return ((n0 + sample) * c + ch) * (long long)hw + (k - sample * hw);
+}
+
+#define SNRT_BN_SLICE(n, c, hw, slices)                                                                 \
+    long long ch = blockIdx.x / (slices), per = ((n) + (slices) - 1) / (slices);                       \
+    long long n0 = (blockIdx.x % (slices)) * per;                                                      \
+    unsigned int count = (unsigned int)(((n0 + per < (n) ? n0 + per : (n)) - n0) * (hw));               \
+    unsigned int hw32 = (unsigned int)(hw);
+
+// Pass 1 of the training forward: partials[b] = the slice's sum of x.
+extern "C" __global__ void snrt_bn_sums(const float* x, float* partials, long long n, long long c, long long hw,
+                                        long long slices) {
+    SNRT_BN_SLICE(n, c, hw, slices)
     float acc = 0.0f;
-    for (long long k = threadIdx.x; k < count; k += blockDim.x) acc += x[((k / hw) * c + ch) * hw + k % hw];
-    float m = __fmul_rn(snrt_block_sum(acc), (float)(1.0 / (double)count));
-    acc = 0.0f;
-    for (long long k = threadIdx.x; k < count; k += blockDim.x) {
-        float d = __fsub_rn(x[((k / hw) * c + ch) * hw + k % hw], m);
+    for (unsigned int k = threadIdx.x; k < count; k += blockDim.x) acc += x[snrt_bn_at(k, hw32, n0, c, ch)];
+    acc = snrt_block_sum(acc);
+    if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+// The batch mean of channel ch from pass 1's partials, as the one-block kernel rounded it.
+__device__ __forceinline__ float snrt_bn_mean(const float* sums, long long ch, long long slices, long long m) {
+    return __fmul_rn(snrt_bn_channel_total(sums, ch, slices), (float)(1.0 / (double)m));
+}
+
+// Pass 2: squares[b] = the slice's sum of (x - mean)^2 (two passes, like the NumPy kernel).
+extern "C" __global__ void snrt_bn_squares(const float* x, const float* sums, float* squares, long long n,
+                                           long long c, long long hw, long long slices) {
+    SNRT_BN_SLICE(n, c, hw, slices)
+    float m = snrt_bn_mean(sums, ch, slices, n * hw), acc = 0.0f;
+    for (unsigned int k = threadIdx.x; k < count; k += blockDim.x) {
+        float d = __fsub_rn(x[snrt_bn_at(k, hw32, n0, c, ch)], m);
         acc = __fadd_rn(acc, __fmul_rn(d, d));
     }
-    float var = snrt_block_sum(acc) / (float)count;
+    acc = snrt_block_sum(acc);
+    if (threadIdx.x == 0) squares[blockIdx.x] = acc;
+}
+
+// Pass 3: y = (x - mean) * (weight * inv_std) + bias over the slice, inv_std = 1/sqrt(var + eps)
+// with the biased variance; the channel's first block writes aux mean and inv_std and, unless
+// recomputing, the running statistics (keep = 1 - momentum and unbias = M/(M-1) come from the
+// host in float32, as NumPy rounds them).
+extern "C" __global__ void snrt_bn_normalize(
+        const float* x, float* y, const float* weight, const float* bias, const float* sums, const float* squares,
+        float* mean, float* inv_std, float* running_mean, float* running_var, long long n, long long c, long long hw,
+        long long slices, float eps, float momentum, float keep, float unbias, int update_running) {
+    SNRT_BN_SLICE(n, c, hw, slices)
+    float m = snrt_bn_mean(sums, ch, slices, n * hw);
+    float var = snrt_bn_channel_total(squares, ch, slices) / (float)(n * hw);
     float inv = 1.0f / sqrtf(__fadd_rn(var, eps));
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && blockIdx.x % slices == 0) {
         mean[ch] = m;
         inv_std[ch] = inv;
         if (update_running) {
@@ -97,8 +142,8 @@ extern "C" __global__ void snrt_bn_forward_train(
         }
     }
     float scale = weight ? __fmul_rn(weight[ch], inv) : inv, shift = bias ? bias[ch] : 0.0f;
-    for (long long k = threadIdx.x; k < count; k += blockDim.x) {
-        long long i = ((k / hw) * c + ch) * hw + k % hw;
+    for (unsigned int k = threadIdx.x; k < count; k += blockDim.x) {
+        long long i = snrt_bn_at(k, hw32, n0, c, ch);
         y[i] = __fadd_rn(__fmul_rn(__fsub_rn(x[i], m), scale), shift);
     }
 }
@@ -120,35 +165,48 @@ extern "C" __global__ void snrt_bn_forward_eval(
     }
 }
 
-// BatchNorm backward, one block per channel (gx may be null; gweight and gbias are null
-// without an affine part):
-// gweight = sum(gy * xhat), gbias = sum(gy); training:
-// gx = weight*inv_std * (gy + x*c1 + c0), c1 = -inv_std*sum(gy*xhat)/M, c0 = -mean*c1 - sum(gy)/M;
-// eval: gx = weight*inv_std * gy.
-extern "C" __global__ void snrt_bn_backward(
-        const float* x, const float* gy, const float* weight, const float* mean, const float* inv_std,
-        float* gx, float* gweight, float* gbias, long long n, long long c, long long hw, int training) {
-    long long ch = blockIdx.x, count = n * hw;
-    float acc_gy = 0.0f, acc_dot = 0.0f;
-    for (long long k = threadIdx.x; k < count; k += blockDim.x) {
-        long long i = ((k / hw) * c + ch) * hw + k % hw;
-        acc_gy += gy[i];
-        acc_dot += gy[i] * x[i];
+// BatchNorm backward, pass 1 (the slices as in training): sums[b] = the slice's sum of gy,
+// dots[b] = its sum of gy * (x - mean).
+extern "C" __global__ void snrt_bn_grad_sums(const float* x, const float* gy, const float* mean, float* sums,
+                                             float* dots, long long n, long long c, long long hw, long long slices) {
+    SNRT_BN_SLICE(n, c, hw, slices)
+    float m = mean[ch], acc_gy = 0.0f, acc_dot = 0.0f;
+    for (unsigned int k = threadIdx.x; k < count; k += blockDim.x) {
+        long long i = snrt_bn_at(k, hw32, n0, c, ch);
+        float g = gy[i];
+        acc_gy = __fadd_rn(acc_gy, g);
+        acc_dot = __fadd_rn(acc_dot, __fmul_rn(g, __fsub_rn(x[i], m)));
     }
-    float sum_gy = snrt_block_sum(acc_gy);
-    float dot = snrt_block_sum(acc_dot);
+    acc_gy = snrt_block_sum(acc_gy);
+    acc_dot = snrt_block_sum(acc_dot);
+    if (threadIdx.x == 0) {
+        sums[blockIdx.x] = acc_gy;
+        dots[blockIdx.x] = acc_dot;
+    }
+}
+
+// Pass 2: the channel's first block writes gweight = sum(gy * xhat) and gbias = sum(gy) (both
+// null without an affine part); every block, when gx is not null, writes its slice of
+// training: gx = weight*inv_std * (gy + x*c1 + c0), c1 = -inv_std*sum(gy*xhat)/M, c0 = -mean*c1 - sum(gy)/M;
+// eval: gx = weight*inv_std * gy.
+extern "C" __global__ void snrt_bn_grad_input(
+        const float* x, const float* gy, const float* weight, const float* mean, const float* inv_std,
+        const float* sums, const float* dots, float* gx, float* gweight, float* gbias, long long n, long long c,
+        long long hw, long long slices, int training) {
+    SNRT_BN_SLICE(n, c, hw, slices)
     float m = mean[ch], inv = inv_std[ch];
-    float sum_gy_xhat = __fmul_rn(__fsub_rn(dot, __fmul_rn(m, sum_gy)), inv);
-    if (threadIdx.x == 0 && gweight) {
+    float sum_gy = snrt_bn_channel_total(sums, ch, slices);
+    float sum_gy_xhat = __fmul_rn(snrt_bn_channel_total(dots, ch, slices), inv);
+    if (threadIdx.x == 0 && blockIdx.x % slices == 0 && gweight) {
         gweight[ch] = sum_gy_xhat;
         gbias[ch] = sum_gy;
     }
     if (gx == 0) return;
     float scale = weight ? __fmul_rn(weight[ch], inv) : inv;
-    float c1 = __fdiv_rn(__fmul_rn(-inv, sum_gy_xhat), (float)count);
-    float c0 = __fsub_rn(__fmul_rn(-m, c1), __fdiv_rn(sum_gy, (float)count));
-    for (long long k = threadIdx.x; k < count; k += blockDim.x) {
-        long long i = ((k / hw) * c + ch) * hw + k % hw;
+    float c1 = __fdiv_rn(__fmul_rn(-inv, sum_gy_xhat), (float)(n * hw));
+    float c0 = __fsub_rn(__fmul_rn(-m, c1), __fdiv_rn(sum_gy, (float)(n * hw)));
+    for (unsigned int k = threadIdx.x; k < count; k += blockDim.x) {
+        long long i = snrt_bn_at(k, hw32, n0, c, ch);
         gx[i] = training ? __fmul_rn(__fadd_rn(__fadd_rn(__fmul_rn(x[i], c1), c0), gy[i]), scale)
                          : __fmul_rn(gy[i], scale);
     }
@@ -431,7 +489,8 @@ extern "C" __global__ void snrt_adam_step(
 """
 
 KERNEL_NAMES = (
-    "snrt_channel_sum", "snrt_bias_add", "snrt_bn_forward_train", "snrt_bn_forward_eval", "snrt_bn_backward",
+    "snrt_channel_sum", "snrt_bias_add", "snrt_bn_sums", "snrt_bn_squares", "snrt_bn_normalize",
+    "snrt_bn_forward_eval", "snrt_bn_grad_sums", "snrt_bn_grad_input",
     "snrt_xent_forward_i32", "snrt_xent_backward_i32", "snrt_xent_forward_i64", "snrt_xent_backward_i64",
     "snrt_dropout", "snrt_avgpool_forward", "snrt_avgpool_backward", "snrt_im2col", "snrt_col2im_add",
     "snrt_relu_backward", "snrt_copy_to_two", "snrt_sgd_step", "snrt_adam_step", "snrt_sum_slices",
@@ -561,6 +620,23 @@ def best_seconds(stream, action, rounds):
     return best
 
 
+def on_own_pool(measure):
+    """`measure(cupy, stream)` with a memory pool of its own and a new non-blocking stream
+    made current (the pool emptied after), or None when the device has no memory to spare;
+    what `measure` allocates is released when it returns."""
+    import cupy
+
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    try:
+        with cupy.cuda.using_allocator(pool.malloc), stream:
+            return measure(cupy, stream)
+    except cupy.cuda.memory.OutOfMemoryError:
+        return None
+    finally:
+        stream.synchronize()
+        pool.free_all_blocks()
+
+
 NULL_POINTER = np.uint64(0)  # a null device pointer as a kernel argument (an optional buffer left out)
 
 
@@ -575,5 +651,5 @@ def int64_args(*values):
 
 
 __all__ = ["BLOCK", "KERNEL_NAMES", "KERNEL_SOURCE", "MAX_GRID", "NULL_POINTER", "NVRTC_OPTIONS", "CompileError",
-           "KernelModule", "best_seconds", "compile_ptx", "device_name", "device_pointer", "grid_for", "int64_args", "nvrtc_toolkit",
+           "KernelModule", "best_seconds", "compile_ptx", "on_own_pool", "device_name", "device_pointer", "grid_for", "int64_args", "nvrtc_toolkit",
            "unsupported_device_reason"]

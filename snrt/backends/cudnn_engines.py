@@ -19,6 +19,10 @@ the planned engine's) is not timed: it gets the kept engine if that fits, else c
 The workspace the kernel asks the planner for is the selected engine's, and its measured
 seconds stay with the graph.
 
+Some operations have an alternative to cuDNN (1x1 convolutions by cuBLAS GEMMs, BatchNorm by
+snrt's CUDA kernels): `faster` times it against the graph's timed engine at planning time and
+keeps whichever ran faster, in the same file.
+
 `SNRT_CUDNN_ENGINES` sets the choice: `measure` (the default) or `heuristic` (cuDNN's first
 engine that builds and fits, as before engines were timed; nothing is timed or kept).
 """
@@ -159,3 +163,43 @@ def select(graph, key, limit, time_engines=None):
         engine, seconds, how = chosen["kept"]
     graph.build_plan_at_index(engine.index)  # select it (building others selected them in turn)
     return engine, seconds, how
+
+
+def faster(graph, alternative, key, timed):
+    """`alternative` when it runs the operation of `graph` (a built cuDNN graph, its engine
+    chosen) faster, else `graph`. An alternative (cuBLAS GEMMs, snrt's CUDA kernels) has a
+    `name`, `time()` (its best seconds on temporary buffers, or None without the memory) and
+    `seconds` and `chosen`, set here when it is taken.
+
+    `key` names the pair in the choices file. `timed` (at planning time): the kept choice,
+    else both timed now and the choice kept; an alternative is only chosen over an engine
+    that was timed. Untimed (a graph built while a step runs): the kept choice, or `graph`."""
+    path = choice_file.cache_path(CACHE_FILE)
+
+    def usable(entry):
+        return (isinstance(entry, dict) and entry.get("kernel") in (alternative.name, "cudnn")
+                and isinstance(entry.get("seconds"), dict)
+                and isinstance(entry["seconds"].get(alternative.name), (int, float)))
+
+    def taken(entry, how):
+        if entry is None or entry["kernel"] != alternative.name:
+            return graph
+        alternative.seconds, alternative.chosen = entry["seconds"][alternative.name], how
+        return alternative
+
+    if not timed:
+        entry = choice_file.read(path).get(key)
+        return taken(entry if usable(entry) else None, KEPT)
+    if graph.seconds is None:
+        return graph
+    how = {"how": KEPT}
+
+    def measure():
+        how["how"] = TIMED
+        seconds = alternative.time()
+        if seconds is None:
+            return None
+        return {"kernel": alternative.name if seconds < graph.seconds else "cudnn",
+                "seconds": {alternative.name: seconds, "cudnn": graph.seconds}}
+
+    return taken(choice_file.remembered(path, key, usable, measure), how["how"])

@@ -27,9 +27,12 @@ Three layers, from pure Python to the device:
 
 Kernels `CudnnConv2d` and `CudnnBatchNorm` have the layer contract. What cuDNN refuses (no
 engine for the shape, or none within the workspace) runs on the fallback kernel of
-snrt/backends/cuda_layers.py (im2col + cuBLAS, or the one-block-per-channel BatchNorm), and
+snrt/backends/cuda_layers.py (im2col + cuBLAS, or the BatchNorm kernels), and
 the reason is kept in `CudnnContext.refusals`. BatchNorm goes to cuDNN in training only
-(forward and backward with an input gradient); eval uses the fallback.
+(forward and backward with an input gradient); eval uses the fallback. Some operations have
+an alternative timed against the cuDNN graph's engine, which runs them where it was faster
+(cudnn_engines.faster): cuBLAS GEMMs for a 1x1 convolution (snrt/backends/cuda_pointwise.py),
+the CUDA kernels for BatchNorm (`KernelsInstead`).
 
 The workspace a kernel asks the planner for (`workspace_bytes`) is its cuDNN graphs' need
 under the context's `workspace_limit_bytes` (forward: conv_fprop; backward: the larger of
@@ -47,9 +50,9 @@ import numpy as np
 
 from snrt.backends import cuda_pointwise, cudnn_engines
 from snrt.backends.cuda_layers import Float32Kernel, XpKernel
-from snrt.backends.cuda_source import best_seconds, device_name, device_pointer, grid_for, int64_args
+from snrt.backends.cuda_source import best_seconds, device_name, device_pointer, grid_for, int64_args, on_own_pool
 from snrt.errors import SnrtError
-from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, KernelContext, Saved, numel, scratch_bytes
 
 CONV_OPS = ("fprop", "dgrad", "wgrad")
 BATCHNORM_OPS = ("forward", "backward")
@@ -321,19 +324,15 @@ class CudnnContext:
         workspace for the largest need, from a memory pool of their own that is emptied
         after; an engine that fails to run takes forever (never selected); None when the
         device has no memory to spare for them."""
-        import cupy
 
-        pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-        self.cudnn.set_stream(self.handle, stream.ptr)
-        try:
-            with cupy.cuda.using_allocator(pool.malloc), stream:
+        def measure(cupy, stream):
+            self.cudnn.set_stream(self.handle, stream.ptr)
+            try:
                 return self._time_on(cupy, stream, graph, tensors, engines)
-        except cupy.cuda.memory.OutOfMemoryError:
-            return None
-        finally:
-            stream.synchronize()
-            self.cudnn.set_stream(self.handle, self.stream_ptr)
-            pool.free_all_blocks()
+            finally:
+                self.cudnn.set_stream(self.handle, self.stream_ptr)
+
+        return on_own_pool(measure)
 
     def _time_on(self, cupy, stream, graph, tensors, engines):
         """time_engines' measurement, with the pool and stream current (its buffers are
@@ -360,6 +359,48 @@ class CudnnContext:
         return seconds
 
 
+class KernelsInstead:
+    """A layer's CUDA kernels (a cuDNN kernel's fallback) as the alternative to one phase's
+    cuDNN graph (cudnn_engines.faster): their workspace, and `time()`, the best seconds of
+    that phase on temporary device buffers of the layer's shapes (every value 0.5; the
+    backward after one forward, for its statistics), from a memory pool of their own."""
+
+    name = "cuda"
+
+    def __init__(self, kernel, in_shapes, phase):
+        self.kernel, self.in_shapes, self.phase = kernel, in_shapes, phase
+        self.workspace_bytes = kernel.own_workspace_bytes(in_shapes, phase)
+        self.seconds, self.chosen = None, cudnn_engines.FIRST
+
+    def time(self):
+        return on_own_pool(self._time_on)
+
+    def _time_on(self, cupy, stream):
+        layer, in_shapes, kernel = self.kernel.layer, self.in_shapes, self.kernel
+
+        def filled(specs):
+            return {name: cupy.full(spec.shape, 0.5, np.float32) for name, spec in specs.items()}
+
+        xs = [cupy.full(shape, 0.5, np.float32) for shape in in_shapes]
+        params, state, aux = filled(layer.param_specs(in_shapes)), filled(layer.state_specs(in_shapes)), \
+            filled(layer.aux_specs(in_shapes))
+        y = cupy.empty(layer.infer_shape(in_shapes), np.float32)
+        workspace = cupy.empty(max(kernel.own_workspace_bytes(in_shapes, phase) for phase in (FORWARD, BACKWARD)),
+                               np.uint8)
+
+        def context():
+            return KernelContext(cupy, training=True, workspace=workspace if workspace.size else None)
+
+        kernel.forward(context(), xs, params, state, y, aux, recompute=True)
+        if self.phase == FORWARD:
+            return best_seconds(stream, lambda: kernel.forward(context(), xs, params, state, y, aux, recompute=True),
+                                cudnn_engines.ROUNDS)
+        gy, gxs, gparams = cupy.full(y.shape, 0.5, np.float32), [cupy.empty_like(x) for x in xs], \
+            {name: cupy.empty_like(p) for name, p in params.items()}
+        return best_seconds(stream, lambda: kernel.backward(context(), gy, Saved(tuple(xs), y), params, aux, gxs,
+                                                            gparams), cudnn_engines.ROUNDS)
+
+
 def _workspace(ctx):
     """(capacity in bytes, address) of the step's workspace."""
     if ctx.workspace is None:
@@ -368,7 +409,8 @@ def _workspace(ctx):
 
 
 class _CudnnKernel(Float32Kernel):
-    """Graph caching shared by the cuDNN kernels: one graph per (operation, workspace limit)."""
+    """Graph caching shared by the cuDNN kernels: one graph per (operation, workspace limit),
+    or the `alternative` of that operation where it was timed faster (cudnn_engines.faster)."""
 
     name = "cudnn"
     describe = None  # describe_conv or describe_batchnorm
@@ -377,15 +419,33 @@ class _CudnnKernel(Float32Kernel):
     def __init__(self, layer, in_shapes, kernels, fallback, spec):
         super().__init__(layer, in_shapes, kernels.module)
         self.kernels, self.fallback, self.spec = kernels, fallback, spec
-        self._graphs = {}
+        self._graphs = {}  # (op, limit) -> CudnnGraph, or None where cuDNN refused
+        self._chosen = {}  # (op, limit) -> the graph or its alternative, whichever runs the operation
 
     @property
     def context(self):
         return self.kernels.cudnn
 
+    def alternative(self, op, limit):
+        """What else could run `op` within `limit` workspace bytes (None: nothing)."""
+        return None
+
     def graph(self, op, limit, timed=False):
-        """The graph of `op` under workspace `limit` (built on first use, its engines `timed`
-        if so: CudnnContext.build), or None."""
+        """What runs `op` under workspace `limit`: its cuDNN graph (built on first use, its
+        engines `timed` if so: CudnnContext.build) or the alternative timed faster; None when
+        cuDNN refused."""
+        built = self._cudnn_graph(op, limit, timed)
+        if built is None or cudnn_engines.setting() == "heuristic":
+            return built
+        key = (op, limit)
+        if key not in self._chosen:
+            other = self.alternative(op, limit)
+            self._chosen[key] = built if other is None else cudnn_engines.faster(
+                built, other, self.context.choice_key(f"{self.layer.type_name} {op} {self.spec} | {other.name}", limit),
+                timed)
+        return self._chosen[key]
+
+    def _cudnn_graph(self, op, limit, timed):
         key = (op, limit)
         if key not in self._graphs and max(numel(dims) for dims in self.spec.dims) > CUDNN_MAX_ELEMENTS:
             self.context.refusals[f"{self.layer.type_name} {self.spec}"] = (
@@ -406,8 +466,9 @@ class _CudnnKernel(Float32Kernel):
         return None if None in seconds else sum(seconds)
 
     def graphs(self):
-        """The graphs built so far: CudnnGraph, or None where cuDNN refused."""
-        return list(self._graphs.values())
+        """What runs each operation built so far: a CudnnGraph, its alternative, or None where
+        cuDNN refused."""
+        return [self._chosen.get(key, graph) for key, graph in self._graphs.items()]
 
     def graph_within(self, op, capacity):
         """The planned graph when it fits `capacity` workspace bytes, else the fastest that does."""
@@ -428,25 +489,10 @@ class CudnnConv2d(_CudnnKernel):
     def __init__(self, layer, in_shapes, kernels, fallback):
         super().__init__(layer, in_shapes, kernels, fallback, conv_spec(layer, in_shapes))
         self.pointwise = cuda_pointwise.pointwise_shape(self.spec)
-        self._chosen = {}  # (op, limit) -> the cuDNN graph or the PointwiseGemm that runs it
 
-    def graph(self, op, limit, timed=False):
-        """The cuDNN graph of `op` under workspace `limit`, or for a pointwise convolution the
-        faster of it and the cuBLAS GEMMs (cuda_pointwise.choose); None when cuDNN refused."""
-        built = super().graph(op, limit, timed)
-        if self.pointwise is None or built is None or cudnn_engines.setting() == "heuristic":
-            return built
-        key = (op, limit)
-        if key not in self._chosen:
-            gemm = cuda_pointwise.PointwiseGemm(self.module, op, self.pointwise, limit)
-            description = f"{self.layer.type_name} {op} {self.spec} | pointwise GEMM"
-            self._chosen[key] = cuda_pointwise.choose(built, gemm, self.context.choice_key(description, limit), timed)
-        return self._chosen[key]
-
-    def graphs(self):
-        """What runs each operation built so far: a CudnnGraph, a PointwiseGemm, or None
-        where cuDNN refused."""
-        return [self._chosen.get(key, graph) for key, graph in self._graphs.items()]
+    def alternative(self, op, limit):
+        """cuBLAS GEMMs for a pointwise convolution (cuda_pointwise.PointwiseGemm)."""
+        return None if self.pointwise is None else cuda_pointwise.PointwiseGemm(self.module, op, self.pointwise, limit)
 
     def own_workspace_bytes(self, in_shapes, phase):
         limit = self.context.workspace_limit_bytes
@@ -492,8 +538,9 @@ class CudnnConv2d(_CudnnKernel):
 
 
 class CudnnBatchNorm(_CudnnKernel):
-    """BatchNorm training forward and backward by cuDNN; eval, a backward without an input
-    gradient, and what cuDNN refuses by the one-block-per-channel kernel.
+    """BatchNorm training forward and backward by cuDNN, or by the CUDA kernels (CudaBatchNorm)
+    where those were timed faster; eval, a backward without an input gradient, and what cuDNN
+    refuses by the CUDA kernels.
 
     A recomputed forward runs the very graph of the first one (so y, mean and inv_std are
     bit for bit the same), with the running statistics it computes written to the front of
@@ -504,20 +551,33 @@ class CudnnBatchNorm(_CudnnKernel):
 
     def __init__(self, layer, in_shapes, kernels, fallback):
         super().__init__(layer, in_shapes, kernels, fallback, batchnorm_spec(layer, in_shapes))
+        self.in_shapes = in_shapes
         self._eps = np.full(1, layer.eps, np.float32)  # pass-by-value scalars live on the host
         self._momentum = np.full(1, layer.momentum, np.float32)
         self._dropped_bytes = scratch_bytes(2 * self.spec.channels * FLOAT32_BYTES, 0)  # aligned for what follows
 
+    def alternative(self, op, limit):
+        """The CUDA kernels (the fallback), where their workspace fits `limit`."""
+        instead = KernelsInstead(self.fallback, self.in_shapes, FORWARD if op == "forward" else BACKWARD)
+        return instead if limit is None or instead.workspace_bytes <= limit else None
+
     def own_workspace_bytes(self, in_shapes, phase):
-        if phase == FORWARD:
-            built = self.graph("forward", self.context.workspace_limit_bytes, timed=True)
-            return 0 if built is None else self._dropped_bytes + built.workspace_bytes
-        built = self.graph("backward", self.context.workspace_limit_bytes, timed=True)
-        return 0 if built is None else built.workspace_bytes
+        """The cuDNN graph's, or the CUDA kernels' where they run the phase (they also run eval,
+        a backward without gx and what cuDNN refuses, so their few bytes are always kept)."""
+        kernels = self.fallback.own_workspace_bytes(in_shapes, phase)
+        built = self.graph("forward" if phase == FORWARD else "backward", self.context.workspace_limit_bytes, timed=True)
+        if built is None or built.name != "cudnn":
+            return kernels
+        return max(kernels, (self._dropped_bytes if phase == FORWARD else 0) + built.workspace_bytes)
+
+    def _kernels_run(self, op):
+        """True where the CUDA kernels were timed faster than cuDNN's graph for `op`."""
+        planned = self.graph(op, self.context.workspace_limit_bytes)
+        return planned is not None and planned.name != "cudnn"
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
-        if not self.is_float32(x) or not ctx.training:
+        if not self.is_float32(x) or not ctx.training or self._kernels_run("forward"):
             return self.fallback.forward(ctx, xs, params, state, y, aux, recompute)
         self.layer.check_training([x.shape])
         capacity, workspace = _workspace(ctx)
@@ -538,7 +598,7 @@ class CudnnBatchNorm(_CudnnKernel):
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         x, gx = saved.xs[0], gxs[0]
-        if not self.is_float32(x) or not ctx.training or gx is None:
+        if not self.is_float32(x) or not ctx.training or gx is None or self._kernels_run("backward"):
             return self.fallback.backward(ctx, gy, saved, params, aux, gxs, gparams)
         capacity, workspace = _workspace(ctx)
         built = self.graph_within("backward", capacity)

@@ -227,6 +227,23 @@ def test_pointwise_gemms_agree_with_numpy_and_repeat_their_bits(cupy, limit):
         np.testing.assert_allclose(cupy.asnumpy(d[role]), expected[key], rtol=2e-4, atol=2e-4, err_msg=role)
 
 
+def test_the_alternatives_to_cudnn_time_themselves_on_the_device(cupy):
+    """What may run instead of a cuDNN graph gives its best seconds: the pointwise GEMMs'
+    three operations and the BatchNorm kernels' forward and backward."""
+    from snrt.backends.cuda_kernels import CudaKernels
+    from snrt.backends.cuda_layers import CudaBatchNorm
+    from snrt.backends.cuda_pointwise import PointwiseGemm, PointwiseShape
+    from snrt.backends.cudnn_graphs import KernelsInstead
+
+    module = CudaKernels().module
+    seconds = [PointwiseGemm(module, op, PointwiseShape(8, 64, 128, 196), None).time()
+               for op in ("fprop", "dgrad", "wgrad")]
+    in_shapes = [(8, 64, 14, 14)]
+    kernel = CudaBatchNorm(BatchNorm(), in_shapes, module)
+    seconds += [KernelsInstead(kernel, in_shapes, phase).time() for phase in (FORWARD, BACKWARD)]
+    assert all(0 < s < 1 for s in seconds), seconds
+
+
 def test_engines_are_timed_at_planning_kept_on_disk_and_used_again_untimed(cupy, tmp_path, monkeypatch):
     """The workspace query times cuDNN's engines and selects the fastest (its seconds are
     the least timed); a new process (new kernels, same file) builds that engine again and

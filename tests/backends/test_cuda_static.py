@@ -532,6 +532,191 @@ def test_the_one_pass_relu_and_add_backwards_match_the_layers_own(inputs):
     assert all(np.array_equal(gx, gy) for gx in gxs if gx is not None)
 
 
+class BatchNormModule:
+    """snrt_bn_* on host memory, read from their CUDA source into NumPy: a block per channel
+    and slice of samples, its partial sum in float32, a channel's partials added in order;
+    every launch's arguments checked against the C signature and the grid's block count."""
+
+    def launch(self, name, blocks, args, threads=256):
+        assert_arguments_match(name, args)
+        getattr(self, name)(blocks, *args)
+
+    @staticmethod
+    def _slices(x, n, c, hw, slices):
+        """[(channel, block, the slice's values)] of x (n, c, hw) in block order."""
+        per = -(-n // slices)
+        x = _flat(x, n * c * hw).reshape(n, c, hw)
+        return [(b // slices, b, x[(b % slices) * per:(b % slices + 1) * per, b // slices]) for b in range(c * slices)]
+
+    @staticmethod
+    def _total(partials, ch, slices):
+        total = np.float32(0)
+        for s in range(slices):
+            total = np.float32(total + partials[ch * slices + s])
+        return total
+
+    def snrt_bn_sums(self, blocks, x, sums, n, c, hw, slices):
+        assert blocks == c * slices
+        for ch, b, values in self._slices(x, int(n), int(c), int(hw), int(slices)):
+            sums[b] = values.sum(dtype=np.float32)
+
+    def _mean(self, sums, ch, slices, count):
+        return np.float32(self._total(sums, ch, slices) * np.float32(1.0 / count))
+
+    def snrt_bn_squares(self, blocks, x, sums, squares, n, c, hw, slices):
+        for ch, b, values in self._slices(x, int(n), int(c), int(hw), int(slices)):
+            squares[b] = ((values - self._mean(sums, ch, int(slices), int(n * hw))) ** 2).sum(dtype=np.float32)
+
+    def snrt_bn_normalize(self, blocks, x, y, weight, bias, sums, squares, mean, inv_std, running_mean, running_var,
+                          n, c, hw, slices, eps, momentum, keep, unbias, update_running):
+        n, c, hw, slices = map(int, (n, c, hw, slices))
+        y = _flat(y, n * c * hw).reshape(n, c, hw)
+        per = -(-n // slices)
+        for ch, b, values in self._slices(x, n, c, hw, slices):
+            m = self._mean(sums, ch, slices, n * hw)
+            var = np.float32(self._total(squares, ch, slices) / np.float32(n * hw))
+            inv = np.float32(1) / np.sqrt(np.float32(var + eps))
+            if b % slices == 0:
+                mean[ch], inv_std[ch] = m, inv
+                if update_running:
+                    running_mean[ch] = running_mean[ch] * keep + momentum * m
+                    running_var[ch] = running_var[ch] * keep + momentum * (var * unbias)
+            scale = inv * weight[ch] if isinstance(weight, np.ndarray) else inv
+            shift = bias[ch] if isinstance(bias, np.ndarray) else np.float32(0)
+            y[(b % slices) * per:(b % slices + 1) * per, ch] = (values - m) * scale + shift
+
+    def snrt_bn_forward_eval(self, blocks, x, y, weight, bias, running_mean, running_var, mean, inv_std, total, c, hw,
+                             eps):
+        c, hw = int(c), int(hw)
+        inv = np.float32(1) / np.sqrt(running_var + eps)
+        scale = inv * weight if isinstance(weight, np.ndarray) else inv
+        shift = (bias if isinstance(bias, np.ndarray) else np.float32(0)) - running_mean * scale
+        x3, y3 = _flat(x, total).reshape(-1, c, hw), _flat(y, total).reshape(-1, c, hw)
+        y3[...] = x3 * scale[:, None] + shift[:, None]
+        mean[...], inv_std[...] = running_mean, inv
+
+    def snrt_bn_grad_sums(self, blocks, x, gy, mean, sums, dots, n, c, hw, slices):
+        n, c, hw, slices = map(int, (n, c, hw, slices))
+        gys = self._slices(gy, n, c, hw, slices)
+        for (ch, b, values), (_, _, g) in zip(self._slices(x, n, c, hw, slices), gys):
+            sums[b] = g.sum(dtype=np.float32)
+            dots[b] = (g * (values - mean[ch])).sum(dtype=np.float32)
+
+    def snrt_bn_grad_input(self, blocks, x, gy, weight, mean, inv_std, sums, dots, gx, gweight, gbias, n, c, hw,
+                           slices, training):
+        n, c, hw, slices = map(int, (n, c, hw, slices))
+        per = -(-n // slices)
+        gys = self._slices(gy, n, c, hw, slices)
+        for (ch, b, values), (_, _, g) in zip(self._slices(x, n, c, hw, slices), gys):
+            inv, m = inv_std[ch], mean[ch]
+            sum_gy = self._total(sums, ch, slices)
+            sum_gy_xhat = np.float32(self._total(dots, ch, slices) * inv)
+            if b % slices == 0 and isinstance(gweight, np.ndarray):
+                gweight[ch], gbias[ch] = sum_gy_xhat, sum_gy
+            if not isinstance(gx, np.ndarray):
+                continue
+            scale = inv * weight[ch] if isinstance(weight, np.ndarray) else inv
+            c1 = np.float32(-inv * sum_gy_xhat / np.float32(n * hw))
+            c0 = np.float32(-m * c1 - sum_gy / np.float32(n * hw))
+            out = ((values * c1 + c0) + g) * scale if training else g * scale
+            gx.reshape(n, c, hw)[(b % slices) * per:(b % slices + 1) * per, ch] = out
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 4, 6), (32, 2, 3, 3), (3, 5000, 2, 1), (7, 4)], ids=str)
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_cuda_batch_norm_kernels_compute_the_layers_values(shape, affine):
+    """CudaBatchNorm's launches (slices of samples, partial sums in its workspace), read into
+    NumPy, against the layer's xp kernels: training forward with the running statistics, a
+    recomputed forward that leaves them, eval, and the backward with and without gx."""
+    from snrt.backends.cuda_layers import CudaBatchNorm, batchnorm_slices
+    from snrt.layers.norm import BatchNorm
+
+    layer = BatchNorm(affine=affine, momentum=0.3)
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
+    in_shapes = [x.shape]
+    kernel = CudaBatchNorm(layer, in_shapes, BatchNormModule())
+    slices, per = batchnorm_slices(shape[0], shape[1], int(np.prod(shape[2:])))
+    assert slices * per >= shape[0] > (slices - 1) * per and shape[1] * slices <= max(2048 + shape[1], shape[1])
+    params = {k: rng.uniform(0.5, 1.5, spec.shape).astype(np.float32) for k, spec in layer.param_specs(in_shapes).items()}
+    gy = rng.standard_normal(shape).astype(np.float32)
+    results = []
+    for k in (layer, kernel):
+        state = {name: np.full(spec.shape, 0.5, np.float32) for name, spec in layer.state_specs(in_shapes).items()}
+        aux = {name: np.zeros(spec.shape, np.float32) for name, spec in layer.aux_specs(in_shapes).items()}
+        out = {}
+        for phase_name, training, recompute in (("train", True, False), ("again", True, True), ("eval", False, False)):
+            y = np.full(shape, np.nan, np.float32)
+            workspace = np.zeros(k.workspace_bytes(in_shapes, FORWARD), np.uint8)
+            k.forward(KernelContext(np, training=training, workspace=workspace), [x], params, state, y, aux,
+                      recompute=recompute)
+            out[phase_name] = y
+            if phase_name != "eval":
+                out[f"{phase_name} state"] = {name: v.copy() for name, v in state.items()}
+        k.forward(KernelContext(np, training=True, workspace=np.zeros(k.workspace_bytes(in_shapes, FORWARD), np.uint8)),
+                  [x], params, state, np.empty_like(x), aux, recompute=True)
+        for with_gx in (True, False):
+            gx = np.full_like(x, np.nan) if with_gx else None
+            grads = {name: np.full_like(v, np.nan) for name, v in params.items()}
+            workspace = np.zeros(k.workspace_bytes(in_shapes, BACKWARD), np.uint8)
+            k.backward(KernelContext(np, training=True, workspace=workspace), gy, Saved((x,)), params, aux, [gx], grads)
+            out[f"gx {with_gx}"], out[f"grads {with_gx}"] = gx, grads
+        results.append(out)
+    expected, got = results
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            for name in value:
+                np.testing.assert_allclose(got[key][name], value[name], rtol=2e-5, atol=2e-5, err_msg=f"{key} {name}")
+        elif value is None:
+            assert got[key] is None
+        else:
+            np.testing.assert_allclose(got[key], value, rtol=2e-5, atol=2e-5, err_msg=key)
+    np.testing.assert_array_equal(results[1]["train state"]["running_mean"], results[1]["again state"]["running_mean"])
+
+
+def test_a_cudnn_batch_norm_runs_the_cuda_kernels_it_timed_faster(tmp_path, monkeypatch):
+    """CudnnBatchNorm with cuDNN graphs timed at 2 ms (stand-ins) and its CUDA kernels at 1 ms:
+    it plans the kernels' workspace and seconds and runs them (read into NumPy)."""
+    from types import SimpleNamespace
+
+    from snrt.backends import cudnn_graphs
+    from snrt.backends.cuda_layers import CudaBatchNorm
+    from snrt.backends.cudnn_graphs import CudnnBatchNorm
+    from snrt.layers.norm import BatchNorm
+
+    monkeypatch.setenv("SNRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SNRT_CUDNN_ENGINES", raising=False)
+    monkeypatch.setattr(cudnn_graphs.KernelsInstead, "time", lambda self: 1e-3)
+    layer, in_shapes = BatchNorm(), [(6, 3, 4, 4)]
+    context = SimpleNamespace(refusals={}, workspace_limit_bytes=None,
+                              choice_key=lambda description, limit: f"{description} | {limit}")
+    fallback = CudaBatchNorm(layer, in_shapes, BatchNormModule())
+    kernel = CudnnBatchNorm(layer, in_shapes, SimpleNamespace(module=None, cudnn=context), fallback)
+    kernel._graphs = {(op, None): SimpleNamespace(seconds=2e-3, workspace_bytes=1 << 20, name="cudnn")
+                      for op in ("forward", "backward")}
+    assert kernel.measured_seconds(FORWARD) == kernel.measured_seconds(BACKWARD) == 1e-3
+    for phase in (FORWARD, BACKWARD):
+        assert kernel.workspace_bytes(in_shapes, phase) == fallback.workspace_bytes(in_shapes, phase) > 0
+    assert [graph.name for graph in kernel.graphs()] == ["cuda", "cuda"]
+    for expected, got in zip(*(_batch_norm_train(k, in_shapes[0], np.random.default_rng(9)) for k in (layer, kernel))):
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+
+
+def _batch_norm_train(runner, shape, rng):
+    """[y, gx, gradients, aux, state] of a training forward then backward of `runner` (a
+    BatchNorm layer or kernel over 3 channels) on host arrays drawn from `rng`."""
+    x, gy = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    params = {"weight": rng.uniform(0.5, 1.5, 3).astype(np.float32), "bias": rng.standard_normal(3).astype(np.float32)}
+    state = {"running_mean": np.zeros(3, np.float32), "running_var": np.ones(3, np.float32)}
+    aux = {"mean": np.empty(3, np.float32), "inv_std": np.empty(3, np.float32)}
+    y, gx = np.empty_like(x), np.empty_like(x)
+    gparams = {k: np.empty_like(v) for k, v in params.items()}
+    workspace = np.empty(max(runner.workspace_bytes([shape], phase) for phase in (FORWARD, BACKWARD)), np.uint8)
+    runner.forward(KernelContext(np, True, 0, 0, 0, workspace), [x], params, state, y, aux)
+    runner.backward(KernelContext(np, True, 0, 0, 0, workspace), gy, Saved((x,), None), params, aux, [gx], gparams)
+    return [y, gx, *gparams.values(), *aux.values(), *state.values()]
+
+
 class MaxPoolModule:
     """snrt_maxpool_* on host memory, read from their CUDA source into Python loops (a thread
     per output, a thread per input element); each launch's arguments checked against the C
@@ -622,20 +807,7 @@ def test_a_fused_batch_norm_relu_on_cuda_runs_batch_norm_then_relu():
     layer, shape = BatchNormReLU(), (4, 3, 5, 5)
     kernel = CudaReLUAfter(layer, [shape], kernels)
     assert kernel.name == "xp+relu" and kernel.measured_seconds(BACKWARD) is None
-    rng = np.random.default_rng(2)
-    x, gy = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
-    params = {"weight": rng.uniform(0.5, 1.5, 3).astype(np.float32), "bias": rng.standard_normal(3).astype(np.float32)}
-    results = []
-    for runner in (kernel, layer):
-        state = {"running_mean": np.zeros(3, np.float32), "running_var": np.ones(3, np.float32)}
-        aux = {"mean": np.empty(3, np.float32), "inv_std": np.empty(3, np.float32)}
-        y, gx = np.empty_like(x), np.empty_like(x)
-        gparams = {k: np.empty_like(v) for k, v in params.items()}
-        runner.forward(KernelContext(np, True, 0, 0, 0, None), [x], params, state, y, aux)
-        workspace = np.empty(runner.workspace_bytes([shape], BACKWARD), np.uint8)
-        runner.backward(KernelContext(np, True, 0, 0, 0, workspace), gy, Saved((x,), None), params, aux, [gx], gparams)
-        results.append([y, gx, *gparams.values(), *aux.values(), *state.values()])
-    for got, want in zip(*results):
+    for got, want in zip(*(_batch_norm_train(runner, shape, np.random.default_rng(2)) for runner in (kernel, layer))):
         np.testing.assert_array_equal(got, want)
 
 

@@ -192,15 +192,16 @@ def test_the_run_says_how_its_cudnn_engines_were_chosen(cache, monkeypatch):
     assert kernels.describe() == (f"cuDNN: 3 graphs, engines 2 timed now, 1 kept from before, 0 cuDNN's first ({cache}); "
                                   "1 refused (the CUDA kernels run them)")
     kernels._kernels["1x1"] = SimpleNamespace(name="cudnn", graphs=lambda: [graph(cudnn_engines.KEPT, "cublas")])
-    assert kernels.describe() == (f"cuDNN: 4 graphs, engines 2 timed now, 2 kept from before, 0 cuDNN's first ({cache}); "
-                                  "1 of them pointwise, run by cuBLAS GEMMs (timed faster); "
+    kernels._kernels["bn2"] = SimpleNamespace(name="cudnn", graphs=lambda: [graph(cudnn_engines.TIMED, "cuda")] * 2)
+    assert kernels.describe() == (f"cuDNN: 6 graphs, engines 4 timed now, 2 kept from before, 0 cuDNN's first ({cache}); "
+                                  "run instead, where timed faster: 1 by cuBLAS GEMMs, 2 by CUDA kernels; "
                                   "1 refused (the CUDA kernels run them)")
     monkeypatch.setenv(cudnn_engines.VARIABLE, "heuristic")
     assert "(SNRT_CUDNN_ENGINES=heuristic)" in kernels.describe()
 
 
-class StandInGemm:
-    """A PointwiseGemm whose `time()` gives set seconds and counts its calls."""
+class StandInAlternative:
+    """An alternative to a cuDNN graph whose `time()` gives set seconds and counts its calls."""
 
     name = "cublas"
 
@@ -213,34 +214,34 @@ class StandInGemm:
         return self.seconds_when_timed
 
 
-def test_a_pointwise_convolution_runs_on_the_gemms_only_where_they_were_timed_faster(cache):
-    """cuda_pointwise.choose: timed at planning time against the cuDNN graph's timed engine,
+def test_an_alternative_runs_an_operation_only_where_it_was_timed_faster(cache):
+    """cudnn_engines.faster: timed at planning time against the cuDNN graph's timed engine,
     the faster kept on disk and taken again without timing; a graph whose engine was not timed
     keeps cuDNN; a graph built while a step runs takes the kept choice, or cuDNN."""
     from types import SimpleNamespace
 
-    from snrt.backends.cuda_pointwise import choose
+    choose = cudnn_engines.faster
 
     timed_graph = SimpleNamespace(seconds=2e-3, name="cudnn")
-    faster = StandInGemm(1e-3)
+    faster = StandInAlternative(1e-3)
     assert choose(timed_graph, faster, "wgrad A", timed=True) is faster
     assert (faster.calls, faster.seconds, faster.chosen) == (1, 1e-3, cudnn_engines.TIMED)
     assert json.loads(cache.read_text())["wgrad A"] == {"kernel": "cublas", "seconds": {"cublas": 1e-3, "cudnn": 2e-3}}
-    again = StandInGemm(9.0)  # a later run: the kept choice, nothing timed
+    again = StandInAlternative(9.0)  # a later run: the kept choice, nothing timed
     assert choose(timed_graph, again, "wgrad A", timed=True) is again
     assert (again.calls, again.seconds, again.chosen) == (0, 1e-3, cudnn_engines.KEPT)
-    during_a_step = StandInGemm(9.0)
+    during_a_step = StandInAlternative(9.0)
     assert choose(timed_graph, during_a_step, "wgrad A", timed=False) is during_a_step and during_a_step.calls == 0
 
-    slower = StandInGemm(3e-3)
+    slower = StandInAlternative(3e-3)
     assert choose(timed_graph, slower, "fprop B", timed=True) is timed_graph and slower.calls == 1
     assert json.loads(cache.read_text())["fprop B"]["kernel"] == "cudnn"
-    assert choose(timed_graph, StandInGemm(1e-6), "fprop B", timed=True) is timed_graph  # kept: not timed again
+    assert choose(timed_graph, StandInAlternative(1e-6), "fprop B", timed=True) is timed_graph  # kept: not timed again
 
     untimed_graph = SimpleNamespace(seconds=None, name="cudnn")
-    never = StandInGemm(1e-6)
+    never = StandInAlternative(1e-6)
     assert choose(untimed_graph, never, "dgrad C", timed=True) is untimed_graph and never.calls == 0
-    assert choose(timed_graph, StandInGemm(1e-6), "dgrad D", timed=False) is timed_graph  # nothing kept: cuDNN
-    no_memory = StandInGemm(None)
+    assert choose(timed_graph, StandInAlternative(1e-6), "dgrad D", timed=False) is timed_graph  # nothing kept: cuDNN
+    no_memory = StandInAlternative(None)
     assert choose(timed_graph, no_memory, "dgrad E", timed=True) is timed_graph
     assert "dgrad E" not in json.loads(cache.read_text())

@@ -15,7 +15,7 @@ from snrt.backends.cuda_layers import (CublasLinear, CudaAdd, CudaAvgPool, CudaB
                                        GemmConv2d, XpKernel)
 from snrt.backends.cuda_source import KernelModule
 from snrt.backends.cudnn_graphs import CudnnBatchNorm, CudnnContext, CudnnConv2d
-from snrt.layers.base import FLOAT32_BYTES
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES
 from snrt.layers.fused import RELU, ReLUAfter
 from snrt.layers.staging import fp32_kernel_workspace_bytes
 
@@ -41,16 +41,29 @@ def _plain(kernel_class):
 
 
 class CudaReLUAfter(ReLUAfter):
-    """BatchNormReLU (snrt/layers/fused.py) on CUDA: the kernel of BatchNorm (the one an unfused
-    node of that shape runs, cuDNN graphs included), then ReLU's: in place forward,
-    snrt_relu_backward backward after the output is computed again by xp kernels (its mask
-    may differ from the forward's where cuDNN's arithmetic rounds an output across 0). Named
-    "<BatchNorm kernel's name>+relu"; not timed as a whole (the cost model's rates time the
-    step)."""
+    """BatchNormReLU (snrt/layers/fused.py) on CUDA. Forward: the kernel of BatchNorm (the one
+    an unfused node of that shape runs, cuDNN's or the CUDA kernels), then ReLU's in place.
+    Backward, in float32: BatchNorm's two CUDA passes with the ReLU's mask inside (the output
+    computed again from x; the mask may differ from the forward's where cuDNN's arithmetic
+    rounded an output across 0), so no output-sized scratch; else the layer's composition.
+    Named "<BatchNorm kernel's name>+relu"; not timed as a whole (the cost model's rates time
+    the step)."""
 
     def __init__(self, layer, in_shapes, kernels):
         super().__init__(layer, kernels.kernel_for(layer.first, in_shapes), kernels.kernel_for(RELU, in_shapes[:1]))
         self.name = f"{self.first.name}+relu"
+        self.masked = CudaBatchNorm(layer.first, in_shapes, kernels.module)
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        if phase == BACKWARD and itemsize == FLOAT32_BYTES:
+            return self.masked.own_workspace_bytes(in_shapes, phase)
+        return super().workspace_bytes(in_shapes, phase, itemsize)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        if not self.masked.is_float32(gy):
+            return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
+        if gxs[0] is not None or gparams:
+            self.masked.backward(ctx, gy, saved, params, aux, gxs, gparams, relu=True)
 
     def measured_seconds(self, phase):
         return None

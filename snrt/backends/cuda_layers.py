@@ -161,18 +161,20 @@ class CudaBatchNorm(Float32Kernel):
             np.float32(count / (count - 1)), np.int32(0 if recompute else 1)))
         ctx.release_scratch()
 
-    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams, relu=False):
+        """BatchNorm's backward; with `relu`, BatchNormReLU's (float32 only): gy masked by the
+        ReLU's gradient at the output computed again from x, inside the same two passes."""
         x = saved.xs[0]
         if not self.is_float32(x):
             return super().backward(ctx, gy, saved, params, aux, gxs, gparams)
         gx = gxs[0]
         blocks, sizes = self._grid(x)
         sums, dots = ctx.scratch((2, blocks), np.float32)
-        self.module.launch("snrt_bn_grad_sums", blocks, (x, gy, aux["mean"], sums, dots, *sizes))
+        affine = (params.get("weight", NULL_POINTER), params.get("bias", NULL_POINTER), aux["mean"], aux["inv_std"])
+        self.module.launch("snrt_bn_grad_sums", blocks, (x, gy, *affine, sums, dots, *sizes, np.int32(relu)))
         self.module.launch("snrt_bn_grad_input", blocks, (
-            x, gy, params.get("weight", NULL_POINTER), aux["mean"], aux["inv_std"], sums, dots,
-            NULL_POINTER if gx is None else gx, gparams.get("weight", NULL_POINTER), gparams.get("bias", NULL_POINTER),
-            *sizes, np.int32(bool(ctx.training))))
+            x, gy, *affine, sums, dots, NULL_POINTER if gx is None else gx, gparams.get("weight", NULL_POINTER),
+            gparams.get("bias", NULL_POINTER), *sizes, np.int32(bool(ctx.training)), np.int32(relu)))
         ctx.release_scratch()
 
 

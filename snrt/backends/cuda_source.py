@@ -165,17 +165,29 @@ extern "C" __global__ void snrt_bn_forward_eval(
     }
 }
 
-// BatchNorm backward, pass 1 (the slices as in training): sums[b] = the slice's sum of gy,
-// dots[b] = its sum of gy * (x - mean).
-extern "C" __global__ void snrt_bn_grad_sums(const float* x, const float* gy, const float* mean, float* sums,
-                                             float* dots, long long n, long long c, long long hw, long long slices) {
+// The gradient BatchNorm's backward starts from: gy itself, or with relu (BatchNormReLU) gy
+// masked by ReLU's gradient at BatchNorm's output computed again from x, as the layer's
+// backward computes it: sign(max(y, 0)) * gy, y = (x - mean) * scale + shift.
+__device__ __forceinline__ float snrt_bn_grad_in(float g, float x, float m, float scale, float shift, int relu) {
+    if (!relu) return g;
+    float v = __fadd_rn(__fmul_rn(__fsub_rn(x, m), scale), shift);
+    return __fmul_rn(v > 0.0f ? 1.0f : (v == v ? 0.0f : v), g);
+}
+
+// BatchNorm backward, pass 1 (the slices as in training): sums[b] = the slice's sum of g (the
+// gradient snrt_bn_grad_in starts from), dots[b] = its sum of g * (x - mean).
+extern "C" __global__ void snrt_bn_grad_sums(
+        const float* x, const float* gy, const float* weight, const float* bias, const float* mean,
+        const float* inv_std, float* sums, float* dots, long long n, long long c, long long hw, long long slices,
+        int relu) {
     SNRT_BN_SLICE(n, c, hw, slices)
-    float m = mean[ch], acc_gy = 0.0f, acc_dot = 0.0f;
+    float m = mean[ch], inv = inv_std[ch], acc_gy = 0.0f, acc_dot = 0.0f;
+    float scale = weight ? __fmul_rn(weight[ch], inv) : inv, shift = bias ? bias[ch] : 0.0f;
     for (unsigned int k = threadIdx.x; k < count; k += blockDim.x) {
         long long i = snrt_bn_at(k, hw32, n0, c, ch);
-        float g = gy[i];
+        float v = x[i], g = snrt_bn_grad_in(gy[i], v, m, scale, shift, relu);
         acc_gy = __fadd_rn(acc_gy, g);
-        acc_dot = __fadd_rn(acc_dot, __fmul_rn(g, __fsub_rn(x[i], m)));
+        acc_dot = __fadd_rn(acc_dot, __fmul_rn(g, __fsub_rn(v, m)));
     }
     acc_gy = snrt_block_sum(acc_gy);
     acc_dot = snrt_block_sum(acc_dot);
@@ -185,14 +197,14 @@ extern "C" __global__ void snrt_bn_grad_sums(const float* x, const float* gy, co
     }
 }
 
-// Pass 2: the channel's first block writes gweight = sum(gy * xhat) and gbias = sum(gy) (both
+// Pass 2: the channel's first block writes gweight = sum(g * xhat) and gbias = sum(g) (both
 // null without an affine part); every block, when gx is not null, writes its slice of
-// training: gx = weight*inv_std * (gy + x*c1 + c0), c1 = -inv_std*sum(gy*xhat)/M, c0 = -mean*c1 - sum(gy)/M;
-// eval: gx = weight*inv_std * gy.
+// training: gx = weight*inv_std * (g + x*c1 + c0), c1 = -inv_std*sum(g*xhat)/M, c0 = -mean*c1 - sum(g)/M;
+// eval: gx = weight*inv_std * g.
 extern "C" __global__ void snrt_bn_grad_input(
-        const float* x, const float* gy, const float* weight, const float* mean, const float* inv_std,
-        const float* sums, const float* dots, float* gx, float* gweight, float* gbias, long long n, long long c,
-        long long hw, long long slices, int training) {
+        const float* x, const float* gy, const float* weight, const float* bias, const float* mean,
+        const float* inv_std, const float* sums, const float* dots, float* gx, float* gweight, float* gbias,
+        long long n, long long c, long long hw, long long slices, int training, int relu) {
     SNRT_BN_SLICE(n, c, hw, slices)
     float m = mean[ch], inv = inv_std[ch];
     float sum_gy = snrt_bn_channel_total(sums, ch, slices);
@@ -202,13 +214,13 @@ extern "C" __global__ void snrt_bn_grad_input(
         gbias[ch] = sum_gy;
     }
     if (gx == 0) return;
-    float scale = weight ? __fmul_rn(weight[ch], inv) : inv;
+    float scale = weight ? __fmul_rn(weight[ch], inv) : inv, shift = bias ? bias[ch] : 0.0f;
     float c1 = __fdiv_rn(__fmul_rn(-inv, sum_gy_xhat), (float)(n * hw));
     float c0 = __fsub_rn(__fmul_rn(-m, c1), __fdiv_rn(sum_gy, (float)(n * hw)));
     for (unsigned int k = threadIdx.x; k < count; k += blockDim.x) {
         long long i = snrt_bn_at(k, hw32, n0, c, ch);
-        gx[i] = training ? __fmul_rn(__fadd_rn(__fadd_rn(__fmul_rn(x[i], c1), c0), gy[i]), scale)
-                         : __fmul_rn(gy[i], scale);
+        float v = x[i], g = snrt_bn_grad_in(gy[i], v, m, scale, shift, relu);
+        gx[i] = training ? __fmul_rn(__fadd_rn(__fadd_rn(__fmul_rn(v, c1), c0), g), scale) : __fmul_rn(g, scale);
     }
 }
 

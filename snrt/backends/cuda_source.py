@@ -439,6 +439,25 @@ extern "C" __global__ void snrt_sum_slices(const float* parts, float* out, long 
     }
 }
 
+// A strided 1x1 convolution's pixels (snrt/backends/cuda_pointwise.py): snrt_subsample packs
+// xs[plane, oh, ow] = x[plane, oh * sh, ow * sw] over nc planes of h x w; its adjoint
+// snrt_unsubsample writes every gx[plane, r, q]: gxs at the strided pixels, 0 between them.
+extern "C" __global__ void snrt_subsample(const float* x, float* xs, long long nc, long long h, long long w,
+                                          long long ho, long long wo, long long sh, long long sw) {
+    SNRT_GRID_LOOP(i, nc * ho * wo) {
+        long long ow = i % wo, oh = (i / wo) % ho, plane = i / (wo * ho);
+        xs[i] = x[(plane * h + oh * sh) * w + ow * sw];
+    }
+}
+
+extern "C" __global__ void snrt_unsubsample(const float* gxs, float* gx, long long nc, long long h, long long w,
+                                            long long ho, long long wo, long long sh, long long sw) {
+    SNRT_GRID_LOOP(i, nc * h * w) {
+        long long q = i % w, r = (i / w) % h, plane = i / (w * h);
+        gx[i] = (r % sh == 0 && q % sw == 0) ? gxs[(plane * ho + r / sh) * wo + q / sw] : 0.0f;
+    }
+}
+
 // ReLU's input gradient in one pass: gx = sign(y) * gy (y = relu(x) >= 0, so sign(y) is the 0/1
 // mask and a NaN in y stays NaN), as the layer's xp code computes it in two.
 extern "C" __global__ void snrt_relu_backward(const float* y, const float* gy, float* gx, long long total) {
@@ -506,6 +525,7 @@ KERNEL_NAMES = (
     "snrt_xent_forward_i32", "snrt_xent_backward_i32", "snrt_xent_forward_i64", "snrt_xent_backward_i64",
     "snrt_dropout", "snrt_avgpool_forward", "snrt_avgpool_backward", "snrt_im2col", "snrt_col2im_add",
     "snrt_relu_backward", "snrt_copy_to_two", "snrt_sgd_step", "snrt_adam_step", "snrt_sum_slices",
+    "snrt_subsample", "snrt_unsubsample",
     "snrt_maxpool_forward_u8", "snrt_maxpool_backward_u8", "snrt_maxpool_forward_i32", "snrt_maxpool_backward_i32",
 )
 NVRTC_OPTIONS = ("--std=c++14",)

@@ -479,8 +479,9 @@ class _CudnnKernel(Float32Kernel):
 
 
 class CudnnConv2d(_CudnnKernel):
-    """Conv2d by cuDNN conv_fprop / conv_dgrad / conv_wgrad, or for a pointwise convolution
-    each of them by cuBLAS GEMMs where those were timed faster (snrt/backends/cuda_pointwise.py);
+    """Conv2d by cuDNN conv_fprop / conv_dgrad / conv_wgrad, or for a pointwise convolution (1x1,
+    any stride) each of them by cuBLAS GEMMs where those were timed faster
+    (snrt/backends/cuda_pointwise.py);
     the bias by snrt_bias_add and snrt_channel_sum; whatever cuDNN refuses by the GEMM fallback."""
 
     describe = staticmethod(describe_conv)
@@ -491,8 +492,12 @@ class CudnnConv2d(_CudnnKernel):
         self.pointwise = cuda_pointwise.pointwise_shape(self.spec)
 
     def alternative(self, op, limit):
-        """cuBLAS GEMMs for a pointwise convolution (cuda_pointwise.PointwiseGemm)."""
-        return None if self.pointwise is None else cuda_pointwise.PointwiseGemm(self.module, op, self.pointwise, limit)
+        """cuBLAS GEMMs for a pointwise convolution (cuda_pointwise.PointwiseGemm), where their
+        workspace fits `limit`."""
+        if self.pointwise is None:
+            return None
+        gemm = cuda_pointwise.PointwiseGemm(self.module, op, self.pointwise, limit)
+        return gemm if limit is None or gemm.workspace_bytes <= limit else None
 
     def own_workspace_bytes(self, in_shapes, phase):
         limit = self.context.workspace_limit_bytes

@@ -196,8 +196,9 @@ def test_cudnn_serves_common_convolutions(cupy):
     assert served == 9, kernels.cudnn.refusals
 
 
-@pytest.mark.parametrize("limit", [None, 2 * 24 * 16 * 4, 0], ids=["a partial per sample", "two partials", "none"])
-def test_pointwise_gemms_agree_with_numpy_and_repeat_their_bits(cupy, limit):
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("limit", [None, 0], ids=["a partial per sample", "none"])
+def test_pointwise_gemms_agree_with_numpy_and_repeat_their_bits(cupy, limit, stride):
     """The three cuBLAS operations of a 1x1 convolution (snrt/backends/cuda_pointwise.py) on
     the device against the layer's NumPy kernels; the weight gradient run twice gives the
     same bits."""
@@ -205,18 +206,19 @@ def test_pointwise_gemms_agree_with_numpy_and_repeat_their_bits(cupy, limit):
     from snrt.backends.cuda_pointwise import PointwiseGemm, pointwise_shape
     from snrt.backends.cudnn_graphs import conv_spec
 
-    layer, in_shapes = Conv2d(out_channels=24, kernel=1, bias=False), [(6, 16, 5, 7)]
+    layer, in_shapes = Conv2d(out_channels=24, kernel=1, stride=stride, bias=False), [(6, 16, 5, 7)]
     rng = np.random.default_rng(2)
     x = rng.standard_normal(in_shapes[0]).astype(np.float32)
     params = {"weight": rng.standard_normal((24, 16, 1, 1)).astype(np.float32)}
     gy = rng.standard_normal(layer.infer_shape(in_shapes)).astype(np.float32)
     expected = _run(layer, layer, [x], params, {}, gy, np)
     module, shape = CudaKernels().module, pointwise_shape(conv_spec(layer, in_shapes))
+    limit = None if limit is None else shape.gathered_bytes  # no partial sums beside the gathered pixels
     ops = {op: PointwiseGemm(module, op, shape, limit) for op in ("fprop", "dgrad", "wgrad")}
     d = {"x": cupy.asarray(x), "w": cupy.asarray(params["weight"]), "dy": cupy.asarray(gy)}
     d.update(y=cupy.full(gy.shape, cupy.nan, cupy.float32), dx=cupy.full(x.shape, cupy.nan, cupy.float32),
              dw=cupy.full((24, 16, 1, 1), cupy.nan, cupy.float32))
-    workspace = cupy.full(max(ops["wgrad"].workspace_bytes, 1), 255, cupy.uint8)
+    workspace = cupy.full(max(op.workspace_bytes for op in ops.values()) + 1, 255, cupy.uint8)
     pointers = {role: array.data.ptr for role, array in d.items()}
     for op in ("fprop", "dgrad", "wgrad"):
         ops[op].execute({role: pointers[role] for role in ops[op].sizes()}, workspace.data.ptr)
@@ -236,8 +238,8 @@ def test_the_alternatives_to_cudnn_time_themselves_on_the_device(cupy):
     from snrt.backends.cudnn_graphs import KernelsInstead
 
     module = CudaKernels().module
-    seconds = [PointwiseGemm(module, op, PointwiseShape(8, 64, 128, 196), None).time()
-               for op in ("fprop", "dgrad", "wgrad")]
+    seconds = [PointwiseGemm(module, op, PointwiseShape(8, 64, 128, 14, 14, stride, stride), None).time()
+               for op in ("fprop", "dgrad", "wgrad") for stride in (1, 2)]
     in_shapes = [(8, 64, 14, 14)]
     kernel = CudaBatchNorm(BatchNorm(), in_shapes, module)
     seconds += [KernelsInstead(kernel, in_shapes, phase).time() for phase in (FORWARD, BACKWARD)]

@@ -143,6 +143,20 @@ class HostModule:
         getattr(self, name)(*args)
 
     @staticmethod
+    def _planes(pointer, nc, h, w):
+        return _host_view(_address(pointer), (nc, h, w), (h * w, w, 1))
+
+    def snrt_subsample(self, x, xs, nc, h, w, ho, wo, sh, sw):
+        nc, h, w, ho, wo, sh, sw = map(int, (nc, h, w, ho, wo, sh, sw))
+        self._planes(xs, nc, ho, wo)[...] = self._planes(x, nc, h, w)[:, ::sh, ::sw]
+
+    def snrt_unsubsample(self, gxs, gx, nc, h, w, ho, wo, sh, sw):
+        nc, h, w, ho, wo, sh, sw = map(int, (nc, h, w, ho, wo, sh, sw))
+        target = self._planes(gx, nc, h, w)
+        target[...] = 0
+        target[:, ::sh, ::sw] = self._planes(gxs, nc, ho, wo)
+
+    @staticmethod
     def snrt_sum_slices(parts, out, count, size):
         count, size = int(count), int(size)
         slices = _host_view(_address(parts), (count, size), (size, 1))
@@ -242,27 +256,35 @@ def test_gemm_convolution_matches_the_numpy_kernel(options, workspace_rows, host
     np.testing.assert_allclose(gx_only, gx_ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("limit", [None, 2 * 6 * 5 * 4, 0], ids=["a partial per sample", "two partials", "no partials"])
-def test_pointwise_gemms_match_the_numpy_convolution(limit):
-    """cuda_pointwise's three operations (batched cuBLAS GEMMs, with the weight gradient's
-    partial sums in the workspace, or none) against the layer's NumPy kernels, on host memory."""
+@pytest.mark.parametrize("stride", [1, 2, (3, 2)], ids=str)
+@pytest.mark.parametrize("partials", [5, 2, 1])
+def test_pointwise_gemms_match_the_numpy_convolution(stride, partials):
+    """cuda_pointwise's three operations (batched cuBLAS GEMMs; strided pixels gathered into
+    the workspace and the data gradient spread back; the weight gradient's partial sums in the
+    workspace, or none) against the layer's NumPy kernels, on host memory."""
     from snrt.backends.cuda_pointwise import PointwiseGemm, pointwise_shape
     from snrt.backends.cudnn_graphs import conv_spec
+    from snrt.layers.base import scratch_aligned
 
-    layer = Conv2d(out_channels=6, kernel=1, bias=False)
+    layer = Conv2d(out_channels=6, kernel=1, stride=stride, bias=False)
     x, params, y_ref, gy, gx_ref, grads_ref = _numpy_run(layer, (5, 4, 3, 7), np.random.default_rng(4))
     shape = pointwise_shape(conv_spec(layer, [x.shape]))
-    assert (shape.n, shape.c, shape.o, shape.p) == (5, 4, 6, 21)
+    assert (shape.n, shape.c, shape.o, shape.ho, shape.wo) == (5, 4, 6, *y_ref.shape[2:])
+    gathered = scratch_aligned(shape.gathered_bytes)
+    limit = None if partials == 5 else gathered + partials * 6 * 4 * 4 + 3
     y, gx, gw = np.full_like(y_ref, np.nan), np.full_like(x, np.nan), np.full_like(params["weight"], np.nan)
     w = params["weight"]
     ops = {op: PointwiseGemm(HostModule(), op, shape, limit) for op in ("fprop", "dgrad", "wgrad")}
-    assert ops["wgrad"].partials == {None: 5, 0: 1}.get(limit, 2)
-    assert ops["fprop"].workspace_bytes == ops["dgrad"].workspace_bytes == 0
-    workspace = np.full(max(ops["wgrad"].workspace_bytes, 1), 255, np.uint8)  # NaN-like garbage
+    assert ops["wgrad"].partials == partials
+    assert ops["fprop"].workspace_bytes == ops["dgrad"].workspace_bytes == shape.gathered_bytes
+    assert (shape.gathered_bytes > 0) == (stride != 1)
     assert limit is None or ops["wgrad"].workspace_bytes <= limit
-    ops["fprop"].execute({"x": x.ctypes.data, "w": w.ctypes.data, "y": y.ctypes.data}, 0)
-    ops["dgrad"].execute({"dy": gy.ctypes.data, "w": w.ctypes.data, "dx": gx.ctypes.data}, 0)
-    ops["wgrad"].execute({"x": x.ctypes.data, "dy": gy.ctypes.data, "dw": gw.ctypes.data}, workspace.ctypes.data)
+
+    held = {op: np.full(ops[op].workspace_bytes, 255, np.uint8) for op in ops}  # exactly what each asks for
+    workspace = {op: held[op].ctypes.data if held[op].size else 0 for op in ops}
+    ops["fprop"].execute({"x": x.ctypes.data, "w": w.ctypes.data, "y": y.ctypes.data}, workspace["fprop"])
+    ops["dgrad"].execute({"dy": gy.ctypes.data, "w": w.ctypes.data, "dx": gx.ctypes.data}, workspace["dgrad"])
+    ops["wgrad"].execute({"x": x.ctypes.data, "dy": gy.ctypes.data, "dw": gw.ctypes.data}, workspace["wgrad"])
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gw, grads_ref["weight"], rtol=1e-5, atol=1e-5)
@@ -309,7 +331,7 @@ def test_a_cudnn_convolution_runs_the_pointwise_gemms_it_timed_faster(tmp_path, 
     assert spatial.graph("wgrad", None).name == "cudnn"  # not pointwise: cuDNN's graph, nothing timed
 
 
-@pytest.mark.parametrize("options", [dict(kernel=3, padding=1), dict(kernel=1, stride=2), dict(kernel=1, padding=1),
+@pytest.mark.parametrize("options", [dict(kernel=3, padding=1), dict(kernel=3, stride=2), dict(kernel=1, padding=1),
                                      dict(kernel=1, groups=2), dict(kernel=(1, 3), padding=(0, 1))], ids=str)
 def test_only_pointwise_convolutions_are_offered_to_the_gemms(options):
     from snrt.backends.cuda_pointwise import pointwise_shape
@@ -321,11 +343,14 @@ def test_only_pointwise_convolutions_are_offered_to_the_gemms(options):
 def test_the_pointwise_weight_gradient_keeps_its_partials_within_the_cap_and_the_limit():
     from snrt.backends.cuda_pointwise import PARTIALS_CAP_BYTES, PointwiseShape, weight_partials
 
-    small, large = PointwiseShape(32, 64, 256, 3136), PointwiseShape(32, 1024, 2048, 196)
+    small, large = PointwiseShape(32, 64, 256, 56, 56), PointwiseShape(32, 1024, 2048, 14, 14)
     assert weight_partials(small, None) == 32
     assert weight_partials(large, None) == PARTIALS_CAP_BYTES // (1024 * 2048 * 4) == 4
     assert weight_partials(small, 3 * 64 * 256 * 4 + 5) == 3
     assert weight_partials(large, 1 << 20) == weight_partials(small, 0) == 1
+    strided = PointwiseShape(32, 64, 256, 56, 56, 2, 2)  # the gathered pixels come first
+    assert strided.gathered_bytes == 32 * 64 * 28 * 28 * 4
+    assert weight_partials(strided, strided.gathered_bytes + 3 * 64 * 256 * 4) == 3
 
 
 TRANSPOSED = [

@@ -655,17 +655,23 @@ def best_seconds(stream, action, rounds):
 def on_own_pool(measure):
     """`measure(cupy, stream)` with a memory pool of its own and a new non-blocking stream
     made current (the pool emptied after), or None when the device has no memory to spare;
-    what `measure` allocates is released when it returns."""
+    what `measure` allocates is released when it returns. The stream current before is made
+    current again: CuPy's `with stream:` would restore its own stack's, the null stream, not
+    the compute stream a backend made current with `use()` (then CuPy's kernels and cuDNN's
+    would run on different streams, unordered)."""
     import cupy
 
     pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    before = cupy.cuda.get_current_stream()
     try:
-        with cupy.cuda.using_allocator(pool.malloc), stream:
+        stream.use()
+        with cupy.cuda.using_allocator(pool.malloc):
             return measure(cupy, stream)
     except cupy.cuda.memory.OutOfMemoryError:
         return None
     finally:
         stream.synchronize()
+        before.use()
         pool.free_all_blocks()
 
 

@@ -229,6 +229,22 @@ def test_pointwise_gemms_agree_with_numpy_and_repeat_their_bits(cupy, limit, str
         np.testing.assert_allclose(cupy.asnumpy(d[role]), expected[key], rtol=2e-4, atol=2e-4, err_msg=role)
 
 
+def test_timing_keeps_the_compute_stream_current(cupy):
+    """A kernel timed after the backend made its compute stream current (a workspace query
+    that times cuDNN's engines and the alternatives) leaves that stream current, so CuPy's
+    kernels and cuDNN's stay in one order."""
+    from snrt.backends.cuda_kernels import CudaKernels
+    from snrt.backends.cupy_backend import CupyBackend
+
+    backend = CupyBackend(0, kernels=CudaKernels())
+    try:
+        for layer, shape in ((BatchNorm(), (4, 8, 6, 6)), (Conv2d(out_channels=8, kernel=1), (4, 6, 7, 7))):
+            backend.kernel_for(layer, [shape]).workspace_bytes([shape], BACKWARD)
+            assert cupy.cuda.get_current_stream() == backend.compute_stream
+    finally:
+        backend.close()
+
+
 def test_the_alternatives_to_cudnn_time_themselves_on_the_device(cupy):
     """What may run instead of a cuDNN graph gives its best seconds: the pointwise GEMMs'
     three operations and the BatchNorm kernels' forward and backward."""

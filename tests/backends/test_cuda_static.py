@@ -753,6 +753,75 @@ def _batch_norm_train(runner, shape, rng):
     return [y, gx, *gparams.values(), *aux.values(), *state.values()]
 
 
+def test_timing_on_its_own_pool_leaves_the_stream_that_was_current(monkeypatch):
+    """on_own_pool runs the measurement on a new stream and makes the one current before
+    (a backend's compute stream, made current by use()) current again, on success, on
+    running out of memory and on any other error: CuPy's `with stream:` would restore the
+    null stream instead."""
+    from types import ModuleType, SimpleNamespace
+
+    from snrt.backends.cuda_source import on_own_pool
+
+    class OutOfMemoryError(Exception):
+        pass
+
+    current = []
+
+    class Stream:
+        def __init__(self, non_blocking=False):
+            self.synchronized = False
+
+        def use(self):
+            current[:] = [self]
+
+        def synchronize(self):
+            self.synchronized = True
+
+    class Pool:
+        def malloc(self, nbytes):
+            raise AssertionError("nothing allocated here")
+
+        def free_all_blocks(self):
+            pass
+
+    class UsingAllocator:
+        def __init__(self, allocator):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *args):
+            return False
+
+    cupy = ModuleType("cupy")
+    cupy.cuda = SimpleNamespace(MemoryPool=Pool, Stream=Stream, get_current_stream=lambda: current[0],
+                                using_allocator=UsingAllocator, memory=SimpleNamespace(OutOfMemoryError=OutOfMemoryError))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    compute = Stream()
+    compute.use()
+    seen = []
+
+    def measure(module, stream):
+        seen.append(stream)
+        assert module is cupy and current[0] is stream is not compute
+        return 1.5
+
+    assert on_own_pool(measure) == 1.5 and current[0] is compute and seen[0].synchronized
+
+    def out_of_memory(module, stream):
+        raise OutOfMemoryError()
+
+    assert on_own_pool(out_of_memory) is None and current[0] is compute
+
+    def failing(module, stream):
+        raise ValueError("the library's error")
+
+    with pytest.raises(ValueError):
+        on_own_pool(failing)
+    assert current[0] is compute
+
+
 class MaxPoolModule:
     """snrt_maxpool_* on host memory, read from their CUDA source into Python loops (a thread
     per output, a thread per input element); each launch's arguments checked against the C

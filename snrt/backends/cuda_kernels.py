@@ -3,9 +3,9 @@
 `REGISTRY` maps a layer type to the factory of its kernel: cuDNN frontend graphs for Conv2d
 and BatchNorm (snrt/backends/cudnn_graphs.py) with the CUDA kernels as their fallback, the
 CUDA kernels (snrt/backends/cuda_layers.py) for the other layers whose `xp` code allocates,
-BatchNormReLU as BatchNorm's kernel then ReLU's (CudaReLUAfter), and the layer's own
-`xp` code for the rest. `CudaKernels` is the kernel choice the CUDA
-backend plans and runs with. Importing this module does not import CuPy.
+BatchNormReLU as BatchNorm's kernel then ReLU's forward and one masked BatchNorm backward
+(CudaReLUAfter), and the layer's own `xp` code for the rest. `CudaKernels` is the kernel
+choice the CUDA backend plans and runs with. Importing this module does not import CuPy.
 """
 
 import gc

@@ -11,15 +11,16 @@ checks on the CPU that each such layer's forward and backward create no array ou
 buffers and workspace.
 
 A kernel here is "layer-like": it has the layer's `forward`, `backward` and
-`workspace_bytes` signatures and delegates everything else to the layer. Each one fits in
-the workspace the NumPy layer plans (Dropout, SoftmaxCrossEntropy, AvgPool, MaxPool and the
-BatchNorm/Linear kernels need none; the GEMM convolution cuts its column matrix into bands
-of output rows that fit whatever the plan gave), so existing plans run as they are, and
-`workspace_bytes` says what each would like when the planner asks the backend
-(`CudaKernels.workspace_bytes`).
+`workspace_bytes` signatures and delegates everything else to the layer. `workspace_bytes`
+says what each needs when the planner asks the backend (`CudaKernels.workspace_bytes`; CUDA
+plans are made with it): nothing for Dropout, SoftmaxCrossEntropy, AvgPool, MaxPool and
+Linear, BatchNorm's partial sums (2 floats per block of its training kernels), and for the
+GEMM convolution one sample's column matrix, though it cuts that into bands of output rows
+that fit whatever smaller workspace a step gives.
 
 Some layers have a kernel here for speed alone: MaxPool (one pass each way where its xp code
-makes four per window tap), ReLU's and Add's backwards.
+makes four per window tap), ReLU's and Add's backwards, BatchNormReLU's backward (BatchNorm's
+passes with the ReLU's mask inside, snrt/backends/cuda_kernels.py).
 
 Everything is float32; a float64 plan runs the layers' own `xp` code. Dropout's mask, AvgPool
 and MaxPool are bit-identical to the NumPy kernels (same integer hash, same summation order);

@@ -10,15 +10,16 @@ when a signal may already arrive) stays light.
 
 import importlib
 import os
+import sys
 
 # OpenBLAS's threads spin for 2**28 cycles (~0.1 s) after each GEMM before they sleep, holding
-# cores that snrt's own threads need right after it (the direct convolution's kernel threads,
-# the compiled kernels, the copy streams). 2**16 cycles (~20 us) still bridges back-to-back
-# GEMMs. On a 2-core machine (results/blas_timeout.md), seconds an iteration at 2**28, 2**16
-# and 2**4 cycles: CIFAR ResNet-110 b32 0.98, 0.79, 0.85; ResNet-50 112x112 b8 0.51, 0.50,
-# 0.51 (an earlier, noisier comparison found 2**4 10% slower there). OpenBLAS reads this when
+# cores that snrt's own threads need right after it (the compiled kernels' threads, the copy
+# streams). 2**16 cycles (~20 us) still bridges back-to-back GEMMs. On a 2-core machine
+# (results/blas_timeout.md), seconds an iteration at 2**28, 2**16 and 2**4 cycles: CIFAR
+# ResNet-110 b32 0.60, 0.23, 0.23; ResNet-50 112x112 b8 0.60, 0.30, 0.30. OpenBLAS reads this when
 # numpy loads it, so it holds where snrt is imported before numpy (the `snrt` command); a value
-# the user set is kept.
+# the user set is kept. Where numpy came first, a CPU backend warns (snrt.threads.warn_if_blas_spins).
+BLAS_LOADED_FIRST = "numpy" in sys.modules and "OPENBLAS_THREAD_TIMEOUT" not in os.environ
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 
 _EXPORTS = {

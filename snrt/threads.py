@@ -15,6 +15,7 @@ snrt's kernel threads with them.
 import math
 import multiprocessing
 import os
+import warnings
 from pathlib import Path
 
 from threadpoolctl import threadpool_info, threadpool_limits
@@ -133,3 +134,26 @@ def in_a_child(work):
             raise value
         return value
     return result
+
+
+class BlasSpinWarning(UserWarning):
+    """OpenBLAS was loaded before snrt could shorten its threads' spin (numpy came first)."""
+
+
+_WARNED = []
+
+
+def warn_if_blas_spins():
+    """Warn once when numpy (and so OpenBLAS) was imported before snrt with no
+    OPENBLAS_THREAD_TIMEOUT set: its threads then spin about 0.1 s after every matrix product,
+    holding the cores snrt's kernel threads need (a CIFAR ResNet-110 iteration measured 2.6x
+    slower so on 2 cores, results/blas_timeout.md)."""
+    import snrt
+
+    if _WARNED or not snrt.BLAS_LOADED_FIRST or not any(p.get("internal_api") == "openblas" for p in threadpool_info()):
+        return
+    _WARNED.append(True)
+    warnings.warn("numpy was imported before snrt, so OpenBLAS's threads spin for about 0.1 s after every matrix "
+                  "product and hold the cores snrt's CPU kernels need (training can run several times slower): "
+                  "import snrt before numpy, or set OPENBLAS_THREAD_TIMEOUT=16 in the environment",
+                  BlasSpinWarning, stacklevel=3)

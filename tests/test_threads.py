@@ -60,3 +60,23 @@ def test_importing_snrt_first_has_openblas_threads_sleep_at_once_unless_the_user
     code = "import os, snrt; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert done.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("imports, preset, warned", [
+    ("import numpy, snrt", None, True),
+    ("import snrt, numpy", None, False),
+    ("import numpy, snrt", "16", False),
+])
+def test_a_cpu_backend_warns_once_when_numpy_came_first_with_openblas_spinning(imports, preset, warned):
+    """numpy imported before snrt has OpenBLAS's threads spin with its default timeout (snrt
+    could not shorten it): a CPU backend warns, once per process; not when snrt came first or
+    the user chose a timeout."""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if preset:
+        env["OPENBLAS_THREAD_TIMEOUT"] = preset
+    code = (f"{imports}\nimport warnings\nfrom snrt.backends.numpy_backend import NumpyBackend\n"
+            "with warnings.catch_warnings(record=True) as seen:\n    warnings.simplefilter('always')\n"
+            "    NumpyBackend(64)\n    NumpyBackend(64)\n"
+            "print(sum(w.category.__name__ == 'BlasSpinWarning' for w in seen))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.strip() == ("1" if warned else "0")

@@ -12,6 +12,7 @@ from snrt.precision import DEFAULT as DEFAULT_PRECISION
 from snrt.memory.arena import Arena
 from snrt.memory.host import HostStore
 from snrt.scheduler import cost
+from snrt.threads import warn_if_blas_spins
 
 
 INLINE_COPY_BYTES = 64 * 1024  # copies this small run on the compute thread (see CopyStream.submit)
@@ -32,6 +33,7 @@ class NumpyBackend(Backend):
 
     def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None, host_folder=None):
         super().__init__(arena_bytes, host_bytes, check, kernels)
+        warn_if_blas_spins()
         self.arena = Arena(np, arena_bytes, check=check)
         self.host = (HostStore.on_disk(host_bytes, host_folder) if host_folder
                      else HostStore(np.zeros(host_bytes, dtype=np.uint8)))

@@ -144,13 +144,14 @@ _WARNED = []
 
 
 def warn_if_blas_spins():
-    """Warn once when numpy (and so OpenBLAS) was imported before snrt with no
+    """Warn once when numpy (and so OpenBLAS, with threads) was imported before snrt with no
     OPENBLAS_THREAD_TIMEOUT set: its threads then spin about 0.1 s after every matrix product,
     holding the cores snrt's kernel threads need (a CIFAR ResNet-110 iteration measured 2.6x
     slower so on 2 cores, results/blas_timeout.md)."""
     import snrt
 
-    if _WARNED or not snrt.BLAS_LOADED_FIRST or not any(p.get("internal_api") == "openblas" for p in threadpool_info()):
+    spinning = any(p.get("internal_api") == "openblas" and p.get("num_threads", 1) > 1 for p in threadpool_info())
+    if _WARNED or not snrt.BLAS_LOADED_FIRST or not spinning:
         return
     _WARNED.append(True)
     warnings.warn("numpy was imported before snrt, so OpenBLAS's threads spin for about 0.1 s after every matrix "

@@ -72,6 +72,7 @@ def test_a_cpu_backend_warns_once_when_numpy_came_first_with_openblas_spinning(i
     could not shorten it): a CPU backend warns, once per process; not when snrt came first or
     the user chose a timeout."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    env["OPENBLAS_NUM_THREADS"] = "2"  # a pool to spin, on a machine of any size
     if preset:
         env["OPENBLAS_THREAD_TIMEOUT"] = preset
     code = (f"{imports}\nimport warnings\nfrom snrt.backends.numpy_backend import NumpyBackend\n"

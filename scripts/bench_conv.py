@@ -23,6 +23,7 @@ import pathlib  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
+import snrt  # noqa: E402,F401  (before numpy: it sets OpenBLAS's thread timeout, as the `snrt` command does)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402

@@ -12,6 +12,7 @@ import argparse
 import io
 import time
 
+import snrt  # noqa: F401  (before numpy: it sets OpenBLAS's thread timeout, as the `snrt` command does)
 import numpy as np
 from PIL import Image
 from reproduce_common import RESULTS, machine, meta_line, save_json, save_markdown, table

@@ -23,12 +23,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import snrt  # (before numpy: it sets OpenBLAS's thread timeout, as the `snrt` command does)
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 from timing import fit_seconds
 
-import snrt
 from snrt import POLICIES
 from snrt.scheduler.order import build_iteration
 from snrt.scheduler.plan import PERSISTENT_ROLES

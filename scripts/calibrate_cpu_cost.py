@@ -24,6 +24,7 @@ import statistics
 import time
 from dataclasses import replace
 
+import snrt  # noqa: F401  (before numpy: it sets OpenBLAS's thread timeout, as the `snrt` command does)
 import numpy as np
 from reproduce_common import RESULTS, machine, meta_line, save_json, save_markdown, synthetic_config, table
 

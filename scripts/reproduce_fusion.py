@@ -21,6 +21,7 @@ import os
 import statistics
 import time
 
+import snrt  # noqa: F401  (before numpy: it sets OpenBLAS's thread timeout, as the `snrt` command does)
 import numpy as np
 from reproduce_common import (MIB, gib, machine, meta_line, parse_args, save_json, save_markdown, synthetic_config,
                               table)

@@ -18,6 +18,7 @@ Writes results/streaming.{md,json}.
 import statistics
 import time
 
+import snrt  # noqa: F401  (before numpy: it sets OpenBLAS's thread timeout, as the `snrt` command does)
 import numpy as np
 from reproduce_common import gib, machine, meta_line, parse_args, save_json, save_markdown, synthetic_config, table
 

@@ -15,6 +15,7 @@ results/bench_gpu.json.
     python scripts/bench_gpu.py                      # ResNet-50, 224x224, batch 32
     python scripts/bench_gpu.py --precision tf32 --policies none superneurons
     python scripts/bench_gpu.py --nondeterministic --policies none   # cuDNN's other engines too
+    python scripts/bench_gpu.py --policies auto --budget 1.1GiB     # the fastest plan within a budget
     python scripts/bench_gpu.py --config configs/resnet2500.yaml --batch 16 --image-size 227 --policies superneurons
 """
 
@@ -34,6 +35,7 @@ from snrt.optim import SGD
 from snrt.precision import precision_named
 from snrt.runtime import prepare
 from snrt.summary import human_bytes
+from snrt.units import parse_bytes
 from snrt.scheduler.order import ITEMSIZE
 from snrt.timeline import copy_overlap, draw_streams, measured_streams, predicted_streams
 
@@ -117,7 +119,8 @@ def run_policy(config, batch, policy, iterations, budget, precision, determinist
         copy_s = executor.copy_stats["copy_s"] / (iterations + 1)
         profile = profiled(runtime, feed, optimizer, precision, figures and f"{figures}/gpu_streams_{policy}.png")
         return {
-            "policy": policy, "precision": precision, "deterministic": deterministic, "fused": fuse, "batch": batch,
+            "policy": policy, "plan_policy": plan.policy, "budget": budget, "precision": precision,
+            "deterministic": deterministic, "fused": fuse, "batch": batch,
             "seconds_per_iteration": statistics.median(seconds), "images_per_s": batch / statistics.median(seconds),
             "predicted_s": plan.predicted_s,
             "planned_peak_bytes": plan.peak_bytes, "measured_peak_bytes": backend.arena.peak_bytes,
@@ -141,7 +144,8 @@ def main():
     parser.add_argument("--no-fuse", dest="fuse", action="store_false",
                         help="plan every layer as its own node (no BatchNorm+ReLU fusion)")
     parser.add_argument("--figures", help="folder for each copying policy's streams figure")
-    parser.add_argument("--budget", type=int, default=None, help="device budget in bytes")
+    parser.add_argument("--budget", type=parse_bytes, default=None,
+                        help="device budget (12GiB, 1.5GB, bytes); policy auto needs one")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench_gpu.json"))
     args = parser.parse_args()
     reason = cuda_unavailable_reason()

@@ -7,7 +7,7 @@ The work folder holds stages.txt (one line per stage: name, exit status or -1 wh
 check's time ran out before it, seconds, limit),
 environment.json, the pytest runs' JUnit XML (tests-backends.xml, tests-rest.xml), bench_gpu's
 JSON (bench-snrt.json in fp32, bench-snrt-tf32.json, bench-snrt-nondeterministic.json,
-bench-snrt-unfused.json), the
+bench-snrt-unfused.json, bench-snrt-auto.json), the
 ResNet-2500 run folder
 (resnet2500/summary.json) and bench_torch's JSON (bench-torch.json). A stage that did not leave
 its file is reported as missing, with its exit status: the report is written whatever failed.
@@ -88,6 +88,7 @@ def collect(work):
         "snrt_resnet50_tf32": read_json(work / "bench-snrt-tf32.json"),
         "snrt_resnet50_nondeterministic": read_json(work / "bench-snrt-nondeterministic.json"),
         "snrt_resnet50_unfused": read_json(work / "bench-snrt-unfused.json"),
+        "snrt_resnet50_auto": read_json(work / "bench-snrt-auto.json"),
         "resnet2500": read_resnet2500(work / "resnet2500"),
         "torch_resnet50": read_json(work / "bench-torch.json"),
     }
@@ -115,6 +116,7 @@ def targets(report):
     parts; `measured` is None where its stage left nothing or the work is not built."""
     snrt = _rows(report["snrt_resnet50"], "policy")
     tf32 = _rows(report.get("snrt_resnet50_tf32"), "policy")
+    auto = _rows(report.get("snrt_resnet50_auto"), "policy").get("auto")
     anything = _rows(report.get("snrt_resnet50_nondeterministic"), "policy")
     torch = _rows(report["torch_resnet50"], "mode")
     none, sn = snrt.get("none"), snrt.get("superneurons")
@@ -137,6 +139,8 @@ def targets(report):
          _ratio(torch_ms.get("fp32+checkpoint"), ms["superneurons"])),
         ("superneurons peak / PyTorch fp32 + checkpoint_sequential(4) peak", "<=", 0.5,
          _ratio(sn_peak, _get(torch.get("fp32+checkpoint"), "peak_bytes"))),
+        ("snrt auto in half checkpoint_sequential's memory: speed / PyTorch fp32 + checkpoint_sequential(4)", ">=",
+         1.0, _ratio(torch_ms.get("fp32+checkpoint"), _get(auto, "seconds_per_iteration"))),
         ("moonshot: superneurons speed / PyTorch fp32", ">=", 1.0, _ratio(torch_ms.get("fp32"), ms["superneurons"])),
         ("moonshot: superneurons peak / PyTorch fp32 peak", "<=", 1 / 3,
          _ratio(sn_peak, _get(torch.get("fp32"), "peak_bytes"))),
@@ -165,11 +169,12 @@ def speed_rows(report):
     rows = []
     for part, label in (("snrt_resnet50", ""), ("snrt_resnet50_tf32", " tf32"),
                         ("snrt_resnet50_nondeterministic", " non-deterministic"),
-                        ("snrt_resnet50_unfused", " unfused (--no-fuse)")):
+                        ("snrt_resnet50_unfused", " unfused (--no-fuse)"), ("snrt_resnet50_auto", "")):
         for row in (report.get(part) or {}).get("rows", []):
             seconds = row["seconds_per_iteration"]
             hidden = f", copies {row['copies']['hidden']:.0%} hidden" if row.get("copies") else ""
-            rows.append((f"snrt {row['policy']}{label}", f"{seconds * 1e3:.1f}", f"{row['images_per_s']:.0f}",
+            within = f" ({row.get('plan_policy', '?')} within {gib(row['budget'])})" if row.get("budget") else ""
+            rows.append((f"snrt {row['policy']}{label}{within}", f"{seconds * 1e3:.1f}", f"{row['images_per_s']:.0f}",
                          f"{gib(row['measured_peak_bytes'])} (plan {gib(row['planned_peak_bytes'])}){hidden}"))
     for row in (report["torch_resnet50"] or {}).get("rows", []):
         if "error" in row:

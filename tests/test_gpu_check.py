@@ -70,6 +70,10 @@ def test_the_report_opens_with_the_targets_each_measured_or_said_to_be_missing(t
         {"mode": "fp32", "ms_per_iteration": 40.0, "images_per_s": 800.0, "peak_bytes": 3 * gib},
         {"mode": "fp32+checkpoint", "ms_per_iteration": 50.0, "images_per_s": 640.0, "peak_bytes": 2.5 * gib},
         {"mode": "defaults", "error": "CUDA out of memory"}]}))
+    (work / "bench-snrt-auto.json").write_text(json.dumps({"rows": [
+        {"policy": "auto", "plan_policy": "auto:optimal(offload)", "budget": 1.25 * gib, "batch": 32,
+         "seconds_per_iteration": 0.0625, "images_per_s": 512.0, "measured_peak_bytes": 1.2 * gib,
+         "planned_peak_bytes": 1.2 * gib, "copies": {"hidden": 0.5}}]}))
     (work / "resnet2500" / "summary.json").write_text(json.dumps({
         "batch": 16, "policy": "superneurons", "final_loss": 6.9, "mean_images_per_s": 20.0,
         "measured_peak_device_bytes": 11 * gib, "predicted_peak_device_bytes": 11 * gib}))
@@ -92,6 +96,8 @@ def test_the_report_opens_with_the_targets_each_measured_or_said_to_be_missing(t
         "superneurons: share of the copy time hidden behind kernels": (0.95, True),
         "superneurons speed / PyTorch fp32 + checkpoint_sequential(4)": (50 / 46, True),
         "superneurons peak / PyTorch fp32 + checkpoint_sequential(4) peak": (0.4, True),
+        "snrt auto in half checkpoint_sequential's memory: speed / PyTorch fp32 + checkpoint_sequential(4)":
+            (50 / 62.5, False),
         "moonshot: superneurons speed / PyTorch fp32": (40 / 46, False),
         "moonshot: superneurons peak / PyTorch fp32 peak": (1 / 3, True),
         "ResNet-2500": (20.0, True),
@@ -106,5 +112,6 @@ def test_the_report_opens_with_the_targets_each_measured_or_said_to_be_missing(t
         assert found[name]["measured"] == (None if measured is None else pytest.approx(measured)), name
     text = out.with_suffix(".md").read_text()
     assert "| superneurons / none iteration time | <= 1.10 | 1.15 | no |" in text
+    assert "| snrt auto (auto:optimal(offload) within 1.25 GiB) | 62.5 | 512 | 1.20 GiB (plan 1.20 GiB)" in text
     assert "| executor overhead with the CUDA graph (us per step; not built) | <= 5.00 | not measured | no |" in text
     assert result.stdout.splitlines()[1].startswith("met ")  # the targets come first in the short table

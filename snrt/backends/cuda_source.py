@@ -103,7 +103,7 @@ extern "C" __global__ void snrt_bn_sums(const float* x, float* partials, long lo
     if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
-// The batch mean of channel ch from pass 1's partials, as the one-block kernel rounded it.
+// The batch mean of channel ch from pass 1's partials: their sum times 1/M rounded to float.
 __device__ __forceinline__ float snrt_bn_mean(const float* sums, long long ch, long long slices, long long m) {
     return __fmul_rn(snrt_bn_channel_total(sums, ch, slices), (float)(1.0 / (double)m));
 }

@@ -42,7 +42,8 @@ def _plain(kernel_class):
 
 class CudaReLUAfter(ReLUAfter):
     """BatchNormReLU (snrt/layers/fused.py) on CUDA. Forward: the kernel of BatchNorm (the one
-    an unfused node of that shape runs, cuDNN's or the CUDA kernels), then ReLU's in place.
+    an unfused node of that shape runs, cuDNN's or the CUDA kernels), then ReLU's in place; where
+    that is the CUDA kernels, in float32 training, the ReLU inside their normalizing pass.
     Backward, in float32: BatchNorm's two CUDA passes with the ReLU's mask inside (the output
     computed again from x; the mask may differ from the forward's where cuDNN's arithmetic
     rounded an output across 0), so no output-sized scratch; else the layer's composition.
@@ -58,6 +59,14 @@ class CudaReLUAfter(ReLUAfter):
         if phase == BACKWARD and itemsize == FLOAT32_BYTES:
             return self.masked.own_workspace_bytes(in_shapes, phase)
         return super().workspace_bytes(in_shapes, phase, itemsize)
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        """Where BatchNorm's training forward runs on the CUDA kernels (not cuDNN's graph), the
+        ReLU inside its normalizing pass; else BatchNorm's kernel, then ReLU's in place."""
+        runs = getattr(self.first, "runs_forward", None)
+        if self.masked.is_float32(xs[0]) and ctx.training and runs is not None and runs():
+            return self.masked.forward(ctx, xs, params, state, y, aux, recompute, relu=True)
+        super().forward(ctx, xs, params, state, y, aux, recompute)
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         if not self.masked.is_float32(gy):

@@ -138,7 +138,13 @@ class CudaBatchNorm(Float32Kernel):
         slices, _ = batchnorm_slices(n, c, hw)
         return c * slices, int64_args(n, c, hw, slices)
 
-    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+    def runs_forward(self):
+        """True: this kernel runs the training forward (BatchNormReLU folds its ReLU into it)."""
+        return True
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False, relu=False):
+        """BatchNorm's forward; with `relu` (float32 training only), BatchNormReLU's: max(y, 0)
+        inside the normalizing pass."""
         x = xs[0]
         if not self.is_float32(x):
             return super().forward(ctx, xs, params, state, y, aux, recompute)
@@ -159,7 +165,7 @@ class CudaBatchNorm(Float32Kernel):
         self.module.launch("snrt_bn_normalize", blocks, (
             x, y, weight, bias, sums, squares, aux["mean"], aux["inv_std"], state["running_mean"], state["running_var"],
             *sizes, np.float32(self.layer.eps), np.float32(momentum), np.float32(1 - momentum),
-            np.float32(count / (count - 1)), np.int32(0 if recompute else 1)))
+            np.float32(count / (count - 1)), np.int32(0 if recompute else 1), np.int32(relu)))
         ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams, relu=False):

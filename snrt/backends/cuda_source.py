@@ -122,13 +122,14 @@ extern "C" __global__ void snrt_bn_squares(const float* x, const float* sums, fl
 }
 
 // Pass 3: y = (x - mean) * (weight * inv_std) + bias over the slice, inv_std = 1/sqrt(var + eps)
-// with the biased variance; the channel's first block writes aux mean and inv_std and, unless
+// with the biased variance, and with relu (BatchNormReLU) max(y, 0) as ReLU's forward computes
+// it (a NaN stays NaN); the channel's first block writes aux mean and inv_std and, unless
 // recomputing, the running statistics (keep = 1 - momentum and unbias = M/(M-1) come from the
 // host in float32, as NumPy rounds them).
 extern "C" __global__ void snrt_bn_normalize(
         const float* x, float* y, const float* weight, const float* bias, const float* sums, const float* squares,
         float* mean, float* inv_std, float* running_mean, float* running_var, long long n, long long c, long long hw,
-        long long slices, float eps, float momentum, float keep, float unbias, int update_running) {
+        long long slices, float eps, float momentum, float keep, float unbias, int update_running, int relu) {
     SNRT_BN_SLICE(n, c, hw, slices)
     float m = snrt_bn_mean(sums, ch, slices, n * hw);
     float var = snrt_bn_channel_total(squares, ch, slices) / (float)(n * hw);
@@ -144,7 +145,8 @@ extern "C" __global__ void snrt_bn_normalize(
     float scale = weight ? __fmul_rn(weight[ch], inv) : inv, shift = bias ? bias[ch] : 0.0f;
     for (unsigned int k = threadIdx.x; k < count; k += blockDim.x) {
         long long i = snrt_bn_at(k, hw32, n0, c, ch);
-        y[i] = __fadd_rn(__fmul_rn(__fsub_rn(x[i], m), scale), shift);
+        float v = __fadd_rn(__fmul_rn(__fsub_rn(x[i], m), scale), shift);
+        y[i] = (!relu || v > 0.0f) ? v : (v == v ? 0.0f : v);
     }
 }
 

@@ -580,6 +580,11 @@ class CudnnBatchNorm(_CudnnKernel):
         planned = self.graph(op, self.context.workspace_limit_bytes)
         return planned is not None and planned.name != "cudnn"
 
+    def runs_forward(self):
+        """True where the CUDA kernels (the fallback) run the training forward."""
+        planned = self.graph("forward", self.context.workspace_limit_bytes)
+        return planned is None or planned.name != "cudnn"
+
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
         if not self.is_float32(x) or not ctx.training or self._kernels_run("forward"):

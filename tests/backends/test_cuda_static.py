@@ -593,7 +593,7 @@ class BatchNormModule:
             squares[b] = ((values - self._mean(sums, ch, int(slices), int(n * hw))) ** 2).sum(dtype=np.float32)
 
     def snrt_bn_normalize(self, blocks, x, y, weight, bias, sums, squares, mean, inv_std, running_mean, running_var,
-                          n, c, hw, slices, eps, momentum, keep, unbias, update_running):
+                          n, c, hw, slices, eps, momentum, keep, unbias, update_running, relu):
         n, c, hw, slices = map(int, (n, c, hw, slices))
         y = _flat(y, n * c * hw).reshape(n, c, hw)
         per = -(-n // slices)
@@ -608,7 +608,8 @@ class BatchNormModule:
                     running_var[ch] = running_var[ch] * keep + momentum * (var * unbias)
             scale = inv * weight[ch] if isinstance(weight, np.ndarray) else inv
             shift = bias[ch] if isinstance(bias, np.ndarray) else np.float32(0)
-            y[(b % slices) * per:(b % slices + 1) * per, ch] = (values - m) * scale + shift
+            out = (values - m) * scale + shift
+            y[(b % slices) * per:(b % slices + 1) * per, ch] = np.maximum(out, np.float32(0)) if relu else out
 
     def snrt_bn_forward_eval(self, blocks, x, y, weight, bias, running_mean, running_var, mean, inv_std, total, c, hw,
                              eps):
@@ -903,13 +904,15 @@ class FusedModule(OnePassModule, BatchNormModule):
 
 
 def test_a_fused_batch_norm_relu_on_cuda_masks_inside_batch_norms_backward():
-    """CudaReLUAfter: BatchNormReLU forward by BatchNorm's kernel then ReLU's in place;
-    backward by BatchNorm's two CUDA passes with the ReLU's mask inside, within a workspace
-    of their partial sums alone (the layer's holds the output again): the layer's values."""
+    """CudaReLUAfter over BatchNorm's CUDA kernels: forward with the ReLU inside their
+    normalizing pass; backward by BatchNorm's two CUDA passes with the ReLU's mask inside,
+    within a workspace of their partial sums alone (the layer's holds the output again): the
+    layer's values. Over cuDNN's graph (a stand-in: BatchNorm's xp code), the forward is that
+    kernel's then ReLU's, bit for bit the layer's."""
     from types import SimpleNamespace
 
     from snrt.backends.cuda_kernels import CudaReLUAfter
-    from snrt.backends.cuda_layers import CudaBatchNorm, CudaReLU
+    from snrt.backends.cuda_layers import CudaBatchNorm, CudaReLU, XpKernel
     from snrt.layers.fused import BatchNormReLU
 
     module = FusedModule()
@@ -919,10 +922,28 @@ def test_a_fused_batch_norm_relu_on_cuda_masks_inside_batch_norms_backward():
     layer, shape = BatchNormReLU(), (4, 3, 5, 5)
     kernel = CudaReLUAfter(layer, [shape], kernels)
     assert kernel.name == "cuda+relu" and kernel.measured_seconds(BACKWARD) is None
+    kernel.relu = SimpleNamespace(forward=lambda *args, **kwargs: pytest.fail("ReLU ran apart from the kernels' pass"))
     assert kernel.workspace_bytes([shape], BACKWARD) == kernel.masked.own_workspace_bytes([shape], BACKWARD)
     assert kernel.workspace_bytes([shape], BACKWARD) < 4 * np.prod(shape) < layer.workspace_bytes([shape], BACKWARD)
     for got, want in zip(*(_batch_norm_train(runner, shape, np.random.default_rng(2)) for runner in (kernel, layer))):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[0, 0, 0, 0] = np.nan
+    params = {"weight": np.full(3, 1.5, np.float32), "bias": np.full(3, -0.25, np.float32)}
+    by_xp = SimpleNamespace(kernel_for=lambda layer, shapes: (XpKernel if layer.type_name == "BatchNorm" else CudaReLU)(
+        layer, shapes, module), module=module)
+    outputs = []
+    for runner in (CudaReLUAfter(layer, [shape], by_xp), kernel, layer):
+        state = {"running_mean": np.zeros(3, np.float32), "running_var": np.ones(3, np.float32)}
+        aux = {"mean": np.empty(3, np.float32), "inv_std": np.empty(3, np.float32)}
+        y = np.full_like(x, 7.0)
+        runner.forward(KernelContext(np, True, 0, 0, 0, np.zeros(runner.workspace_bytes([shape], FORWARD) + 1, np.uint8)),
+                       [x], params, state, y, aux)
+        outputs.append(y)
+    np.testing.assert_array_equal(outputs[0], outputs[2])  # BatchNorm's kernel, then ReLU's: the layer's bits
+    np.testing.assert_allclose(outputs[1], outputs[2], rtol=2e-5, atol=2e-5)  # inside the kernels' pass
+    assert np.isnan(outputs[2]).any() and np.array_equal(np.isnan(outputs[1]), np.isnan(outputs[2]))  # NaN kept
 
 
 @pytest.mark.parametrize("layer, in_shapes", [(Conv2d(out_channels=4, kernel=3), [(2, 3, 8, 8)]),

@@ -30,7 +30,9 @@ Here:
   spin a while after each call, do not compete with the kernel threads. A 1x1 kernel needs no
   planes: gW[o, c] is the dot product of gy's channel o and x's channel c, each a run of H*W
   values per sample, read where they are (dots4x4 over the runs, N*C*H*W apart), in spans of
-  pixels of at most about GRAD_WEIGHT_ELEMENTS values of x and gy, the spans added in order;
+  pixels of at most about POINTWISE_SPAN_ELEMENTS values of x and gy (no copies, so spans longer
+  than the padded chunks: at 2^20 values ResNet-50's 1x1s at 28x28 and 56x56 took 5.9-6.5 ms a
+  weight gradient at batch 8 on 2 cores, at 2^22 4.0-4.1), the spans added in order;
   over maps of fewer than GEMM_PIXELS pixels, where such short runs leave the dot products
   their horizontal sums to pay for, gW = gy x^T is a GEMM by the pointwise tiles instead
   (x transposed in the workspace, vectors of input channels, gy's values broadcast).
@@ -61,9 +63,10 @@ from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
-GEMM_PIXELS = 256  # a 1x1's maps below which its weight gradient is a GEMM by the tiles
+GEMM_PIXELS = 128  # a 1x1's maps below which its weight gradient is a GEMM by the tiles
 SCATTER_SPLIT = 1 << 17  # gx values from which scatter_phase's maps are split among the kernel threads
 GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chunk: about 4 MB of fp32
+POINTWISE_SPAN_ELEMENTS = 1 << 22  # x and gy values per span of a 1x1's weight gradient (read in place)
 
 
 @njit(**THREADED)
@@ -385,7 +388,7 @@ class DirectConv2d(LayerLike):
         if kh * kw == 1:
             pixels = h * w
             tap_offsets(channels, 1, 1, 1, 1, pixels, 0, starts)
-            span = -(-pixels // -(-(n * (channels + outs) * pixels) // GRAD_WEIGHT_ELEMENTS))
+            span = -(-pixels // -(-(n * (channels + outs) * pixels) // POINTWISE_SPAN_ELEMENTS))
             for p0 in range(0, pixels, span):
                 run_split(weight_grad_rows, 0, blocks, threads, (gy.reshape(-1)[p0:], pixels, outs * pixels,
                                                                  x.reshape(-1)[p0:], starts, channels * pixels,

@@ -135,8 +135,8 @@ def test_a_1x1_weight_gradient_over_small_maps_is_a_gemm_by_the_tiles(shape):
 @pytest.mark.parametrize("elements", [100, 400, 1 << 20])  # spans of 3 pixels (the last 1), 8 (a vector), all 16
 def test_the_direct_pointwise_weight_gradient_sums_its_spans_of_pixels(elements, monkeypatch):
     """A 1x1's weight gradient reads x and gy where they are, a run of pixels per sample, the
-    pixels in spans of about GRAD_WEIGHT_ELEMENTS values of x and gy, added in order."""
-    monkeypatch.setattr(cpu_conv, "GRAD_WEIGHT_ELEMENTS", elements)
+    pixels in spans of about POINTWISE_SPAN_ELEMENTS values of x and gy, added in order."""
+    monkeypatch.setattr(cpu_conv, "POINTWISE_SPAN_ELEMENTS", elements)
     x = np.random.default_rng(4).standard_normal((3, 5, 4, 4))
     kernel = DirectConv2d(Conv2d(out_channels=9, kernel=1, bias=False))
     data_gradient = kernel._grad_input_arrays([x.shape], snrt.threads.kernel_threads(), 8)

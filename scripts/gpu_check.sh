@@ -153,7 +153,7 @@ if (( bench )); then  # what most targets need first, the variants last (skipped
     run_stage bench-torch 90 "$python" scripts/bench_torch.py --out "$work/bench-torch.json"
     # snrt's fastest plan (policy auto) in half the memory of PyTorch with checkpoint_sequential
     if half=$("$python" -c "
-import json, sys
+import json
 rows = {r['mode']: r for r in json.load(open('$work/bench-torch.json'))['rows'] if 'error' not in r}
 print(rows['fp32+checkpoint']['peak_bytes'] // 2)" 2> /dev/null); then
         run_stage bench-snrt-auto 90 "$python" scripts/bench_gpu.py --policies auto --budget "$half" \

@@ -22,18 +22,14 @@ import statistics
 import sys
 from pathlib import Path
 
-GIB = 2 ** 30
-
-
-def rows_by_policy(bench):
-    return {row["policy"]: row for row in bench["rows"] if "error" not in row}
+from gpu_report import GIB, rows_by
 
 
 def speed_table(before, after, torch):
     """Markdown lines: ms/iteration, images/s and peaks of each version's policies and PyTorch's modes."""
     lines = ["| | ms/iteration | img/s | predicted ms | peak (planned) |", "| --- | --- | --- | --- | --- |"]
     for name, bench in (("before", before), ("after", after)):
-        for policy, row in rows_by_policy(bench).items():
+        for policy, row in rows_by(bench, "policy").items():
             lines.append(f"| snrt {policy}, {name} | {row['seconds_per_iteration'] * 1e3:.1f} | "
                          f"{row['images_per_s']:.0f} | {row['predicted_s'] * 1e3:.1f} | "
                          f"{row['measured_peak_bytes'] / GIB:.2f} GiB ({row['planned_peak_bytes'] / GIB:.2f}) |")
@@ -46,8 +42,8 @@ def speed_table(before, after, torch):
 
 def step_table(before, after, policy):
     """Markdown lines: each step kind and layer type's GPU ms before and after (largest after first)."""
-    old = {what: (s, n) for what, s, n in rows_by_policy(before)[policy]["steps"]}
-    new = {what: (s, n) for what, s, n in rows_by_policy(after)[policy]["steps"]}
+    old = {what: (s, n) for what, s, n in rows_by(before, "policy")[policy]["steps"]}
+    new = {what: (s, n) for what, s, n in rows_by(after, "policy")[policy]["steps"]}
     lines = [f"| {policy}: step | before ms | after ms | steps |", "| --- | --- | --- | --- |"]
     for what in sorted(set(old) | set(new), key=lambda w: -max(new.get(w, (0, 0))[0], old.get(w, (0, 0))[0])):
         b, a = old.get(what, (0.0, 0)), new.get(what, (0.0, 0))
@@ -85,7 +81,7 @@ def main():
     args = parser.parse_args()
     before, after = (json.loads(Path(p).read_text()) for p in (args.before, args.after))
     torch = json.loads(Path(args.torch).read_text()) if args.torch else None
-    both = [p for p in rows_by_policy(after) if p in rows_by_policy(before)]
+    both = [p for p in rows_by(after, "policy") if p in rows_by(before, "policy")]
     lines = [f"# snrt before and after, {after['device']}", "",
              f"Written by `python scripts/gpu_compare.py {' '.join(sys.argv[1:])}`.", "",
              f"Config {Path(after['config']).name}, batch {after['rows'][0]['batch']}, {after['precision']}; "

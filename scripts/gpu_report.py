@@ -98,7 +98,7 @@ PAPER_RESNET2500_IMAGES_PER_S = 6.2  # snrt's first GPU run of ResNet-2500 at th
 EXACTNESS_TEST = "test_training_under_every_policy_matches_the_cpu"  # tests/backends/test_cuda_device.py
 
 
-def _rows(bench, key):
+def rows_by(bench, key):
     """{row[key]: row} of a bench file's rows (without the failed ones), {} when it is missing."""
     return {row[key]: row for row in (bench or {}).get("rows", []) if "error" not in row}
 
@@ -114,11 +114,11 @@ def _get(row, key):
 def targets(report):
     """[{"target", "goal", "measured", "met"}] of the GPU work's targets from the report's
     parts; `measured` is None where its stage left nothing or the work is not built."""
-    snrt = _rows(report["snrt_resnet50"], "policy")
-    tf32 = _rows(report.get("snrt_resnet50_tf32"), "policy")
-    auto = _rows(report.get("snrt_resnet50_auto"), "policy").get("auto")
-    anything = _rows(report.get("snrt_resnet50_nondeterministic"), "policy")
-    torch = _rows(report["torch_resnet50"], "mode")
+    snrt = rows_by(report["snrt_resnet50"], "policy")
+    tf32 = rows_by(report.get("snrt_resnet50_tf32"), "policy")
+    auto = rows_by(report.get("snrt_resnet50_auto"), "policy").get("auto")
+    anything = rows_by(report.get("snrt_resnet50_nondeterministic"), "policy")
+    torch = rows_by(report["torch_resnet50"], "mode")
     none, sn = snrt.get("none"), snrt.get("superneurons")
     ms = {name: _get(row, "seconds_per_iteration") for name, row in (("none", none), ("superneurons", sn))}
     torch_ms = {mode: row["ms_per_iteration"] / 1e3 for mode, row in torch.items()}

@@ -150,8 +150,9 @@ def warn_if_blas_spins():
     slower so on 2 cores, results/blas_timeout.md)."""
     import snrt
 
-    spinning = any(p.get("internal_api") == "openblas" and p.get("num_threads", 1) > 1 for p in threadpool_info())
-    if _WARNED or not snrt.BLAS_LOADED_FIRST or not spinning:
+    if _WARNED or not snrt.BLAS_LOADED_FIRST:  # the usual case: no look at the pools (threadpoolctl takes ms)
+        return
+    if not any(p.get("internal_api") == "openblas" and p.get("num_threads", 1) > 1 for p in threadpool_info()):
         return
     _WARNED.append(True)
     warnings.warn("numpy was imported before snrt, so OpenBLAS's threads spin for about 0.1 s after every matrix "

@@ -63,8 +63,8 @@ class CudaReLUAfter(ReLUAfter):
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         """Where BatchNorm's training forward runs on the CUDA kernels (not cuDNN's graph), the
         ReLU inside its normalizing pass; else BatchNorm's kernel, then ReLU's in place."""
-        runs = getattr(self.first, "runs_forward", None)
-        if self.masked.is_float32(xs[0]) and ctx.training and runs is not None and runs():
+        runs = getattr(self.first, "kernels_run", None)
+        if self.masked.is_float32(xs[0]) and ctx.training and runs is not None and runs("forward"):
             return self.masked.forward(ctx, xs, params, state, y, aux, recompute, relu=True)
         super().forward(ctx, xs, params, state, y, aux, recompute)
 

@@ -138,8 +138,9 @@ class CudaBatchNorm(Float32Kernel):
         slices, _ = batchnorm_slices(n, c, hw)
         return c * slices, int64_args(n, c, hw, slices)
 
-    def runs_forward(self):
-        """True: this kernel runs the training forward (BatchNormReLU folds its ReLU into it)."""
+    def kernels_run(self, op):
+        """True: these kernels run every operation (BatchNormReLU folds its ReLU into their
+        forward where they run it; CudnnBatchNorm.kernels_run)."""
         return True
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False, relu=False):

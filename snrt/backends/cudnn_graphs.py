@@ -575,19 +575,15 @@ class CudnnBatchNorm(_CudnnKernel):
             return kernels
         return max(kernels, (self._dropped_bytes if phase == FORWARD else 0) + built.workspace_bytes)
 
-    def _kernels_run(self, op):
-        """True where the CUDA kernels were timed faster than cuDNN's graph for `op`."""
+    def kernels_run(self, op):
+        """True where the CUDA kernels (the fallback) run `op` in training: timed faster than
+        cuDNN's graph, or cuDNN refused it."""
         planned = self.graph(op, self.context.workspace_limit_bytes)
-        return planned is not None and planned.name != "cudnn"
-
-    def runs_forward(self):
-        """True where the CUDA kernels (the fallback) run the training forward."""
-        planned = self.graph("forward", self.context.workspace_limit_bytes)
         return planned is None or planned.name != "cudnn"
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
-        if not self.is_float32(x) or not ctx.training or self._kernels_run("forward"):
+        if not self.is_float32(x) or not ctx.training or self.kernels_run("forward"):
             return self.fallback.forward(ctx, xs, params, state, y, aux, recompute)
         self.layer.check_training([x.shape])
         capacity, workspace = _workspace(ctx)
@@ -608,7 +604,7 @@ class CudnnBatchNorm(_CudnnKernel):
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         x, gx = saved.xs[0], gxs[0]
-        if not self.is_float32(x) or not ctx.training or gx is None or self._kernels_run("backward"):
+        if not self.is_float32(x) or not ctx.training or gx is None or self.kernels_run("backward"):
             return self.fallback.backward(ctx, gy, saved, params, aux, gxs, gparams)
         capacity, workspace = _workspace(ctx)
         built = self.graph_within("backward", capacity)

@@ -22,14 +22,16 @@ Here:
   since output pixel (h, w)'s window element (i, j) is xp at its t shifted by i*Wp + j, and gp
   is 0 wherever t is no output pixel: one long dot product of two contiguous rows per weight,
   across all the samples of a chunk (`GRAD_WEIGHT_ELEMENTS` padded values of x and gy). The
-  kernel computes 4 output channels by 4 taps (c, i, j) at a time, 16 dot products in one
-  loop (8 loads for 16 multiply-adds, one horizontal sum per chunk); the blocks are split among
-  the threads, the chunks summed in order. A tap past an output row's end meets gp's zeros, so
+  kernel computes a block of output channels by taps (c, i, j) at a time (cpu_dots.BLOCK: 6 by
+  4, 24 dot products in one loop, 10 loads for 24 multiply-adds, one horizontal sum per chunk;
+  against 4 by 4 with a scalar tail and a division per weight written, ResNet-50's weight
+  gradients at batch 8 took 0.45-0.7x the time); the blocks are split among the threads, the
+  chunks summed in order. A tap past an output row's end meets gp's zeros, so
   a non-finite input value can turn a weight gradient that would be infinite into NaN (both
   are non-finite, which is what check mode looks for). No BLAS call: OpenBLAS's threads, which
   spin a while after each call, do not compete with the kernel threads. A 1x1 kernel needs no
   planes: gW[o, c] is the dot product of gy's channel o and x's channel c, each a run of H*W
-  values per sample, read where they are (dots4x4 over the runs, N*C*H*W apart), in spans of
+  values per sample, read where they are (cpu_dots.dots over the runs, N*C*H*W apart), in spans of
   pixels of at most about POINTWISE_SPAN_ELEMENTS values of x and gy (no copies, so spans longer
   than the padded chunks: at 2^20 values ResNet-50's 1x1s at 28x28 and 56x56 took 5.9-6.5 ms a
   weight gradient at batch 8 on 2 cores, at 2^22 4.0-4.1), the spans added in order;
@@ -56,7 +58,7 @@ from numba import njit
 from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, threads_for
 from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_copy import copy_run
-from snrt.backends.cpu_dots import dots4x4
+from snrt.backends.cpu_dots import BLOCK, dots
 from snrt.backends.cpu_tiles import (BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, lanes_of, pack_weight, padded_values,
                                     phase_planes, pointwise_tiles, pointwise_vectors, tap_offsets)
 from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
@@ -109,24 +111,26 @@ def pad_both(x, gy, n0, n1, ph, pw, sh, sw, hp, wp, xp, gp, p0, p1):
 def weight_grad_rows(g, g_row, g_run, x, starts, x_run, length, runs, add, gw, b0, b1):
     """gw[o, c, i, j] = (add: gw + ) the sum over the runs s < `runs` of the dot products of
     g[o*g_row + s*g_run:][:length] and x[starts[k] + s*x_run:][:length], k = (c, i, j), for
-    the blocks b0 <= b < b1 of 4 output channels by 4 taps (a block past the last channel or
-    tap computes it again, written once). g and x flat; gw (O, C, kh, kw). The padded planes:
-    rows of one run each; a 1x1 kernel: x and gy as they are, a run per sample."""
+    the blocks b0 <= b < b1 of BLOCK[0] output channels by BLOCK[1] taps (a block past the
+    last channel or tap computes it again, written once). g and x flat; gw (O, C, kh, kw).
+    The padded planes: rows of one run each; a 1x1 kernel: x and gy as they are, a run per
+    sample."""
     outs, channels, kh, kw = gw.shape
     taps = channels * kh * kw
-    tap_blocks = (taps + 3) // 4
+    rows, columns = BLOCK
+    tap_blocks = (taps + columns - 1) // columns
+    flat = gw.reshape(outs, taps)  # tap k = (c, i, j) is gw's flat index within o's weights
+    o_rows, k_rows = np.empty(rows, np.intp), np.empty(columns, np.intp)  # where the block's rows start
     for b in range(b0, b1):
-        o0, k0 = 4 * (b // tap_blocks), 4 * (b % tap_blocks)
-        o = (o0, min(o0 + 1, outs - 1), min(o0 + 2, outs - 1), min(o0 + 3, outs - 1))
-        k = (k0, min(k0 + 1, taps - 1), min(k0 + 2, taps - 1), min(k0 + 3, taps - 1))
-        g0, g1, g2, g3 = g[o[0] * g_row:], g[o[1] * g_row:], g[o[2] * g_row:], g[o[3] * g_row:]
-        x0, x1, x2, x3 = x[starts[k[0]]:], x[starts[k[1]]:], x[starts[k[2]]:], x[starts[k[3]]:]
-        sums = dots4x4(g0, g1, g2, g3, x0, x1, x2, x3, length, runs, g_run, x_run)
-        for d in range(min(4, outs - o0)):  # not the repeats: with `add` they would add twice
-            for e in range(min(4, taps - k0)):
-                c, tap = k[e] // (kh * kw), k[e] % (kh * kw)
-                i, j = tap // kw, tap % kw
-                gw[o[d], c, i, j] = sums[d][e] + (gw[o[d], c, i, j] if add else 0)
+        o0, k0 = rows * (b // tap_blocks), columns * (b % tap_blocks)
+        for d in range(rows):
+            o_rows[d] = min(o0 + d, outs - 1) * g_row
+        for e in range(columns):
+            k_rows[e] = starts[min(k0 + e, taps - 1)]
+        sums = dots(g, o_rows, x, k_rows, length, runs, g_run, x_run)
+        for d in range(min(rows, outs - o0)):  # not the repeats: with `add` they would add twice
+            for e in range(min(columns, taps - k0)):
+                flat[o0 + d, k0 + e] = sums[d][e] + (flat[o0 + d, k0 + e] if add else 0)
 
 
 @njit(**THREADED)
@@ -382,7 +386,7 @@ class DirectConv2d(LayerLike):
             return
         (ph, pw), (hp, wp), (sh, sw) = self.layer.padding, self._plane([x.shape]), self.layer.stride
         threads = kernel_threads()
-        blocks = -(-outs // 4) * -(-channels * kh * kw // 4)
+        blocks = -(-outs // BLOCK[0]) * -(-channels * kh * kw // BLOCK[1])
         arrays = [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in self._grad_weight_arrays([x.shape])]
         starts = arrays[0]
         if kh * kw == 1:

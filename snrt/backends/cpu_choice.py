@@ -39,7 +39,7 @@ VARIABLE = "SNRT_CPU_KERNELS"
 ROUNDS = 5  # timed calls of each candidate
 MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
-REVISION = 13  # of the candidate kernels: raised when one changes (13: weight gradients in blocks of 6 x 4 dot products)
+REVISION = 14  # of the candidate kernels: raised when one changes (14: strided 1x1s by the direct kernel, packing compiled)
 _CHOSEN = {}  # key: candidate name, this process's choices
 
 

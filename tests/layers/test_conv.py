@@ -15,7 +15,7 @@ from snrt.backends.cpu_conv import ChosenConv2d, DirectConv2d
 from snrt.backends.cpu_depthwise import ROWS_MIN_WIDTH, CompiledDepthwiseConv2d
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.errors import ShapeError, SnrtError
-from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved, scratch_bytes
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved, numel, scratch_bytes
 from snrt.layers.conv import Conv2d, ConvTranspose2d
 from tests.layers.harness import check_layer
 
@@ -161,7 +161,7 @@ def test_the_direct_weight_gradient_sums_its_chunks_of_samples(elements, stride,
     (dict(out_channels=4, kernel=3, padding=2, dilation=2), False),
     (dict(out_channels=4, kernel=3, padding=1, groups=2), False),
     (dict(out_channels=4, kernel=1), True),  # a 1x1 over 81 pixels: 5 vectors, the last moved back
-    (dict(out_channels=4, kernel=1, stride=2), False),
+    (dict(out_channels=4, kernel=1, stride=2), True),  # over x's 5 x 5 pixels at the stride, copied out
     (dict(out_channels=4, kernel=3, padding=3), False),  # the data gradient's padding would be negative
 ])
 def test_direct_convolution_serves_dense_kernels(options, served):
@@ -169,6 +169,24 @@ def test_direct_convolution_serves_dense_kernels(options, served):
     kernel = CPU_KERNELS.kernel_for(Conv2d(**options), [(2, 4, 9, 9)])
     assert isinstance(kernel, ChosenConv2d) is served
     assert not DirectConv2d.serves(Conv2d(out_channels=4, kernel=1), [(2, 4, 3, 5)])  # 15 pixels: under a vector
+    assert not DirectConv2d.serves(Conv2d(out_channels=4, kernel=1, stride=2), [(2, 4, 7, 5)])  # 4 x 3 outputs
+
+
+@pytest.mark.parametrize("stride, shape", [(2, (3, 5, 9, 9)), ((2, 3), (2, 6, 10, 14)), ((3, 1), (2, 4, 14, 5))])
+def test_a_strided_1x1_runs_over_the_pixels_at_its_stride_copied_out(stride, shape):
+    """A 1x1 at a stride over 1: forward and weight gradient as a 1x1 at stride 1 over
+    x[:, :, ::sh, ::sw] copied into the workspace (before the unit-stride kernel's arrays), the
+    data gradient phase by phase (one phase has the tap, the others are zeros); in float64,
+    against finite differences and the reference."""
+    layer = Conv2d(out_channels=7, kernel=1, stride=stride)
+    x = np.random.default_rng(6).standard_normal(shape)
+    kernel = DirectConv2d(layer)
+    assert kernel.serves(layer, [x.shape]) and kernel.unit_stride.layer.stride == (1, 1)
+    subsampled = kernel._subsampled([x.shape])
+    assert subsampled == x[:, :, ::layer.stride[0], ::layer.stride[1]].shape
+    assert kernel.workspace_bytes([x.shape], FORWARD, 8) == scratch_bytes(
+        numel(subsampled) * 8, kernel.unit_stride.workspace_bytes([subsampled], FORWARD, 8))
+    check_layer(kernel, [x], _reference(layer))
 
 
 def test_a_strided_convolutions_direct_backward_works_phase_by_phase(monkeypatch):
@@ -235,6 +253,8 @@ import json, sys
 import numpy as np
 import snrt.backends.cpu_dots as dots
 dots.VECTOR_BYTES = 32  # a processor without AVX-512, before the kernels read it
+dots.BLOCK = (4, 4)
+dots.dots = dots.block_dots(*dots.BLOCK)
 import torch
 from snrt.backends import cpu_tiles
 from snrt.backends.cpu_conv import DirectConv2d
@@ -258,7 +278,8 @@ for shape, outs, kernel, padding, stride in json.loads(sys.argv[1]):
                                     padding=layer.padding, stride=layer.stride)
     yt.backward(torch.tensor(gy))
     errors.append(max(float(np.abs(y - yt.detach().numpy()).max()), float(np.abs(gx - xt.grad.numpy()).max())))
-print(json.dumps({"lanes": cpu_tiles.lanes_of(4), "block": cpu_tiles.BLOCK_OUTS, "errors": errors}))
+import snrt.backends.cpu_conv as conv
+print(json.dumps({"lanes": cpu_tiles.lanes_of(4), "block": cpu_tiles.BLOCK_OUTS, "dots": conv.BLOCK, "errors": errors}))
 """
 
 
@@ -266,13 +287,13 @@ def test_the_tile_kernel_with_avx_vectors_matches_pytorch(tmp_path):
     """The tiles as a processor without AVX-512 runs them (8 lanes, 4 output channels a tile), in
     a process of their own (compiled afresh: numba's cache keeps no global's value)."""
     cases = [[(3, 5, 10, 9), 6, 3, 1, 1], [(3, 4, 5, 37), 19, 3, 1, 1], [(5, 3, 3, 16), 9, [3, 5], [1, 2], 1],
-             [(3, 5, 4, 6), 3, 1, 0, 1], [(2, 3, 11, 20), 5, 3, 1, [2, 3]]]
+             [(3, 5, 4, 6), 3, 1, 0, 1], [(2, 3, 11, 20), 5, 3, 1, [2, 3]], [(2, 3, 11, 20), 5, 1, 0, [2, 3]]]
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", AVX_CHECK, json.dumps(cases)], capture_output=True, text=True,
                           env=env, cwd=str(Path(__file__).resolve().parents[2]), timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
-    assert (result["lanes"], result["block"]) == (8, 4)
+    assert (result["lanes"], result["block"], result["dots"]) == (8, 4, [4, 4])
     assert len(result["errors"]) == len(cases) and max(result["errors"]) < 1e-4, result
 
 

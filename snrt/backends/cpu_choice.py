@@ -39,7 +39,7 @@ VARIABLE = "SNRT_CPU_KERNELS"
 ROUNDS = 5  # timed calls of each candidate
 MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
-REVISION = 14  # of the candidate kernels: raised when one changes (14: strided 1x1s by the direct kernel, packing compiled)
+REVISION = 15  # of the candidate kernels: raised when one changes (15: weight-gradient blocks along the taps where fewer repeat)
 _CHOSEN = {}  # key: candidate name, this process's choices
 
 

@@ -144,6 +144,18 @@ def test_the_direct_pointwise_weight_gradient_sums_its_spans_of_pixels(elements,
     check_layer(kernel, [x], _reference(kernel.layer))
 
 
+@pytest.mark.parametrize("outs, kernel, shape", [(16, 3, (4, 6)), (6, 3, (6, 4)), (5, 1, (6, 4))])
+def test_weight_gradient_blocks_run_along_whichever_side_repeats_fewer_rows(outs, kernel, shape):
+    """block_shape with 6 x 4 blocks: 16 output channels in blocks of 4 (none repeated; 6 would
+    repeat 2 in 18), 6 in one block of 6; and in float64 against finite differences and the
+    reference either way."""
+    layer = Conv2d(out_channels=outs, kernel=kernel, padding=kernel // 2)
+    x = np.random.default_rng(7).standard_normal((2, 4, 5, 6))
+    if cpu_conv.BLOCK == (6, 4):  # AVX-512's; AVX's 4 x 4 is the same either way
+        assert cpu_conv.block_shape(outs, 4 * kernel * kernel) == shape
+    check_layer(DirectConv2d(layer), [x], _reference(layer))
+
+
 @pytest.mark.parametrize("elements", [1, 2000])  # a chunk per sample; two samples a chunk, the last short
 @pytest.mark.parametrize("stride", [1, (2, 3)])  # at (2, 3): 6 phase planes of x a channel
 def test_the_direct_weight_gradient_sums_its_chunks_of_samples(elements, stride, monkeypatch):

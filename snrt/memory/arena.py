@@ -17,12 +17,14 @@ class ArenaError(RuntimeError):
 
 
 class Arena:
-    """`nbytes` of device memory from `xp` (numpy or cupy), carved into planned views."""
+    """`nbytes` of device memory from `xp` (numpy or cupy), carved into planned views: `data`
+    (zeroed uint8 memory of at least that size) where the backend allocates it, else
+    xp.zeros."""
 
-    def __init__(self, xp, nbytes, check=False):
+    def __init__(self, xp, nbytes, check=False, data=None):
         self.xp = xp
         self.capacity_bytes = nbytes
-        self.data = xp.zeros(max(nbytes, 1), dtype=xp.uint8)
+        self.data = xp.zeros(max(nbytes, 1), dtype=xp.uint8) if data is None else data
         self.check = check
         self.live = {}
         self.live_bytes = 0

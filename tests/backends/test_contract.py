@@ -50,3 +50,23 @@ def test_the_cpu_backend_carries_a_plan_out_through_the_contract():
         assert backend.kernel_for(norm.layer, graph.in_shapes(norm.name, 4)).name == "numba"  # compiled
     finally:
         backend.close()
+
+
+def test_the_cpu_arena_is_zeroed_memory_that_asks_for_huge_pages():
+    """Arenas of HUGE_PAGE_BYTES or more: an anonymous mapping advised MADV_HUGEPAGE where the
+    platform has it (zeros, as np.zeros would give); smaller ones, np.zeros."""
+    import mmap
+
+    from snrt.backends.numpy_backend import HUGE_PAGE_BYTES, zeroed_memory
+
+    nbytes = 2 * HUGE_PAGE_BYTES + 5
+    backend = NumpyBackend(nbytes)
+    try:
+        data = backend.arena.data
+        assert data.dtype == np.uint8 and data.shape == (nbytes,) and not data.any()
+        data[-1] = 7  # writable to its last byte
+        assert isinstance(getattr(data.base, "obj", None), mmap.mmap) is hasattr(mmap, "MADV_HUGEPAGE")
+    finally:
+        backend.close()
+    small = zeroed_memory(HUGE_PAGE_BYTES - 1)
+    assert small.base is None and small.shape == (HUGE_PAGE_BYTES - 1,) and not small.any()

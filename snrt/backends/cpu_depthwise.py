@@ -185,10 +185,11 @@ def _channels_last(x, s, m, ph, pw, padded):
     padded[ph + h:] = 0.0
     padded[:, :pw] = 0.0
     padded[:, pw + w:] = 0.0
-    for r in range(h):
-        for q in range(w):
-            for o in range(outs):
-                padded[r + ph, q + pw, o] = x[s, o // m, r, q]
+    for c in range(x.shape[1]):  # no division per value: output o = c*m + k reads channel c
+        for r in range(h):
+            for q in range(w):
+                for k in range(m):
+                    padded[r + ph, q + pw, c * m + k] = x[s, c, r, q]
 
 
 @njit(cache=True)

@@ -24,9 +24,8 @@ Here:
   across all the samples of a chunk (`GRAD_WEIGHT_ELEMENTS` padded values of x and gy). The
   kernel computes a block of output channels by taps (c, i, j) at a time (cpu_dots.BLOCK: 6 by
   4, 24 dot products in one loop, 10 loads for 24 multiply-adds, one horizontal sum per chunk;
-  against 4 by 4 with a scalar tail and a division per weight written, ResNet-50's weight
-  gradients at batch 8 took 0.45-0.7x the time), 4 channels by 6 taps where that repeats
-  fewer rows (`block_shape`: 16 and 32 channels, 9-10% faster there); the blocks are split
+  each run's last values one masked step, gw written by its flat index), 4 channels by 6 taps
+  where that repeats fewer rows (`block_shape`: 16 and 32 channels); the blocks are split
   among the threads, the chunks summed in order. A tap past an output row's end meets gp's zeros, so
   a non-finite input value can turn a weight gradient that would be infinite into NaN (both
   are non-finite, which is what check mode looks for). No BLAS call: OpenBLAS's threads, which
@@ -49,8 +48,8 @@ no one convolution of gy but one per phase of gx: the pixels p + ph = s*P' + a t
 i = a + s*u only, a stride-1 convolution of gy with that sub-kernel flipped
 (`_strided_grad_input`), by the same tiles. A 1x1 at a stride over 1 (ResNet's downsampling
 shortcuts) copies x's pixels at the stride into the workspace (`subsample`) and runs its
-forward and weight gradient as a 1x1 at stride 1 over them: at batch 8 ResNet-50's took
-4.2-6.2 ms a forward against im2col's 7.7-8.5, and 12-14 a backward against 15-18.
+forward and weight gradient as a 1x1 at stride 1 over them (the kernel chooser then picks it
+over im2col for ResNet-50's at batch 8 on the reference machine).
 Kernel threads (cpu_parallel.run_split): each output value is one thread's sum in an order fixed
 by the compiled code, so results do not depend on the number of threads: the same bits in
 every run and policy.
@@ -352,6 +351,7 @@ class DirectConv2d(LayerLike):
         return max(weight_grad, grad_input)
 
     def _grad_weight_bytes(self, in_shapes, threads, itemsize):
+        """The weight gradient's workspace: a 1x1's GEMM arrays, or the padded planes."""
         return (_size(self._gemm_arrays(in_shapes, threads, itemsize), itemsize)
                 if self._gemm_grad_weight(in_shapes, itemsize) else _size(self._grad_weight_arrays(in_shapes), itemsize))
 

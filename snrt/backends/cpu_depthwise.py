@@ -180,7 +180,7 @@ def rows_grad_weight(gy, x, sh, sw, ph, pw, dh, dw, gweight, gbias, o0, o1, plan
 def _channels_last(x, s, m, ph, pw, padded):
     """padded[r + ph, q + pw, o] = x[s, o // m, r, q]; the border of `padded` (Hp, Wp, O) is
     set to zero."""
-    h, w, outs = x.shape[2], x.shape[3], padded.shape[2]
+    h, w = x.shape[2], x.shape[3]
     padded[:ph] = 0.0
     padded[ph + h:] = 0.0
     padded[:, :pw] = 0.0

@@ -10,8 +10,7 @@ rows + columns vectors (one of each row, of `VECTOR_BYTES`) and adds their rows 
 products to as many vector accumulators; the last length % lanes values of each run are one
 more step whose loads are masked (no value past a run is read). `BLOCK` is the shape for this
 processor: 6 x 4 with AVX-512's 32 vector registers (24 accumulators, 10 loads for 24 fused
-multiply-adds: about a quarter faster than 4 x 4's 8 for 16 here, on one thread), 4 x 4 with
-AVX's 16. numba's loop vectorizer gives the same loop, but then sums each accumulator across
+multiply-adds, where 4 x 4 has 8 for 16), 4 x 4 with AVX's 16. numba's loop vectorizer gives the same loop, but then sums each accumulator across
 its lanes on its own, about 8 instructions an output: for the short rows of a 3x3 convolution
 over 16 channels (144 values) a sixth of the work. Here the accumulators are summed together:
 vectors are paired, shuffled so that each half of the lanes holds one of the pair's, and

@@ -29,8 +29,8 @@ def maxpool_forward(x, kh, kw, sh, sw, ph, pw, y, argmax, m0, m1):
     [m0, m1) of the (N*C) maps of x (N, C, H, W). Each input row a window row reads is first
     split into its sw column phases, padded with -inf (phases[b, t] = x's column t*sw + b - pw),
     so that window column j reads phase j % sw from j // sw on: contiguous runs, compared
-    without branches, that the compiler vectorizes (unpredictable branches made the strided
-    loop 5-10x slower). -inf never improves on the -inf a maximum starts at, so the padding
+    without branches, that the compiler vectorizes (the strided loop's data-dependent branches
+    mispredicted on every other value). -inf never improves on the -inf a maximum starts at, so the padding
     changes nothing."""
     _, channels, h, w = x.shape
     ho, wo = y.shape[2], y.shape[3]

@@ -1,9 +1,11 @@
 """Time per training iteration and peak device memory of ResNet-50 under every memory policy
 on the CUDA backend (needs a GPU and the gpu extra).
 
-For each policy: the plan (made with the CUDA cost model, in `--precision`), one warm-up
-iteration, then the median of `--iterations` timed iterations (the compute and copy streams
-synchronized around each), the measured peak of live arena bytes against the plan's, the copy
+For each policy: the plan (made with the CUDA cost model, in `--precision`), two warm-up
+iterations (the first compiles kernels and builds cuDNN graphs, the second is captured as a
+CUDA graph unless `--no-cuda-graph`), then the median of `--iterations` timed iterations
+(the compute and copy streams synchronized around each; replays of the graph where the
+executor could capture it, `cuda_graph` and `replay` in the row say), the measured peak of live arena bytes against the plan's, the copy
 time (CUDA events), and what cudaMemGetInfo saw beyond the arena. Then one more iteration
 with every step timed by CUDA events: where the time goes (`steps`: GPU seconds per step kind
 and layer type, largest first, against the iteration's wall time) and, for a plan with copies,
@@ -15,6 +17,7 @@ results/bench_gpu.json.
     python scripts/bench_gpu.py                      # ResNet-50, 224x224, batch 32
     python scripts/bench_gpu.py --precision tf32 --policies none superneurons
     python scripts/bench_gpu.py --nondeterministic --policies none   # cuDNN's other engines too
+    python scripts/bench_gpu.py --no-cuda-graph --policies none superneurons   # step by step
     python scripts/bench_gpu.py --policies auto --budget 1.1GiB     # the fastest plan within a budget
     python scripts/bench_gpu.py --config configs/resnet2500.yaml --batch 16 --image-size 227 --policies superneurons
 """
@@ -93,10 +96,14 @@ def _timed(backend, step, action):
         action()
 
 
-def run_policy(config, batch, policy, iterations, budget, precision, deterministic, figures=None, fuse=True):
+WARMUP = 2  # iterations not timed: the first compiles and builds, the second is captured
+
+
+def run_policy(config, batch, policy, iterations, budget, precision, deterministic, figures=None, fuse=True,
+               replay=True):
     graph = config.graph
     runtime = prepare(graph, batch, policy, budget, backend="cuda", precision=precision, deterministic=deterministic,
-                      values={**initial_parameters(graph, 0), **initial_state(graph)}, fuse=fuse)
+                      values={**initial_parameters(graph, 0), **initial_state(graph)}, fuse=fuse, replay=replay)
     plan, backend, executor = runtime.plan, runtime.backend, runtime.executor
     try:
         rng = np.random.default_rng(0)
@@ -108,19 +115,21 @@ def run_policy(config, batch, policy, iterations, budget, precision, determinist
                 feed[name] = rng.standard_normal((batch, *config.input.shape)).astype(np.float32)
         optimizer = SGD(momentum=0.9)
         seconds = []
-        for iteration in range(iterations + 1):
+        for iteration in range(iterations + WARMUP):
             backend.synchronize()
             start = time.perf_counter()
             executor.run(feed, iteration, seed=0, optimizer=optimizer, lr=0.01)
             backend.synchronize()
-            if iteration:  # the first one compiles kernels and builds cuDNN graphs
+            if iteration >= WARMUP:
                 seconds.append(time.perf_counter() - start)
         report = backend.memory_report()
-        copy_s = executor.copy_stats["copy_s"] / (iterations + 1)
+        replayed, replay = executor.replayed > 0, executor.describe_replay()
+        copy_s = executor.copy_stats["copy_s"] / max(1, executor.runs - executor.replayed)  # replays time no copy
         profile = profiled(runtime, feed, optimizer, precision, figures and f"{figures}/gpu_streams_{policy}.png")
         return {
             "policy": policy, "plan_policy": plan.policy, "budget": budget, "precision": precision,
-            "deterministic": deterministic, "fused": fuse, "batch": batch,
+            "deterministic": deterministic, "fused": fuse, "batch": batch, "cuda_graph": replayed, "replay": replay,
+            "plan_steps": len(plan.steps),
             "seconds_per_iteration": statistics.median(seconds), "images_per_s": batch / statistics.median(seconds),
             "predicted_s": plan.predicted_s,
             "planned_peak_bytes": plan.peak_bytes, "measured_peak_bytes": backend.arena.peak_bytes,
@@ -143,6 +152,8 @@ def main():
     parser.add_argument("--nondeterministic", action="store_true", help="admit cuDNN's non-deterministic engines")
     parser.add_argument("--no-fuse", dest="fuse", action="store_false",
                         help="plan every layer as its own node (no BatchNorm+ReLU fusion)")
+    parser.add_argument("--no-cuda-graph", dest="replay", action="store_false",
+                        help="run every iteration step by step (no captured CUDA graph)")
     parser.add_argument("--figures", help="folder for each copying policy's streams figure")
     parser.add_argument("--budget", type=parse_bytes, default=None,
                         help="device budget (12GiB, 1.5GB, bytes); policy auto needs one")
@@ -155,18 +166,19 @@ def main():
 
     config = load(args.config, args.image_size)
     doc = {"device": device_summary(), "config": args.config, "precision": args.precision,
-           "deterministic": not args.nondeterministic, "fused": args.fuse,
+           "deterministic": not args.nondeterministic, "fused": args.fuse, "cuda_graph": args.replay,
            "when": datetime.now(timezone.utc).isoformat(), "rows": []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for policy in args.policies:
         row = run_policy(config, args.batch, policy, args.iterations, args.budget, args.precision,
-                         not args.nondeterministic, args.figures, args.fuse)
+                         not args.nondeterministic, args.figures, args.fuse, args.replay)
         doc["rows"].append(row)
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")  # after each policy: a cut-off run keeps its rows
         print(f"{policy:13s} {row['seconds_per_iteration'] * 1e3:9.1f} ms/iter  {row['images_per_s']:8.1f} img/s  "
               f"peak {human_bytes(row['measured_peak_bytes'])} (plan {human_bytes(row['planned_peak_bytes'])})  "
               f"untracked {human_bytes(row['memory']['untracked_bytes'])}  kernels {row['kernels']}"
               + (f"  copies {row['copies']['hidden']:.0%} hidden" if row["copies"] else ""), flush=True)
+        print(f"  {row['replay']}", flush=True)
         gpu_s = sum(seconds for _, seconds, _ in row["steps"])
         print(f"  predicted {row['predicted_s'] * 1e3:.1f} ms; profiled iteration {row['profiled_wall_s'] * 1e3:.1f} ms, "
               f"{gpu_s * 1e3:.1f} ms of it in steps: "

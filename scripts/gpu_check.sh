@@ -19,9 +19,10 @@
 # Stages, each time-boxed (a stage that fails or runs out of time is recorded, and the others
 # still run), in this order: the environment and device; tests/backends and the rest of the
 # suite, side by side (pytest-xdist); ResNet-50 batch 32 at 224x224 under every policy
-# (bench_gpu.py); PyTorch's ResNet-50 at the same batch (bench_torch.py: fp32 with TF32 off,
-# then PyTorch's defaults, each also with checkpoint_sequential); snrt's policy auto in half
-# the memory PyTorch's checkpoint_sequential took; two iterations of `snrt train
+# (bench_gpu.py, each iteration after the second a replayed CUDA graph); PyTorch's ResNet-50 at
+# the same batch (bench_torch.py: fp32 with TF32 off, then PyTorch's defaults, each also with
+# checkpoint_sequential); none and superneurons step by step (--no-cuda-graph); snrt's policy auto in half
+# the memory PyTorch's checkpoint_sequential took; three iterations of `snrt train
 # configs/resnet2500.yaml --backend cuda` at its own settings; ResNet-50 in tf32 under none and
 # superneurons, under none with cuDNN's non-deterministic engines admitted, and unfused
 # (--no-fuse) under none and superneurons (the last stage). The report opens with the targets
@@ -151,6 +152,8 @@ fi
 if (( bench )); then  # what most targets need first, the variants last (skipped first when time runs short)
     run_stage bench-snrt 180 "$python" scripts/bench_gpu.py --out "$work/bench-snrt.json" --figures results
     run_stage bench-torch 90 "$python" scripts/bench_torch.py --out "$work/bench-torch.json"
+    run_stage bench-snrt-stepwise 90 "$python" scripts/bench_gpu.py --no-cuda-graph --policies none superneurons \
+        --out "$work/bench-snrt-stepwise.json"
     # snrt's fastest plan (policy auto) in half the memory of PyTorch with checkpoint_sequential
     if half=$("$python" -c "
 import json
@@ -159,7 +162,7 @@ print(rows['fp32+checkpoint']['peak_bytes'] // 2)" 2> /dev/null); then
         run_stage bench-snrt-auto 90 "$python" scripts/bench_gpu.py --policies auto --budget "$half" \
             --out "$work/bench-snrt-auto.json"
     fi
-    run_stage resnet2500 150 "$python" -m snrt train configs/resnet2500.yaml --backend cuda --iterations 2 --no-eval \
+    run_stage resnet2500 150 "$python" -m snrt train configs/resnet2500.yaml --backend cuda --iterations 3 --no-eval \
         --no-progress --out "$work/resnet2500"
     run_stage bench-snrt-tf32 90 "$python" scripts/bench_gpu.py --precision tf32 --policies none superneurons \
         --out "$work/bench-snrt-tf32.json"

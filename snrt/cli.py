@@ -174,6 +174,9 @@ def _add_precision(parser):
     parser.add_argument("--nondeterministic", dest="deterministic", action="store_false", default=None,
                         help="GPU: admit cuDNN's non-deterministic engines, which may be faster (results vary in "
                              "their last bits; sets train.deterministic false)")
+    parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
+                        help="GPU: run every iteration step by step instead of replaying a captured CUDA graph "
+                             "(for debugging; sets train.cuda_graph false)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     parser.add_argument("--threads", type=_positive_int,
                         help="threads of the CPU's BLAS pool (default: the cores this process may use)")
@@ -197,6 +200,7 @@ def _overrides(args):
                       ("stream_parameters", "memory.stream_parameters"), ("host_store", "memory.host_store"),
                       ("precision", "train.precision"), ("skip_bad_images", "train.data.skip_bad_images"),
                       ("deterministic", "train.deterministic"), ("fuse", "train.fuse"),
+                      ("cuda_graph", "train.cuda_graph"),
                       ("workers", "train.data.workers")):
         if getattr(args, flag, None) is not None:
             out[key] = getattr(args, flag)
@@ -472,6 +476,8 @@ def _train_in(folder, checkpoint, args, config, plan, console):
         _write_run_file(out / "classes.json", json.dumps(dict(enumerate(trainer.train_set.class_names)), indent=2),
                         f"nothing was trained yet (iteration {trainer.iteration})")
     history = _fit_with_metrics(trainer, folder, checkpoint, args, console)
+    if trainer.backend.replay_unsupported_reason() is None:  # a backend that replays: did it?
+        console.print(trainer.executor.describe_replay())
     summary = _summary(trainer, history, checkpoint)
     if trainer.stop_requested:
         console.print(f"interrupted at iteration {trainer.iteration}; checkpoint saved to {checkpoint}; "

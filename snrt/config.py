@@ -126,6 +126,7 @@ class TrainConfig:
     precision: str = "fp32"  # the dtype tensors are stored and computed in (snrt/precision.py)
     deterministic: bool = True  # GPU: only kernels that compute the same bits every time
     fuse: bool = True  # plan each BatchNorm and the ReLU after it as one node (snrt/scheduler/fuse.py)
+    cuda_graph: bool = True  # GPU: replay each iteration after the second as one captured CUDA graph (snrt/executor.py)
 
 
 @dataclass

@@ -3,6 +3,14 @@
 It never decides anything the plan did not say: buffers come alive at the step the plan lists
 them under `allocations`, die at `free` steps, and every array a kernel touches is a view of
 the backend's arena at the planned offset.
+
+Replay: the plan is static and every tensor has a fixed offset, so on a backend that can
+capture (CUDA graphs) the second iteration's steps are captured as one graph and every later
+iteration is that graph replayed: the batch copied in, the updates' scalars (learning rate,
+step count) written to their rows, one launch. Kept out, and then run step by step: the first
+iteration (it compiles kernels and builds cuDNN graphs), check mode, profiling, data
+parallel, clipping by the gradients' norm and loss scaling (both read the norm on the host),
+and a network whose kernels draw random numbers from the iteration's seed (Dropout).
 """
 
 import math
@@ -27,10 +35,11 @@ class Executor:
 
     Every step is bound once, here, to its views, kernel and KernelContext: running a step is
     one call of a prepared closure, with no lookups and no allocations
-    (results/bench_executor.md measures what is left).
+    (results/bench_executor.md measures what is left). With `replay` (and a backend that
+    captures), iterations after the second are one captured graph each (module docstring).
     """
 
-    def __init__(self, graph, plan, backend, group=None):
+    def __init__(self, graph, plan, backend, group=None, replay=True):
         self.graph, self.plan, self.backend = planned_graph(graph, plan), plan, backend
         self.group = group  # the ranks the gradients are summed over (snrt.parallel), for plan.ranks > 1
         if plan.ranks > 1 and (group is None or group.size != plan.ranks):
@@ -52,6 +61,7 @@ class Executor:
             for name, node in self.graph.nodes.items() if node.inputs
         }
         self.contexts = []  # one KernelContext per compute step; run() sets their iteration and seed
+        self.context_nodes = []  # the node of each context's step
         self.waited = []  # copy events waited for this iteration (their times are read at the end)
         self.pending = {}  # buffer id -> copy event
         self.measured_bytes = [0] * len(plan.steps)  # live arena bytes seen at each step
@@ -76,6 +86,12 @@ class Executor:
                    "allreduce_wait": self._bind_allreduce_wait}
         self.actions = [binders[step.kind](step, node_index) for step in plan.steps]
         self.reservations = [tuple(plan.buffers[b] for b in ids) for ids in plan.allocations]
+        self.replay_off = None if replay else "turned off (--no-cuda-graph)"  # why steps run one by one
+        self.captured, self._captured_with = None, None  # the captured iteration and the optimizer it updates with
+        self.runs = self.replayed = 0  # iterations run, and of them run as the captured graph
+        self.step_index = 0  # the step running (a failed capture names it)
+        self._update_steps = tuple(i for i, step in enumerate(plan.steps) if step.kind == "update")
+        self._update_rows = sum(len(plan.steps[i].slots) for i in self._update_steps)
 
     def view_of(self, node, name):
         """The array of a persistent buffer, e.g. view_of("conv1", "weight"): its device view,
@@ -109,6 +125,7 @@ class Executor:
         for i, step in enumerate(self.plan.steps):
             if step.kind in kinds:
                 self.actions[i] = wrapper(step, self.actions[i])
+        self.replay_off = self.replay_off or "its steps are wrapped (timed one by one)"
 
     def run(self, feed, iteration, seed, optimizer=None, lr=0.0, loss_scale=1.0):
         """One pass over the plan. `feed` maps input node names to host arrays (batch first).
@@ -130,17 +147,57 @@ class Executor:
         self.grad_squares, self.overflowed = 0.0, False
         for ctx in self.contexts:
             ctx.iteration, ctx.seed = iteration, seed
+        self.runs += 1
+        if self.replay_refusal() is None:
+            if self.captured is not None and self._captured_with is optimizer:
+                return self._replay(feed)
+            if self.runs > 1 and self._capture(feed, optimizer):
+                return self._finish()
+        self._run_steps(feed)
+        return self._finish()
+
+    def replay_refusal(self):
+        """None when the next iteration may be replayed (or captured); else why its steps run
+        one by one."""
+        arena = self.backend.arena
+        if self.replay_off:
+            return self.replay_off
+        if self.backend.replay_unsupported_reason():
+            return self.backend.replay_unsupported_reason()
+        if arena.check:
+            return "check mode verifies every step against the plan"
+        if getattr(self.backend, "profile", False):
+            return "profiling times every step"
+        if self.plan.ranks > 1:
+            return "the gradient exchange between ranks is driven from the host"
+        if self.summing_squares:
+            return "clipping by the gradients' norm and loss scaling read the norm on the host every iteration"
+        return None
+
+    def describe_replay(self):
+        """One line on how the iterations ran: replayed as one graph, or step by step and why."""
+        if self.replayed:
+            return f"CUDA graph: {self.replayed} of {self.runs} iterations ran as one captured graph"
+        return f"steps run one by one: {self.replay_refusal() or 'no iteration captured yet'}"
+
+    def _run_steps(self, feed):
+        """Every step in order, the batch `feed` copied in at the first (None: already in)."""
         arena, steps, measured = self.backend.arena, self.plan.steps, self.measured_bytes
         reserve = arena.reserve
         for i, action in enumerate(self.actions):
+            self.step_index = i
             for buffer in self.reservations[i]:
                 reserve(buffer)
-            if i == 0:
+            if i == 0 and feed is not None:
                 self._feed(feed)
             measured[i] = arena.live_bytes
             if arena.check:
                 self._verify(i, steps[i])
             action()
+
+    def _finish(self):
+        """The iteration's outputs (see run); copy times summed; its buffers released."""
+        arena = self.backend.arena
         outputs = self._outputs()
         for event in self.waited:  # reading a copy's time may block, so only now
             self.copy_stats["copy_s"] += event.seconds
@@ -149,6 +206,44 @@ class Executor:
             if not b.resident:
                 arena.release(b)
         return outputs
+
+    def _capture(self, feed, optimizer):
+        """Capture this iteration's steps as one graph and run it; False (the reason kept in
+        `replay_off`, nothing run) where a step cannot be captured."""
+        keyed = [node for ctx, node in zip(self.contexts, self.context_nodes) if ctx.read_key]
+        if keyed:
+            self.replay_off = (f"node {keyed[0]!r} draws random numbers from the iteration's seed, which a replay "
+                               "would repeat")
+            return False
+        self._feed(feed)
+        try:
+            with self.backend.capturing(self._update_rows) as captured:
+                self._run_steps(None)
+        except Exception as error:  # run step by step from here on; a real fault shows up there again
+            step = self.plan.steps[self.step_index]
+            self.replay_off = f"the capture failed at step {self.step_index} ({step.kind} " \
+                              f"{getattr(step, 'node', '')}): {error}"
+            self.pending.clear()
+            self.waited.clear()
+            for b in list(self.backend.arena.live.values()):
+                if not b.resident:
+                    self.backend.arena.release(b)
+            return False
+        self.waited.clear()  # captured copies have no times of their own
+        self.captured, self._captured_with = captured, optimizer
+        with self.backend.replaying(captured):  # the rows as the capture wrote them
+            pass
+        self.replayed += 1
+        return True
+
+    def _replay(self, feed):
+        """This iteration as the captured graph: the batch in, the updates' rows, one launch."""
+        self._feed(feed)
+        with self.backend.replaying(self.captured):
+            for i in self._update_steps:
+                self.actions[i]()
+        self.replayed += 1
+        return self._finish()
 
     def _outputs(self):
         """(per-sample loss: the weighted sum over loss layers, per-sample accuracy by the last
@@ -178,6 +273,7 @@ class Executor:
         ctx = KernelContext(self.xp, training=self.plan.training, node_index=node_index[step.node],
                             workspace=self.views[step.workspace] if step.workspace >= 0 else None)
         self.contexts.append(ctx)
+        self.context_nodes.append(step.node)
         return ctx
 
     def _named(self, pairs):

@@ -80,7 +80,8 @@ def plan_run(graph, batch, policy="none", budget=None, backend="cpu", training=T
 
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
             check=False, values=None, deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES,
-            stream_parameters=False, host_folder=None, plan=None, precision="fp32", deterministic=True, fuse=True):
+            stream_parameters=False, host_folder=None, plan=None, precision="fp32", deterministic=True, fuse=True,
+            replay=True):
     """The Runtime of `graph` at `batch` under memory `policy` and `budget` (bytes) on the
     backend called `backend`, with `values` ({(node, name): host array}, or an iterable of
     such pairs) loaded.
@@ -95,8 +96,9 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     (CPU) puts the host store in a file there instead of memory. `precision` (snrt/precision.py)
     is the one the plan stores tensors in; `deterministic` False lets the GPU run kernels whose
     bits vary from run to run (faster cuDNN engines); `fuse` False plans every layer as its own
-    node (snrt/scheduler/fuse.py). `plan`, when given, is the one `plan_run`
-    made with the same arguments (not made again).
+    node (snrt/scheduler/fuse.py); `replay` False runs every iteration step by step where the
+    backend could replay a captured one (snrt/executor.py). `plan`, when given, is the one
+    `plan_run` made with the same arguments (not made again).
     """
     if plan is None:
         plan = plan_run(graph, batch, policy, budget, backend, training=training, optimizer_states=optimizer_states,
@@ -108,6 +110,6 @@ def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=Tr
     kernels = device_class.kernel_choice(precision, deterministic)
     device = device_class(plan.arena_bytes, plan.host_bytes, check=check, kernels=kernels,
                           **on_disk)
-    runtime = Runtime(plan, device, Executor(graph, plan, device, group))
+    runtime = Runtime(plan, device, Executor(graph, plan, device, group, replay=replay))
     runtime.load(values or {})
     return runtime

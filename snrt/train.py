@@ -88,7 +88,7 @@ class Trainer:
         self.optimizer = make_optimizer(train.optimizer)
         self.loss_scale = LossScale() if precision_named(train.precision).loss_scaling else None
         self.runtime = prepare(**_run_options(config, self.group), backend=backend, check=check,
-                               host_folder=memory.host_store, plan=plan,
+                               host_folder=memory.host_store, plan=plan, replay=train.cuda_graph,
                                values=itertools.chain(each_initial_parameter(self.graph, train.seed, train.init),
                                                       each_initial_state(self.graph)))
         self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor
@@ -243,7 +243,8 @@ class Trainer:
         forward = prepare(self.graph, self.plan.batch, "liveness", backend=self._backend_name, training=False,
                           check=self._check, values=self.host_arrays(("parameter", "state")),
                           precision=self.config.train.precision,  # evaluated as it trains
-                          deterministic=self.config.train.deterministic, fuse=self.config.train.fuse)
+                          deterministic=self.config.train.deterministic, fuse=self.config.train.fuse,
+                          replay=self.config.train.cuda_graph)
         loss_sum, correct, seen = 0.0, 0.0, 0
         # a loss that overflows is reported once, by the caller (nonfinite_evaluation), not as warnings
         with np.errstate(all="ignore"):

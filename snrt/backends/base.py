@@ -44,6 +44,17 @@ class _Request(CopyEvent):
         return self.request.Test()
 
 
+class NotCapturable(RuntimeError):
+    """A step does something a captured graph could not replay (a host copy, scalars that
+    change between iterations without a row of their own)."""
+
+
+class Captured:
+    """An iteration captured by a backend's `capturing`: `graph` is what `replaying` runs."""
+
+    graph = None
+
+
 class Backend(ABC):
     """A device for one plan: `arena_bytes` of device memory, `host_bytes` of host store.
 
@@ -90,6 +101,25 @@ class Backend(ABC):
         """One optimizer update of parameter `w` on the device (snrt/optim.py's
         Optimizer.update arguments). Here: the optimizer's own code on the array module."""
         optimizer.update(self.xp, w, g, states, weight_decay, lr, count, workspace, grad_scale)
+
+    def replay_unsupported_reason(self):
+        """None when this backend can capture an iteration's steps as one graph and replay it
+        (`capturing`, `replaying`); else why it runs them one by one."""
+        return f"the {self.name} backend runs steps one by one"
+
+    def capturing(self, update_rows):
+        """A context manager around one iteration's steps that records their kernels and
+        copies instead of running them. It yields a Captured whose `graph` is set when the
+        block ends without an error; an error ends the capture and passes on, nothing run.
+        Each `update` call in the block takes the next of `update_rows` rows of scalars,
+        which the graph reads at each replay."""
+        raise NotImplementedError(self.replay_unsupported_reason())
+
+    def replaying(self, captured):
+        """A context manager in which the iteration's `update` calls write their scalars
+        (learning rate, step count...) into their rows, in the order of the capture, and
+        nothing else; at its end the rows are copied and `captured.graph` runs, queued."""
+        raise NotImplementedError(self.replay_unsupported_reason())
 
     def describe_kernels(self, executor):
         """One line on what the kernel choices of `executor`'s plan came to ('' when there

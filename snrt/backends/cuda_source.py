@@ -489,7 +489,7 @@ __device__ __forceinline__ float snrt_scaled_grad(float g, float scale, float cl
 }
 
 // SGD: m null without momentum; nesterov 0 or 1.
-extern "C" __global__ void snrt_sgd_step(
+__device__ __forceinline__ void snrt_sgd(
         float* w, const float* g, float* m, long long n, float scale, float clip,
         float weight_decay, float momentum, float nesterov, float lr) {
     SNRT_GRID_LOOP(i, n) {
@@ -506,7 +506,7 @@ extern "C" __global__ void snrt_sgd_step(
 
 // Adam (AdamW when decoupled is 1): decay is wd (AdamW: lr * wd), step_size lr / (1 - beta1^t),
 // correction2 1 / sqrt(1 - beta2^t).
-extern "C" __global__ void snrt_adam_step(
+__device__ __forceinline__ void snrt_adam(
         float* w, const float* g, float* m, float* v, long long n, float scale, float clip,
         float decay, float beta1, float rest1, float beta2, float rest2, float eps, float step_size,
         float correction2, float decoupled) {
@@ -519,6 +519,32 @@ extern "C" __global__ void snrt_adam_step(
         w[i] = wi - step_size * (mi / (sqrtf(vi) * correction2 + eps));
     }
 }
+
+// Each update twice: its scalars as arguments (steps run one by one), or read from a row s in
+// device memory (a captured graph, whose replays find the next iteration's scalars there), in
+// the order of the arguments.
+extern "C" __global__ void snrt_sgd_step(
+        float* w, const float* g, float* m, long long n, float scale, float clip,
+        float weight_decay, float momentum, float nesterov, float lr) {
+    snrt_sgd(w, g, m, n, scale, clip, weight_decay, momentum, nesterov, lr);
+}
+
+extern "C" __global__ void snrt_sgd_step_at(float* w, const float* g, float* m, long long n, const float* s) {
+    snrt_sgd(w, g, m, n, s[0], s[1], s[2], s[3], s[4], s[5]);
+}
+
+extern "C" __global__ void snrt_adam_step(
+        float* w, const float* g, float* m, float* v, long long n, float scale, float clip,
+        float decay, float beta1, float rest1, float beta2, float rest2, float eps, float step_size,
+        float correction2, float decoupled) {
+    snrt_adam(w, g, m, v, n, scale, clip, decay, beta1, rest1, beta2, rest2, eps, step_size, correction2,
+              decoupled);
+}
+
+extern "C" __global__ void snrt_adam_step_at(float* w, const float* g, float* m, float* v, long long n,
+                                             const float* s) {
+    snrt_adam(w, g, m, v, n, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], s[10]);
+}
 """
 
 KERNEL_NAMES = (
@@ -526,7 +552,8 @@ KERNEL_NAMES = (
     "snrt_bn_forward_eval", "snrt_bn_grad_sums", "snrt_bn_grad_input",
     "snrt_xent_forward_i32", "snrt_xent_backward_i32", "snrt_xent_forward_i64", "snrt_xent_backward_i64",
     "snrt_dropout", "snrt_avgpool_forward", "snrt_avgpool_backward", "snrt_im2col", "snrt_col2im_add",
-    "snrt_relu_backward", "snrt_copy_to_two", "snrt_sgd_step", "snrt_adam_step", "snrt_sum_slices",
+    "snrt_relu_backward", "snrt_copy_to_two", "snrt_sgd_step", "snrt_adam_step", "snrt_sgd_step_at",
+    "snrt_adam_step_at", "snrt_sum_slices",
     "snrt_subsample", "snrt_unsubsample",
     "snrt_maxpool_forward_u8", "snrt_maxpool_backward_u8", "snrt_maxpool_forward_i32", "snrt_maxpool_backward_i32",
 )

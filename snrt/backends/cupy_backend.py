@@ -31,7 +31,11 @@ per-layer choice) and cuda_rates.py (the cost model's rates, measured on the GPU
 - kernels: NVRTC-compiled `RawModule` (cuda_source.KERNEL_SOURCE), cuBLAS SGEMM through
   `cupy_backends.cuda.libs.cublas`, cuDNN frontend graphs (cudnn_graphs), and CuPy's own
   elementwise and reduction kernels for the shared xp code;
-- `cudaMemGetInfo` (`memory_report`) to cross-check the arena's measured bytes.
+- `cudaMemGetInfo` (`memory_report`) to cross-check the arena's measured bytes;
+- CUDA graphs (`capturing`, `replaying`): the executor's iteration captured on the compute
+  stream (the copy streams fork from it and join it again) and replayed with one launch;
+  the updates' scalars live in UpdateRows, a few bytes per parameter outside the arena,
+  counted with the allocations outside kernel steps.
 
 Allocation policy: why a guard and not a carved scratch region. Every byte a kernel may use
 is planned: its buffers and its workspace (`ctx.scratch`) are arena views, and the CUDA
@@ -62,7 +66,7 @@ import cupyx
 import numpy as np
 from cupy.cuda import runtime
 
-from snrt.backends.base import Backend, CopyEvent
+from snrt.backends.base import Backend, Captured, CopyEvent, NotCapturable
 from snrt.backends.cuda_kernels import CudaKernels
 from snrt.backends.cuda_rates import measured_cost_model
 from snrt.backends.cuda_source import NULL_POINTER, device_name, grid_for, nvrtc_toolkit, unsupported_device_reason
@@ -131,12 +135,13 @@ class CudaCopyEvent(CopyEvent):
 
     `wait` makes the compute stream wait for the copy (asynchronous for the host). `seconds`
     is the copy's duration from its CUDA events, measured when first read (that blocks the
-    host until the copy is done).
+    host until the copy is done). A copy in a capture is not `timed`: its events only order
+    the graph's streams, and it has no time of its own.
     """
 
-    def __init__(self, compute_stream, what):
+    def __init__(self, compute_stream, what, timed=True):
         self.compute_stream, self.what = compute_stream, what
-        self.start, self.end = cupy.cuda.Event(), cupy.cuda.Event()
+        self.start, self.end = cupy.cuda.Event(disable_timing=not timed), cupy.cuda.Event(disable_timing=not timed)
         self._issue = None  # set for lazy copies (check mode): issued at wait time
         self._seconds = None
 
@@ -155,6 +160,30 @@ class CudaCopyEvent(CopyEvent):
             self.end.synchronize()
             self._seconds = cupy.cuda.get_elapsed_time(self.start, self.end) / 1e3
         return self._seconds
+
+
+class UpdateRows:
+    """The scalars of a captured iteration's updates: one row of WIDTH float32 values per
+    update kernel, in its order, in pinned host memory (written by the update steps every
+    iteration) and on the device (copied there before each launch; snrt_*_step_at read it).
+    `mode` is "capture" (an update writes its row and launches its kernel), "replay" (it only
+    writes its row) or None (neither: steps run one by one)."""
+
+    WIDTH = 16  # floats: Adam's update takes 11
+
+    def __init__(self, rows):
+        self.host = cupyx.empty_pinned((max(rows, 1), self.WIDTH), dtype=np.float32)
+        self.device = cupy.zeros(self.host.shape, dtype=np.float32)
+        self.copied = cupy.cuda.Event(disable_timing=True)  # the last copy of the rows to the device
+        self.mode, self.next = None, 0
+
+    def write(self, scalars):
+        """The next row, holding `scalars`: its device array."""
+        if self.next == len(self.host):
+            raise NotCapturable(f"the iteration updates more parameters than the {len(self.host)} the capture planned")
+        row, self.next = self.next, self.next + 1
+        self.host[row, :len(scalars)] = scalars
+        return self.device[row]
 
 
 class GuardedKernel:
@@ -236,6 +265,7 @@ class CupyBackend(Backend):
         self.host = HostStore(cupyx.empty_pinned((host_bytes,), dtype=np.uint8) if host_bytes > 0 else None)
         self._feed_slots = {}  # {input view's address: [(pinned batch, its copy's event)], next first}
         self.kernels.set_stream(self.compute_stream)
+        self._rows = None  # the UpdateRows of a captured iteration
         self._origin = cupy.cuda.Event()
         self._origin.record(self.compute_stream)
 
@@ -246,15 +276,77 @@ class CupyBackend(Backend):
 
     def update(self, optimizer, w, g, states, weight_decay, lr, count, workspace, grad_scale=1.0):
         """One kernel per float32 parameter (snrt_sgd_step or snrt_adam_step, gradient
-        scaling and clipping included) instead of the optimizer's four to twelve xp calls."""
+        scaling and clipping included) instead of the optimizer's four to twelve xp calls.
+        In a capture or replay its scalars go to its row of UpdateRows (snrt_*_step_at)."""
+        rows = self._rows if self._rows is not None and self._rows.mode else None
         if not all(a.dtype == np.float32 for a in (w, g, *states)):
+            if rows is not None:
+                raise NotCapturable(f"a {w.dtype} parameter is updated by array code, whose scalars a graph "
+                                    "would keep from the capture")
             return super().update(optimizer, w, g, states, weight_decay, lr, count, workspace, grad_scale)
         arrays = [w, g, *states]  # CuPy passes an array as its device pointer
         if optimizer.fused_name == "sgd" and not states:
             arrays.append(NULL_POINTER)  # no momentum buffer
         scalars = (grad_scale, optimizer.clip_value, *optimizer.fused_scalars(weight_decay, lr, count))
-        self.kernels.module.launch(f"snrt_{optimizer.fused_name}_step", grid_for(w.size),
-                                   (*arrays, np.int64(w.size), *(np.float32(s) for s in scalars)))
+        if rows is None:
+            self.kernels.module.launch(f"snrt_{optimizer.fused_name}_step", grid_for(w.size),
+                                       (*arrays, np.int64(w.size), *(np.float32(s) for s in scalars)))
+            return
+        row = rows.write(scalars)
+        if rows.mode == "capture":
+            self.kernels.module.launch(f"snrt_{optimizer.fused_name}_step_at", grid_for(w.size),
+                                       (*arrays, np.int64(w.size), row))
+
+    # ---- CUDA graphs -----------------------------------------------------------------------
+    def replay_unsupported_reason(self):
+        return None
+
+    @contextlib.contextmanager
+    def capturing(self, update_rows):
+        """The block's work on the compute stream (and the copy streams it forks) captured, not
+        run, with every CuPy allocation refused (base.Backend.capturing)."""
+        if self._rows is None or len(self._rows.host) < update_rows:
+            self._rows = UpdateRows(update_rows)  # allocated before the capture begins
+        rows, stream, captured = self._rows, self.compute_stream, Captured()
+        rows.copied.synchronize()  # a launch in flight has read its rows
+        rows.mode, rows.next = "capture", 0
+        stream.begin_capture()
+        try:
+            with self.guard.armed("a step of a CUDA graph's capture"):
+                yield captured
+                self._join_copy_streams()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the capture may be invalidated already
+                stream.end_capture()
+            raise
+        finally:
+            rows.mode = None
+        captured.graph = stream.end_capture()
+
+    def _join_copy_streams(self):
+        """Make the capture's origin, the compute stream, wait for each copy stream the capture
+        forked to (a capture ends only with every stream it reached joined)."""
+        for stream in (self.to_host_stream, self.to_device_stream):
+            if stream.is_capturing():
+                joined = cupy.cuda.Event(disable_timing=True)
+                joined.record(stream)
+                self.compute_stream.wait_event(joined)
+
+    @contextlib.contextmanager
+    def replaying(self, captured):
+        """The block's updates write their rows; then the rows are copied to the device and
+        the graph launched, both queued on the compute stream (base.Backend.replaying)."""
+        rows, stream = self._rows, self.compute_stream
+        rows.copied.synchronize()  # the last launch's copy is done: the rows may be rewritten
+        rows.mode, rows.next = "replay", 0
+        try:
+            yield
+        finally:
+            rows.mode = None
+        runtime.memcpyAsync(rows.device.data.ptr, rows.host.ctypes.data, rows.host.nbytes,
+                            runtime.memcpyHostToDevice, stream.ptr)
+        rows.copied.record(stream)
+        captured.graph.launch(stream)
 
     @contextlib.contextmanager
     def timed(self, kind, what):
@@ -279,11 +371,13 @@ class CupyBackend(Backend):
     def _copy(self, stream, target, source, nbytes, kind, what):
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(self.compute_stream)  # the kernels queued before this step are done
-        event = CudaCopyEvent(self.compute_stream, what)
+        timed = self._rows is None or self._rows.mode != "capture"
+        event = CudaCopyEvent(self.compute_stream, what, timed)
 
         def issue():
             stream.wait_event(ready)
-            event.start.record(stream)
+            if timed:
+                event.start.record(stream)
             runtime.memcpyAsync(target, source, nbytes, kind, stream.ptr)
             event.end.record(stream)
 

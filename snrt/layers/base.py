@@ -121,16 +121,39 @@ class KernelContext:
     `xp` is the array module; `training` selects batch statistics and dropout; `seed`,
     `iteration` and `node_index` key the counter-based RNG; `workspace` is a flat uint8 array
     of the planned workspace bytes (or None when the step has none), handed out by `scratch`.
+
+    Reading `seed` or `iteration` sets `read_key` on the step's context (`root`, shared with
+    the contexts `rest` makes): the executor replays a captured iteration only where no
+    kernel did, since a replay cannot draw the next iteration's random numbers.
     """
 
-    def __init__(self, xp, training=True, seed=0, iteration=0, node_index=0, workspace=None):
+    def __init__(self, xp, training=True, seed=0, iteration=0, node_index=0, workspace=None, root=None):
         self.xp = xp
         self.training = training
-        self.seed = seed
-        self.iteration = iteration
+        self._seed, self._iteration = seed, iteration
         self.node_index = node_index
         self.workspace = workspace
+        self.root = root or self
+        self.read_key = False
         self._used_bytes = 0
+
+    @property
+    def seed(self):
+        self.root.read_key = True
+        return self._seed
+
+    @seed.setter
+    def seed(self, value):
+        self._seed = value
+
+    @property
+    def iteration(self):
+        self.root.read_key = True
+        return self._iteration
+
+    @iteration.setter
+    def iteration(self, value):
+        self._iteration = value
 
     def scratch(self, shape, dtype):
         """A fresh view of `shape` and `dtype` carved from the workspace (contents undefined)."""
@@ -164,7 +187,7 @@ class KernelContext:
         so far left (from the next aligned offset)."""
         start = scratch_aligned(self._used_bytes)
         rest = None if self.workspace is None else self.workspace[start:]
-        return KernelContext(self.xp, self.training, self.seed, self.iteration, self.node_index, rest)
+        return KernelContext(self.xp, self.training, self._seed, self._iteration, self.node_index, rest, self.root)
 
 
 SCRATCH_ALIGN = 64  # bytes: where each scratch view starts

@@ -371,6 +371,31 @@ def test_every_precision_trains_every_policy_alike_and_near_the_cpu(cupy, precis
     np.testing.assert_allclose(losses["none"], cpu_losses, rtol=rtol, atol=rtol / 10)
 
 
+@pytest.mark.parametrize("policy, precision", [("none", "fp32"), ("superneurons", "fp32"), ("none", "bf16")])
+def test_iterations_replayed_as_a_cuda_graph_train_as_steps_one_by_one(cupy, policy, precision):
+    """The executor captures the second iteration and replays it for the rest (a warm-up and
+    cosine schedule changes the learning rate every iteration): the same bits as every
+    iteration run step by step, and the measured peak is the planned one."""
+    from snrt.train import Trainer
+
+    config = with_settings(snrt.load_config(_configs()["small_resnet"]), memory={"policy": policy},
+                           train={"precision": precision, "schedule": {"type": "cosine", "warmup": 2}})
+    runs = {}
+    for replay in (True, False):
+        trainer = Trainer(with_settings(config, train={"cuda_graph": replay}), backend="cuda")
+        try:
+            losses = [m.loss for m in trainer.fit(iterations=5)]
+            runs[replay] = losses, trainer.host_arrays(), trainer.executor.replayed, trainer.executor.describe_replay()
+            assert trainer.backend.arena.peak_bytes == trainer.plan.peak_bytes
+        finally:
+            trainer.backend.close()
+    assert runs[True][2] == 4, runs[True][3]
+    assert runs[False][2] == 0, runs[False][3]
+    assert runs[True][0] == runs[False][0]
+    for key, value in runs[False][1].items():
+        np.testing.assert_array_equal(runs[True][1][key], value, err_msg=key)
+
+
 def test_no_allocation_outside_the_arena_while_kernels_run(cupy):
     """With the executor running the backend's kernels (Executor consults backend.kernel_for),
     a whole training iteration allocates nothing from CuPy inside kernel steps (the guard

@@ -508,6 +508,27 @@ class OnePassModule:
         v[...] = beta2 * v + rest2 * gi * gi
         w -= step_size * (m / (np.sqrt(v) * correction2 + eps))
 
+    def snrt_sgd_step_at(self, w, g, m, n, s):
+        self.snrt_sgd_step(w, g, m, n, *(np.float32(x) for x in s[:6]))
+
+    def snrt_adam_step_at(self, w, g, m, v, n, s):
+        self.snrt_adam_step(w, g, m, v, n, *(np.float32(x) for x in s[:11]))
+
+
+class CapturedModule(OnePassModule):
+    """OnePassModule whose launches are recorded, as a capture does, and run by `replay`."""
+
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, name, blocks, args, threads=256):
+        assert_arguments_match(name, args)
+        self.launches.append((name, args))
+
+    def replay(self):
+        for name, args in self.launches:
+            getattr(self, name)(*args)
+
 
 @pytest.mark.parametrize("optimizer", [
     SGD(), SGD(momentum=0.0, weight_decay=0.1), SGD(nesterov=True, weight_decay=0.01, clip_value=0.05),
@@ -519,7 +540,7 @@ def test_the_cuda_backends_one_kernel_updates_match_the_optimizers_own(optimizer
     cupy_backend = pytest.importorskip("snrt.backends.cupy_backend")
     from types import SimpleNamespace
 
-    backend = SimpleNamespace(kernels=SimpleNamespace(module=OnePassModule()))
+    backend = SimpleNamespace(kernels=SimpleNamespace(module=OnePassModule()), _rows=None)
     rng = np.random.default_rng(3)
     w = rng.standard_normal(37).astype(np.float32)
     states = [np.abs(rng.standard_normal(37)).astype(np.float32) for _ in optimizer.state_names]
@@ -532,6 +553,44 @@ def test_the_cuda_backends_one_kernel_updates_match_the_optimizers_own(optimizer
     np.testing.assert_allclose(w, expected_w, rtol=1e-5, atol=1e-6)
     for state, expected in zip(states, expected_states):
         np.testing.assert_allclose(state, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", [SGD(nesterov=True, weight_decay=0.01, clip_value=0.05), SGD(momentum=0.0),
+                                       Adam(weight_decay=0.1, decoupled=True)], ids=repr)
+def test_a_captured_update_reads_the_scalars_each_replay_writes_to_its_row(optimizer):
+    """In a capture CupyBackend.update launches snrt_*_step_at on its row of UpdateRows; in a
+    replay it only rewrites the row, so the captured launch computes the update of each
+    iteration's learning rate and step count."""
+    cupy_backend = pytest.importorskip("snrt.backends.cupy_backend")
+    from types import SimpleNamespace
+
+    module = CapturedModule()
+    rows = object.__new__(cupy_backend.UpdateRows)
+    rows.host = np.zeros((1, cupy_backend.UpdateRows.WIDTH), np.float32)
+    rows.device, rows.mode, rows.next = rows.host, "capture", 0  # the kernels read the rows as written
+    backend = SimpleNamespace(kernels=SimpleNamespace(module=module), _rows=rows)
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal(29).astype(np.float32)
+    states = [np.abs(rng.standard_normal(29)).astype(np.float32) for _ in optimizer.state_names]
+    expected_w, expected_states = w.copy(), [s.copy() for s in states]
+    g = rng.standard_normal(29).astype(np.float32)
+    workspace = np.empty(w.nbytes, np.uint8)
+    cupy_backend.CupyBackend.update(backend, optimizer, w, g, states, 0.1, 0.5, 1, workspace, 0.5)
+    assert [name for name, _ in module.launches] == [f"snrt_{optimizer.fused_name}_step_at"]
+    assert np.array_equal(w, expected_w), "a capture runs nothing"
+    for count, lr in ((1, 0.05), (2, 0.02), (3, 0.01)):
+        rows.mode, rows.next = "replay", 0
+        cupy_backend.CupyBackend.update(backend, optimizer, w, g, states, 0.1, lr, count, workspace, 0.5)
+        assert rows.next == 1 and len(module.launches) == 1
+        module.replay()
+        optimizer.update(np, expected_w, g.copy(), expected_states, 0.1, lr, count, workspace, 0.5)
+        np.testing.assert_allclose(w, expected_w, rtol=1e-5, atol=1e-6)
+    for state, expected in zip(states, expected_states):
+        np.testing.assert_allclose(state, expected, rtol=1e-5, atol=1e-6)
+    rows.mode = "capture"
+    with pytest.raises(cupy_backend.NotCapturable, match="float16 parameter"):
+        cupy_backend.CupyBackend.update(backend, optimizer, w.astype(np.float16), g, states, 0.1, 0.5, 1,
+                                        workspace)
 
 
 @pytest.mark.parametrize("inputs", [2, 3, 4])

@@ -10,6 +10,9 @@ a machine without a GPU (`compile_ptx`), which is what the static tests check. I
 this module does not import CuPy.
 """
 
+import ctypes
+import os
+
 import numpy as np
 
 BLOCK = 256  # threads per block of every kernel below
@@ -619,6 +622,58 @@ def grid_for(total):
     return max(1, min(MAX_GRID, -(-total // BLOCK)))
 
 
+class DirectCublas:
+    """The cuBLAS calls of `KernelModule.gemm`, made directly (ctypes) rather than through
+    CuPy's wrappers: each of those sets the handle's stream first, and CuPy refuses to set a
+    stream that a CUDA graph is capturing ("calling cuBLAS API during stream capture is
+    currently unsupported"), where cuBLAS itself records its GEMMs (the CUDA graphs section
+    of the cuBLAS guide). The same library CuPy loaded, the same handle and arguments: the
+    same bits. Methods are named as CuPy's; its `cublas` module supplies the constants."""
+
+    CALLS = {  # method: (cuBLAS symbol, argument types after the handle)
+        "setStream": ("cublasSetStream_v2", (ctypes.c_void_p,)),
+        "setPointerMode": ("cublasSetPointerMode_v2", (ctypes.c_int,)),
+        "sgemmStridedBatched": ("cublasSgemmStridedBatched", (
+            *(ctypes.c_int,) * 5, ctypes.c_void_p,  # transa, transb, m, n, k; alpha
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,  # A, B
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_int)),  # beta, C, batch
+        "gemmStridedBatchedEx": ("cublasGemmStridedBatchedEx", (
+            *(ctypes.c_int,) * 5, ctypes.c_void_p,  # transa, transb, m, n, k; alpha
+            *(ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_longlong) * 2,  # A, B: pointer, type, ld, stride
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,  # beta; C
+            ctypes.c_int, ctypes.c_int, ctypes.c_int)),  # batch, compute type, algorithm
+    }
+
+    def __init__(self, constants, library):
+        self._constants = constants
+        for method, (symbol, types) in self.CALLS.items():
+            function = getattr(library, symbol)
+            function.argtypes, function.restype = (ctypes.c_void_p, *types), ctypes.c_int
+            setattr(self, method, self._checked(symbol, function))
+
+    @staticmethod
+    def _checked(symbol, function):
+        def call(*args):
+            status = function(*args)
+            if status:
+                raise RuntimeError(f"{symbol} failed with cuBLAS status {status}")
+        return call
+
+    def __getattr__(self, name):  # CUBLAS_OP_N and the other constants
+        return getattr(self._constants, name)
+
+
+def loaded_library(prefix):
+    """A ctypes handle on the shared library this process loaded whose file name starts with
+    `prefix` (e.g. "libcublas.so": CuPy's, whichever wheel or toolkit it came from)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith(prefix):
+                return ctypes.CDLL(path)
+    raise OSError(f"no {prefix}* is loaded in this process")
+
+
 class KernelModule:
     """The compiled module on the current device (compiled on first use) and cuBLAS calls on
     the current stream; `tf32`: cuBLAS may multiply float32 matrices in TF32 on tensor cores."""
@@ -627,7 +682,7 @@ class KernelModule:
         import cupy
         from cupy_backends.cuda.libs import cublas
 
-        self.cupy, self.cublas, self.tf32 = cupy, cublas, tf32
+        self.cupy, self.cublas, self.tf32 = cupy, DirectCublas(cublas, loaded_library("libcublas.so")), tf32
         self.module = cupy.RawModule(code=KERNEL_SOURCE, options=NVRTC_OPTIONS)
         self.functions = {}
         self._one = np.ones(1, np.float32)  # host scalars for cuBLAS (pointer mode host)

@@ -1286,3 +1286,34 @@ def test_a_missing_cudnn_library_is_one_error_saying_what_to_install(monkeypatch
     with pytest.raises(SnrtError, match=r"cuDNN 9 \(libcudnn.so.9\) was not found: the gpu extras install it") as error:
         import_cudnn()
     assert "snrt[gpu-cuda13]" in str(error.value) and "LD_LIBRARY_PATH" in str(error.value)
+
+
+def test_cublas_is_called_directly_with_the_headers_argument_counts():
+    """KernelModule's GEMMs go to cuBLAS through ctypes (CuPy's wrappers refuse a capturing
+    stream): each symbol is bound with the handle and as many arguments as cublas_api.h
+    declares, returning its status; CuPy's module supplies the constants."""
+    from types import SimpleNamespace
+
+    library = SimpleNamespace(**{symbol: SimpleNamespace() for symbol, _ in cuda_source.DirectCublas.CALLS.values()})
+    direct = cuda_source.DirectCublas(SimpleNamespace(CUBLAS_OP_T=1), library)
+    arity = {"cublasSetStream_v2": 2, "cublasSetPointerMode_v2": 2, "cublasSgemmStridedBatched": 18,
+             "cublasGemmStridedBatchedEx": 23}
+    for symbol, count in arity.items():
+        function = getattr(library, symbol)
+        assert len(function.argtypes) == count and function.restype is ctypes.c_int, symbol
+    longs = [i for i, t in enumerate(library.cublasGemmStridedBatchedEx.argtypes) if t is ctypes.c_longlong]
+    assert longs == [10, 14, 19]  # strideA, strideB, strideC
+    assert direct.CUBLAS_OP_T == 1 and callable(direct.sgemmStridedBatched)
+
+
+def test_the_loaded_cublas_library_is_found_and_its_status_raised():
+    """With CuPy's cuBLAS loaded (no GPU needed), the direct calls resolve in that library;
+    a call on no handle returns CUBLAS_STATUS_NOT_INITIALIZED, raised naming the symbol."""
+    pytest.importorskip("cupy")
+    from cupy_backends.cuda.libs import cublas
+
+    direct = cuda_source.DirectCublas(cublas, cuda_source.loaded_library("libcublas.so"))
+    with pytest.raises(RuntimeError, match="cublasSetPointerMode_v2 failed with cuBLAS status 1"):
+        direct.setPointerMode(0, cublas.CUBLAS_POINTER_MODE_HOST)
+    with pytest.raises(OSError, match="no libsnrt-nothing"):
+        cuda_source.loaded_library("libsnrt-nothing")

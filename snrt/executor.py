@@ -216,13 +216,15 @@ class Executor:
                                "would repeat")
             return False
         self._feed(feed)
+        self.step_index = None
         try:
             with self.backend.capturing(self._update_rows) as captured:
                 self._run_steps(None)
+                self.step_index = None  # what fails from here, fails ending the capture or launching it
+            with self.backend.replaying(captured):  # the first launch, with the rows as the capture wrote them
+                pass
         except Exception as error:  # run step by step from here on; a real fault shows up there again
-            step = self.plan.steps[self.step_index]
-            self.replay_off = f"the capture failed at step {self.step_index} ({step.kind} " \
-                              f"{getattr(step, 'node', '')}): {error}"
+            self.replay_off = f"the capture failed {self._where()}: {error}"
             self.pending.clear()
             self.waited.clear()
             for b in list(self.backend.arena.live.values()):
@@ -231,10 +233,15 @@ class Executor:
             return False
         self.waited.clear()  # captured copies have no times of their own
         self.captured, self._captured_with = captured, optimizer
-        with self.backend.replaying(captured):  # the rows as the capture wrote them
-            pass
         self.replayed += 1
         return True
+
+    def _where(self):
+        """Where a capture stopped: at step `step_index`, or (None) ending or launching."""
+        if self.step_index is None:
+            return "at its end or first launch"
+        step = self.plan.steps[self.step_index]
+        return f"at step {self.step_index} ({step.kind} {getattr(step, 'node', '')})"
 
     def _replay(self, feed):
         """This iteration as the captured graph: the batch in, the updates' rows, one launch."""

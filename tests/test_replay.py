@@ -45,7 +45,8 @@ class RecordingKernel:
 
 class CapturingBackend(NumpyBackend):
     """NumpyBackend with the capture contract of a GPU backend (base.Backend.capturing).
-    `refuse` names a layer type whose kernels cannot be captured (NotCapturable)."""
+    `refuse` names a layer type whose kernels cannot be captured (NotCapturable), or is
+    "launch": the captured graph fails to launch."""
 
     refuse = None
 
@@ -124,6 +125,8 @@ class CapturingBackend(NumpyBackend):
             def __exit__(self, kind, error, trace):
                 backend.mode = None
                 if kind is None:
+                    if backend.refuse == "launch":
+                        raise RuntimeError("the graph did not launch")
                     for call in captured.graph:
                         call()
         return Replay()
@@ -207,6 +210,16 @@ def test_a_step_that_cannot_be_captured_leaves_the_iteration_to_run_step_by_step
     assert run[2].executor.replayed == 0
     assert "the capture failed at step" in reason and "MaxPool cannot be captured here" in reason, reason
     assert_same_training(run, expected)
+
+
+def test_a_graph_that_does_not_launch_leaves_the_run_step_by_step(refusing):
+    config = snrt.load_config(SMALL_RESNET)
+    refusing.refuse = "launch"
+    run = trained(config, iterations=3)
+    assert run[2].executor.replayed == 0
+    assert run[2].executor.describe_replay() == ("steps run one by one: the capture failed at its end or first "
+                                                 "launch: the graph did not launch")
+    assert_same_training(run, trained(config, NumpyBackend, iterations=3))
 
 
 def test_clipping_by_the_norm_is_not_replayed():

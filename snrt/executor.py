@@ -216,7 +216,7 @@ class Executor:
                                "would repeat")
             return False
         self._feed(feed)
-        self.step_index = None
+        self.step_index = -1
         try:
             with self.backend.capturing(self._update_rows) as captured:
                 self._run_steps(None)
@@ -237,9 +237,12 @@ class Executor:
         return True
 
     def _where(self):
-        """Where a capture stopped: at step `step_index`, or (None) ending or launching."""
+        """Where a capture stopped: at step `step_index`, beginning (-1), or ending or
+        launching (None)."""
         if self.step_index is None:
             return "at its end or first launch"
+        if self.step_index < 0:
+            return "as it began"
         step = self.plan.steps[self.step_index]
         return f"at step {self.step_index} ({step.kind} {getattr(step, 'node', '')})"
 

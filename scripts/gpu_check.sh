@@ -162,7 +162,7 @@ print(rows['fp32+checkpoint']['peak_bytes'] // 2)" 2> /dev/null); then
         run_stage bench-snrt-auto 90 "$python" scripts/bench_gpu.py --policies auto --budget "$half" \
             --out "$work/bench-snrt-auto.json"
     fi
-    run_stage resnet2500 150 "$python" -m snrt train configs/resnet2500.yaml --backend cuda --iterations 3 --no-eval \
+    run_stage resnet2500 200 "$python" -m snrt train configs/resnet2500.yaml --backend cuda --iterations 3 --no-eval \
         --no-progress --out "$work/resnet2500"
     run_stage bench-snrt-tf32 90 "$python" scripts/bench_gpu.py --precision tf32 --policies none superneurons \
         --out "$work/bench-snrt-tf32.json"

@@ -9,14 +9,17 @@ clipping by the gradients' norm) runs step by step and says why."""
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import snrt
 import snrt.runtime
 from snrt.backends.base import Captured, CopyEvent, NotCapturable
 from snrt.backends.numpy_backend import NumpyBackend
-from snrt.config import with_settings
+from snrt.config import DataConfig, TrainConfig, config_from_graph, with_settings
 from snrt.layers.base import KernelContext
 from snrt.train import Trainer
+from tests.scheduler.graphs import CLASSES, build, graph_recipes
 from tests.scheduler.test_exactness import CONCAT_NET
 from tests.test_train import SMALL_RESNET
 
@@ -241,3 +244,16 @@ def test_reading_the_random_key_marks_the_steps_context_also_through_rest():
     assert not ctx.read_key
     assert inner.iteration == 2 and inner.seed == 5
     assert ctx.read_key and inner.root is ctx
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_recipes(max_ops=8), st.sampled_from(["none", "superneurons"]))
+def test_generated_graphs_replay_as_they_train_step_by_step(recipe, policy):
+    """Any network of the generated layers trains alike replayed and step by step; one with a
+    Dropout runs step by step throughout."""
+    train = TrainConfig(batch=4, iterations=4, data=DataConfig(samples=16))
+    config = with_settings(config_from_graph(build(recipe), CLASSES, train), memory={"policy": policy})
+    run = trained(config, iterations=4)
+    assert_same_training(run, trained(config, NumpyBackend, iterations=4))
+    random = any(op in ("dropout", "dropout2d") for op, _, _ in recipe)
+    assert run[2].executor.replayed == (0 if random else 3), run[2].executor.describe_replay()

@@ -153,6 +153,9 @@ def _add_run_options(parser):
     parser.add_argument("--batch", type=_positive_int, help="batch size (overrides train.batch)")
     parser.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
     parser.add_argument("--classes", type=_positive_int, help="classes of the classifier (overrides input.classes)")
+    parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
+                        help="GPU: run every iteration step by step instead of replaying a captured CUDA graph "
+                             "(for debugging; sets train.cuda_graph false)")
     _add_precision(parser)
 
 
@@ -174,9 +177,6 @@ def _add_precision(parser):
     parser.add_argument("--nondeterministic", dest="deterministic", action="store_false", default=None,
                         help="GPU: admit cuDNN's non-deterministic engines, which may be faster (results vary in "
                              "their last bits; sets train.deterministic false)")
-    parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false", default=None,
-                        help="GPU: run every iteration step by step instead of replaying a captured CUDA graph "
-                             "(for debugging; sets train.cuda_graph false)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     parser.add_argument("--threads", type=_positive_int,
                         help="threads of the CPU's BLAS pool (default: the cores this process may use)")

@@ -1317,3 +1317,93 @@ def test_the_loaded_cublas_library_is_found_and_its_status_raised():
         direct.setPointerMode(0, cublas.CUBLAS_POINTER_MODE_HOST)
     with pytest.raises(OSError, match="no libsnrt-nothing"):
         cuda_source.loaded_library("libsnrt-nothing")
+
+
+class _Stream:
+    """A stand-in CUDA stream that logs what is asked of it; `forked` says whether a capture
+    reached it."""
+
+    def __init__(self, name, log, forked=False):
+        self.name, self.log, self.forked, self.ptr = name, log, forked, hash(name) & 0xFFFF
+
+    def begin_capture(self):
+        self.log.append(f"{self.name} begin_capture")
+
+    def end_capture(self):
+        self.log.append(f"{self.name} end_capture")
+        return f"graph of {self.name}"
+
+    def is_capturing(self):
+        return self.forked
+
+    def wait_event(self, event):
+        self.log.append(f"{self.name} waits")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["captured", "a-step-fails"])
+def test_cupy_backend_captures_on_the_compute_stream_joins_the_copy_streams_and_launches_after_the_rows(
+        monkeypatch, fails):
+    """CupyBackend.capturing begins and ends the capture on the compute stream with the guard
+    armed, joins each copy stream the capture reached, and ends the capture before passing a
+    step's error on; replaying copies the rows to the device, then launches the graph, both
+    on the compute stream."""
+    cupy_backend = pytest.importorskip("snrt.backends.cupy_backend")
+    import contextlib
+    from types import SimpleNamespace
+
+    log = []
+
+    class Event:
+        def __init__(self, disable_timing=False):
+            pass
+
+        def record(self, stream):
+            log.append(f"record on {stream.name}")
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(cupy_backend.cupy.cuda, "Event", Event)
+    monkeypatch.setattr(cupy_backend.runtime, "memcpyAsync",
+                        lambda dst, src, n, kind, stream: log.append(f"copy {n} bytes on {stream}"))
+    backend = object.__new__(cupy_backend.CupyBackend)
+    backend.compute_stream = _Stream("compute", log)
+    backend.to_host_stream, backend.to_device_stream = _Stream("d2h", log, forked=True), _Stream("h2d", log)
+
+    @contextlib.contextmanager
+    def armed(what):
+        log.append(f"guard armed: {what}")
+        try:
+            yield
+        finally:
+            log.append("guard disarmed")
+
+    backend.guard = SimpleNamespace(armed=armed)
+    rows = object.__new__(cupy_backend.UpdateRows)
+    rows.host = np.zeros((3, cupy_backend.UpdateRows.WIDTH), np.float32)
+    rows.device = SimpleNamespace(data=SimpleNamespace(ptr=4096))
+    rows.copied, rows.mode, rows.next = Event(), None, 0
+    backend._rows = rows
+    with contextlib.ExitStack() as stack:
+        if fails:
+            stack.enter_context(pytest.raises(RuntimeError, match="a step failed"))
+        with backend.capturing(3) as captured:
+            assert rows.mode == "capture"
+            log.append("steps")
+            if fails:
+                raise RuntimeError("a step failed")
+    assert rows.mode is None
+    if fails:
+        assert log == ["compute begin_capture", "guard armed: a step of a CUDA graph's capture", "steps",
+                       "guard disarmed", "compute end_capture"]
+        return
+    assert log == ["compute begin_capture", "guard armed: a step of a CUDA graph's capture", "steps",
+                   "record on d2h", "compute waits", "guard disarmed", "compute end_capture"]
+    assert captured.graph == "graph of compute"
+    captured.graph = SimpleNamespace(launch=lambda stream: log.append(f"launch on {stream.name}"))
+    log.clear()
+    with backend.replaying(captured):
+        assert rows.mode == "replay" and rows.next == 0
+    assert rows.mode is None
+    assert log == [f"copy {rows.host.nbytes} bytes on {backend.compute_stream.ptr}", "record on compute",
+                   "launch on compute"]

@@ -89,7 +89,7 @@ class Executor:
         self.replay_off = None if replay else "turned off (--no-cuda-graph)"  # why steps run one by one
         self.captured, self._captured_with = None, None  # the captured iteration and the optimizer it updates with
         self.runs = self.replayed = 0  # iterations run, and of them run as the captured graph
-        self.step_index = 0  # the step running (a failed capture names it)
+        self.step_index = -1  # the step that raised in _run_steps (a failed capture names it)
         self._update_steps = tuple(i for i, step in enumerate(plan.steps) if step.kind == "update")
         self._update_rows = sum(len(plan.steps[i].slots) for i in self._update_steps)
 
@@ -159,12 +159,12 @@ class Executor:
     def replay_refusal(self):
         """None when the next iteration may be replayed (or captured); else why its steps run
         one by one."""
-        arena = self.backend.arena
         if self.replay_off:
             return self.replay_off
-        if self.backend.replay_unsupported_reason():
-            return self.backend.replay_unsupported_reason()
-        if arena.check:
+        unsupported = self.backend.replay_unsupported_reason()
+        if unsupported:
+            return unsupported
+        if self.backend.arena.check:
             return "check mode verifies every step against the plan"
         if getattr(self.backend, "profile", False):
             return "profiling times every step"
@@ -184,28 +184,36 @@ class Executor:
         """Every step in order, the batch `feed` copied in at the first (None: already in)."""
         arena, steps, measured = self.backend.arena, self.plan.steps, self.measured_bytes
         reserve = arena.reserve
-        for i, action in enumerate(self.actions):
+        i = 0
+        try:
+            for i, action in enumerate(self.actions):
+                for buffer in self.reservations[i]:
+                    reserve(buffer)
+                if i == 0 and feed is not None:
+                    self._feed(feed)
+                measured[i] = arena.live_bytes
+                if arena.check:
+                    self._verify(i, steps[i])
+                action()
+        except Exception:
             self.step_index = i
-            for buffer in self.reservations[i]:
-                reserve(buffer)
-            if i == 0 and feed is not None:
-                self._feed(feed)
-            measured[i] = arena.live_bytes
-            if arena.check:
-                self._verify(i, steps[i])
-            action()
+            raise
 
     def _finish(self):
         """The iteration's outputs (see run); copy times summed; its buffers released."""
-        arena = self.backend.arena
         outputs = self._outputs()
         for event in self.waited:  # reading a copy's time may block, so only now
             self.copy_stats["copy_s"] += event.seconds
         self.waited.clear()
+        self._release_iteration()
+        return outputs
+
+    def _release_iteration(self):
+        """Release every buffer of the iteration still live (all but the resident ones)."""
+        arena = self.backend.arena
         for b in list(arena.live.values()):
             if not b.resident:
                 arena.release(b)
-        return outputs
 
     def _capture(self, feed, optimizer):
         """Capture this iteration's steps as one graph and run it; False (the reason kept in
@@ -227,9 +235,7 @@ class Executor:
             self.replay_off = f"the capture failed {self._where()}: {error}"
             self.pending.clear()
             self.waited.clear()
-            for b in list(self.backend.arena.live.values()):
-                if not b.resident:
-                    self.backend.arena.release(b)
+            self._release_iteration()
             return False
         self.waited.clear()  # captured copies have no times of their own
         self.captured, self._captured_with = captured, optimizer

@@ -115,6 +115,23 @@ def pair(value, name):
     raise ValueError(f"option '{name}' must be an int or a pair of ints, got {value!r}")
 
 
+class _KeyPart:
+    """A part of a KernelContext's random key (`seed`, `iteration`): reading it sets
+    `read_key` on the step's context (`root`)."""
+
+    def __set_name__(self, owner, name):
+        self.slot = f"_{name}"
+
+    def __get__(self, ctx, owner=None):
+        if ctx is None:
+            return self
+        ctx.root.read_key = True
+        return getattr(ctx, self.slot)
+
+    def __set__(self, ctx, value):
+        setattr(ctx, self.slot, value)
+
+
 class KernelContext:
     """What a kernel may use besides its buffers.
 
@@ -127,6 +144,9 @@ class KernelContext:
     kernel did, since a replay cannot draw the next iteration's random numbers.
     """
 
+    seed = _KeyPart()
+    iteration = _KeyPart()
+
     def __init__(self, xp, training=True, seed=0, iteration=0, node_index=0, workspace=None, root=None):
         self.xp = xp
         self.training = training
@@ -136,24 +156,6 @@ class KernelContext:
         self.root = root or self
         self.read_key = False
         self._used_bytes = 0
-
-    @property
-    def seed(self):
-        self.root.read_key = True
-        return self._seed
-
-    @seed.setter
-    def seed(self, value):
-        self._seed = value
-
-    @property
-    def iteration(self):
-        self.root.read_key = True
-        return self._iteration
-
-    @iteration.setter
-    def iteration(self, value):
-        self._iteration = value
 
     def scratch(self, shape, dtype):
         """A fresh view of `shape` and `dtype` carved from the workspace (contents undefined)."""

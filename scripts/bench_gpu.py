@@ -5,8 +5,9 @@ For each policy: the plan (made with the CUDA cost model, in `--precision`), two
 iterations (the first compiles kernels and builds cuDNN graphs, the second is captured as a
 CUDA graph unless `--no-cuda-graph`), then the median of `--iterations` timed iterations
 (the compute and copy streams synchronized around each; replays of the graph where the
-executor could capture it, `cuda_graph` and `replay` in the row say), the measured peak of live arena bytes against the plan's, the copy
-time (CUDA events), and what cudaMemGetInfo saw beyond the arena. Then one more iteration
+executor could capture it, as `cuda_graph` and `replay` in the row say), the measured peak
+of live arena bytes against the plan's, the copy time (CUDA events, of the iterations run
+step by step), and what cudaMemGetInfo saw beyond the arena. Then one more iteration
 with every step timed by CUDA events: where the time goes (`steps`: GPU seconds per step kind
 and layer type, largest first, against the iteration's wall time) and, for a plan with copies,
 the share of the copy time that ran while kernels did (`copies.hidden`), each direction's

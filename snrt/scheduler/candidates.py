@@ -1,7 +1,8 @@
 """The candidate plans the search chooses among, each an Assembly built by one function:
 
 - `own_plan`: a policy row's own plan (with recomputation: memory-centric first, capped by the
-  row it never exceeds, then the speed-centric segments that fit under its peak);
+  row it never exceeds, then the speed-centric segments that fit under its peak; copies hidden
+  only where that does not raise its peak, see `within_peak`);
 - `fitting_cap`: the plan of the row a growing row is capped by, where it fits the budget;
 - `spilled`: a plan with the idle tensors spilled that it must lose to fit a budget;
 - `optimal`: a plan grown into the room a budget leaves (snrt/scheduler/optimal.py's choice).
@@ -22,6 +23,7 @@ from snrt.scheduler.recompute import droppable_nodes, speed_segments_that_fit
 from snrt.scheduler.steps import backward_start, largest_step_bytes
 
 REPLAY_ROUNDS = 4  # rebuilds of a capped plan while segments are moved to offloading
+PEAK_ROUNDS = 4  # rebuilds of a plan while the copies that set its peak go just in time
 SPILL_ROUNDS = 3  # plans assembled with a limit from the budget before the floor's
 ROUNDS = 4  # plans assembled at most while growing a budget-optimal plan
 WORTHWHILE = 0.01  # the least predicted saving, as a fraction of the iteration, a grown plan must offer
@@ -30,11 +32,12 @@ WORTHWHILE = 0.01  # the least predicted saving, as a fraction of the iteration,
 def own_plan(session, row, hide_copies=True, budget=None, rival=None):
     """The Assembly of Policy `row`'s own plan in Session `session`.
 
-    With recomputation, the all-memory-centric plan is built first (under a capped row, with
-    the segments that cost more memory than the cap's plan kept, see `_within_cap`, unless it
-    fits `budget` as it is: then the budget is the memory limit, not the cap); segments that fit
-    under its peak are then replayed speed-centric, and that plan is kept unless its arena is
-    larger.
+    The memory-centric plan is built first: with recomputation, every segment replayed per
+    step (under a capped row, with the segments that cost more memory than the cap's own plan
+    kept, see `_within_cap`), copies hidden behind compute (with `hide_copies`) except those
+    that would raise its peak (`within_peak`). Both unless it fits `budget` as it is: then the
+    budget is the memory limit, not the cap's plan or the peak. Segments that fit under its
+    peak are then replayed speed-centric, and that plan is kept unless its arena is larger.
 
     `rival` is an Assembly the caller takes instead unless this one is faster (the cap's,
     which superneurons grows from when it is faster, see `grown`). It is returned instead of
@@ -46,8 +49,10 @@ def own_plan(session, row, hide_copies=True, budget=None, rival=None):
     if rival is not None and recipe.does.recomputes and beaten(time_at_least(session, droppable(session)), rival):
         return rival
     memory = session.assemble(recipe)
-    if row.capped_by and memory.segments and not (budget is not None and fits(memory, budget)):
-        memory = _within_cap(session, memory)
+    if not (budget is not None and fits(memory, budget)):
+        memory = within_peak(session, memory)
+        if row.capped_by and memory.segments:
+            memory = _within_cap(session, memory)
     if not memory.segments:
         return memory
     speed = speed_segments_that_fit(memory.plan, memory.segments)
@@ -75,10 +80,70 @@ def time_at_least(session, replayed):
     return sum(session.seconds(steps)) + sum(session.seconds([forward[node] for node in replayed]))
 
 
+def within_peak(session, built):
+    """Assembly `built` with the copies that raise its peak made just in time
+    (`Recipe.just_in_time`, chosen by `copies_over_floor`), rebuilt while that lowers its
+    peak without growing its arena (at most PEAK_ROUNDS rebuilds).
+
+    A prefetch issued early, or an offload waited for late, holds its tensor on the device
+    over the steps between; where those steps are the plan's fullest, the window costs memory
+    that the plan does not otherwise need. Those copies then stall the compute stream instead
+    (cost.simulate counts it); every other copy still hides."""
+    recipe = built.recipe
+    if not (recipe.hide_copies and recipe.does.copies):
+        return built
+    for _ in range(PEAK_ROUNDS):
+        more = copies_over_floor(built.plan) - set(built.recipe.just_in_time)
+        if not more:
+            break
+        tried = session.assemble(replace(built.recipe, just_in_time=tuple(sorted({*built.recipe.just_in_time,
+                                                                                   *more}))))
+        if tried.plan.peak_bytes >= built.plan.peak_bytes or tried.plan.arena_bytes > built.plan.arena_bytes:
+            break
+        built = tried
+    return built
+
+
+def copies_over_floor(plan):
+    """The ids, as the copying passes name them (their first version), of the tensors whose
+    copies `plan` should make just in time: the fewest, largest first, whose copy windows
+    cover every step over the floor.
+
+    A tensor is in a copy window over the steps from its prefetch to the wait for it, and
+    after its offload until the wait for it (while it is still in use, it is held anyway).
+    The floor is the most any step holds outside such windows: the peak the plan would have
+    with every copy just in time, all else the same."""
+    first_version = {b.name: b.id for b in plan.buffers if not b.is_copy}
+    windows, issued = {}, {}  # first version -> [(first step, end step, bytes)]; buffer -> its copy in flight
+    held = [0] * (len(plan.steps) + 1)  # bytes in copy windows, as differences from step to step
+    for i, step in enumerate(plan.steps):
+        if step.kind in ("offload", "prefetch"):
+            issued[step.buffer] = i + (step.kind == "offload")
+        elif step.kind == "wait" and step.buffer in issued:
+            start, buffer = issued.pop(step.buffer), plan.buffers[step.buffer]
+            if start < i:
+                windows.setdefault(first_version[buffer.name.split("@")[0]], []).append((start, i, buffer.nbytes))
+                held[start] += buffer.nbytes
+                held[i] -= buffer.nbytes
+    floor, in_windows = 0, 0
+    for i, nbytes in enumerate(plan.device_bytes):
+        in_windows += held[i]
+        floor = max(floor, nbytes - in_windows)
+    excess = [nbytes - floor for nbytes in plan.device_bytes]
+    chosen = set()
+    for b, spans in sorted(windows.items(), key=lambda item: (-max(n for _, _, n in item[1]), item[0])):
+        if any(excess[i] > 0 for start, end, _ in spans for i in range(start, end)):
+            chosen.add(b)
+            for start, end, nbytes in spans:
+                for i in range(start, end):
+                    excess[i] -= nbytes
+    return chosen
+
+
 def _within_cap(session, memory):
     """The memory-centric Assembly `memory`, with segments kept (offloaded, not dropped) until
-    its arena is at most the plan of the row it is capped by (offload: superneurons never needs
-    more memory than offloading alone).
+    its arena is at most the own plan of the row it is capped by (offload: superneurons never
+    needs more memory than offloading alone), each rebuild `within_peak`.
 
     Replaying a segment holds its checkpoint and the replayed chain on the device at once,
     where offloading holds only the one prefetched tensor the backward step reads. So while
@@ -87,7 +152,7 @@ def _within_cap(session, memory):
     every segment is kept: the cap's plan under this row's name.
     """
     row = memory.recipe.row
-    capped = session.assemble(session.recipe(policy_named(row.capped_by), memory.recipe.hide_copies))
+    capped = own_plan(session, policy_named(row.capped_by), memory.recipe.hide_copies)
     cap = capped.plan
     kept, current = set(), memory
     for _ in range(REPLAY_ROUNDS):
@@ -97,7 +162,7 @@ def _within_cap(session, memory):
         if not over:
             break
         kept |= over
-        current = session.assemble(replace(memory.recipe, kept=tuple(sorted(kept))))
+        current = within_peak(session, session.assemble(replace(memory.recipe, kept=tuple(sorted(kept)))))
     if fits(current, cap.arena_bytes):
         return current
     return capped.named(row.name)
@@ -125,7 +190,7 @@ def fitting_cap(session, row, budget, hide_copies=True):
     grow from it (see `grown`); else None."""
     if budget is None or not (session.does(row).grows and row.capped_by):
         return None
-    cap = own_plan(session, policy_named(row.capped_by), hide_copies)
+    cap = own_plan(session, policy_named(row.capped_by), hide_copies, budget)
     return cap if fits(cap, budget) else None
 
 

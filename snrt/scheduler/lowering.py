@@ -60,7 +60,9 @@ class Recipe:
     behind compute (`hide_copies`) or just in time, the replayed segments (roots) that go
     speed-centric (`speed`) or are kept on the device and offloaded (`kept`), the buffer ids
     never offloaded or streamed (`resident`), and with `spill` (bytes, or SPILL_FLOOR) the idle
-    tensors spilled at steps over that many non-resident bytes (snrt/scheduler/spill.py)."""
+    tensors spilled at steps over that many non-resident bytes (snrt/scheduler/spill.py).
+    `just_in_time` are the buffer ids (of the iteration) whose copies go just in time even
+    where the others' hide (candidates.within_peak)."""
 
     row: object
     does: Does
@@ -69,6 +71,7 @@ class Recipe:
     kept: tuple = ()
     resident: tuple = ()
     spill: object = None
+    just_in_time: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ def _offload(work, recipe):
     model = work.session.options.cost_model
     work.steps, work.slots, work.table.host_bytes = plan_offload(
         work.steps, work.table.buffers, work.session.seconds(work.steps), model, work.keep | set(recipe.resident),
-        recipe.hide_copies)
+        recipe.hide_copies, frozenset(recipe.just_in_time))
     if not recipe.does.streams:  # else versioned with the streamed copies (streaming reads no activation's version)
         work.steps = version_buffers(work.steps, work.table)
 
@@ -119,7 +122,7 @@ def _offload(work, recipe):
 def _stream(work, recipe):
     model = work.session.options.cost_model
     work.steps = plan_streaming(work.steps, work.table, work.session.seconds(work.steps), model, recipe.hide_copies,
-                                recipe.resident)
+                                recipe.resident, frozenset(recipe.just_in_time))
     work.steps = version_buffers(work.steps, work.table)
 
 

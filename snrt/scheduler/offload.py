@@ -30,7 +30,7 @@ def offload_candidates(steps, buffers, start, keep=()):
     return sorted(chosen, key=lambda b: last_before[b]), last_before, first_read_after
 
 
-def plan_offload(steps, buffers, seconds, model, keep=(), hide_copies=True):
+def plan_offload(steps, buffers, seconds, model, keep=(), hide_copies=True, just_in_time=()):
     """`steps` with offload/wait after forward uses and prefetch/wait before backward uses.
 
     `seconds[i]` is the predicted compute time of step i; `keep` are never offloaded. After
@@ -38,7 +38,8 @@ def plan_offload(steps, buffers, seconds, model, keep=(), hide_copies=True):
     superneurons policy exactly the checkpoints are offloaded. Returns
     (steps, {buffer id: host slot offset}, host bytes). With `hide_copies` False every copy
     is waited for at once and prefetched just before its use: slower, but no tensor is on
-    the device longer than it must be (what a tight budget needs).
+    the device longer than it must be (what a tight budget needs); `just_in_time` are the
+    buffers copied so while the others' copies hide.
     """
     start = backward_start(steps)
     chosen, last_before, first_after = offload_candidates(steps, buffers, start, keep)
@@ -47,12 +48,12 @@ def plan_offload(steps, buffers, seconds, model, keep=(), hide_copies=True):
     for b in chosen:
         slots[b] = host_bytes
         host_bytes += aligned(buffers[b].nbytes)
-        copy_s = model.copy_s(buffers[b].nbytes)
+        copy_s = model.copy_s(buffers[b].nbytes) if hide_copies and b not in just_in_time else 0.0
         last, use = last_before[b], first_after[b]
         after.setdefault(last, []).append(Offload(b))
-        wait_at = hide_forward(seconds, last + 1, start, copy_s if hide_copies else 0.0)
+        wait_at = hide_forward(seconds, last + 1, start, copy_s)
         before.setdefault(wait_at, []).append(Wait(b))
-        fetch_at = hide_backward(seconds, use, max(wait_at, start), copy_s if hide_copies else 0.0)
+        fetch_at = hide_backward(seconds, use, max(wait_at, start), copy_s)
         before.setdefault(fetch_at, []).append(Prefetch(b, b))
         before.setdefault(use, []).append(Wait(b))
     return with_inserted(steps, before, after), slots, host_bytes

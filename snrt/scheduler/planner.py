@@ -144,10 +144,10 @@ def _ladder(session, row, budget, hide_copies=True, spill=True, rival=None):
     return built.plan, built
 
 
-def _candidates(session, rows):
-    """The Assemblies of Policy `rows`' own plans, the copying ones also with just-in-time
-    prefetch."""
-    return [own_plan(session, row, hide)
+def _candidates(session, rows, budget):
+    """The Assemblies of Policy `rows`' own plans under `budget`, the copying ones also with
+    just-in-time prefetch."""
+    return [own_plan(session, row, hide, budget)
             for row in rows for hide in ((True, False) if session.does(row).copies else (True,))]
 
 
@@ -165,14 +165,14 @@ def _auto(session, budget):
     if budget is None:
         raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
     rows = tuple(POLICIES.values())
-    candidates = _candidates(session, rows)
+    candidates = _candidates(session, rows, budget)
     suffix = ", streamed" if session.options.stream_parameters else ""
     named = [(p, suffix) for p in _fitting(session, budget, candidates)]
     if not named:
         named = [(p, suffix) for p in _spilled_plans(session, budget, candidates)]
         if session.options.training and not session.options.stream_parameters:
             session = session.with_options(stream_parameters=True)
-            candidates = _candidates(session, rows)
+            candidates = _candidates(session, rows, budget)
             streamed = _fitting(session, budget, candidates) or _spilled_plans(session, budget, candidates)
             named += [(p, ", streamed") for p in streamed]
     best = pick([replace(p, policy=f"auto:{p.policy}{suffix}") for p, suffix in named], FASTEST_THEN_SMALLEST)
@@ -198,14 +198,14 @@ def _spilled_plans(session, budget, candidates):
 
 def _infeasible(session, budget, rows, candidates=None):
     """The BudgetError for `budget`: the smallest budget that works, the largest batch that fits."""
-    candidates = candidates or _candidates(session, rows)
+    candidates = candidates or _candidates(session, rows, budget)
     floors = [session.assemble(replace(c.recipe, spill=SPILL_FLOOR)) for c in _just_in_time(candidates)]
     frugal = pick(candidates + floors, SMALLEST)
     smallest, row, hide, spill = frugal.plan.arena_bytes, frugal.recipe.row, frugal.recipe.hide_copies, frugal.recipe.spill
 
     def fits_at(batch):
         at = session.at_batch(batch)
-        built = own_plan(at, row, hide)
+        built = own_plan(at, row, hide, budget)
         return fits(at.assemble(replace(built.recipe, spill=spill)) if spill else built, budget)
 
     low, high = 0, session.batch - 1  # the largest batch in [1, batch) that fits, by bisection

@@ -17,13 +17,13 @@ from snrt.scheduler.plan import Offload, Prefetch, Wait
 from snrt.scheduler.steps import COMPUTE_KINDS, STREAMED_ROLES
 
 
-def plan_streaming(steps, table, seconds, model, hide_copies=True, resident=()):
+def plan_streaming(steps, table, seconds, model, hide_copies=True, resident=(), just_in_time=()):
     """`steps` with the copies of every parameter and optimizer-state tensor but those in
     `resident` (they stay on the device). `table` (a BufferTable) gives those buffers homes
     at the end of its host store; `seconds[i]` is step i's
     predicted compute time, used to issue a prefetch early enough to hide it behind the
-    compute before (and to wait for a copy home late enough), or, with `hide_copies` False,
-    just in time.
+    compute before (and to wait for a copy home late enough), or, with `hide_copies` False
+    (for the buffers of `just_in_time` alone otherwise), just in time.
     """
     resident = set(resident)
     streamed = [b.id for b in table.buffers if b.role in STREAMED_ROLES and b.id not in resident]
@@ -31,7 +31,7 @@ def plan_streaming(steps, table, seconds, model, hide_copies=True, resident=()):
         table.home(b)
     before, after = {}, {}  # step index -> steps to insert before / after it
     for b, stays in _stays(steps, set(streamed)).items():
-        copy_s = model.copy_s(table.buffers[b].nbytes) if hide_copies else 0.0
+        copy_s = model.copy_s(table.buffers[b].nbytes) if hide_copies and b not in just_in_time else 0.0
         earliest = 0
         for first, last, written in stays:
             fetch_at = hide_backward(seconds, first, earliest, copy_s)

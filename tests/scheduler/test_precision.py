@@ -77,6 +77,14 @@ def test_bf16_halves_the_activations_and_what_offloading_copies():
     assert offload["fp16"].copied_bytes()[0] < 0.51 * offload["fp32"].copied_bytes()[0]
 
 
+@pytest.mark.parametrize("network", ["alexnet", "vgg16"])
+def test_bf16_plans_about_half_of_fp32s_peak_under_superneurons_with_parameters_streamed(network):
+    config = snrt.load_config(f"configs/{network}.yaml")
+    wide, narrow = (make_plan(config.graph, config.train.batch, "superneurons", stream_parameters=True, precision=p)
+                    for p in ("fp32", "bf16"))
+    assert narrow.peak_bytes <= 0.55 * wide.peak_bytes  # AlexNet's fc6..fc8 parameters stay fp32 at its peak
+
+
 def test_fp32_and_tf32_plans_are_the_same_and_bf16_and_fp16_plans_are_the_same_bytes():
     graph = snrt.load_config("configs/lenet.yaml").graph
     plans = {p: make_plan(graph, 8, "superneurons", precision=p) for p in PRECISIONS}

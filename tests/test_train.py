@@ -130,6 +130,31 @@ SEGMENT = {**UNET, "name": "segment", "input": {**UNET["input"], "per_pixel": Tr
                        {"type": "SoftmaxCrossEntropy"}]}
 
 
+# Gradients that take over their output's gradient buffer (Layer.passes_gradient), every way:
+# an Add reading one tensor twice and three times, an Identity chained into an Add, an Add
+# whose input already has a gradient from a later reader, an Add's gradient handed on by the
+# next Add.
+PASS_THROUGH = {
+    "name": "pass_through",
+    "input": {"shape": [3, 8, 8], "classes": 4},
+    "train": {"batch": 4, "iterations": 3, "seed": 5, "optimizer": {"lr": 0.05, "momentum": 0.9},
+              "data": {"samples": 16}},
+    "network": [
+        {"type": "Conv2d", "name": "c", "out_channels": 4, "kernel": 3, "padding": 1},
+        {"type": "Identity", "name": "i"},
+        {"type": "Add", "name": "twice", "inputs": ["c", "c", "i"]},
+        {"type": "BatchNorm", "name": "bn"},
+        {"type": "ReLU", "name": "r"},
+        {"type": "Add", "name": "thrice", "inputs": ["r", "twice", "r", "r"]},
+        {"type": "Add", "name": "again", "inputs": ["thrice", "i"]},
+        {"type": "Conv2d", "out_channels": 4, "kernel": 3, "stride": 2, "padding": 1},
+        {"type": "GlobalAvgPool"},
+        {"type": "Linear", "out_features": "$classes"},
+        {"type": "SoftmaxCrossEntropy"},
+    ],
+}
+
+
 def small_config(**train):
     doc = {**SMALL_RESNET, "train": {**SMALL_RESNET["train"], **train}}
     return snrt.load_config(doc)
@@ -198,7 +223,7 @@ def test_losses_and_parameters_match_pytorch(doc):
         np.testing.assert_allclose(value, reference.detach().numpy(), rtol=1e-3, atol=1e-5, err_msg=f"{node}:{name}")
 
 
-@pytest.mark.parametrize("doc", [SMALL_RESNET, MODERN, SEGMENT], ids=lambda doc: doc["name"])
+@pytest.mark.parametrize("doc", [SMALL_RESNET, MODERN, SEGMENT, PASS_THROUGH], ids=lambda doc: doc["name"])
 def test_gradients_match_pytorch(doc):
     config = snrt.load_config({**doc, "train": {**doc["train"], "optimizer": {"lr": 0.01, "momentum": 0.0,
                                                                              "weight_decay": 0.0}}})

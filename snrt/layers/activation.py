@@ -297,10 +297,11 @@ class GELU(_OneScratch):
 @register
 @dataclass(frozen=True)
 class Identity(Layer):
-    """y = x; gx = gy. Backward reads nothing. Any shape (a named pass-through, e.g. a
-    shortcut written as a layer)."""
+    """y = x; gx = gy. Backward reads nothing, and writes nothing where the plan lets gx take
+    over gy's buffer. Any shape (a named pass-through, e.g. a shortcut written as a layer)."""
 
     type_name = "Identity"
+    passes_gradient = True
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         ctx.xp.copyto(y, xs[0])

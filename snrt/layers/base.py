@@ -217,6 +217,9 @@ class Layer:
     max_inputs: ClassVar = 1  # int, or None for any number
     saves: ClassVar[Saves] = Saves()
     differentiable_inputs: ClassVar = None  # None: all; else a tuple of input indices
+    # every input's gradient is the output's gradient itself (gx_i = gy, same shape): the plan
+    # lets one input's gradient take over gy's buffer, and the kernel is then given None for it
+    passes_gradient: ClassVar[bool] = False
     keeps_fp32: ClassVar[bool] = False  # output and saved tensors in fp32 whatever the precision (snrt/precision.py)
     fp32_aux: ClassVar[tuple] = ()  # names of saved tensors (statistics) kept in fp32 whatever the precision
 

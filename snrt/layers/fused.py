@@ -16,9 +16,10 @@ the layer's own code uses it with the layers, the CUDA backend with its kernels
 passes instead (snrt/backends/cpu_kernels.py).
 
 Add+ReLU is not fused: its backward would hold y, gy and both input gradients at once, where
-each of the two layers' backwards holds three tensors, and that raises the peaks of offload and
-superneurons by an activation (ResNet-50 b32 at 224x224: 636 -> 710 MiB, results/fusion.md),
-until a plan can let an input gradient take over gy's buffer.
+each of the two layers' backwards holds three tensors, and that raised the peaks of offload and
+superneurons by an activation (ResNet-50 b32 at 224x224: 636 -> 710 MiB, results/fusion.md).
+An input gradient can now take over gy's buffer (Layer.passes_gradient, which Add has), which
+would keep such a backward at three tensors; the fused layer is not built.
 """
 
 import dataclasses

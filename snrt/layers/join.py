@@ -12,12 +12,14 @@ from snrt.layers.registry import register
 @register
 @dataclass(frozen=True)
 class Add(Layer):
-    """y = x0 + x1 + ...; every input has the same shape; gx_i = gy. Backward reads nothing."""
+    """y = x0 + x1 + ...; every input has the same shape; gx_i = gy. Backward reads nothing;
+    it writes every input's gradient but the one the plan lets take over gy's buffer."""
 
     type_name = "Add"
     recompute_cost = EXPENSIVE  # a join: its output is a checkpoint
     min_inputs = 2
     max_inputs = None
+    passes_gradient = True
 
     def infer_shape(self, in_shapes):
         for i, shape in enumerate(in_shapes[1:], start=1):

@@ -4,7 +4,9 @@ Two buffers may share bytes only when their live intervals do not overlap. Two p
 tried and the smaller arena kept: the intervals replayed in step order against a best-fit
 allocator (holes coalesced on free; linear in the number of buffers), and, for plans of up to
 GREEDY_MAX_BUFFERS buffers, the offline greedy that places the largest buffers first, each at
-the lowest offset free over its whole interval (quadratic, usually tighter). Persistent
+the lowest offset free over its whole interval (quadratic, usually tighter), in two orders of
+buffers of one size (`GREEDY_TIES`: the earliest first, the longest-lived first; across the zoo's
+plans each is the tighter one for some). Persistent
 buffers sit at the bottom. The arena is the highest address used; the sum of live bytes at
 the peak step is the lower bound any assignment must reach.
 """
@@ -15,6 +17,10 @@ from snrt.scheduler.plan import evolve
 
 ALIGN_BYTES = 256
 GREEDY_MAX_BUFFERS = 8000
+GREEDY_TIES = (  # orders of the greedy's buffers of one size, by their (first, last) steps alive
+    lambda first, last: (first,),
+    lambda first, last: (first - last, first),
+)
 
 
 def aligned(nbytes):
@@ -75,9 +81,11 @@ def assign_offsets(buffers, allocations, frees):
         bottom += aligned(buffers[b].nbytes)
     best, top = _best_fit(buffers, allocations, frees)
     if sum(map(len, allocations)) <= GREEDY_MAX_BUFFERS:
-        greedy, greedy_top = _largest_first(buffers, _intervals(allocations, frees))
-        if greedy_top < top:
-            best, top = greedy, greedy_top
+        intervals = _intervals(allocations, frees)
+        for ties in GREEDY_TIES:
+            greedy, greedy_top = _largest_first(buffers, intervals, ties)
+            if greedy_top < top:
+                best, top = greedy, greedy_top
     offsets.update({b: bottom + off for b, off in best.items()})
     placed = [evolve(b, offset=offsets.get(b.id, -1)) for b in buffers]
     return placed, bottom + top
@@ -107,9 +115,10 @@ def _best_fit(buffers, allocations, frees):
     return offsets, holes.top
 
 
-def _largest_first(buffers, intervals):
-    """Offsets (from 0): largest buffers first, each at the lowest offset free over its interval."""
-    order = sorted(intervals, key=lambda b: (-aligned(buffers[b].nbytes), intervals[b][0], b))
+def _largest_first(buffers, intervals, ties):
+    """(offsets from 0, top): largest buffers first (those of one size in the order of
+    ties(first, last)), each at the lowest offset free over its interval."""
+    order = sorted(intervals, key=lambda b: (-aligned(buffers[b].nbytes), *ties(*intervals[b]), b))
     placed, offsets, top = [], {}, 0
     for b in order:
         start, end = intervals[b]

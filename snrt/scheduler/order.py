@@ -3,7 +3,10 @@
 Forward runs in topological order; in training, backward runs in reverse order, gradients of
 a tensor read by several nodes are summed (the first contribution is written, later ones go
 through a partial buffer and are added), and each node's optimizer update comes right after
-its backward, when its parameter gradients are complete (fused update).
+its backward, when its parameter gradients are complete (fused update). A layer whose input
+gradients are its output's gradient itself (`passes_gradient`: Add, Identity) lets one of them
+take over gy's buffer: the first contribution is then that buffer (nothing copied), a later one
+adds gy itself (no partial buffer).
 """
 
 from dataclasses import dataclass
@@ -153,35 +156,38 @@ class _StepBuilder:
     def backward_steps(self, optimizer_states, deferred_updates=False):
         needs = self._needs_grad()
         add = self.table.add
-        for node in self.graph.nodes.values():
-            if needs[node.name]:
-                dtype = self.table.buffers[self.output[node.name]].dtype  # a gradient is stored as its tensor
-                self.grad[node.name] = add(f"{node.name}:grad", node.full_shape(self.batch), dtype, "gradient")
         written = set()
         steps, updates = [], []
         for node in reversed(list(self.graph.nodes.values())):
             if not needs[node.name] or isinstance(node.layer, Input):
                 continue
             layer = node.layer
+            gy = self._grad(node.name)  # made by a consumer's backward step, or the loss's seed
             wanted = range(len(node.inputs)) if layer.differentiable_inputs is None else layer.differentiable_inputs
-            grad_inputs = []
+            grad_inputs, taken = [], False
             for i, source in enumerate(node.inputs):
                 if i not in wanted or not needs[source]:
                     grad_inputs.append(None)
-                elif source in written:
-                    partial = add(f"{node.name}:partial{i}", self.graph[source].full_shape(self.batch),
-                                  self.table.buffers[self.grad[source]].dtype, "gradient")
-                    grad_inputs.append((self.grad[source], partial))
+                    continue
+                takes_over = (layer.passes_gradient and not taken and self.grad.get(source) != gy
+                              and self._like(source, gy))
+                taken |= takes_over
+                if source in written:
+                    total = self.table.buffers[self.grad[source]]
+                    partial = gy if takes_over else add(f"{node.name}:partial{i}", total.shape, total.dtype, "gradient")
+                    grad_inputs.append((total.id, partial))
                 else:
                     written.add(source)
-                    grad_inputs.append((self.grad[source], -1))
+                    if takes_over:
+                        self.grad[source] = gy
+                    grad_inputs.append((self._grad(source), -1))
             grad_params = tuple(
                 (p, add(f"{node.name}:{p}:grad", self.table.buffers[b].shape, FP32, "parameter_gradient"))
                 for p, b in self.params[node.name]
             )
             saves = layer.saves
             steps.append(Backward(
-                node.name, self.grad[node.name],
+                node.name, gy,
                 tuple(self.output[i] if k in saves.inputs else -1 for k, i in enumerate(node.inputs)),
                 self.output[node.name] if saves.output else -1,
                 self.aux[node.name], self.params[node.name], tuple(grad_inputs), grad_params,
@@ -190,6 +196,19 @@ class _StepBuilder:
             if grad_params:
                 (updates if deferred_updates else steps).append(self._update(node, grad_params, optimizer_states))
         return steps + updates
+
+    def _grad(self, name):
+        """The buffer of node `name`'s output gradient, stored as the output; made when first
+        asked for (by the first backward step that writes it, else by its own)."""
+        if name not in self.grad:
+            output = self.table.buffers[self.output[name]]
+            self.grad[name] = self.table.add(f"{name}:grad", output.shape, output.dtype, "gradient")
+        return self.grad[name]
+
+    def _like(self, source, gy):
+        """Whether node `source`'s output gradient can be buffer `gy` (the same shape and dtype)."""
+        output, taken = self.table.buffers[self.output[source]], self.table.buffers[gy]
+        return (output.shape, output.dtype) == (taken.shape, taken.dtype)
 
     def _update(self, node, grad_params, optimizer_states):
         """The node's optimizer step, with one buffer per parameter and name in `optimizer_states`

@@ -10,7 +10,7 @@ from snrt.config import DataConfig, TrainConfig, config_from_graph, with_setting
 from snrt.scheduler.policies import POLICIES
 from snrt.train import Trainer
 from tests.scheduler.graphs import CLASSES, build, graph_recipes
-from tests.test_train import MODERN, SEGMENT, SMALL_RESNET, UNET
+from tests.test_train import MODERN, PASS_THROUGH, SEGMENT, SMALL_RESNET, UNET
 
 CONCAT_NET = {
     "name": "concat_net",
@@ -90,7 +90,7 @@ CLIP_NORM = {**MODERN, "name": "clip_norm", "train": {**MODERN["train"], "optimi
     "type": "adamw", "lr": 0.01, "weight_decay": 0.01, "clip_norm": 0.05}}}
 
 
-@pytest.mark.parametrize("doc", [MODERN, UNET, CLIP_NORM, SEGMENT], ids=lambda doc: doc["name"])
+@pytest.mark.parametrize("doc", [MODERN, UNET, CLIP_NORM, SEGMENT, PASS_THROUGH], ids=lambda doc: doc["name"])
 def test_newer_layers_and_two_input_blocks_are_bit_identical_under_every_policy(doc):
     assert_policies_agree(snrt.load_config(doc), iterations=3)
 

@@ -111,8 +111,8 @@ def copies_over_floor(plan):
 
     A tensor is in a copy window over the steps from its prefetch to the wait for it, and
     after its offload until the wait for it (while it is still in use, it is held anyway).
-    The floor is the most any step holds outside such windows: the peak the plan would have
-    with every copy just in time, all else the same."""
+    The floor is the most any step holds outside such windows: an estimate, not always exact,
+    of the peak the plan would have with every copy just in time."""
     first_version = {b.name: b.id for b in plan.buffers if not b.is_copy}
     windows, issued = {}, {}  # first version -> [(first step, end step, bytes)]; buffer -> its copy in flight
     held = [0] * (len(plan.steps) + 1)  # bytes in copy windows, as differences from step to step

@@ -207,8 +207,8 @@ class _StepBuilder:
 
     def _like(self, source, gy):
         """Whether node `source`'s output gradient can be buffer `gy` (the same shape and dtype)."""
-        output, taken = self.table.buffers[self.output[source]], self.table.buffers[gy]
-        return (output.shape, output.dtype) == (taken.shape, taken.dtype)
+        output, gradient = self.table.buffers[self.output[source]], self.table.buffers[gy]
+        return (output.shape, output.dtype) == (gradient.shape, gradient.dtype)
 
     def _update(self, node, grad_params, optimizer_states):
         """The node's optimizer step, with one buffer per parameter and name in `optimizer_states`

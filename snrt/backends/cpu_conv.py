@@ -62,10 +62,9 @@ from numba import njit
 
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_threads, threads_for
 from snrt.backends.cpu_parallel import run_split
-from snrt.backends.cpu_copy import copy_run
 from snrt.backends.cpu_dots import BLOCK, dots
-from snrt.backends.cpu_tiles import (BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, lanes_of, pack_weight, padded_values,
-                                    phase_planes, pointwise_tiles, pointwise_vectors, tap_offsets)
+from snrt.backends.cpu_tiles import (BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, fill_phase, lanes_of, pack_weight,
+                                    padded_values, phase_planes, pointwise_tiles, pointwise_vectors, tap_offsets)
 from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
@@ -90,17 +89,7 @@ def pad_planes(x, n0, n1, ph, pw, sh, sw, hp, wp, planes, p0, p1):
         plane[:] = 0
         a, b, c = p // channels // sw, p // channels % sw, p % channels
         for n in range(n0, n1):
-            base = (n - n0) * hp * wp
-            if sh == 1 and sw == 1:
-                for r in range(h):
-                    copy_run(plane, base + (ph + r) * wp + pw, flat, ((n * channels + c) * h + r) * w, w)
-                continue
-            first, last = -(-(pw - b) // sw), min(wp, (w - 1 + pw - b) // sw + 1)  # columns q inside x
-            for r in range(hp):
-                row = sh * r + a - ph
-                if 0 <= row < h:
-                    for q in range(max(first, 0), last):
-                        plane[base + r * wp + q] = x[n, c, row, sw * q + b - pw]
+            fill_phase(plane, (n - n0) * hp * wp, wp, hp, flat, (n * channels + c) * h * w, h, w, ph, pw, sh, sw, a, b)
 
 
 @njit(**THREADED)

@@ -43,7 +43,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, register_jitable
 
 from snrt.backends.cpu_common import THREADED, threads_for
-from snrt.backends.cpu_copy import pad_plane
+from snrt.backends.cpu_copy import copy_strided
 from snrt.backends.cpu_dots import VECTOR_BYTES
 from snrt.backends.cpu_parallel import run_split
 
@@ -249,29 +249,40 @@ def tap_offsets(channels, kh, kw, sh, sw, plane_values, row_values, offsets):
         offsets[k] = plane * plane_values + i // sh * row_values + j // sw
 
 
+@njit(**THREADED, inline="always")
+def _inside(pad, phase, stride, size, count):
+    """(first, last): the positions first <= q < last of a phase's `count` that fall inside x
+    along one axis, stride*q + phase - pad in [0, size) (at stride 1 without a division)."""
+    if stride == 1:
+        return max(0, pad - phase), min(count, size + pad - phase)
+    return max(0, -(-(pad - phase) // stride)), min(count, (size - 1 + pad - phase) // stride + 1)
+
+
+@njit(**THREADED, inline="always")
+def fill_phase(dst, start, wq, rows, src, src_start, height, width, ph, pw, sh, sw, a, b):
+    """dst[start + r*Wq + q] = padded x[sh*r + a, sw*q + b] for the `rows` rows r of phase (a,
+    b)'s plane of one map (phase_planes), where that is inside the map: x = src[src_start:] as
+    height x width values, padded by (ph, pw). The padding is left as it was (zeros)."""
+    first, last = _inside(pw, b, sw, width, wq)
+    top, bottom = _inside(ph, a, sh, height, rows)
+    if bottom > top and last > first:
+        copy_strided(dst, start + top * wq + first, wq, src, src_start + (sh * top + a - ph) * width + sw * first + b - pw,
+                     sh * width, bottom - top, last - first, sw)
+
+
 @njit(**THREADED)
 def _pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad):
     """Sample n of x zero-padded by (ph, pw) into its phase planes (phase_planes): plane
-    ((a*sw + b)*C + c) holds padded x[c, sh*h' + a, sw*w' + b] at h'*Wq + w'."""
+    ((a*sw + b)*C + c) holds padded x[c, sh*h' + a, sw*w' + b] at h'*Wq + w' (at stride 1
+    one plane a channel, Wq = W + 2*pw wide)."""
     channels, height, width = x.shape[1], x.shape[2], x.shape[3]
+    flat = x.reshape(-1)
     xpad[:sh * sw * channels * hq * wq] = 0
-    if sh == 1 and sw == 1:  # one plane a channel, Wq = W + 2*pw wide
-        for c in range(channels):
-            pad_plane(x, n, c, ph, pw, xpad[c * hq * wq:])
-        return
     for a in range(sh):
         for b in range(sw):
-            first = max(0, -(-(pw - b) // sw))  # the first column q with sw*q + b - pw >= 0
             for c in range(channels):
-                base = ((a * sw + b) * channels + c) * hq * wq
-                for r in range(hq):
-                    h = sh * r + a - ph
-                    if h < 0 or h >= height:
-                        continue
-                    src, row = x[n, c, h], xpad[base + r * wq:base + (r + 1) * wq]
-                    last = min(wq, (width - 1 + pw - b) // sw + 1)  # past the last column in x
-                    for q in range(first, last):
-                        row[q] = src[sw * q + b - pw]
+                fill_phase(xpad, ((a * sw + b) * channels + c) * hq * wq, wq, hq, flat,
+                           (n * channels + c) * height * width, height, width, ph, pw, sh, sw, a, b)
 
 
 @njit(**THREADED)

@@ -39,7 +39,7 @@ VARIABLE = "SNRT_CPU_KERNELS"
 ROUNDS = 5  # timed calls of each candidate
 MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
-REVISION = 16  # of the candidate kernels: raised when one changes (16: stride-2 phase planes filled by vectors)
+REVISION = 17  # of the candidate kernels: raised when one changes (17: the implicit-GEMM weight gradient of small maps)
 _CHOSEN = {}  # key: candidate name, this process's choices
 
 

@@ -34,10 +34,14 @@ Here:
   values per sample, read where they are (cpu_dots.dots over the runs, N*C*H*W apart), in spans of
   pixels of at most about POINTWISE_SPAN_ELEMENTS values of x and gy (no copies, so spans longer
   than the padded chunks: at 2^20 values ResNet-50's 1x1s at 28x28 and 56x56 took 5.9-6.5 ms a
-  weight gradient at batch 8 on 2 cores, at 2^22 4.0-4.1), the spans added in order;
-  over maps of fewer than GEMM_PIXELS pixels, where such short runs leave the dot products
-  their horizontal sums to pay for, gW = gy x^T is a GEMM by the pointwise tiles instead
-  (x transposed in the workspace, vectors of input channels, gy's values broadcast).
+  weight gradient at batch 8 on 2 cores, at 2^22 4.0-4.1), the spans added in order.
+  Over output maps of fewer than GEMM_PIXELS pixels, where the short runs leave the dot
+  products their horizontal sums to pay for and the planes' gaps are a fifth or more of them,
+  any kernel's gW is cpu_weight_gemm's implicit GEMM instead (x in its padded phase planes
+  with the channels last, vectors of input channels, gy's values broadcast; measured at batch
+  8 and 32 against the dot products: 3x3 512->512 @7 5.4 against 7.8 ms, 64->64 @8 0.48
+  against 0.65, 3x3/2 32->64 @16 0.33 against 0.51; at 16x16 and 14x14 the dot products
+  were 10% faster).
 
 Serves dilation 1, one group, a kernel larger than 1x1 (or a 1x1 whose output maps have at
 least 16 pixels, which the tiles read in place) and padding at most kernel-1 (so the
@@ -65,11 +69,13 @@ from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_dots import BLOCK, dots
 from snrt.backends.cpu_tiles import (BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, fill_phase, lanes_of, pack_weight,
                                     padded_values, phase_planes, pointwise_tiles, pointwise_vectors, tap_offsets)
+from snrt.backends.cpu_weight_gemm import (channel_pairs, gemm_arrays, pack_outputs, pixel_offsets, gemm_tiles,
+                                           transpose_planes)
 from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
-GEMM_PIXELS = 128  # a 1x1's maps below which its weight gradient is a GEMM by the tiles
+GEMM_PIXELS = 128  # output maps below which the weight gradient is an implicit GEMM (cpu_weight_gemm)
 SCATTER_SPLIT = 1 << 17  # gx values from which scatter_phase's maps are split among the kernel threads
 GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chunk: about 4 MB of fp32
 POINTWISE_SPAN_ELEMENTS = 1 << 22  # x and gy values per span of a 1x1's weight gradient (read in place)
@@ -287,19 +293,18 @@ class DirectConv2d(LayerLike):
         return [(a, b) for a in range(sh) for b in range(sw) if min(self._phase_taps((a, b))) > 0]
 
     def _gemm_grad_weight(self, in_shapes, itemsize=FLOAT32_BYTES):
-        """Whether a 1x1's weight gradient is a GEMM by the pointwise tiles (runs of H*W pixels
-        shorter than GEMM_PIXELS, where the dot products' horizontal sums dominate, and at
-        least a vector of input channels)."""
-        _, c, h, w = in_shapes[0]
-        return self.layer.kernel == (1, 1) and h * w < GEMM_PIXELS and c >= lanes_of(itemsize)
+        """Whether the weight gradient is cpu_weight_gemm's implicit GEMM: output maps of fewer
+        than GEMM_PIXELS pixels (where the dot products' padded planes and horizontal sums cost
+        the most) and at least a vector of input channels."""
+        c = in_shapes[0][1]
+        _, _, ho, wo = self.layer.infer_shape(in_shapes)
+        return ho * wo < GEMM_PIXELS and c >= lanes_of(itemsize)
 
     def _gemm_arrays(self, in_shapes, threads, itemsize):
-        """The 1x1 weight gradient's as a GEMM: x transposed, (N*H*W, C), then the tiles' arrays
-        with gy (O, N*H*W) as the packed weight."""
-        n, c, h, w = in_shapes[0]
-        taps, blocks = n * h * w, -(-self.layer.out_channels // BLOCK_OUTS)
-        return [((taps, c), None), ((blocks, taps, BLOCK_OUTS), None), ((blocks * BLOCK_OUTS,), None), ((taps,), INDEX),
-                ((threads, PIXEL_VECTORS * lanes_of(itemsize)), INDEX)]
+        """The weight gradient's as an implicit GEMM (cpu_weight_gemm.gemm_arrays)."""
+        layer = self.layer
+        return gemm_arrays(in_shapes[0], layer.infer_shape(in_shapes), layer.kernel, layer.padding, layer.stride, threads,
+                           itemsize)
 
     def _grad_weight_arrays(self, in_shapes):
         """Where each tap (c, i, j) starts in x's planes, (C*kh*kw,); then a chunk's padded planes
@@ -419,22 +424,23 @@ class DirectConv2d(LayerLike):
             ctx.release_scratch()
 
     def _grad_weight_gemm(self, ctx, gy, x, gweight):
-        """A 1x1's gweight[o, c] = sum over t = (n, p) of gy[n, o, p] x[n, c, p] as the pointwise
-        tiles' convolution of x transposed, xt (1, N*H*W, 1, C), with gy as an (O, N, H*W, 1)
-        weight: vectors of input channels, gy's values broadcast, the sum in the order of t."""
+        """gweight by cpu_weight_gemm: x into its padded phase planes with the channels last and
+        gy into blocks of output channels (both split among the kernel threads), then the
+        GEMM's units split among them."""
         n, channels, h, w = x.shape
-        outs, pixels = gweight.shape[0], h * w
-        itemsize = x.dtype.itemsize
+        itemsize, (sh, sw), (ph, pw) = x.dtype.itemsize, self.layer.stride, self.layer.padding
         threads = fitting_threads(ctx.workspace.nbytes, lambda count: _size(self._gemm_arrays([x.shape], count, itemsize),
                                                                            itemsize))
-        xt, wpack, biases, offsets, targets = (ctx.scratch(shape, dtype or x.dtype) for shape, dtype
-                                               in self._gemm_arrays([x.shape], threads, itemsize))
-        np.copyto(xt.reshape(n, pixels, channels), x.reshape(n, channels, pixels).transpose(0, 2, 1))
-        weight = gy.reshape(n, outs, pixels, 1).transpose(1, 0, 2, 3)  # (O, N, H*W, 1): tap t = (n, p)
-        pack_weight(weight, pixels, channels, 1, 1, wpack, biases, offsets, gweight[:0, 0, 0, 0])
-        vectors = pointwise_vectors(channels, lanes_of(itemsize))
-        run_split(pointwise_tiles, 0, vectors, threads, (xt.reshape(1, n * pixels, 1, channels), wpack, biases, offsets,
-                                                          gweight.reshape(1, outs, 1, channels)), (targets,))
+        xt, gpack, offsets, zeros, targets = (ctx.scratch(shape, dtype or x.dtype) for shape, dtype
+                                              in self._gemm_arrays([x.shape], threads, itemsize))
+        hq, wq = phase_planes(h, w, self.layer.padding, self.layer.stride)
+        zeros[:] = 0
+        run_split(transpose_planes, 0, sh * sw * n * hq, threads, (x, ph, pw, sh, sw, hq, wq, xt))
+        run_split(pack_outputs, 0, gpack.shape[0], threads, (gy, gpack))
+        pixel_offsets(n, *gy.shape[2:], hq, wq, channels, offsets)
+        units = gweight.shape[2] * gweight.shape[3] * channel_pairs(channels, itemsize) * gpack.shape[0]
+        run_split(gemm_tiles, 0, units, threads, (xt, gpack, offsets, zeros, n, channels, hq, wq, sh, sw, gweight),
+                  (targets,))
 
     def _grad_weight(self, ctx, gy, x, gweight):
         """gweight (O, C, kh, kw) by weight_grad_rows, its blocks of weights split among the
@@ -445,11 +451,11 @@ class DirectConv2d(LayerLike):
             z, rest = self._subsample(ctx, x)
             self.unit_stride._grad_weight(rest, gy, z, gweight)
             return
-        n, channels, h, w = x.shape
-        outs, _, kh, kw = gweight.shape
         if self._gemm_grad_weight([x.shape], x.dtype.itemsize):
             self._grad_weight_gemm(ctx, gy, x, gweight)
             return
+        n, channels, h, w = x.shape
+        outs, _, kh, kw = gweight.shape
         (ph, pw), (hp, wp), (sh, sw) = self.layer.padding, self._plane([x.shape]), self.layer.stride
         threads = kernel_threads()
         o_size, k_size = block_shape(outs, channels * kh * kw)

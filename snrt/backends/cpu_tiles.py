@@ -250,7 +250,7 @@ def tap_offsets(channels, kh, kw, sh, sw, plane_values, row_values, offsets):
 
 
 @njit(**THREADED, inline="always")
-def _inside(pad, phase, stride, size, count):
+def inside_range(pad, phase, stride, size, count):
     """(first, last): the positions first <= q < last of a phase's `count` that fall inside x
     along one axis, stride*q + phase - pad in [0, size) (at stride 1 without a division)."""
     if stride == 1:
@@ -263,8 +263,8 @@ def fill_phase(dst, start, wq, rows, src, src_start, height, width, ph, pw, sh, 
     """dst[start + r*Wq + q] = padded x[sh*r + a, sw*q + b] for the `rows` rows r of phase (a,
     b)'s plane of one map (phase_planes), where that is inside the map: x = src[src_start:] as
     height x width values, padded by (ph, pw). The padding is left as it was (zeros)."""
-    first, last = _inside(pw, b, sw, width, wq)
-    top, bottom = _inside(ph, a, sh, height, rows)
+    first, last = inside_range(pw, b, sw, width, wq)
+    top, bottom = inside_range(ph, a, sh, height, rows)
     if bottom > top and last > first:
         copy_strided(dst, start + top * wq + first, wq, src, src_start + (sh * top + a - ph) * width + sw * first + b - pw,
                      sh * width, bottom - top, last - first, sw)

@@ -13,6 +13,7 @@ import snrt.threads
 from snrt.backends import cpu_choice, cpu_conv
 from snrt.backends.cpu_conv import ChosenConv2d, DirectConv2d
 from snrt.backends.cpu_depthwise import ROWS_MIN_WIDTH, CompiledDepthwiseConv2d
+from snrt.backends.cpu_tiles import lanes_of
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.errors import ShapeError, SnrtError
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved, numel, scratch_bytes
@@ -122,14 +123,27 @@ def test_direct_pointwise_convolution(bias):
     check_layer(DirectConv2d(layer), [x], _reference(layer))
 
 
-@pytest.mark.parametrize("shape", [(3, 20, 7, 7), (2, 9, 4, 5)])  # 20 channels: 3 vectors of 8, the last moved back
-def test_a_1x1_weight_gradient_over_small_maps_is_a_gemm_by_the_tiles(shape):
-    """Maps under GEMM_PIXELS: gweight = gy x^T by the pointwise tiles over x transposed (vectors
-    of input channels), in float64, against finite differences and the reference."""
+@pytest.mark.parametrize("options", [
+    dict(kernel=1),
+    dict(kernel=3, padding=1),
+    dict(kernel=3, padding=1, stride=2),  # two phases of x's planes each way
+    dict(kernel=(2, 3), padding=(1, 0), stride=(2, 3)),  # six phases, taps past some phases' reach
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("shape", [(3, 20, 7, 7), (2, 9, 4, 5)])  # 20 channels: 3 vectors of 8, the last in part
+def test_the_weight_gradient_over_small_maps_is_an_implicit_gemm(options, shape):
+    """Output maps under GEMM_PIXELS and at least a vector of input channels: gweight by
+    cpu_weight_gemm (x in padded phase planes with the channels last, vectors of input
+    channels), in float64, against finite differences and the reference."""
     x = np.random.default_rng(5).standard_normal(shape)
-    kernel = DirectConv2d(Conv2d(out_channels=11, kernel=1))
+    kernel = DirectConv2d(Conv2d(out_channels=11, **options))
     assert kernel._gemm_grad_weight([x.shape], 8)
     check_layer(kernel, [x], _reference(kernel.layer))
+
+
+def test_the_weight_gradient_over_larger_maps_or_few_channels_is_by_dot_products():
+    layer = Conv2d(out_channels=4, kernel=3, padding=1)
+    assert not DirectConv2d(layer)._gemm_grad_weight([(2, 16, 12, 11)], 4)  # 132 output pixels
+    assert not DirectConv2d(layer)._gemm_grad_weight([(2, lanes_of(4) - 1, 8, 8)], 4)  # fewer channels than a vector
 
 
 @pytest.mark.parametrize("elements", [100, 400, 1 << 20])  # spans of 3 pixels (the last 1), 8 (a vector), all 16
@@ -289,17 +303,23 @@ for shape, outs, kernel, padding, stride in json.loads(sys.argv[1]):
     yt = torch.nn.functional.conv2d(xt, torch.tensor(params["weight"]), torch.tensor(params["bias"]),
                                     padding=layer.padding, stride=layer.stride)
     yt.backward(torch.tensor(gy))
-    errors.append(max(float(np.abs(y - yt.detach().numpy()).max()), float(np.abs(gx - xt.grad.numpy()).max())))
+    weight_grad = torch.ops.aten.convolution_backward(torch.tensor(gy), torch.tensor(x), torch.tensor(params["weight"]),
+                                                      None, layer.stride, layer.padding, (1, 1), False, (0, 0), 1,
+                                                      (False, True, False))[1].numpy()
+    errors.append(max(float(np.abs(y - yt.detach().numpy()).max()), float(np.abs(gx - xt.grad.numpy()).max()),
+                      float(np.abs(grads["weight"] - weight_grad).max())))
 import snrt.backends.cpu_conv as conv
 print(json.dumps({"lanes": cpu_tiles.lanes_of(4), "block": cpu_tiles.BLOCK_OUTS, "dots": conv.BLOCK, "errors": errors}))
 """
 
 
 def test_the_tile_kernel_with_avx_vectors_matches_pytorch(tmp_path):
-    """The tiles as a processor without AVX-512 runs them (8 lanes, 4 output channels a tile), in
+    """The tiles as a processor without AVX-512 runs them (8 lanes, 4 output channels a tile;
+    the weight gradients by 4 x 4 dot products or the implicit GEMM's vectors of 8 channels), in
     a process of their own (compiled afresh: numba's cache keeps no global's value)."""
     cases = [[(3, 5, 10, 9), 6, 3, 1, 1], [(3, 4, 5, 37), 19, 3, 1, 1], [(5, 3, 3, 16), 9, [3, 5], [1, 2], 1],
-             [(3, 5, 4, 6), 3, 1, 0, 1], [(2, 3, 11, 20), 5, 3, 1, [2, 3]], [(2, 3, 11, 20), 5, 1, 0, [2, 3]]]
+             [(3, 5, 4, 6), 3, 1, 0, 1], [(2, 3, 11, 20), 5, 3, 1, [2, 3]], [(2, 3, 11, 20), 5, 1, 0, [2, 3]],
+             [(2, 9, 5, 6), 5, 3, 1, 1], [(2, 17, 8, 8), 5, 3, 1, 2]]  # weight gradients by the implicit GEMM
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", AVX_CHECK, json.dumps(cases)], capture_output=True, text=True,
                           env=env, cwd=str(Path(__file__).resolve().parents[2]), timeout=600)

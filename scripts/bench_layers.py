@@ -132,7 +132,9 @@ def snrt_kernels(layer, xs, params, rng):
     aux = {k: np.empty(s.shape, np.float32 if s.dtype == "compute" else s.dtype)
            for k, s in layer.aux_specs(in_shapes).items()}
     state = {k: np.full(s.shape, s.fill, np.float32) for k, s in layer.state_specs(in_shapes).items()}
-    gxs = [np.empty_like(x) for x in xs]
+    # as the planner hands them out (snrt/scheduler/order.py): in a residual network every input
+    # gradient of a layer that passes gy on (Add) is gy's own buffer, which the kernel leaves as it is
+    gxs = [None if layer.passes_gradient and x.shape == y.shape else np.empty_like(x) for x in xs]
     gparams = {k: np.empty_like(v) for k, v in params.items()}
     workspace = {phase: np.zeros(kernel.workspace_bytes(in_shapes, phase, 4), np.uint8) for phase in (FORWARD, BACKWARD)}
     saves = layer.saves

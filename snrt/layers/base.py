@@ -218,7 +218,8 @@ class Layer:
     saves: ClassVar[Saves] = Saves()
     differentiable_inputs: ClassVar = None  # None: all; else a tuple of input indices
     # every input's gradient is the output's gradient itself (gx_i = gy, same shape): the plan
-    # lets one input's gradient take over gy's buffer, and the kernel is then given None for it
+    # lets input gradients take over gy's buffer (snrt/scheduler/order.py), and the kernel is
+    # then given None for them
     passes_gradient: ClassVar[bool] = False
     keeps_fp32: ClassVar[bool] = False  # output and saved tensors in fp32 whatever the precision (snrt/precision.py)
     fp32_aux: ClassVar[tuple] = ()  # names of saved tensors (statistics) kept in fp32 whatever the precision

@@ -18,8 +18,9 @@ passes instead (snrt/backends/cpu_kernels.py).
 Add+ReLU is not fused: its backward would hold y, gy and both input gradients at once, where
 each of the two layers' backwards holds three tensors, and that raised the peaks of offload and
 superneurons by an activation (ResNet-50 b32 at 224x224: 636 -> 710 MiB, results/fusion.md).
-An input gradient can now take over gy's buffer (Layer.passes_gradient, which Add has), which
-would keep such a backward at three tensors; the fused layer is not built.
+Input gradients can now take over gy's buffer (Layer.passes_gradient, which Add has; in a
+residual block both share it), which would keep such a backward at three tensors; the fused
+layer is not built.
 """
 
 import dataclasses

@@ -13,7 +13,8 @@ from snrt.layers.registry import register
 @dataclass(frozen=True)
 class Add(Layer):
     """y = x0 + x1 + ...; every input has the same shape; gx_i = gy. Backward reads nothing;
-    it writes every input's gradient but the one the plan lets take over gy's buffer."""
+    it writes every input's gradient but those the plan lets take over gy's buffer (in a
+    residual block both: nothing to do)."""
 
     type_name = "Add"
     recompute_cost = EXPENSIVE  # a join: its output is a checkpoint

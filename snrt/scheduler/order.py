@@ -4,9 +4,11 @@ Forward runs in topological order; in training, backward runs in reverse order, 
 a tensor read by several nodes are summed (the first contribution is written, later ones go
 through a partial buffer and are added), and each node's optimizer update comes right after
 its backward, when its parameter gradients are complete (fused update). A layer whose input
-gradients are its output's gradient itself (`passes_gradient`: Add, Identity) lets one of them
-take over gy's buffer: the first contribution is then that buffer (nothing copied), a later one
-adds gy itself (no partial buffer).
+gradients are its output's gradient itself (`passes_gradient`: Add, Identity) lets them take
+over gy's buffer: a first contribution is then that buffer (nothing copied), a later one adds
+gy itself (no partial buffer). Several inputs' gradients may be the one buffer where no later
+contribution to one of them can reach another's before it is read (`_may_share`): a residual
+block's Add hands gy to both branches and copies nothing.
 """
 
 from dataclasses import dataclass
@@ -92,6 +94,9 @@ class _StepBuilder:
         self.output, self.aux, self.params, self.state = {}, {}, {}, {}
         self.input_buffers = []
         self.grad = {}
+        self.owners = {}  # gradient buffer -> the nodes whose output gradient it is (several: see _may_share)
+        self.position = {name: i for i, name in enumerate(graph.nodes)}
+        self.consumers = graph.consumers()
         for node in graph.nodes.values():
             self._node_buffers(node)
 
@@ -154,7 +159,7 @@ class _StepBuilder:
         return needs
 
     def backward_steps(self, optimizer_states, deferred_updates=False):
-        needs = self._needs_grad()
+        self.needs = needs = self._needs_grad()
         add = self.table.add
         written = set()
         steps, updates = [], []
@@ -164,22 +169,24 @@ class _StepBuilder:
             layer = node.layer
             gy = self._grad(node.name)  # made by a consumer's backward step, or the loss's seed
             wanted = range(len(node.inputs)) if layer.differentiable_inputs is None else layer.differentiable_inputs
-            grad_inputs, taken = [], False
+            grad_inputs = []
+            sources = [source for i, source in enumerate(node.inputs) if i in wanted and needs[source]]
+            repeats = len(set(sources)) < len(sources)  # then gy itself may take a contribution in this step
             for i, source in enumerate(node.inputs):
                 if i not in wanted or not needs[source]:
                     grad_inputs.append(None)
                     continue
-                takes_over = (layer.passes_gradient and not taken and self.grad.get(source) != gy
-                              and self._like(source, gy))
-                taken |= takes_over
-                if source in written:
+                takes_over = layer.passes_gradient and self.grad.get(source) != gy and self._like(source, gy)
+                if source in written:  # a later contribution: gy itself is added, unless gy changes in this step
                     total = self.table.buffers[self.grad[source]]
-                    partial = gy if takes_over else add(f"{node.name}:partial{i}", total.shape, total.dtype, "gradient")
+                    partial = (gy if takes_over and not repeats
+                               else add(f"{node.name}:partial{i}", total.shape, total.dtype, "gradient"))
                     grad_inputs.append((total.id, partial))
                 else:
                     written.add(source)
-                    if takes_over:
+                    if takes_over and self._may_share(gy, source, node):
                         self.grad[source] = gy
+                        self.owners[gy].append(source)
                     grad_inputs.append((self._grad(source), -1))
             grad_params = tuple(
                 (p, add(f"{node.name}:{p}:grad", self.table.buffers[b].shape, FP32, "parameter_gradient"))
@@ -203,7 +210,26 @@ class _StepBuilder:
         if name not in self.grad:
             output = self.table.buffers[self.output[name]]
             self.grad[name] = self.table.add(f"{name}:grad", output.shape, output.dtype, "gradient")
+            self.owners[self.grad[name]] = [name]
         return self.grad[name]
+
+    def _may_share(self, gy, source, node):
+        """Whether `source`'s gradient may be buffer `gy` as well, at `node`'s backward step
+        (which reads gy and passes it on): gy's owners whose own backward step, the one that
+        reads their gradient, is still to come (`source` one of them) must not see each
+        other's later contributions, which are added into the buffer. So at most one of them
+        takes later contributions (from consumers whose backward steps are still to come, or
+        from `node` itself where it reads the owner more than once), and every other reads its
+        gradient before the first of those is added."""
+        position, here = self.position, self.position[node.name]
+        pending = [s for s in self.owners[gy] if position[s] < here] + [source]
+        late = {s: [position[c] for c in self.consumers[s] if position[c] < here and self.needs[c]]
+                + ([here] if node.inputs.count(s) > 1 else []) for s in pending}
+        writers = [s for s in pending if late[s]]
+        if len(writers) > 1:
+            return False
+        first_write = max(late[writers[0]]) if writers else -1  # backward steps run in decreasing position
+        return all(position[s] > first_write for s in pending if s not in writers)
 
     def _like(self, source, gy):
         """Whether node `source`'s output gradient can be buffer `gy` (the same shape and dtype)."""

@@ -13,7 +13,7 @@ happens at planning time, when the planner first asks for the workspace, in memo
 own outside any run's arena.
 
 `SNRT_CPU_KERNELS` overrides the choice: `measure` (the default), or a candidate's name
-(`im2col`, `direct`) to run that one wherever it serves. The file is cpu-kernels.json in the
+(`direct`, `im2col`) to run that one wherever it serves. The file is cpu-kernels.json in the
 cache folder (`$SNRT_CACHE_DIR`, see choice_file.py); its entries are keyed by the CPU
 model, so a file shared between machines (a home directory on a cluster) keeps each model's
 own choices, and by `REVISION`, so that choices measured against earlier kernels are
@@ -39,7 +39,7 @@ VARIABLE = "SNRT_CPU_KERNELS"
 ROUNDS = 5  # timed calls of each candidate
 MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
-REVISION = 17  # of the candidate kernels: raised when one changes (17: the implicit-GEMM weight gradient of small maps)
+REVISION = 18  # of the candidate kernels: raised when one changes (18: the direct kernel is the default)
 _CHOSEN = {}  # key: candidate name, this process's choices
 
 

@@ -482,15 +482,16 @@ class DirectConv2d(LayerLike):
 
 
 class ChosenConv2d(LayerLike):
-    """Conv2d, each phase (forward, backward) by the layer's im2col, or by DirectConv2d where
-    it serves and measured at least 10% faster at the shape on this machine
-    (snrt/backends/cpu_choice.py)."""
+    """Conv2d where DirectConv2d serves, each phase (forward, backward) by it, or by the layer's
+    im2col where that measured at least 10% faster at the shape on this machine
+    (snrt/backends/cpu_choice.py). The direct kernel is the default: a near tie is within a
+    shared machine's noise, and the direct kernel leaves no BLAS threads spinning after it."""
 
     serves = staticmethod(DirectConv2d.serves)
 
     def __init__(self, layer):
         super().__init__(layer)
-        self.candidates = {"im2col": layer, "direct": DirectConv2d(layer)}
+        self.candidates = {"direct": DirectConv2d(layer), "im2col": layer}
 
     def chosen(self, in_shapes, phase):
         """The kernel that runs `phase` at `in_shapes`."""

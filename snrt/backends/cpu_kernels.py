@@ -7,8 +7,8 @@ cache: two passes over the channel, one trip through memory, where the NumPy lay
 five to eight passes with per-channel broadcasts whose inner loops are only H*W long. Sums
 are float64 (statistics: sum(x) and sum(x*x), var = E[x^2] - mean^2). A tensor of at least
 SPLIT_CHANNELWISE values has its channels split among the kernel threads. Dense convolution
-runs by the layer's im2col, or by the direct kernel of cpu_conv.py where that measured at
-least 10% faster for its shape and phase on this machine (cpu_choice.py).
+runs by the direct kernel of cpu_conv.py where it serves, or by the layer's im2col where that
+measured at least 10% faster for its shape and phase on this machine (cpu_choice.py).
 Depthwise convolution (cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py), the
 activations (cpu_activation.py), MaxPool and GlobalAvgPool (cpu_pool.py), AdaptiveAvgPool and
 nearest Upsample (cpu_resample.py), and the channel products of Mul and Scale (cpu_channel.py)

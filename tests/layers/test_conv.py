@@ -399,7 +399,7 @@ def test_convolution_algorithm_is_measured_once_and_kept_on_disk(monkeypatch, tm
     entries = json.loads((tmp_path / "cpu-kernels.json").read_text())
     assert sorted(entry["kernel"] for entry in entries.values()) == sorted(
         "direct" if isinstance(k, DirectConv2d) else "im2col" for k in chosen.values())
-    assert all(set(entry["seconds"]) == {"im2col", "direct"} for entry in entries.values())
+    assert all(set(entry["seconds"]) == {"direct", "im2col"} for entry in entries.values())
     monkeypatch.setattr(cpu_choice, "_CHOSEN", {})  # a new process: the file answers
     assert {phase: type(kernel.chosen(shape, phase)) for phase in chosen} == {p: type(k) for p, k in chosen.items()}
     assert len(timed) == 2
@@ -410,13 +410,18 @@ def test_convolution_algorithm_is_measured_once_and_kept_on_disk(monkeypatch, tm
 
 
 @pytest.mark.parametrize("seconds, chosen", [
-    ({"im2col": 1.0, "direct": 0.85}, "direct"),
-    ({"im2col": 1.0, "direct": 0.95}, "im2col"),  # a near tie keeps the default
-    ({"im2col": 1.0, "direct": 1.5}, "im2col"),
-    ({"im2col": 0.5, "direct": 2.0, "other": 0.4}, "other"),
+    ({"direct": 1.0, "im2col": 0.85}, "im2col"),
+    ({"direct": 1.0, "im2col": 0.95}, "direct"),  # a near tie keeps the default
+    ({"direct": 1.0, "im2col": 1.5}, "direct"),
+    ({"direct": 0.5, "im2col": 2.0, "other": 0.4}, "other"),
 ])
 def test_another_kernel_replaces_the_default_only_when_clearly_faster(seconds, chosen):
     assert cpu_choice.pick(seconds) == chosen
+
+
+def test_the_direct_kernel_is_the_default_candidate():
+    kernel = CPU_KERNELS.kernel_for(Conv2d(out_channels=4, kernel=3, padding=1), [(2, 3, 8, 8)])
+    assert list(kernel.candidates) == ["direct", "im2col"]
 
 
 def test_big_batches_share_one_measurement_at_a_bounded_batch(monkeypatch, tmp_path):
@@ -442,7 +447,7 @@ def test_convolution_algorithm_can_be_forced(monkeypatch, name, kind):
 def test_unknown_forced_algorithm_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("SNRT_CPU_KERNELS", "winograd")
     kernel = CPU_KERNELS.kernel_for(Conv2d(out_channels=4, kernel=3, padding=1), [(2, 3, 8, 8)])
-    expected = "SNRT_CPU_KERNELS is 'winograd': expected 'measure' or one of 'im2col', 'direct'"
+    expected = "SNRT_CPU_KERNELS is 'winograd': expected 'measure' or one of 'direct', 'im2col'"
     with pytest.raises(SnrtError, match=expected):
         kernel.workspace_bytes([(2, 3, 8, 8)], FORWARD)
 

@@ -25,7 +25,10 @@ Weight gradients sum rows (or one sample's pixels) in the input's dtype and thos
 float64. x (N, C, H, W), weight (O, 1, kh, kw) with O = C * m, bias (O,), y (N, O, Ho, Wo);
 any stride, padding and dilation; every buffer in the planned workspace. By rows, the channels
 are split among the kernel threads (cpu_parallel.run_split) from SPLIT_VALUES input values, each
-with its own plane and row buffers; channels last runs on one. Sums run in a fixed order, each
+with its own plane and row buffers; channels last, the forward's samples from SPLIT_PRODUCTS
+multiply-adds (each thread its own padded input and output rows; 5x5 over 672 channels at 4x4,
+batch 8: 0.25 ms on one thread), its backward on one thread (its weight gradient sums over
+the samples). Sums run in a fixed order, each
 channel's on one thread, so the same inputs give the same bits in every run and policy and on
 any number of threads.
 """
@@ -44,7 +47,8 @@ from snrt.threads import kernel_threads
 # best_seconds: a forward from 8 wide, e.g. 5x5 240@8 b8 0.52 against 0.65 ms, 7x7 96@14 0.67
 # against 1.50; the backward, by rows not on the plane's grid, from 16)
 ROWS_MIN_WIDTH = {FORWARD: 8, BACKWARD: 16}
-SPLIT_VALUES = 1 << 20  # inputs of fewer values run on one thread
+SPLIT_VALUES = 1 << 20  # inputs of fewer values run on one thread (by rows)
+SPLIT_PRODUCTS = 1 << 18  # channels last: forwards of fewer multiply-adds run on one thread
 
 
 # ---- by rows ------------------------------------------------------------------------------
@@ -202,15 +206,15 @@ def _transposed(gy, s, out):
                 out[r, q, o] = gy[s, o, r, q]
 
 
-@njit(**COMPILED)
-def channels_last_forward(x, taps, bias, sh, sw, ph, pw, dh, dw, padded, rows, y):
-    """y[n, o] = bias[o] + sum over taps (i, j) of taps[i, j, o] * x[n, o // m] at the tap.
-    taps (kh, kw, O): the weight, channels last; bias (O,) or empty; padded (Hp, Wp, O) and
-    rows (Ho, Wo, O): workspace."""
-    n, outs, ho, wo = y.shape
+@njit(**THREADED)
+def channels_last_forward(x, taps, bias, sh, sw, ph, pw, dh, dw, y, s0, s1, padded, rows):
+    """y[n, o] = bias[o] + sum over taps (i, j) of taps[i, j, o] * x[n, o // m] at the tap, for
+    the samples s0 <= n < s1. taps (kh, kw, O): the weight, channels last; bias (O,) or empty;
+    padded (Hp, Wp, O) and rows (Ho, Wo, O): this thread's workspace."""
+    _, outs, ho, wo = y.shape
     m = outs // x.shape[1]
     kh, kw = taps.shape[0], taps.shape[1]
-    for s in range(n):
+    for s in range(s0, s1):
         _channels_last(x, s, m, ph, pw, padded)
         for r in range(ho):
             for q in range(wo):
@@ -293,7 +297,7 @@ class CompiledDepthwiseConv2d(LayerLike):
 
     def _workspace_shapes(self, in_shapes, phase, threads):
         """[(shape, dtype: None for the input's)] the kernel carves from its workspace, in order
-        (by rows: each of `threads` threads' own)."""
+        (by rows, and channels last's forward: each of `threads` threads' own)."""
         _, _, h, w = in_shapes[0]
         _, outs, ho, wo = self.layer.infer_shape(in_shapes)
         (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
@@ -305,16 +309,25 @@ class CompiledDepthwiseConv2d(LayerLike):
             slack = run_slack(FLOAT32_BYTES)  # fma_run's last group of vectors (float64: half of it)
             return [((threads, plane + slack), None),
                     ((threads, ho * padded[1] + slack if self.layer.stride == (1, 1) else wo), None)]
-        shapes = [((kh, kw, outs), None), ((*padded, outs), None), ((ho, wo, outs), None)]
-        if phase == BACKWARD:
-            shapes += [((kh * kw + 1, outs), None), ((kh * kw + 1, outs), np.float64)]
-        return shapes
+        if phase == FORWARD:  # the samples split among the threads
+            return [((kh, kw, outs), None), ((threads, *padded, outs), None), ((threads, ho, wo, outs), None)]
+        return [((kh, kw, outs), None), ((*padded, outs), None), ((ho, wo, outs), None),
+                ((kh * kw + 1, outs), None), ((kh * kw + 1, outs), np.float64)]
+
+    def _threads(self, in_shapes, phase):
+        """The kernel threads, or one: by rows below SPLIT_VALUES input values; channels last
+        below SPLIT_PRODUCTS multiply-adds, for one sample, or backward."""
+        wo = self.layer.infer_shape(in_shapes)[3]
+        if wo >= ROWS_MIN_WIDTH[phase]:
+            return kernel_threads() if numel(in_shapes[0]) >= SPLIT_VALUES else 1
+        products = numel(self.layer.infer_shape(in_shapes)) * numel(self.layer.kernel)
+        split = phase == FORWARD and products >= SPLIT_PRODUCTS and in_shapes[0][0] > 1
+        return kernel_threads() if split else 1
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES, threads=None):
-        """The workspace for `threads` threads; by default the kernel threads, one below
-        SPLIT_VALUES input values."""
+        """The workspace for `threads` threads; by default `_threads`'."""
         if threads is None:
-            threads = kernel_threads() if numel(in_shapes[0]) >= SPLIT_VALUES else 1
+            threads = self._threads(in_shapes, phase)
         shapes = self._workspace_shapes(in_shapes, phase, threads)
         return scratch_bytes(*(int(np.prod(shape)) * (np.dtype(dtype).itemsize if dtype else itemsize)
                                for shape, dtype in shapes))
@@ -338,10 +351,11 @@ class CompiledDepthwiseConv2d(LayerLike):
             planes, rows = work
             run_split(rows_forward, 0, x.shape[1], len(planes), (x, weight[:, 0], bias, *self._geometry(), y),
                       (planes, rows))
-        else:
+        else:  # channels last, the samples split among the threads
             taps, padded, rows = work
             taps[...] = weight[:, 0].transpose(1, 2, 0)
-            channels_last_forward(x, taps, bias, *self._geometry(), padded, rows, y)
+            run_split(channels_last_forward, 0, x.shape[0], len(padded), (x, taps, bias, *self._geometry(), y),
+                      (padded, rows))
         ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):

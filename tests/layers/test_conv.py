@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import snrt.threads
-from snrt.backends import cpu_choice, cpu_conv
+from snrt.backends import cpu_choice, cpu_conv, cpu_depthwise
 from snrt.backends.cpu_conv import ChosenConv2d, DirectConv2d
 from snrt.backends.cpu_depthwise import ROWS_MIN_WIDTH, CompiledDepthwiseConv2d
 from snrt.backends.cpu_tiles import lanes_of
@@ -232,11 +232,11 @@ def test_a_strided_convolutions_direct_backward_works_phase_by_phase(monkeypatch
     assert kernel.workspace_bytes(shapes, BACKWARD) == max(cpu_conv._size(arrays, 4) for arrays in parts)
 
 
-def _direct_run(layer, x, params, gy, threads, monkeypatch):
-    """Forward and backward of DirectConv2d on `threads` kernel threads, each in exactly the
-    workspace it declares: (y, gx, gweight, gbias)."""
+def _direct_run(layer, x, params, gy, threads, monkeypatch, kernel_class=DirectConv2d):
+    """Forward and backward of `kernel_class` (DirectConv2d) on `threads` kernel threads, each
+    in exactly the workspace it declares: (y, gx, gweight, gbias)."""
     monkeypatch.setattr(snrt.threads, "_LIMIT", [threads])
-    kernel = DirectConv2d(layer)
+    kernel = kernel_class(layer)
     ws = {phase: np.zeros(kernel.workspace_bytes([x.shape], phase), np.uint8) for phase in (FORWARD, BACKWARD)}
     y = np.full(gy.shape, np.nan, np.float32)
     kernel.forward(KernelContext(np, workspace=ws[FORWARD]), [x], params, {}, y, {})
@@ -341,6 +341,26 @@ def test_direct_convolution_gives_the_same_bits_on_any_number_of_threads(stride,
     for threads in (2, 3, 7):  # 7: more threads than rows for some
         for a, b in zip(one, _direct_run(layer, x, params, gy, threads, monkeypatch)):
             np.testing.assert_array_equal(a, b)
+
+
+def test_depthwise_channels_last_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
+    """A map narrower than ROWS_MIN_WIDTH with enough multiply-adds: channels last, its
+    forward's samples split among the threads (each thread its own padded input and rows)."""
+    monkeypatch.setattr(cpu_depthwise, "SPLIT_PRODUCTS", 1)
+    rng = np.random.default_rng(8)
+    layer = Conv2d(out_channels=12, kernel=5, padding=2, groups=6)  # two outputs an input channel
+    x = rng.standard_normal((5, 6, 4, 3), dtype=np.float32)
+    params = {k: rng.standard_normal(s.shape, dtype=np.float32) for k, s in layer.param_specs([x.shape]).items()}
+    gy = rng.standard_normal(layer.infer_shape([x.shape]), dtype=np.float32)
+    monkeypatch.setattr(snrt.threads, "_LIMIT", [3])
+    assert CompiledDepthwiseConv2d(layer)._threads([x.shape], FORWARD) == 3
+    one = _direct_run(layer, x, params, gy, 1, monkeypatch, CompiledDepthwiseConv2d)
+    for threads in (2, 3, 7):  # 7: more threads than samples
+        for a, b in zip(one, _direct_run(layer, x, params, gy, threads, monkeypatch, CompiledDepthwiseConv2d)):
+            np.testing.assert_array_equal(a, b)
+    reference = torch.nn.functional.conv2d(torch.tensor(x), torch.tensor(params["weight"]), torch.tensor(params["bias"]),
+                                           padding=2, groups=6).numpy()
+    np.testing.assert_allclose(one[0], reference, rtol=1e-5, atol=1e-5)
 
 
 def test_direct_convolution_runs_on_fewer_threads_in_a_workspace_planned_for_fewer(monkeypatch):

@@ -19,7 +19,7 @@ from numba.extending import intrinsic
 from snrt.backends.cpu_dots import VECTOR_BYTES
 
 
-def _vector_memory(builder, dtype, lanes):
+def vector_memory(builder, dtype, lanes):
     """(vector type, masked load, masked store, lane_mask) for `lanes` values of numba's float
     `dtype`: masked_load(pointer, mask) and masked_store(values, pointer, mask) touch only the
     lanes of `mask` (no value past a run is read or written), lane_mask(count) is the lanes
@@ -78,7 +78,7 @@ def _copy_at_stride(stride):
             to, start_to, source, start_from, length = args
             to = context.make_array(signature.args[0])(context, builder, to).data
             source = context.make_array(signature.args[2])(context, builder, source).data
-            vector, masked_load, masked_store, lane_mask = _vector_memory(builder, signature.args[0].dtype, lanes)
+            vector, masked_load, masked_store, lane_mask = vector_memory(builder, signature.args[0].dtype, lanes)
             index = length.type
             taken = ir.Constant(ir.VectorType(ir.IntType(32), lanes), list(range(0, stride * lanes, stride)))
 

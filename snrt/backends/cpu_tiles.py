@@ -43,7 +43,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, register_jitable
 
 from snrt.backends.cpu_common import THREADED, threads_for
-from snrt.backends.cpu_copy import copy_strided
+from snrt.backends.cpu_copy import copy_strided, vector_memory
 from snrt.backends.cpu_dots import VECTOR_BYTES
 from snrt.backends.cpu_parallel import run_split
 
@@ -184,6 +184,60 @@ def fma_run(typingctx, plane, kh, kw, row_step, column_step, taps, bias, out, co
         return context.get_dummy_value()
 
     return types.void(plane, types.intp, types.intp, types.intp, types.intp, taps, bias, out, types.intp), codegen
+
+
+@intrinsic
+def fma_channel_run(typingctx, source, base, offsets, taps, bias, with_bias, out, out_start, count):
+    """out[out_start + o] = (with_bias: bias[o], else 0) + sum over k of taps[k*count + o] *
+    source[base + offsets[k] + o] for the channels o < count: a depthwise convolution's output
+    pixel over channels-last data (source a padded (Hp, Wp, O) input, offsets the taps' shifts
+    in it, taps (kh*kw, O) the weight), RUN_VECTORS vectors of channels kept in registers
+    through all the taps, one chain of multiply-adds per output in tap order. The vectors past
+    `count` are masked: nothing past a pixel's channels is read or written. Contiguous 1-d
+    arrays, float32 or float64; offsets int64."""
+    dtype = source.dtype
+    if dtype not in (types.float32, types.float64) or any(a.dtype != dtype or a.ndim != 1 or a.layout != "C"
+                                                          for a in (source, taps, bias, out)) \
+            or offsets.dtype != types.int64 or offsets.layout != "C":
+        return None
+    lanes = lanes_of(8 if dtype == types.float64 else 4)
+
+    def codegen(context, builder, signature, args):
+        base_v, with_bias_v, out_start_v, count_v = (args[i] for i in (1, 5, 7, 8))
+        xs, offsets_d, ws, biases, ys = (context.make_array(signature.args[i])(context, builder, args[i]).data
+                                         for i in (0, 2, 3, 4, 6))
+        taps_count = builder.extract_value(context.make_array(signature.args[2])(context, builder, args[2]).shape, 0)
+        vector, fma, _ = _vector_ops(builder, dtype, lanes)
+        _, masked_load, masked_store, lane_mask = vector_memory(builder, dtype, lanes)
+        index = count_v.type
+        step = ir.Constant(index, RUN_VECTORS * lanes)
+
+        def at(pointer, offset):
+            return builder.bitcast(builder.gep(pointer, [offset]), vector.as_pointer())
+
+        zero = ir.Constant(vector, [0.0] * lanes)
+        groups = builder.sdiv(builder.add(count_v, ir.Constant(index, RUN_VECTORS * lanes - 1)), step)
+        with cgutils.for_range(builder, groups) as group:
+            first = builder.mul(group.index, step)
+            channels = [builder.add(first, ir.Constant(index, v * lanes)) for v in range(RUN_VECTORS)]
+            masks = [lane_mask(builder.sub(count_v, c)) for c in channels]
+            has_bias = builder.icmp_signed("!=", with_bias_v, ir.Constant(with_bias_v.type, 0))
+            bias_masks = [lane_mask(builder.select(has_bias, builder.sub(count_v, c), ir.Constant(index, 0)))
+                          for c in channels]  # no lane of an empty bias is read
+            sums = [cgutils.alloca_once_value(builder, builder.select(has_bias, masked_load(at(biases, c), mask), zero))
+                    for c, mask in zip(channels, bias_masks)]
+            with cgutils.for_range(builder, taps_count) as tap:
+                shift = builder.add(base_v, builder.load(builder.gep(offsets_d, [tap.index])))
+                row = builder.mul(tap.index, count_v)
+                for v in range(RUN_VECTORS):
+                    weight = masked_load(at(ws, builder.add(row, channels[v])), masks[v])
+                    value = masked_load(at(xs, builder.add(shift, channels[v])), masks[v])
+                    builder.store(fma(weight, value, builder.load(sums[v])), sums[v])
+            for v in range(RUN_VECTORS):
+                masked_store(builder.load(sums[v]), at(ys, builder.add(out_start_v, channels[v])), masks[v])
+        return context.get_dummy_value()
+
+    return types.void(source, types.intp, offsets, taps, bias, types.intp, out, types.intp, types.intp), codegen
 
 
 def run_slack(itemsize):

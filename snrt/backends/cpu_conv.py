@@ -67,7 +67,7 @@ from numba import njit
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_threads, threads_for
 from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_dots import BLOCK, dots
-from snrt.backends.cpu_tiles import (BLOCK_OUTS, PIXEL_VECTORS, convolve_tiles, fill_phase, lanes_of, pack_weight,
+from snrt.backends.cpu_tiles import (BLOCK_OUTS, INDEX, PIXEL_VECTORS, convolve_tiles, fill_phase, lanes_of, pack_weight,
                                     padded_values, phase_planes, pointwise_tiles, pointwise_vectors, tap_offsets)
 from snrt.backends.cpu_weight_gemm import (channel_pairs, gemm_arrays, pack_outputs, pixel_offsets, gemm_tiles,
                                            transpose_planes)
@@ -173,8 +173,6 @@ def scatter_phase(z, a, b, sh, sw, ph, pw, gx, m0, m1):
             for s, q in enumerate(range(q0, w, sw), s0):
                 gx[m, p, q] = z[m, r, s] if r < rows and s < columns else 0
 
-
-INDEX = np.int64  # the dtype of the tile kernel's index arrays
 
 
 def _pointwise(kernel, planes, itemsize):

@@ -29,9 +29,8 @@ float64. x (N, C, H, W), weight (O, 1, kh, kw) with O = C * m, bias (O,), y (N, 
 any stride, padding and dilation; every buffer in the planned workspace. By rows, the channels
 are split among the kernel threads (cpu_parallel.run_split) from SPLIT_VALUES input values, each
 with its own plane and row buffers; channels last, the forward's samples from SPLIT_PRODUCTS
-multiply-adds (each thread its own padded input and output rows; 5x5 over 672 channels at 4x4,
-batch 8: 0.25 ms on one thread), its backward on one thread (its weight gradient sums over
-the samples). Sums run in a fixed order, each
+multiply-adds (each thread its own padded input and output rows), its backward on one thread
+(its weight gradient sums over the samples). Sums run in a fixed order, each
 channel's on one thread, so the same inputs give the same bits in every run and policy and on
 any number of threads.
 """
@@ -210,8 +209,16 @@ def _transposed(gy, s, out):
                 out[r, q, o] = gy[s, o, r, q]
 
 
+@njit(**COMPILED)
+def tap_shifts(kh, kw, dh, dw, wp, outs, offsets):
+    """offsets[i*kw + j] = (i*dh*Wp + j*dw) * O: tap (i, j)'s shift in a padded (Hp, Wp, O) sample."""
+    for i in range(kh):
+        for j in range(kw):
+            offsets[i * kw + j] = (i * dh * wp + j * dw) * outs
+
+
 @njit(**THREADED)
-def channels_last_forward(x, taps, bias, sh, sw, ph, pw, dh, dw, offsets, y, s0, s1, padded, rows):
+def channels_last_forward(x, taps, bias, sh, sw, ph, pw, offsets, y, s0, s1, padded, rows):
     """y[n, o] = bias[o] + sum over taps (i, j) of taps[i, j, o] * x[n, o // m] at the tap, for
     the samples s0 <= n < s1, each output pixel's channels by fma_channel_run. taps (kh, kw,
     O): the weight, channels last; bias (O,) or empty; offsets (kh*kw,): the taps' shifts in a
@@ -319,10 +326,10 @@ class CompiledDepthwiseConv2d(LayerLike):
     def _threads(self, in_shapes, phase):
         """The kernel threads, or one: by rows below SPLIT_VALUES input values; channels last
         below SPLIT_PRODUCTS multiply-adds, for one sample, or backward."""
-        wo = self.layer.infer_shape(in_shapes)[3]
-        if wo >= ROWS_MIN_WIDTH[phase]:
+        out_shape = self.layer.infer_shape(in_shapes)
+        if out_shape[3] >= ROWS_MIN_WIDTH[phase]:
             return kernel_threads() if numel(in_shapes[0]) >= SPLIT_VALUES else 1
-        products = numel(self.layer.infer_shape(in_shapes)) * numel(self.layer.kernel)
+        products = numel(out_shape) * numel(self.layer.kernel)
         split = phase == FORWARD and products >= SPLIT_PRODUCTS and in_shapes[0][0] > 1
         return kernel_threads() if split else 1
 
@@ -356,9 +363,9 @@ class CompiledDepthwiseConv2d(LayerLike):
         else:  # channels last, the samples split among the threads
             taps, offsets, padded, rows = work
             taps[...] = weight[:, 0].transpose(1, 2, 0)
-            (kh, kw), (_, _, _, _, dh, dw), (wp, outs) = self.layer.kernel, self._geometry(), padded.shape[2:]
-            offsets[...] = ((np.arange(kh)[:, None] * dh * wp + np.arange(kw)[None, :] * dw) * outs).reshape(-1)
-            run_split(channels_last_forward, 0, x.shape[0], len(padded), (x, taps, bias, *self._geometry(), offsets, y),
+            sh, sw, ph, pw, dh, dw = self._geometry()
+            tap_shifts(*self.layer.kernel, dh, dw, *padded.shape[2:], offsets)
+            run_split(channels_last_forward, 0, x.shape[0], len(padded), (x, taps, bias, sh, sw, ph, pw, offsets, y),
                       (padded, rows))
         ctx.release_scratch()
 

@@ -38,6 +38,7 @@ stride-1 convolution of gy with the flipped weight).
 """
 
 import llvmlite.ir as ir
+import numpy as np
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, register_jitable
@@ -49,6 +50,7 @@ from snrt.backends.cpu_parallel import run_split
 
 BLOCK_OUTS = 8 if VECTOR_BYTES == 64 else 4  # output channels a tile holds: 2*BLOCK_OUTS accumulators
 PIXEL_VECTORS = 2  # pixel vectors a tile holds (fma_tile's p0 and p1)
+INDEX = np.int64  # the dtype of the tile kernels' index arrays (offsets, targets)
 PACK_SPLIT = 1 << 16  # packed weight values from which the packing is split among the kernel threads
 
 

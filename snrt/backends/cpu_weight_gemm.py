@@ -17,16 +17,13 @@ its pixel vectors the channel vectors at tap (i, j)'s shift, its weights gy.
 
 Each weight is one chain of multiply-adds along t in order, from 0, in one thread: the same
 bits on any number of threads. The whole batch is one GEMM (no chunks to add, so the workspace
-holds x and gy once more: `gemm_values`); cpu_conv takes this path where that fits.
+holds x and gy once more, `gemm_arrays`); cpu_conv takes this path for small maps.
 """
 
-import numpy as np
 from numba import njit
 
 from snrt.backends.cpu_common import THREADED
-from snrt.backends.cpu_tiles import BLOCK_OUTS, PIXEL_VECTORS, inside_range, fma_tile, lanes_of, phase_planes
-
-INDEX = np.int64  # the dtype of the tile kernel's index arrays
+from snrt.backends.cpu_tiles import BLOCK_OUTS, INDEX, PIXEL_VECTORS, inside_range, fma_tile, lanes_of, phase_planes
 
 
 def channel_pairs(channels, itemsize):
@@ -46,13 +43,6 @@ def gemm_arrays(x_shape, y_shape, kernel, padding, stride, threads, itemsize):
     return [((sh * sw * n * hq * wq * c + PIXEL_VECTORS * lanes_of(itemsize),), None),
             ((blocks, pixels, BLOCK_OUTS), None), ((pixels,), INDEX), ((BLOCK_OUTS,), None),
             ((threads, PIXEL_VECTORS * lanes_of(itemsize)), INDEX)]
-
-
-def gemm_values(x_shape, y_shape, padding, stride):
-    """Values of xt and gpack: what the GEMM copies of x and gy."""
-    n, c, h, w = x_shape
-    hq, wq = phase_planes(h, w, padding, stride)
-    return stride[0] * stride[1] * n * hq * wq * c + -(-y_shape[1] // BLOCK_OUTS) * BLOCK_OUTS * n * y_shape[2] * y_shape[3]
 
 
 @njit(**THREADED)

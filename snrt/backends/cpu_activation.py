@@ -3,16 +3,15 @@
 The layers' NumPy code (snrt/layers/activation.py) makes two to twenty passes over the tensor
 and a scratch tensor. These kernels go over it once (Softmax, which reduces along an axis: three
 times forward, twice backward; CompiledSoftmax). GELU (both forms), SiLU, Sigmoid and ELU
-take one exponential per value, a block of BLOCK values at a time: a first loop takes the
-exponentials, a second finishes the values. numba would call the C library's expf one value
-at a time (about 5 ns each, slower than NumPy's SIMD exp), so the exponential is written out:
-exp(v) = 2^n e^r with n = round(v / ln 2) and |r| <= ln 2 / 2, e^r - 1 by its Taylor
-polynomial of degree 7 (relative error under 2e-7 in float32), 2^n the bits (n + 127) << 23 of
-a float32, built in an int32 block. ELU's exp(v) - 1 is 2^n (e^r - 1) + (2^n - 1), accurate
-near 0 where exp(v) - 1 would cancel. Arguments are clamped to [EXP_LOW, EXP_HIGH] (where the
-true value is a denormal, 0 or beyond float32, this gives about 1e-38 or 1.6e38); a NaN or
-infinite input gives NaN (where PyTorch gives inf for +inf: a run with infinite activations
-has diverged either way).
+take one exponential per value, in the same loop that finishes the value. numba would call the
+C library's expf one value at a time (about 5 ns each, slower than NumPy's SIMD exp), so the
+exponential is written out: exp(v) = 2^n e^r with n = round(v / ln 2) and |r| <= ln 2 / 2,
+e^r - 1 by its Taylor polynomial of degree 7 (relative error under 2e-7 in float32), 2^n the
+float32 of bits (n + 127) << 23 (a bit cast, `float_from_bits`, which vectorizes). ELU's
+exp(v) - 1 is 2^n (e^r - 1) + (2^n - 1), accurate near 0 where exp(v) - 1 would cancel.
+Arguments are clamped to [EXP_LOW, EXP_HIGH] (where the true value is a denormal, 0 or beyond
+float32, this gives about 1e-38 or 1.6e38; an infinite argument is clamped too); a NaN input
+gives NaN.
 
 GELU's exact form takes erf from the same formula as the layer (Abramowitz and Stegun 7.1.26,
 absolute error under 1.5e-7), whose exponential exp(-x^2 / 2) is also sqrt(2 pi) Phi'(x); its
@@ -22,16 +21,20 @@ gy s (1 + x (1 - s)) for SiLU. ReLU, ReLU6, Sigmoid and ELU read their output: g
 sign(y), gy [0 < y < 6], gy (1 - y) y and gy (y > 0 ? 1 : y + alpha), in one pass (a NaN in
 y gives NaN). ReLU's and ReLU6's forwards are one pass of comparisons that keep a NaN.
 
+Each activation's kernels are compiled for it alone (EXPONENTIAL_FORWARD and the other tables
+by kind): a loop that tests the kind of activation at run time did not vectorize as a whole.
 The kernels run on the kernel threads (cpu_parallel.run_split), each thread a share of the flat
-tensor: the exponential's from SPLIT_VALUES values, each thread with its own two blocks of
-workspace, the one-pass kernels, bound by memory, from SPLIT_PASS_VALUES. float32 only; other
-dtypes run the layer's code.
+tensor: the exponential's from SPLIT_VALUES values, the one-pass kernels, bound by memory, from
+SPLIT_PASS_VALUES; none takes workspace but Softmax (its blocks of partial results). float32
+only; other dtypes run the layer's code.
 """
 
 import math
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, threads_for
 from snrt.backends.cpu_parallel import run_split
@@ -39,7 +42,7 @@ from snrt.layers.activation import ERF_A, ERF_P, TANH_GELU_C, TANH_GELU_K
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
-BLOCK = 1024  # values per block
+BLOCK = 1024  # values of a Softmax work item
 SPLIT_VALUES = 1 << 17  # an exponential's tensor of fewer values runs on one thread
 SPLIT_PASS_VALUES = 1 << 17  # the same for the one-pass kernels, bound by memory (2^16 ReLU values: 2-3x slower split)
 F = np.float32  # every constant below is float32, so that no value is widened
@@ -68,16 +71,31 @@ def _exponent(kind, v):
     return -v  # the sigmoid
 
 
+@intrinsic
+def float_from_bits(typingctx, bits):
+    """The float32 whose IEEE 754 bits are the low 32 bits of the integer `bits` (a bit cast:
+    in a loop it vectorizes, where a NumPy view of an int32 array would need the array)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
 @njit(inline="always")
 def _exp_parts(t):
-    """(e^r - 1, n + 128) of exp(t) = 2^n e^r, t clamped to [EXP_LOW, EXP_HIGH]."""
-    c = t if t > EXP_LOW else EXP_LOW
-    c = c if c < EXP_HIGH else EXP_HIGH
+    """(e^r - 1, 2^n) of exp(t) = 2^n e^r, t clamped to [EXP_LOW, EXP_HIGH] (by min and max,
+    which keep a NaN: e^r - 1 is then NaN)."""
+    c = min(max(t, EXP_LOW), EXP_HIGH)
     k = np.int32(c * LOG2E + F(128.5))  # truncating a positive number: the floor
     n = F(k) - F(128.0)
     r = c - n * LN2_HI - n * LN2_LO
     a2, a3, a4, a5, a6, a7 = TAYLOR
-    return r * (ONE + r * (a2 + r * (a3 + r * (a4 + r * (a5 + r * (a6 + r * a7)))))), k
+    less_one = r * (ONE + r * (a2 + r * (a3 + r * (a4 + r * (a5 + r * (a6 + r * a7))))))
+    return less_one, float_from_bits((k - np.int32(1)) << np.int32(23))
 
 
 @njit(inline="always")
@@ -91,45 +109,37 @@ def _cdf(kind, v, e):
     return ONE / (ONE + e)
 
 
-@njit(inline="always")
-def _exponentials(kind, x, mantissas, powers, count):
-    """mantissas[:count] and powers[:count] (int32 bits of 2^n) of exp(_exponent(kind, x)) =
-    mantissa 2^n; for ELU the mantissa less 1, e^r - 1."""
-    for i in range(count):
-        t = _exponent(kind, x[i])
-        less_one, k = _exp_parts(t)
-        mantissas[i] = (less_one if kind == ELU else ONE + less_one) + (t - t)  # NaN, inf give NaN
-        powers[i] = (k - np.int32(1)) << np.int32(23)
+def _exponential_forward(kind):
+    """forward(alpha, x, y, r0, r1): y[r0:r1] = the activation `kind` of x[r0:r1] (flat),
+    compiled for that kind alone (a loop that tests the kind at run time does not vectorize)."""
 
-
-@njit(**THREADED)
-def exponential_forward(kind, alpha, x, y, r0, r1, mantissas, powers):
-    """y[r0:r1] = the activation of x[r0:r1] (flat), a block at a time."""
-    scales = powers.view(np.float32)
-    for start in range(r0, r1, BLOCK):
-        count = min(BLOCK, r1 - start)
-        xs, ys = x[start:start + count], y[start:start + count]
-        _exponentials(kind, xs, mantissas, powers, count)
-        for i in range(count):
-            v, m, s = xs[i], mantissas[i], scales[i]
+    @njit(**THREADED)
+    def forward(alpha, x, y, r0, r1):
+        xs, ys = x[r0:r1], y[r0:r1]  # slices: a loop from 0 vectorizes
+        for i in range(xs.size):
+            v = xs[i]
+            less_one, scale = _exp_parts(_exponent(kind, v))
             if kind == ELU:  # alpha (exp(v) - 1) = alpha (2^n (e^r - 1) + 2^n - 1)
-                ys[i] = v if v > ZERO else alpha * (m * s + (s - ONE))
+                ys[i] = v if v > ZERO else alpha * (less_one * scale + (scale - ONE))
             elif kind == SIGMOID:
-                ys[i] = _cdf(kind, v, m * s)
+                ys[i] = _cdf(kind, v, (ONE + less_one) * scale)
             else:
-                ys[i] = v * _cdf(kind, v, m * s)
+                ys[i] = v * _cdf(kind, v, (ONE + less_one) * scale)
+
+    return forward
 
 
-@njit(**THREADED)
-def exponential_backward(kind, x, gy, gx, r0, r1, mantissas, powers):
-    """gx[r0:r1] = gy * d(x cdf(x))/dx over flat x[r0:r1] (GELU, SiLU), a block at a time."""
-    scales = powers.view(np.float32)
-    for start in range(r0, r1, BLOCK):
-        count = min(BLOCK, r1 - start)
-        xs, gys, gxs = x[start:start + count], gy[start:start + count], gx[start:start + count]
-        _exponentials(kind, xs, mantissas, powers, count)
-        for i in range(count):
-            v, e = xs[i], mantissas[i] * scales[i]
+def _exponential_backward(kind):
+    """backward(x, gy, gx, r0, r1): gx[r0:r1] = gy * d(x cdf(x))/dx over flat x[r0:r1], for
+    GELU (either form) or SiLU, compiled for `kind` alone."""
+
+    @njit(**THREADED)
+    def backward(x, gy, gx, r0, r1):
+        xs, gys, gxs = x[r0:r1], gy[r0:r1], gx[r0:r1]
+        for i in range(xs.size):
+            v = xs[i]
+            less_one, scale = _exp_parts(_exponent(kind, v))
+            e = (ONE + less_one) * scale
             cdf = _cdf(kind, v, e)
             if kind == GELU_EXACT:
                 slope = cdf + v * INV_SQRT_2PI * e
@@ -139,31 +149,51 @@ def exponential_backward(kind, x, gy, gx, r0, r1, mantissas, powers):
                 slope = cdf * (ONE + v * (ONE - cdf))
             gxs[i] = gys[i] * slope
 
-
-@njit(**THREADED)
-def clip_forward(kind, x, y, r0, r1):
-    """y = max(x, 0) (ReLU) or min(max(x, 0), 6) (ReLU6) over flat x[r0:r1]; a NaN stays NaN."""
-    xs, ys = x[r0:r1], y[r0:r1]  # slices: a loop from 0 vectorizes, one from r0 did not
-    for i in range(xs.size):
-        v = xs[i]
-        v = ZERO if v <= ZERO else v
-        ys[i] = SIX if kind == RELU6 and v >= SIX else v
+    return backward
 
 
-@njit(**THREADED)
-def output_backward(kind, alpha, y, gy, gx, r0, r1):
-    """gx = gy * dy/dx as a function of the output y, over flat arrays' [r0, r1) (READS_OUTPUT)."""
-    ys, gys, gxs = y[r0:r1], gy[r0:r1], gx[r0:r1]
-    for i in range(ys.size):
-        v = ys[i]
-        if kind == RELU:
-            gxs[i] = np.sign(v) * gys[i]  # y >= 0: the 0/1 mask, and a NaN in y stays visible
-        elif kind == RELU6:
-            gxs[i] = gys[i] * (ONE if ZERO < v < SIX else ZERO * v)  # 0 * NaN: a NaN in y stays visible
-        elif kind == SIGMOID:
-            gxs[i] = (ONE - v) * v * gys[i]
-        else:
-            gxs[i] = gys[i] if v > ZERO else gys[i] * (v + alpha)
+EXPONENTIAL_FORWARD = {kind: _exponential_forward(kind) for kind in (GELU_EXACT, GELU_TANH, SILU, SIGMOID, ELU)}
+EXPONENTIAL_BACKWARD = {kind: _exponential_backward(kind) for kind in (GELU_EXACT, GELU_TANH, SILU)}
+
+
+def _clip_forward(kind):
+    """forward(x, y, r0, r1): y = max(x, 0) (ReLU) or min(max(x, 0), 6) (ReLU6) over flat
+    x[r0:r1], compiled for `kind`; a NaN stays NaN."""
+
+    @njit(**THREADED)
+    def forward(x, y, r0, r1):
+        xs, ys = x[r0:r1], y[r0:r1]
+        for i in range(xs.size):
+            v = xs[i]
+            v = ZERO if v <= ZERO else v
+            ys[i] = SIX if kind == RELU6 and v >= SIX else v
+
+    return forward
+
+
+def _output_backward(kind):
+    """backward(alpha, y, gy, gx, r0, r1): gx = gy * dy/dx as a function of the output y, over
+    flat arrays' [r0, r1), compiled for `kind` (READS_OUTPUT)."""
+
+    @njit(**THREADED)
+    def backward(alpha, y, gy, gx, r0, r1):
+        ys, gys, gxs = y[r0:r1], gy[r0:r1], gx[r0:r1]
+        for i in range(ys.size):
+            v = ys[i]
+            if kind == RELU:
+                gxs[i] = np.sign(v) * gys[i]  # y >= 0: the 0/1 mask, and a NaN in y stays visible
+            elif kind == RELU6:
+                gxs[i] = gys[i] * (ONE if ZERO < v < SIX else ZERO * v)  # 0 * NaN: a NaN in y stays visible
+            elif kind == SIGMOID:
+                gxs[i] = (ONE - v) * v * gys[i]
+            else:
+                gxs[i] = gys[i] if v > ZERO else gys[i] * (v + alpha)
+
+    return backward
+
+
+CLIP_FORWARD = {kind: _clip_forward(kind) for kind in (RELU, RELU6)}
+OUTPUT_BACKWARD = {kind: _output_backward(kind) for kind in READS_OUTPUT}
 
 
 class CompiledActivation(LayerLike):
@@ -177,24 +207,8 @@ class CompiledActivation(LayerLike):
     def _alpha(self):
         return F(getattr(self.layer, "alpha", 0.0))
 
-    def _blocks_bytes(self, phase, threads):
-        """Each thread's two blocks where `phase` takes exponentials, else none."""
-        takes_exp = self._kind() not in ((RELU, RELU6) if phase == FORWARD else READS_OUTPUT)
-        return scratch_bytes(*[threads * BLOCK * FLOAT32_BYTES] * 2) if takes_exp else 0
-
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
-        if itemsize != FLOAT32_BYTES:
-            return self.layer.workspace_bytes(in_shapes, phase, itemsize)
-        return self._blocks_bytes(phase, kernel_threads() if numel(in_shapes[0]) >= SPLIT_VALUES else 1)
-
-    def _exponentials_split(self, ctx, phase, function, shared, size):
-        """function(*shared, r0, r1, mantissas, powers) over range(size), split among the
-        threads that fit the workspace when size >= SPLIT_VALUES."""
-        threads = fitting_threads(ctx.workspace.nbytes, lambda count: self._blocks_bytes(phase, count))
-        threads = max(1, min(threads, size // SPLIT_VALUES))
-        blocks = (ctx.scratch((threads, BLOCK), np.float32), ctx.scratch((threads, BLOCK), np.int32))
-        run_split(function, 0, size, threads, shared, blocks)
-        ctx.release_scratch()
+        return 0 if itemsize == FLOAT32_BYTES else self.layer.workspace_bytes(in_shapes, phase, itemsize)
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
@@ -202,10 +216,10 @@ class CompiledActivation(LayerLike):
             return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
         kind = self._kind()
         if kind in (RELU, RELU6):
-            run_split(clip_forward, 0, x.size, threads_for(x.size, SPLIT_PASS_VALUES), (kind, x.reshape(-1), y.reshape(-1)))
+            run_split(CLIP_FORWARD[kind], 0, x.size, threads_for(x.size, SPLIT_PASS_VALUES), (x.reshape(-1), y.reshape(-1)))
             return
-        self._exponentials_split(ctx, FORWARD, exponential_forward, (kind, self._alpha(), x.reshape(-1),
-                                                                      y.reshape(-1)), x.size)
+        run_split(EXPONENTIAL_FORWARD[kind], 0, x.size, threads_for(x.size, SPLIT_VALUES),
+                  (self._alpha(), x.reshape(-1), y.reshape(-1)))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         if gxs[0] is None:
@@ -215,20 +229,19 @@ class CompiledActivation(LayerLike):
         if given.dtype != np.float32:
             return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
         if kind in READS_OUTPUT:
-            run_split(output_backward, 0, given.size, threads_for(given.size, SPLIT_PASS_VALUES),
-                      (kind, self._alpha(), given.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1)))
+            run_split(OUTPUT_BACKWARD[kind], 0, given.size, threads_for(given.size, SPLIT_PASS_VALUES),
+                      (self._alpha(), given.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1)))
             return
-        self._exponentials_split(ctx, BACKWARD, exponential_backward, (kind, given.reshape(-1), gy.reshape(-1),
-                                                                        gxs[0].reshape(-1)), given.size)
+        run_split(EXPONENTIAL_BACKWARD[kind], 0, given.size, threads_for(given.size, SPLIT_VALUES),
+                  (given.reshape(-1), gy.reshape(-1), gxs[0].reshape(-1)))
 
 
 @njit(**THREADED)
-def softmax_forward(x, y, channels, inner, chunks, w0, w1, largest, totals, mantissas, powers):
+def softmax_forward(x, y, channels, inner, chunks, w0, w1, largest, totals):
     """y = softmax of x along the middle axis of (outer, channels, inner), both flat, for the
     work items [w0, w1) (item w: outer index w // chunks, inner values of chunk w % chunks,
     BLOCK at a time): the largest value, the exponentials and their sum, then y /= the sum; a
     NaN anywhere along the axis gives NaN."""
-    scales = powers.view(np.float32)
     for w in range(w0, w1):
         i0 = (w % chunks) * BLOCK
         count = min(BLOCK, inner - i0)
@@ -244,12 +257,8 @@ def softmax_forward(x, y, channels, inner, chunks, w0, w1, largest, totals, mant
         for c in range(channels):
             row, out = x[first + c * inner:first + c * inner + count], y[first + c * inner:first + c * inner + count]
             for i in range(count):
-                t = row[i] - m[i]
-                less_one, k = _exp_parts(t)
-                mantissas[i] = ONE + less_one + (t - t)  # NaN gives NaN
-                powers[i] = (k - np.int32(1)) << np.int32(23)
-            for i in range(count):
-                e = mantissas[i] * scales[i]
+                less_one, scale = _exp_parts(row[i] - m[i])  # a NaN gives NaN
+                e = (ONE + less_one) * scale
                 out[i] = e
                 s[i] += e
         for c in range(channels):
@@ -284,9 +293,9 @@ class CompiledSoftmax(LayerLike):
     """Softmax by softmax_forward and softmax_backward: the tensor seen as (outer, channels,
     inner) around the layer's axis, three passes forward and two backward where the layer's
     code makes five and four, on the kernel threads when it holds SPLIT_VALUES values or more
-    (each thread its own blocks of workspace: four forward, one backward)."""
+    (each thread its own blocks of workspace: two forward, one backward)."""
 
-    BLOCKS = {FORWARD: 4, BACKWARD: 1}
+    BLOCKS = {FORWARD: 2, BACKWARD: 1}
 
     def _blocks_bytes(self, phase, threads):
         return scratch_bytes(*[threads * BLOCK * FLOAT32_BYTES] * self.BLOCKS[phase])
@@ -318,7 +327,7 @@ class CompiledSoftmax(LayerLike):
         x = xs[0]
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
-        self._split(ctx, FORWARD, softmax_forward, (x, y), (np.float32, np.float32, np.float32, np.int32))
+        self._split(ctx, FORWARD, softmax_forward, (x, y), (np.float32, np.float32))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         gx, y = gxs[0], saved.y

@@ -64,7 +64,7 @@ COMPILED_ACTIVATIONS = [(layer, reference) for layer, reference in ACTIVATIONS
 
 
 @pytest.mark.parametrize("layer, reference", COMPILED_ACTIVATIONS, ids=[repr(l) for l, _ in COMPILED_ACTIVATIONS])
-@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 700)])  # 700 * 3: two blocks of the kernel
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (3, 700)])  # 700 * 3: vectors and a remainder
 def test_compiled_activations(layer, reference, shape):
     """The CPU backend's kernels (float32; float64 runs the layer's code) by the same checks."""
     kernel = CPU_KERNELS.kernel_for(layer, [shape])

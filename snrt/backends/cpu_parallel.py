@@ -9,7 +9,8 @@ share's, computed in an order fixed by the compiled code: results do not depend 
 of threads, nor on which thread ran a share.
 
 One launcher (`_launch`) serves every kernel: each kernel is passed as a value of a numba type
-of its own (`KernelType`, named by the kernel's module, name and source file's stamp), so the
+of its own (`KernelType`, named by the kernel's module, name, source file's stamp and, for a
+kernel a factory made, the constants it closes over), so the
 launcher is compiled once per kernel and argument types and cached on disk like the kernels;
 a dispatcher passed as it is would be typed by its identity, which no other process can load.
 
@@ -77,8 +78,11 @@ def _unbox_kernel(typ, obj, c):
 
 
 def _tag(function):
-    """function's Kernel, named by its module, qualified name and its source file's size and
-    modification time (a changed file names a new type, so the launcher is compiled anew)."""
+    """function's Kernel, named by its module, qualified name, first line, its source file's
+    size and modification time (a changed file names a new type, so the launcher is compiled
+    anew) and, for a kernel made by a factory (a closure), the constants it closes over: the
+    launcher compiled for a name is cached on disk and loaded by any process that names a
+    kernel so, so no two kernels may share a name."""
     tag = _TAGS.get(function)
     if tag is None:
         code = function.py_func.__code__
@@ -88,11 +92,24 @@ def _tag(function):
         except OSError:
             stamp = "?"
         name = f"{function.py_func.__module__}.{function.py_func.__qualname__}:{code.co_firstlineno}:{stamp}"
-        if _KERNELS.get(name, function) is not function:  # another function of that name: not to be confused
-            name += f"#{id(function)}"
+        cells = function.py_func.__closure__ or ()
+        if cells:
+            name += f"[{', '.join(_constant(cell.cell_contents, name) for cell in cells)}]"
+        if _KERNELS.get(name, function) is not function:
+            raise ValueError(f"two kernels are named {name}: the cached launcher of one would run the other")
         _KERNELS[name] = function
         tag = _TAGS[function] = Kernel(name)
     return tag
+
+
+def _constant(value, name):
+    """repr of `value`, a constant a kernel closes over (a number, string or tuple of them)."""
+    if isinstance(value, tuple):
+        return f"({', '.join(_constant(v, name) for v in value)},)"
+    if isinstance(value, (bool, int, float, str, np.number)):
+        return repr(value)
+    raise TypeError(f"kernel {name} closes over {type(value).__name__}: only numbers, strings and tuples of them "
+                    "name a kernel the same way in every process")
 
 
 def call(kernel, args):

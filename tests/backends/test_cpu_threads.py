@@ -2,6 +2,9 @@
 also in a workspace planned for fewer threads than run (threads limited after planning)."""
 
 import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -130,3 +133,51 @@ def test_a_process_forked_after_a_parallel_split_runs_its_shares_one_after_the_o
     child.join(60)
     assert child.exitcode == 0
     assert receive.recv() == [2.0] * 4 + [1002.0] * 4
+
+
+FACTORY = '''
+import sys
+import numpy as np
+from numba import njit
+from snrt.backends.cpu_parallel import run_split
+
+def scaled(factor):
+    @njit(nogil=True, cache=True)
+    def scale(x, y, r0, r1):
+        for i in range(r0, r1):
+            y[i] = x[i] * factor
+    return scale
+
+factors = [float(f) for f in sys.argv[1:]]
+kernels = [scaled(f) for f in factors]  # made in this order: the first would take the plain name
+x = np.arange(8.0)
+for kernel, factor in zip(kernels, factors):
+    y = np.zeros(8)
+    run_split(kernel, 0, 8, 2, (x, y))
+    print(factor, (y == x * factor).all())
+'''
+
+
+def test_kernels_a_factory_makes_run_their_own_code_in_every_process(tmp_path):
+    """The launcher compiled for a kernel is cached on disk by the kernel's name; kernels a
+    factory makes differ only by what they close over, so that is in the name: a process that
+    makes them in another order must not load a launcher that runs its sibling."""
+    (tmp_path / "factory.py").write_text(FACTORY)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": os.pathsep.join(sys.path)}
+    for order in (["2", "3"], ["3", "2"]):
+        done = subprocess.run([sys.executable, str(tmp_path / "factory.py"), *order], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == [f"{float(order[0])}", "True", f"{float(order[1])}", "True"]
+
+
+def test_a_kernel_closing_over_anything_but_constants_is_refused():
+    table = np.ones(3)
+
+    @njit(nogil=True)
+    def reads_table(x, r0, r1):
+        for i in range(r0, r1):
+            x[i] = table[i]
+
+    with pytest.raises(TypeError, match="closes over ndarray"):
+        run_split(reads_table, 0, 3, 2, (np.zeros(3),))

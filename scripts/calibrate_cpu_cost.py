@@ -13,9 +13,11 @@ current model and under the fitted one (results/cost_calibration.{json,md}).
 
     python scripts/calibrate_cpu_cost.py [--iterations 3]
 
-The constants of `snrt.scheduler.cost.CPU` are this fit's output on the project's 2-core
+The constants of `snrt.scheduler.cost.CPU` are a fit's output on the project's 2-core
 reference machine, rounded; a plan is a function of its inputs only, so they are constants,
-not measured at run time.
+not measured at run time. The CPU backend's plans (kernels=CPU_KERNELS) also take each dense
+convolution's step time from its chosen kernel's measurement, which a machine makes once and
+keeps with the choice (snrt/backends/cpu_choice.py): the last column of the iteration table.
 """
 
 import argparse
@@ -121,7 +123,7 @@ def main():
                      for label, m in (("current", cost_models.CPU), ("fitted", fitted))}
         iterations.append({"network": name, "image": size, "batch": batch, "measured_s": wall,
                            "timed_steps_s": sum(t for _, t in rec), "current_s": predicted["current"],
-                           "fitted_s": predicted["fitted"]})
+                           "fitted_s": predicted["fitted"], "plan_s": plan.predicted_s})
     result = {"meta": meta, "networks": NETWORKS, "iterations_per_network": args.iterations,
               "current": vars(cost_models.CPU), "fitted": vars(fitted), "by_layer": by_type, "per_network": iterations}
     save_json(args.out, "cost_calibration", result)
@@ -133,10 +135,13 @@ def main():
         [label, f"{m.flops_per_s / 1e9:.1f} G", f"{m.memory_bytes_per_s / 1e9:.2f} G", f"{m.step_overhead_s * 1e6:.0f}"]
         for label, m in (("current (snrt.scheduler.cost.CPU)", cost_models.CPU), ("fitted here", fitted))])
     lines += ["", "Iteration seconds: measured (median wall time of a whole iteration after the first), the timed "
-              "compute steps' sum, and the prediction of each model.", ""]
-    lines += table(["network", "image", "batch", "measured s", "steps s", "current model s", "fitted model s"], [
+              "compute steps' sum, the prediction of each model from the layers' FLOPs and bytes alone, and the "
+              "run's plan's own prediction: the current model, but each dense convolution's step the time its "
+              "chosen kernel was measured to take (snrt/backends/cpu_choice.py, scaled to the batch).", ""]
+    lines += table(["network", "image", "batch", "measured s", "steps s", "current model s", "fitted model s",
+                    "plan s (measured convolutions)"], [
         [r["network"], r["image"], r["batch"], f"{r['measured_s']:.2f}", f"{r['timed_steps_s']:.2f}",
-         f"{r['current_s']:.2f}", f"{r['fitted_s']:.2f}"] for r in iterations])
+         f"{r['current_s']:.2f}", f"{r['fitted_s']:.2f}", f"{r['plan_s']:.2f}"] for r in iterations])
     lines += ["", "Per layer type, summed over all networks (seconds):", ""]
     lines += table(["layer", "measured", "current model", "fitted model", "fitted / measured"], [
         [k, f"{v[0]:.2f}", f"{v[1]:.2f}", f"{v[2]:.2f}", f"{v[2] / v[0]:.2f}"]

@@ -10,7 +10,9 @@ policy runs the same kernels; processes that start together (the ranks of a data
 job) take turns through a lock on the file, so the first measures and the others read its
 choice, and every rank runs the same kernels as a single process would. The measurement
 happens at planning time, when the planner first asks for the workspace, in memory of its
-own outside any run's arena.
+own outside any run's arena. The chosen kernel's measured time, scaled to the batch
+(`chosen_seconds`), is what the planner's cost model predicts for the step (as cuDNN's timed
+engines are on the GPU).
 
 `SNRT_CPU_KERNELS` overrides the choice: `measure` (the default), or a candidate's name
 (`direct`, `im2col`) to run that one wherever it serves. The file is cpu-kernels.json in the
@@ -40,7 +42,7 @@ ROUNDS = 5  # timed calls of each candidate
 MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
 REVISION = 18  # of the candidate kernels: raised when one changes (18: the direct kernel is the default)
-_CHOSEN = {}  # key: candidate name, this process's choices
+_CHOSEN = {}  # key: its entry ({"kernel", "seconds"}), this process's choices
 
 
 def setting():
@@ -68,12 +70,38 @@ def cpu_model():
 def choose(layer, in_shapes, phase, candidates):
     """The name of the candidate kernel ({name: kernel}) that runs `phase` of `layer` at
     `in_shapes` (see the module docstring)."""
+    return _forced(candidates) or _entry(layer, in_shapes, phase, candidates)["kernel"]
+
+
+def chosen_seconds(layer, in_shapes, phase, candidates):
+    """The seconds the chosen candidate took when it was measured, at `in_shapes`: its best
+    time at the measured batch (`measured_shapes`) times in_shapes' batch over that batch (the
+    work of a layer grows with the batch). None where SNRT_CPU_KERNELS forces a kernel (nothing
+    was measured) or the entry holds no usable time for its kernel."""
+    if _forced(candidates):
+        return None
+    entry = _entry(layer, in_shapes, phase, candidates)
+    seconds = entry.get("seconds")
+    value = seconds.get(entry["kernel"]) if isinstance(seconds, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        return None
+    return value * in_shapes[0][0] / measured_shapes(in_shapes)[0][0]
+
+
+def _forced(candidates):
+    """The candidate SNRT_CPU_KERNELS names, or None when it is 'measure' (else an error)."""
     forced = setting()
     if forced in candidates:
         return forced
     if forced != "measure":
         raise SnrtError(f"environment variable {VARIABLE} is {forced!r}: expected 'measure' or one of "
                         f"{', '.join(repr(name) for name in candidates)}")
+    return None
+
+
+def _entry(layer, in_shapes, phase, candidates):
+    """{"kernel": the chosen name, "seconds": {name: best seconds}} of `phase` of `layer` at
+    `in_shapes`' measured shapes: this process's, else the file's, else measured now."""
     in_shapes = measured_shapes(in_shapes)
     key = f"{cpu_model()} | r{REVISION} | {layer!r} | {[list(s) for s in in_shapes]} | {phase}"
     if key not in _CHOSEN:
@@ -81,8 +109,8 @@ def choose(layer, in_shapes, phase, candidates):
             seconds = best_seconds(candidates, layer, in_shapes, phase)
             return {"kernel": pick(seconds), "seconds": seconds}
 
-        entry = choice_file.remembered(cache_path(), key, lambda entry: entry.get("kernel") in candidates, measure)
-        _CHOSEN[key] = entry["kernel"]
+        _CHOSEN[key] = choice_file.remembered(cache_path(), key, lambda entry: entry.get("kernel") in candidates,
+                                              measure)
     return _CHOSEN[key]
 
 

@@ -71,7 +71,7 @@ from snrt.backends.cpu_tiles import (BLOCK_OUTS, INDEX, PIXEL_VECTORS, convolve_
                                     padded_values, phase_planes, pointwise_tiles, pointwise_vectors, tap_offsets)
 from snrt.backends.cpu_weight_gemm import (channel_pairs, gemm_arrays, pack_outputs, pixel_offsets, gemm_tiles,
                                            transpose_planes)
-from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, setting
+from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, chosen_seconds, setting
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
@@ -497,6 +497,14 @@ class ChosenConv2d(LayerLike):
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         return self.chosen(in_shapes, phase).workspace_bytes(in_shapes, phase, itemsize)
+
+    def measured_seconds(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        """The chosen kernel's measured seconds at `in_shapes` (cpu_choice.chosen_seconds), fp32
+        only (None otherwise: 2-byte tensors add their staging, which was not measured). A
+        backward was measured with its data gradient, which a network's first layer skips."""
+        if itemsize != FLOAT32_BYTES:
+            return None
+        return chosen_seconds(self.layer, in_shapes, phase, self.candidates)
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         self.chosen([xs[0].shape], FORWARD).forward(ctx, xs, params, state, y, aux, recompute)

@@ -219,6 +219,12 @@ class CpuKernels(LayerKernels):
         CPU kernel computes in fp32, snrt/layers/staging.py)."""
         return fp32_kernel_workspace_bytes(self.kernel_for(layer, in_shapes), layer, in_shapes, phase, itemsize)
 
+    def measured_seconds(self, layer, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        """What a dense convolution's chosen kernel was measured to take (ChosenConv2d); None for
+        every other layer, which the cost model's rates predict."""
+        kernel = self.kernel_for(layer, in_shapes)
+        return kernel.measured_seconds(in_shapes, phase, itemsize) if isinstance(kernel, ChosenConv2d) else None
+
     def update_workspace_bytes(self, param_bytes):
         """None: every update is one compiled pass (snrt/optim.py sgd_step, adam_step)."""
         return 0

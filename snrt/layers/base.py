@@ -297,8 +297,8 @@ class LayerKernels:
     kernel wants (`workspace_bytes`, what the planner reserves; `update_workspace_bytes` for an
     optimizer step). A third, `measured_seconds`,
     is the seconds a phase of that kernel was timed to take when the choice timed it (cuDNN's
-    engines), which the planner's cost model then uses; None leaves the step to the cost
-    model's rates. One whose answers also depend
+    engines, the CPU's dense convolutions), which the planner's cost model then uses; None
+    leaves the step to the cost model's rates. One whose answers also depend
     on something outside it (an environment variable) offers `settings()`, which the planner
     compares before it reuses an iteration it built. The backends bring their own:
     snrt/backends/cpu_kernels.py (compiled CPU kernels) and cuda_kernels.py (cuDNN, cuBLAS,

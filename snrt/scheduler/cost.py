@@ -4,8 +4,8 @@ Times come from each layer's `cost` (FLOPs and bytes moved) and three machine ra
 defaults describe the CPU backend on a 2-core machine (fitted to measured kernel times by
 scripts/calibrate_cpu_cost.py, results/cost_calibration.md; the per-step overhead is mostly
 Python's) and a PCIe-attached GPU (not measured); a step whose kernel the backend's kernel
-choice timed (cuDNN's engines, snrt/backends/cudnn_engines.py) takes those seconds instead
-(`step_seconds`); `simulate`
+choice timed (cuDNN's engines, snrt/backends/cudnn_engines.py; the CPU's dense convolutions,
+snrt/backends/cpu_choice.py) takes those seconds instead (`step_seconds`); `simulate`
 replays a plan's steps on the three streams (compute, device-to-host, host-to-device) and
 returns the predicted iteration time and the copy time left exposed.
 """
@@ -71,7 +71,8 @@ def update_bytes(graph, node, states=1):
 def step_seconds(step, graph, batch, model, kernels=None, itemsize=FLOAT32_BYTES):
     """Predicted compute-stream seconds of `step` (copies and bookkeeping take none): a layer's
     step takes what its kernel was timed to take when the kernel choice `kernels` timed it
-    (`measured_seconds`: cuDNN's engines) and the step overhead; else the cost model's rates."""
+    (`measured_seconds`: cuDNN's engines, the CPU's dense convolutions) and the step overhead;
+    else the cost model's rates."""
     if kernels is not None and step.kind in ("forward", "recompute", "backward"):
         node = graph[step.node]
         measured = kernels.measured_seconds(node.layer, graph.in_shapes(node.name, batch),

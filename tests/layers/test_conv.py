@@ -16,6 +16,13 @@ from snrt.backends.cpu_depthwise import ROWS_MIN_WIDTH, CompiledDepthwiseConv2d
 from snrt.backends.cpu_tiles import lanes_of
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.errors import ShapeError, SnrtError
+from snrt.graph import Graph
+from snrt.layers.input import Input
+from snrt.layers.loss import SoftmaxCrossEntropy
+from snrt.layers.norm import BatchNorm
+from snrt.layers.pool import GlobalAvgPool
+from snrt.scheduler import cost
+from snrt.scheduler.planner import make_plan
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved, numel, scratch_bytes
 from snrt.layers.conv import Conv2d, ConvTranspose2d
 from tests.layers.harness import check_layer
@@ -455,6 +462,44 @@ def test_big_batches_share_one_measurement_at_a_bounded_batch(monkeypatch, tmp_p
     for batch in (64, 7, 5, 3):
         CPU_KERNELS.kernel_for(layer, [(batch, 3, 8, 8)]).chosen([(batch, 3, 8, 8)], FORWARD)
     assert timed == [[(5, 3, 8, 8)], [(3, 3, 8, 8)]]  # 64, 7 and 5 samples: measured once, at 5
+
+
+def test_the_cost_model_takes_the_chosen_kernels_measured_time_scaled_to_the_batch(monkeypatch, tmp_path):
+    monkeypatch.setenv("SNRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_choice, "_CHOSEN", {})
+    monkeypatch.setattr(cpu_choice, "MEASURED_ELEMENTS", 3 * 8 * 8 * 5)  # measured at 5 samples
+    times = {FORWARD: {"direct": 0.002, "im2col": 0.001}, BACKWARD: {"direct": 0.003, "im2col": 0.004}}
+    monkeypatch.setattr(cpu_choice, "best_seconds", lambda candidates, layer, shapes, phase: dict(times[phase]))
+    layer = Conv2d(out_channels=4, kernel=3, padding=1)
+    shapes = [(20, 3, 8, 8)]
+    assert CPU_KERNELS.measured_seconds(layer, shapes, FORWARD) == pytest.approx(0.001 * 20 / 5)  # im2col's
+    assert CPU_KERNELS.measured_seconds(layer, shapes, BACKWARD) == pytest.approx(0.003 * 20 / 5)  # direct's
+    assert CPU_KERNELS.measured_seconds(layer, shapes, FORWARD, itemsize=2) is None  # bf16 adds its staging
+    assert CPU_KERNELS.measured_seconds(BatchNorm(), shapes, FORWARD) is None  # the rates predict the rest
+    graph = Graph("two_convs")
+    graph.add(Input(shape=(3, 8, 8)), name="data")
+    graph.add(Input(shape=(), dtype="int64"), name="label")
+    graph.add(Conv2d(out_channels=3, kernel=1), inputs=["data"], name="first")
+    graph.add(layer, inputs=["first"], name="conv")
+    graph.add(GlobalAvgPool(), inputs=["conv"], name="pool")
+    graph.add(SoftmaxCrossEntropy(), inputs=["pool", "label"], name="loss")
+    steps = {s.kind: s for s in make_plan(graph, 20, "none", kernels=CPU_KERNELS).steps
+             if s.node == "conv" and s.kind in ("forward", "backward")}
+    for kind, phase in (("forward", FORWARD), ("backward", BACKWARD)):
+        assert cost.step_seconds(steps[kind], graph, 20, cost.CPU, CPU_KERNELS) == pytest.approx(
+            min(times[phase].values()) * 20 / 5 + cost.CPU.step_overhead_s)
+    monkeypatch.setenv("SNRT_CPU_KERNELS", "direct")  # forced: nothing measured
+    assert CPU_KERNELS.measured_seconds(layer, shapes, FORWARD) is None
+
+
+def test_a_choice_without_a_usable_time_leaves_the_step_to_the_rates(monkeypatch, tmp_path):
+    monkeypatch.setenv("SNRT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_choice, "_CHOSEN", {})
+    layer, shapes = Conv2d(out_channels=4, kernel=3, padding=1), [(2, 3, 8, 8)]
+    entry = cpu_choice._entry(layer, shapes, FORWARD, CPU_KERNELS.kernel_for(layer, shapes).candidates)
+    for seconds in (None, {"direct": float("nan"), "im2col": float("nan")}, {"direct": -1.0, "im2col": True}, "1"):
+        entry["seconds"] = seconds
+        assert CPU_KERNELS.measured_seconds(layer, shapes, FORWARD) is None
 
 
 @pytest.mark.parametrize("name, kind", [("im2col", Conv2d), ("direct", DirectConv2d)])

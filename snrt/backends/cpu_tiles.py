@@ -265,15 +265,79 @@ def padded_values(channels, hq, wq, phases, kw, itemsize):
 def pack_weight(weight, hq, wq, sh, sw, wpack, biases, offsets, bias):
     """Fill wpack (blocks, K, BLOCK_OUTS) with weight (O, C, kh, kw), any strides, as
     wpack[b, (c, i, j), o] = weight[b*BLOCK_OUTS + o, c, i, j] (zeros past O), the blocks split
-    among the kernel threads (pack_blocks); biases (blocks*BLOCK_OUTS,) with `bias` (empty:
-    none, zeros) and offsets (K,) with where each tap reads in the phase planes (Hq, Wq) at
-    stride (sh, sw) (tap_offsets)."""
+    among the kernel threads (pack_rows where the weight is C-contiguous, as a layer's is, else
+    pack_blocks); biases (blocks*BLOCK_OUTS,) with `bias` (empty: none, zeros) and offsets (K,)
+    with where each tap reads in the phase planes (Hq, Wq) at stride (sh, sw) (tap_offsets)."""
     outs, channels, kh, kw = weight.shape
-    packed = wpack.reshape(wpack.shape[0], channels, kh, kw, BLOCK_OUTS)
-    run_split(pack_blocks, 0, wpack.shape[0], threads_for(wpack.size, PACK_SPLIT), (weight, packed))
+    threads = threads_for(wpack.size, PACK_SPLIT)
+    if weight.flags.c_contiguous:
+        run_split(pack_rows, 0, wpack.shape[0], threads, (weight.reshape(outs, -1), wpack))
+    else:
+        packed = wpack.reshape(wpack.shape[0], channels, kh, kw, BLOCK_OUTS)
+        run_split(pack_blocks, 0, wpack.shape[0], threads, (weight, packed))
     biases[:] = 0
     biases[:bias.size] = bias
     tap_offsets(channels, kh, kw, sh, sw, hq * wq, wq, offsets)
+
+
+@intrinsic
+def transpose_block(typingctx, source, source_start, row_stride, target, target_start):
+    """target[target_start + t*BLOCK_OUTS + r] = source[source_start + r*row_stride + t] for
+    r, t < BLOCK_OUTS: a square block of BLOCK_OUTS rows transposed in registers, BLOCK_OUTS
+    vector loads, log2(BLOCK_OUTS) stages of shuffles between pairs of rows BLOCK_OUTS/2, ...,
+    1 apart, and BLOCK_OUTS vector stores. 1-d contiguous arrays of one dtype, float32 or
+    float64."""
+    dtype = source.dtype
+    if dtype not in (types.float32, types.float64) or target.dtype != dtype \
+            or any(a.ndim != 1 or a.layout != "C" for a in (source, target)):
+        return None
+    size = BLOCK_OUTS
+
+    def codegen(context, builder, signature, args):
+        source_v, source_start_v, stride_v, target_v, target_start_v = args
+        sources, targets = (context.make_array(signature.args[i])(context, builder, v).data
+                            for i, v in ((0, source_v), (3, target_v)))
+        element = ir.FloatType() if dtype == types.float32 else ir.DoubleType()
+        vector, index, align = ir.VectorType(element, size), source_start_v.type, 4 if dtype == types.float32 else 8
+
+        def at(pointer, offset):
+            return builder.bitcast(builder.gep(pointer, [offset]), vector.as_pointer())
+
+        rows = [builder.load(at(sources, builder.add(source_start_v, builder.mul(stride_v, ir.Constant(index, r)))),
+                             align=align) for r in range(size)]
+        distance = size // 2
+        while distance:  # rows i and i + distance swap their blocks of `distance` values across the diagonal
+            for i in (i for i in range(size) if not i & distance):
+                a, b = rows[i], rows[i + distance]
+                rows[i] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), size), [
+                    j if not j & distance else size + j - distance for j in range(size)]))
+                rows[i + distance] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), size), [
+                    j + distance if not j & distance else size + j for j in range(size)]))
+            distance //= 2
+        for t in range(size):
+            builder.store(rows[t], at(targets, builder.add(target_start_v, ir.Constant(index, t * size))), align=align)
+        return context.get_dummy_value()
+
+    return types.void(source, types.intp, types.intp, target, types.intp), codegen
+
+
+@njit(**THREADED)
+def pack_rows(rows, wpack, b0, b1):
+    """wpack[b, k, o] = rows[b*BLOCK_OUTS + o, k] (0 past the rows) for the blocks b0 <= b < b1
+    of rows (O, K), C-contiguous: a whole block BLOCK_OUTS taps at a time by transpose_block,
+    its last K % BLOCK_OUTS taps and a last, partial block value by value."""
+    outs, taps = rows.shape
+    flat_rows, flat_pack = rows.reshape(-1), wpack.reshape(-1)
+    whole = taps - taps % BLOCK_OUTS
+    for b in range(b0, b1):
+        first, start = b * BLOCK_OUTS, 0
+        if first + BLOCK_OUTS <= outs:
+            for k in range(0, whole, BLOCK_OUTS):
+                transpose_block(flat_rows, first * taps + k, taps, flat_pack, (b * taps + k) * BLOCK_OUTS)
+            start = whole
+        for k in range(start, taps):
+            for o in range(BLOCK_OUTS):
+                wpack[b, k, o] = rows[first + o, k] if first + o < outs else 0
 
 
 @njit(**THREADED)

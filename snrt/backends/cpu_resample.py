@@ -182,7 +182,7 @@ class CompiledUpsample(LayerLike):
         _on_maps(bilinear, source, (*_taps(h, h * sh, source.dtype), *_taps(w, w * sw, source.dtype)), target)
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        self._run((nearest_forward(tuple(self.layer.scale)), ()), bilinear_forward, xs[0], y, xs[0].shape[2:])
+        self._run((nearest_forward(self.layer.scale), ()), bilinear_forward, xs[0], y, xs[0].shape[2:])
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         if gxs[0] is not None:

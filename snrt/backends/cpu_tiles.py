@@ -297,8 +297,8 @@ def transpose_block(typingctx, source, source_start, row_stride, target, target_
         source_v, source_start_v, stride_v, target_v, target_start_v = args
         sources, targets = (context.make_array(signature.args[i])(context, builder, v).data
                             for i, v in ((0, source_v), (3, target_v)))
-        element = ir.FloatType() if dtype == types.float32 else ir.DoubleType()
-        vector, index, align = ir.VectorType(element, size), source_start_v.type, 4 if dtype == types.float32 else 8
+        vector, _, _ = _vector_ops(builder, dtype, size)
+        index, align = source_start_v.type, 4 if dtype == types.float32 else 8
 
         def at(pointer, offset):
             return builder.bitcast(builder.gep(pointer, [offset]), vector.as_pointer())
@@ -306,13 +306,13 @@ def transpose_block(typingctx, source, source_start, row_stride, target, target_
         rows = [builder.load(at(sources, builder.add(source_start_v, builder.mul(stride_v, ir.Constant(index, r)))),
                              align=align) for r in range(size)]
         distance = size // 2
+        lanes = ir.VectorType(ir.IntType(32), size)
         while distance:  # rows i and i + distance swap their blocks of `distance` values across the diagonal
+            low = ir.Constant(lanes, [j if not j & distance else size + j - distance for j in range(size)])
+            high = ir.Constant(lanes, [j + distance if not j & distance else size + j for j in range(size)])
             for i in (i for i in range(size) if not i & distance):
                 a, b = rows[i], rows[i + distance]
-                rows[i] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), size), [
-                    j if not j & distance else size + j - distance for j in range(size)]))
-                rows[i + distance] = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), size), [
-                    j + distance if not j & distance else size + j for j in range(size)]))
+                rows[i], rows[i + distance] = builder.shuffle_vector(a, b, low), builder.shuffle_vector(a, b, high)
             distance //= 2
         for t in range(size):
             builder.store(rows[t], at(targets, builder.add(target_start_v, ir.Constant(index, t * size))), align=align)

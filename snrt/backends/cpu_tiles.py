@@ -263,17 +263,21 @@ def padded_values(channels, hq, wq, phases, kw, itemsize):
 
 
 def pack_weight(weight, hq, wq, sh, sw, wpack, biases, offsets, bias):
-    """Fill wpack (blocks, K, BLOCK_OUTS) with weight (O, C, kh, kw), any strides, as
-    wpack[b, (c, i, j), o] = weight[b*BLOCK_OUTS + o, c, i, j] (zeros past O), the blocks split
-    among the kernel threads (pack_rows where the weight is C-contiguous, as a layer's is, else
-    pack_blocks); biases (blocks*BLOCK_OUTS,) with `bias` (empty: none, zeros) and offsets (K,)
-    with where each tap reads in the phase planes (Hq, Wq) at stride (sh, sw) (tap_offsets)."""
+    """Fill wpack (blocks, K, width) with weight (O, C, kh, kw), any strides, as wpack[b, (c, i,
+    j), o] = weight[b*width + o, c, i, j] (zeros past O; width a multiple of BLOCK_OUTS:
+    BLOCK_OUTS for fma_tile, a tile's channels for cpu_channel_tiles), the blocks split among
+    the kernel threads (pack_rows where the weight is C-contiguous, as a layer's is, pack_flipped
+    where it is the data gradient's flipped, transposed view of one, else pack_blocks); biases (blocks*width,) with `bias` (empty: none, zeros) and offsets (K,) with
+    where each tap reads in the phase planes (Hq, Wq) at stride (sh, sw) (tap_offsets)."""
     outs, channels, kh, kw = weight.shape
     threads = threads_for(wpack.size, PACK_SPLIT)
+    unflipped = weight[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)  # a data gradient's view, undone
     if weight.flags.c_contiguous:
         run_split(pack_rows, 0, wpack.shape[0], threads, (weight.reshape(outs, -1), wpack))
+    elif unflipped.flags.c_contiguous:
+        run_split(pack_flipped, 0, wpack.shape[0], threads, (unflipped.reshape(channels, outs, kh * kw), wpack))
     else:
-        packed = wpack.reshape(wpack.shape[0], channels, kh, kw, BLOCK_OUTS)
+        packed = wpack.reshape(wpack.shape[0], channels, kh, kw, wpack.shape[2])
         run_split(pack_blocks, 0, wpack.shape[0], threads, (weight, packed))
     biases[:] = 0
     biases[:bias.size] = bias
@@ -281,8 +285,8 @@ def pack_weight(weight, hq, wq, sh, sw, wpack, biases, offsets, bias):
 
 
 @intrinsic
-def transpose_block(typingctx, source, source_start, row_stride, target, target_start):
-    """target[target_start + t*BLOCK_OUTS + r] = source[source_start + r*row_stride + t] for
+def transpose_block(typingctx, source, source_start, row_stride, target, target_start, target_stride):
+    """target[target_start + t*target_stride + r] = source[source_start + r*row_stride + t] for
     r, t < BLOCK_OUTS: a square block of BLOCK_OUTS rows transposed in registers, BLOCK_OUTS
     vector loads, log2(BLOCK_OUTS) stages of shuffles between pairs of rows BLOCK_OUTS/2, ...,
     1 apart, and BLOCK_OUTS vector stores. 1-d contiguous arrays of one dtype, float32 or
@@ -294,7 +298,7 @@ def transpose_block(typingctx, source, source_start, row_stride, target, target_
     size = BLOCK_OUTS
 
     def codegen(context, builder, signature, args):
-        source_v, source_start_v, stride_v, target_v, target_start_v = args
+        source_v, source_start_v, stride_v, target_v, target_start_v, target_stride_v = args
         sources, targets = (context.make_array(signature.args[i])(context, builder, v).data
                             for i, v in ((0, source_v), (3, target_v)))
         vector, _, _ = _vector_ops(builder, dtype, size)
@@ -315,44 +319,81 @@ def transpose_block(typingctx, source, source_start, row_stride, target, target_
                 rows[i], rows[i + distance] = builder.shuffle_vector(a, b, low), builder.shuffle_vector(a, b, high)
             distance //= 2
         for t in range(size):
-            builder.store(rows[t], at(targets, builder.add(target_start_v, ir.Constant(index, t * size))), align=align)
+            builder.store(rows[t], at(targets, builder.add(target_start_v, builder.mul(target_stride_v,
+                                                                                       ir.Constant(index, t)))),
+                          align=align)
         return context.get_dummy_value()
 
-    return types.void(source, types.intp, types.intp, target, types.intp), codegen
+    return types.void(source, types.intp, types.intp, target, types.intp, types.intp), codegen
 
 
 @njit(**THREADED)
 def pack_rows(rows, wpack, b0, b1):
-    """wpack[b, k, o] = rows[b*BLOCK_OUTS + o, k] (0 past the rows) for the blocks b0 <= b < b1
-    of rows (O, K), C-contiguous: a whole block BLOCK_OUTS taps at a time by transpose_block,
-    its last K % BLOCK_OUTS taps and a last, partial block value by value."""
+    """wpack[b, k, o] = rows[b*width + o, k] (0 past the rows) for the blocks b0 <= b < b1 of
+    rows (O, K), C-contiguous, wpack (blocks, K, width): BLOCK_OUTS rows by BLOCK_OUTS taps at a
+    time by transpose_block, the last K % BLOCK_OUTS taps and rows past the last whole
+    BLOCK_OUTS value by value."""
     outs, taps = rows.shape
+    width = wpack.shape[2]
     flat_rows, flat_pack = rows.reshape(-1), wpack.reshape(-1)
     whole = taps - taps % BLOCK_OUTS
     for b in range(b0, b1):
-        first, start = b * BLOCK_OUTS, 0
-        if first + BLOCK_OUTS <= outs:
-            for k in range(0, whole, BLOCK_OUTS):
-                transpose_block(flat_rows, first * taps + k, taps, flat_pack, (b * taps + k) * BLOCK_OUTS)
-            start = whole
-        for k in range(start, taps):
-            for o in range(BLOCK_OUTS):
-                wpack[b, k, o] = rows[first + o, k] if first + o < outs else 0
+        for part in range(0, width, BLOCK_OUTS):
+            first, start = b * width + part, 0
+            if first + BLOCK_OUTS <= outs:
+                for k in range(0, whole, BLOCK_OUTS):
+                    transpose_block(flat_rows, first * taps + k, taps, flat_pack, (b * taps + k) * width + part, width)
+                start = whole
+            for k in range(start, taps):
+                for o in range(BLOCK_OUTS):
+                    wpack[b, k, part + o] = rows[first + o, k] if first + o < outs else 0
+
+
+@njit(**THREADED)
+def pack_flipped(layer, wpack, b0, b1):
+    """wpack[b, (o, i, j), c] = layer[o, b*width + c, T-1 - (i*kw + j)] (0 past the channels)
+    for the blocks b0 <= b < b1: the packing of the data gradient's weight W'[c, o, i, j] =
+    W[o, c, kh-1-i, kw-1-j] from the layer's C-contiguous W as `layer` (O, C, T = kh*kw).
+    BLOCK_OUTS channels by BLOCK_OUTS taps at a time by transpose_block, its rows written in
+    reverse order of the taps (a negative target stride); the last T % BLOCK_OUTS taps (a 1x1's
+    only one: a contiguous run of channels) and channels past the last whole BLOCK_OUTS value
+    by value."""
+    outs, channels, taps = layer.shape
+    width = wpack.shape[2]
+    flat_layer, flat_pack = layer.reshape(-1), wpack.reshape(-1)
+    whole = taps - taps % BLOCK_OUTS
+    for b in range(b0, b1):
+        first = b * width
+        end = min(width, channels - first)  # the block's channels (past them: zeros)
+        parts = max(0, end) // BLOCK_OUTS * BLOCK_OUTS  # those in whole BLOCK_OUTS
+        for o in range(outs):
+            row = b * outs * taps + o * taps + taps - 1  # wpack's row of tap 0, at (o, T-1)
+            for part in range(0, parts, BLOCK_OUTS):
+                for t in range(0, whole, BLOCK_OUTS):
+                    transpose_block(flat_layer, (o * channels + first + part) * taps + t, taps, flat_pack,
+                                    (row - t) * width + part, -width)
+            for t in range(taps):
+                target, source = (row - t) * width, (o * channels + first) * taps + t
+                for c in range(parts if t < whole else 0, end):
+                    flat_pack[target + c] = flat_layer[source + c * taps]
+                for c in range(max(end, 0), width):
+                    flat_pack[target + c] = 0
 
 
 @njit(**THREADED)
 def pack_blocks(weight, packed, b0, b1):
-    """packed[b, c, i, j, o] = weight[b*BLOCK_OUTS + o, c, i, j] (0 past O) for the blocks
-    b0 <= b < b1: each block reads its BLOCK_OUTS rows of the weight side by side, value after
-    value, at whatever strides the weight has (a flipped, transposed or strided view, which
-    NumPy's copy walked slowly)."""
+    """packed[b, c, i, j, o] = weight[b*width + o, c, i, j] (0 past O) for the blocks b0 <= b <
+    b1 of packed (blocks, C, kh, kw, width): each block reads its rows of the weight side by
+    side, value after value, at whatever strides the weight has (a flipped, transposed or
+    strided view, which NumPy's copy walked slowly)."""
     outs, channels, kh, kw = weight.shape
+    width = packed.shape[4]
     for b in range(b0, b1):
         for c in range(channels):
             for i in range(kh):
                 for j in range(kw):
-                    for o in range(BLOCK_OUTS):
-                        row = b * BLOCK_OUTS + o
+                    for o in range(width):
+                        row = b * width + o
                         packed[b, c, i, j, o] = weight[row, c, i, j] if row < outs else 0
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import snrt.threads
-from snrt.backends import cpu_choice, cpu_conv, cpu_depthwise
+from snrt.backends import cpu_channel_tiles, cpu_choice, cpu_conv, cpu_depthwise
 from snrt.backends.cpu_conv import ChosenConv2d, DirectConv2d
 from snrt.backends.cpu_depthwise import ROWS_MIN_WIDTH, CompiledDepthwiseConv2d
 from snrt.backends.cpu_tiles import lanes_of
@@ -128,6 +128,71 @@ def test_direct_pointwise_convolution(bias):
     layer = Conv2d(out_channels=9, kernel=1, bias=bias)
     assert DirectConv2d.serves(layer, [x.shape])
     check_layer(DirectConv2d(layer), [x], _reference(layer))
+
+
+@pytest.mark.parametrize("options", [
+    dict(kernel=3, padding=1),
+    dict(kernel=3, padding=1, stride=2),  # the forward through x's phase planes, gx phase by phase
+    dict(kernel=1),  # x copied into its planes, no padding
+    dict(kernel=(3, 1), padding=(1, 0), bias=False),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("outs", [32, 64])  # float64: one block of 4 vectors of 8 channels, two
+def test_narrow_maps_convolve_by_vectors_of_output_channels(options, outs):
+    """Output maps where pixel vectors would waste lanes and channels in whole blocks:
+    cpu_channel_tiles (the forward, and gx: 32 channels), in float64 against finite
+    differences and the reference; 5 samples of 7 x 6 pixels, so that tiles run across
+    samples and a thread's last tile is partial."""
+    x = np.random.default_rng(8).standard_normal((5, 32, 7, 6))
+    kernel = DirectConv2d(Conv2d(out_channels=outs, **options))
+    layer = kernel.layer
+    planes = cpu_conv.phase_planes(7, 6, layer.padding, layer.stride)
+    assert cpu_conv._channel_tiles(layer.kernel, planes, layer.infer_shape([x.shape])[2:], outs, 8)
+    check_layer(kernel, [x], _reference(layer))
+
+
+@pytest.mark.parametrize("kernel, planes, out_map, outs, served", [
+    ((3, 3), (10, 10), (8, 8), 64, True),  # 8 of a vector's 10 pixels are outputs
+    ((3, 3), (10, 10), (8, 8), 48, False),  # not a whole block of channels
+    ((3, 3), (18, 18), (16, 16), 64, False),  # a whole vector a row
+    ((3, 3), (58, 58), (56, 56), 64, True),  # rows of 3.5 vectors
+    ((1, 1), (14, 14), (14, 14), 256, False),  # 196 pixels a sample: 13 vectors, 94% outputs
+    ((1, 1), (7, 7), (7, 7), 2048, True),  # 49: 4 vectors, 77%
+])
+def test_channel_tiles_serve_where_pixel_vectors_waste_lanes(kernel, planes, out_map, outs, served):
+    assert cpu_conv._channel_tiles(kernel, planes, out_map, outs, 4) is served
+
+
+@pytest.mark.parametrize("options", [dict(kernel=3, padding=1), dict(kernel=3, padding=1, stride=2), dict(kernel=1)],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("chunk_bytes", [None, 1])  # all taps at once; a channel's taps a chunk, sums stored between
+def test_channel_tiles_compute_the_same_bits_as_pixel_tiles(options, chunk_bytes, monkeypatch):
+    """Each output is the same chain of multiply-adds (bias, then the taps in order) in both
+    tile kernels, in chunks of taps too, so switching a shape from one to the other changes no
+    bit of a run."""
+    if chunk_bytes:
+        monkeypatch.setattr(cpu_channel_tiles, "CHUNK_BYTES", chunk_bytes)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 64, 8, 8), dtype=np.float32)
+    kernel = DirectConv2d(Conv2d(out_channels=64, **options))
+    in_shapes = [x.shape]
+    params = {name: rng.standard_normal(spec.shape, dtype=np.float32)
+              for name, spec in kernel.layer.param_specs(in_shapes).items()}
+    gy = rng.standard_normal(kernel.layer.infer_shape(in_shapes), dtype=np.float32)
+
+    def run():
+        workspace = {phase: np.zeros(kernel.workspace_bytes(in_shapes, phase), np.uint8) for phase in (FORWARD, BACKWARD)}
+        y, gx = np.empty_like(gy), np.empty_like(x)
+        gparams = {name: np.empty_like(value) for name, value in params.items()}
+        kernel.forward(KernelContext(np, workspace=workspace[FORWARD]), [x], params, {}, y, {})
+        kernel.backward(KernelContext(np, workspace=workspace[BACKWARD]), gy, Saved((x,), None), params, {}, [gx],
+                        gparams)
+        return y, gx
+
+    channels = run()
+    monkeypatch.setattr(cpu_conv, "_channel_tiles", lambda *args: False)
+    pixels = run()
+    for by_channels, by_pixels in zip(channels, pixels):
+        np.testing.assert_array_equal(by_channels, by_pixels)
 
 
 @pytest.mark.parametrize("options", [

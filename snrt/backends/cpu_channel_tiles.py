@@ -29,7 +29,7 @@ import llvmlite.ir as ir
 
 from snrt.backends.cpu_common import THREADED
 from snrt.backends.cpu_dots import VECTOR_BYTES
-from snrt.backends.cpu_tiles import _pad_sample, _vector_ops, lanes_of, phase_planes
+from snrt.backends.cpu_tiles import addressing, lanes_of, pad_sample, phase_planes, vector_ops
 
 TILE_VECTORS = 4  # vectors of output channels a tile holds
 CHUNK_BYTES = 1 << 19  # input planes and weights a chunk of taps reads: half the L2 cache of a core here
@@ -64,13 +64,8 @@ def channel_tile(typingctx, x, bases, offsets, k0, k1, w, wstart, bias, bstart, 
         arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 5, 7, 9, 11)]
         xs, bases_d, offsets_d, ws, biases, ys, targets_d = (a.data for a in arrays)
         index = wstart.type
-        vector, fma, broadcast = _vector_ops(builder, dtype, lanes)
-
-        def at(pointer, i):
-            return builder.gep(pointer, [i if isinstance(i, ir.Value) else ir.Constant(index, i)])
-
-        def vector_at(pointer, i):
-            return builder.bitcast(at(pointer, i), vector.as_pointer())
+        vector, fma, broadcast = vector_ops(builder, dtype, lanes)
+        at, vector_at = addressing(builder, index, vector)
 
         starts = [builder.load(vector_at(biases, builder.add(bstart, ir.Constant(index, v * lanes))), align=4)
                   for v in range(tile_vectors)]
@@ -153,7 +148,7 @@ def convolve_channel_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, chunk, y, 
                 break
             n, ha = r // ho, r % ho
             hb = min(ho, ha + r1 - r)
-            _pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad[s * sample_values:(s + 1) * sample_values])
+            pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad[s * sample_values:(s + 1) * sample_values])
             for h in range(ha, hb):
                 for w in range(wo):
                     bases[filled] = s * sample_values + h * wq + w

@@ -69,6 +69,9 @@ from numba import njit
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_threads, threads_for
 from snrt.backends.cpu_channel_tiles import chunk_taps, convolve_channel_tiles, group_pixels, tile_channels
 from snrt.backends.cpu_parallel import run_split
+from snrt.backends.cpu_weight_tiles import (chunk_pixels, outputs_last, unit_count, weight_rows, weight_tiles,
+                                            weights_from_sums)
+from snrt.backends.cpu_weight_tiles import tile_shape as weight_tile_shape
 from snrt.backends.cpu_dots import BLOCK, dots
 from snrt.backends.cpu_tiles import (BLOCK_OUTS, INDEX, PIXEL_VECTORS, convolve_tiles, fill_phase, lanes_of, pack_weight,
                                     padded_values, phase_planes, pointwise_tiles, pointwise_vectors, tap_offsets)
@@ -82,6 +85,7 @@ GEMM_PIXELS = 128  # output maps below which the weight gradient is an implicit 
 SCATTER_SPLIT = 1 << 17  # gx values from which scatter_phase's maps are split among the kernel threads
 GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chunk: about 4 MB of fp32
 POINTWISE_SPAN_ELEMENTS = 1 << 22  # x and gy values per span of a 1x1's weight gradient (read in place)
+WEIGHT_TILE_OUTS = (32, 256)  # output channels (least, most) whose stride-1 weight gradient is cpu_weight_tiles'
 CHANNEL_TILES_BELOW = 0.9  # share of output lanes under which cpu_channel_tiles computes a convolution
 REPEATS_MARGIN = 1.05  # blocks along the taps where they repeat this much fewer rows (block_shape)
 
@@ -377,6 +381,8 @@ class DirectConv2d(LayerLike):
 
     def _grad_weight_bytes(self, in_shapes, threads, itemsize):
         """The weight gradient's workspace: a 1x1's GEMM arrays, or the padded planes."""
+        if self._weight_tiles(in_shapes):
+            return _size(self._weight_tile_arrays(in_shapes, threads, itemsize), itemsize)
         return (_size(self._gemm_arrays(in_shapes, threads, itemsize), itemsize)
                 if self._gemm_grad_weight(in_shapes, itemsize) else _size(self._grad_weight_arrays(in_shapes), itemsize))
 
@@ -479,6 +485,58 @@ class DirectConv2d(LayerLike):
         run_split(gemm_tiles, 0, units, threads, (xt, gpack, offsets, zeros, n, channels, hq, wq, sh, sw, gweight),
                   (targets,))
 
+    def _weight_tiles(self, in_shapes):
+        """Whether the weight gradient is cpu_weight_tiles': at stride 1 into WEIGHT_TILE_OUTS
+        output channels. Measured on one core against the dot products and the implicit GEMM
+        (ms): 3x3 32->32 @16 b32 0.83 -> 0.74, 64->64 @8 b32 0.77-0.85 -> 0.71, 256->256 @14 b8
+        10.5-11.0 -> 9.5-9.6, 1x1 256->64 @56 b8 9.2 -> 7.6, 1024->256 @14 6.7 -> 5.9-6.4; 64->64
+        @56 and 128->128 @28 even. Slower: 16 output channels (16->16 @32 b32 0.83 -> 0.91, one
+        vector of them a tile), 512 and more (1x1 512->2048 @7 4.5 -> 5.9, 128->512 @28 6.1-6.8
+        -> 7.7), at a stride (3x3/2 16->32 @32 0.68 -> 0.95, 128 @56 13.4 -> 15.4)."""
+        least, most = WEIGHT_TILE_OUTS
+        return self.layer.stride == (1, 1) and least <= self.layer.out_channels <= most
+
+    def _weight_tile_arrays(self, in_shapes, threads, itemsize):
+        """cpu_weight_tiles' workspace: xt (x's padded phase planes, channels last, and the taps
+        a last group reads past them), gt (gy channels last, rows of whole blocks), each output
+        pixel's window in xt, the rows of taps, the sums (gW transposed, rows of whole blocks)
+        and per thread a group's targets."""
+        n, c, h, w = in_shapes[0]
+        _, o, ho, wo = self.layer.infer_shape(in_shapes)
+        (hq, wq), (sh, sw) = phase_planes(h, w, self.layer.padding, self.layer.stride), self.layer.stride
+        vectors, pixels = weight_tile_shape(o, itemsize)
+        block = vectors * lanes_of(itemsize)
+        rows = len(weight_rows(1, self.layer.kernel, self.layer.stride, 1, 1, 1))
+        gwidth = -(-o // block) * block
+        return [((sh * sw * n * hq * wq * c + pixels,), None), ((n * ho * wo * gwidth,), None),
+                ((n * ho * wo,), INDEX), ((rows, 4), INDEX), ((c * numel(self.layer.kernel) * gwidth,), None),
+                ((threads, pixels), INDEX)]
+
+    def _grad_weight_tiles(self, ctx, gy, x, gweight):
+        """gweight by cpu_weight_tiles: x into its padded phase planes and gy into rows of output
+        channels, both channels last (split among the kernel threads), then the tiles' units
+        split among them."""
+        n, channels, h, w = x.shape
+        outs, _, kh, kw = gweight.shape
+        itemsize, (sh, sw), (ph, pw) = x.dtype.itemsize, self.layer.stride, self.layer.padding
+        arrays_for = lambda count: self._weight_tile_arrays([x.shape], count, itemsize)  # noqa: E731
+        threads = fitting_threads(ctx.workspace.nbytes, lambda count: _size(arrays_for(count), itemsize))
+        xt, gt, offsets, rows, sums, targets = (ctx.scratch(shape, dtype or x.dtype) for shape, dtype
+                                                in arrays_for(threads))
+        hq, wq = phase_planes(h, w, self.layer.padding, self.layer.stride)
+        vectors, pixels = weight_tile_shape(outs, itemsize)
+        gwidth = gt.size // offsets.size
+        run_split(transpose_planes, 0, sh * sw * n * hq, threads, (x, ph, pw, sh, sw, hq, wq, xt))
+        xt[sh * sw * n * hq * wq * channels:] = 0
+        run_split(outputs_last, 0, n, threads, (gy, gt))
+        pixel_offsets(n, *gy.shape[2:], hq, wq, channels, offsets)
+        rows[:] = weight_rows(channels, (kh, kw), (sh, sw), hq, wq, n)
+        chunk = chunk_pixels(channels, vectors * lanes_of(itemsize), gy.shape[2:], sh * sw, (hq, wq), itemsize)
+        units = unit_count(rows, gwidth, vectors, pixels, itemsize)
+        run_split(weight_tiles(vectors, pixels), 0, units, threads,
+                  (xt, gt, gwidth, offsets, rows, channels, kh, kw, sw, chunk, sums), (targets,))
+        run_split(weights_from_sums, 0, outs, threads, (sums, gwidth, gweight))
+
     def _grad_weight(self, ctx, gy, x, gweight):
         """gweight (O, C, kh, kw) by weight_grad_rows, its blocks of weights split among the
         kernel threads (a 1x1 over small maps: _grad_weight_gemm): of a 1x1 kernel from x and gy
@@ -487,6 +545,9 @@ class DirectConv2d(LayerLike):
         if self.unit_stride:
             z, rest = self._subsample(ctx, x)
             self.unit_stride._grad_weight(rest, gy, z, gweight)
+            return
+        if self._weight_tiles([x.shape]):
+            self._grad_weight_tiles(ctx, gy, x, gweight)
             return
         if self._gemm_grad_weight([x.shape], x.dtype.itemsize):
             self._grad_weight_gemm(ctx, gy, x, gweight)

@@ -60,7 +60,7 @@ def lanes_of(itemsize):
     return VECTOR_BYTES // itemsize
 
 
-def _vector_ops(builder, dtype, lanes):
+def vector_ops(builder, dtype, lanes):
     """(vector type, fused multiply-add of three vectors, broadcast of a scalar to every lane)
     for `lanes` values of numba's float `dtype`, in the module `builder` writes."""
     single = dtype == types.float32
@@ -78,6 +78,20 @@ def _vector_ops(builder, dtype, lanes):
         return builder.call(fma, [a, b, c])
 
     return vector, multiply_add, broadcast
+
+
+def addressing(builder, index, vector):
+    """(at, vector_at) for the kernels' IR: at(pointer, i), the address of element i (an IR
+    value or a Python int, of type `index`) of `pointer`; vector_at(pointer, i), that address
+    as a pointer to `vector`."""
+
+    def at(pointer, i):
+        return builder.gep(pointer, [i if isinstance(i, ir.Value) else ir.Constant(index, i)])
+
+    def vector_at(pointer, i):
+        return builder.bitcast(at(pointer, i), vector.as_pointer())
+
+    return at, vector_at
 
 
 @intrinsic
@@ -101,7 +115,7 @@ def fma_tile(typingctx, x, p0, p1, offsets, w, wstart, bias, y, ystart, targets,
         xs, offsets_d, ws, biases, ys, targets_d = (a.data for a in arrays)
         count = builder.extract_value(arrays[1].shape, 0)
         index = p0_v.type
-        vector, fma, broadcast = _vector_ops(builder, dtype, lanes)
+        vector, fma, broadcast = vector_ops(builder, dtype, lanes)
 
         def at(pointer, i):
             return builder.gep(pointer, [i if isinstance(i, ir.Value) else ir.Constant(index, i)])
@@ -160,7 +174,7 @@ def fma_run(typingctx, plane, kh, kw, row_step, column_step, taps, bias, out, co
         plane_v, kh_v, kw_v, row_v, column_v, taps_v, bias_v, out_v, count_v = args
         xs, ws, ys = (context.make_array(signature.args[i])(context, builder, v).data
                       for i, v in ((0, plane_v), (5, taps_v), (7, out_v)))
-        vector, fma, broadcast = _vector_ops(builder, dtype, lanes)
+        vector, fma, broadcast = vector_ops(builder, dtype, lanes)
         index = count_v.type
         step = ir.Constant(index, RUN_VECTORS * lanes)
 
@@ -209,7 +223,7 @@ def fma_channel_run(typingctx, source, base, offsets, taps, bias, with_bias, out
         xs, offsets_d, ws, biases, ys = (context.make_array(signature.args[i])(context, builder, args[i]).data
                                          for i in (0, 2, 3, 4, 6))
         taps_count = builder.extract_value(context.make_array(signature.args[2])(context, builder, args[2]).shape, 0)
-        vector, fma, _ = _vector_ops(builder, dtype, lanes)
+        vector, fma, _ = vector_ops(builder, dtype, lanes)
         _, masked_load, masked_store, lane_mask = vector_memory(builder, dtype, lanes)
         index = count_v.type
         step = ir.Constant(index, RUN_VECTORS * lanes)
@@ -301,7 +315,7 @@ def transpose_block(typingctx, source, source_start, row_stride, target, target_
         source_v, source_start_v, stride_v, target_v, target_start_v, target_stride_v = args
         sources, targets = (context.make_array(signature.args[i])(context, builder, v).data
                             for i, v in ((0, source_v), (3, target_v)))
-        vector, _, _ = _vector_ops(builder, dtype, size)
+        vector, _, _ = vector_ops(builder, dtype, size)
         index, align = source_start_v.type, 4 if dtype == types.float32 else 8
 
         def at(pointer, offset):
@@ -432,7 +446,7 @@ def fill_phase(dst, start, wq, rows, src, src_start, height, width, ph, pw, sh, 
 
 
 @njit(**THREADED)
-def _pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad):
+def pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad):
     """Sample n of x zero-padded by (ph, pw) into its phase planes (phase_planes): plane
     ((a*sw + b)*C + c) holds padded x[c, sh*h' + a, sw*w' + b] at h'*Wq + w' (at stride 1
     one plane a channel, Wq = W + 2*pw wide)."""
@@ -494,7 +508,7 @@ def convolve_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, y, r0, r1, xpad, t
             vectors = (hb - ha) * per_row if wo >= lanes else ((hb - ha) * wq + lanes - 1) // lanes
             spans[s, 0], spans[s, 1], spans[s, 2], spans[s, 3] = n, ha, hb, vectors
             if hb > ha:
-                _pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad[s * sample_values:(s + 1) * sample_values])
+                pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad[s * sample_values:(s + 1) * sample_values])
             count += vectors
             r += hb - ha
         for t in range(0, count, PIXEL_VECTORS):

@@ -23,7 +23,8 @@ holds x and gy once more, `gemm_arrays`); cpu_conv takes this path for small map
 from numba import njit
 
 from snrt.backends.cpu_common import THREADED
-from snrt.backends.cpu_tiles import BLOCK_OUTS, INDEX, PIXEL_VECTORS, inside_range, fma_tile, lanes_of, phase_planes
+from snrt.backends.cpu_tiles import (BLOCK_OUTS, INDEX, PIXEL_VECTORS, inside_range, fma_tile, lanes_of, phase_planes,
+                                    transpose_block)
 
 
 def channel_pairs(channels, itemsize):
@@ -49,8 +50,11 @@ def gemm_arrays(x_shape, y_shape, kernel, padding, stride, threads, itemsize):
 def transpose_planes(x, ph, pw, sh, sw, hq, wq, xt, row0, row1):
     """Rows row0 <= row < row1 of xt, row = ((a*sw + b)*N + n)*Hq + r (phase (a, b), sample n, row
     r of its phase plane): xt[(row*Wq + q)*C + c] = x[n, c, sh*r + a - ph, sw*q + b - pw], zero
-    where that is padding."""
+    where that is padding. At column stride 1, BLOCK_OUTS channels by BLOCK_OUTS columns at a
+    time by cpu_tiles.transpose_block, the rest value by value."""
     samples, channels, height, width = x.shape
+    flat_x = x.reshape(-1)
+    whole_c = channels - channels % BLOCK_OUTS
     for row in range(row0, row1):
         r, n, phase = row % hq, row // hq % samples, row // hq // samples
         a, b = phase // sw, phase % sw
@@ -60,8 +64,15 @@ def transpose_planes(x, ph, pw, sh, sw, hq, wq, xt, row0, row1):
         if h < 0 or h >= height:
             continue
         first, last = inside_range(pw, b, sw, width, wq)
+        done = first
+        if sw == 1:
+            done = first + (last - first) // BLOCK_OUTS * BLOCK_OUTS
+            for c in range(0, whole_c, BLOCK_OUTS):
+                source = ((n * channels + c) * height + h) * width + first + b - pw
+                for q in range(first, done, BLOCK_OUTS):
+                    transpose_block(flat_x, source + q - first, height * width, xt, base + q * channels + c, channels)
         for c in range(channels):
-            for q in range(first, last):
+            for q in range(done if c < whole_c else first, last):
                 xt[base + q * channels + c] = x[n, c, h, sw * q + b - pw]
 
 

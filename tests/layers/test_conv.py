@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import snrt.threads
-from snrt.backends import cpu_channel_tiles, cpu_choice, cpu_conv, cpu_depthwise
+from snrt.backends import cpu_channel_tiles, cpu_choice, cpu_conv, cpu_depthwise, cpu_weight_tiles
 from snrt.backends.cpu_conv import ChosenConv2d, DirectConv2d
 from snrt.backends.cpu_depthwise import ROWS_MIN_WIDTH, CompiledDepthwiseConv2d
 from snrt.backends.cpu_tiles import lanes_of
@@ -210,6 +210,31 @@ def test_the_weight_gradient_over_small_maps_is_an_implicit_gemm(options, shape)
     kernel = DirectConv2d(Conv2d(out_channels=11, **options))
     assert kernel._gemm_grad_weight([x.shape], 8)
     check_layer(kernel, [x], _reference(kernel.layer))
+
+
+@pytest.mark.parametrize("options", [
+    dict(kernel=3, padding=1),
+    dict(kernel=1),
+    dict(kernel=(2, 3), padding=(1, 0), stride=(2, 3)),  # taken only when asked: six phases, rows of 1 and 2 taps
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("chunk_bytes", [None, 1])  # all pixels at once; one a chunk, the sums stored between
+def test_the_weight_gradient_by_vectors_of_output_channels(options, chunk_bytes, monkeypatch):
+    """cpu_weight_tiles: 40 output channels (float64: one block of 32 and one of 8, zeros
+    past them), 5 input channels (rows of 15 taps: groups of 6, the last partial), in float64
+    against finite differences and the reference."""
+    if chunk_bytes:
+        monkeypatch.setattr(cpu_weight_tiles, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(DirectConv2d, "_weight_tiles", lambda self, in_shapes: True)
+    x = np.random.default_rng(10).standard_normal((3, 5, 9, 7))
+    kernel = DirectConv2d(Conv2d(out_channels=40, **options))
+    check_layer(kernel, [x], _reference(kernel.layer))
+
+
+def test_the_weight_gradient_takes_the_tiles_at_stride_1_into_32_to_256_channels():
+    shape = [(2, 16, 8, 8)]
+    for outs, stride, tiles in ((16, 1, False), (32, 1, True), (256, 1, True), (512, 1, False), (64, 2, False)):
+        layer = Conv2d(out_channels=outs, kernel=3, padding=1, stride=stride)
+        assert DirectConv2d(layer)._weight_tiles(shape) is tiles
 
 
 def test_the_weight_gradient_over_larger_maps_or_few_channels_is_by_dot_products():

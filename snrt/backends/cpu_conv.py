@@ -196,8 +196,8 @@ def _channel_tiles(kernel, planes, out_map, outs, itemsize):
     no output (padding columns, a row's or a sample's last partial vector). Measured on one
     core, ms of the forward, pixel tiles -> channel tiles: 3x3 64->64 @8 b32 (80% of the lanes)
     0.86 -> 0.71, 3x3 256 @14 b8 (88%) 8.4 -> 7.6, 3x3 64 @56 b8 (88%) 9.0 -> 8.4, 1x1 512->2048
-    @7 (77%) 4.6 -> 4.2; and the other way, 1x1 1024->256 @14 b8 (94%) 4.0 -> 4.6 (its
-    channels' planes no longer in cache for every block)."""
+    @7 (77%) 4.6 -> 4.1-4.4 (its data gradient 5.9-6.0 -> 6.2); and the other way, 1x1
+    1024->256 @14 b8 (94%) 4.0 -> 4.6 (measured before the chunks of taps)."""
     lanes = lanes_of(itemsize)
     if outs % tile_channels(itemsize):
         return False
@@ -397,8 +397,8 @@ class DirectConv2d(LayerLike):
         scratch = [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in arrays_for(threads, itemsize)[taken:]]
         outs, _, kh, kw = weight_t.shape
         rows = y.shape[0] * y.shape[2]
-        pack_weight(weight_t, *phase_planes(*x.shape[2:], padding, stride), *stride, *scratch[:3], bias)
         planes = phase_planes(*x.shape[2:], padding, stride)
+        pack_weight(weight_t, *planes, *stride, *scratch[:3], bias)
         if _channel_tiles((kh, kw), planes, y.shape[2:], outs, itemsize):
             chunk = chunk_taps(x.shape[1], (kh, kw), stride[0] * stride[1], planes, itemsize)
             run_split(convolve_channel_tiles, 0, rows, threads, (x, *scratch[:3], *padding, *stride, chunk, y),
@@ -496,26 +496,44 @@ class DirectConv2d(LayerLike):
         least, most = WEIGHT_TILE_OUTS
         return self.layer.stride == (1, 1) and least <= self.layer.out_channels <= most
 
-    def _weight_tile_arrays(self, in_shapes, threads, itemsize):
-        """cpu_weight_tiles' workspace: xt (x's padded phase planes, channels last, and the taps
-        a last group reads past them), gt (gy channels last, rows of whole blocks), each output
-        pixel's window in xt, the rows of taps, the sums (gW transposed, rows of whole blocks)
-        and per thread a group's targets."""
+    def _weight_tile_samples(self, in_shapes, itemsize):
+        """Samples a chunk of cpu_weight_tiles' weight gradient copies (at least one): their xt
+        and gt about GRAD_WEIGHT_ELEMENTS values, the batch cut into chunks as even as that
+        allows."""
         n, c, h, w = in_shapes[0]
         _, o, ho, wo = self.layer.infer_shape(in_shapes)
         (hq, wq), (sh, sw) = phase_planes(h, w, self.layer.padding, self.layer.stride), self.layer.stride
-        vectors, pixels = weight_tile_shape(o, itemsize)
-        block = vectors * lanes_of(itemsize)
+        gwidth = self._weight_tile_width(o, itemsize)
+        most = max(1, min(n, GRAD_WEIGHT_ELEMENTS // (sh * sw * hq * wq * c + ho * wo * gwidth)))
+        return -(-n // -(-n // most))
+
+    @staticmethod
+    def _weight_tile_width(outs, itemsize):
+        """gt's rows: `outs` channels in whole blocks of cpu_weight_tiles' tiles."""
+        block = weight_tile_shape(outs, itemsize)[0] * lanes_of(itemsize)
+        return -(-outs // block) * block
+
+    def _weight_tile_arrays(self, in_shapes, threads, itemsize):
+        """cpu_weight_tiles' workspace: for a chunk of samples (_weight_tile_samples) xt (x's
+        padded phase planes, channels last, and the taps a last group reads past them), gt (gy
+        channels last, rows of whole blocks) and each output pixel's window in xt; the rows of
+        taps, the sums (gW transposed, rows of whole blocks) and per thread a group's
+        targets."""
+        _, c, h, w = in_shapes[0]
+        _, o, ho, wo = self.layer.infer_shape(in_shapes)
+        (hq, wq), (sh, sw) = phase_planes(h, w, self.layer.padding, self.layer.stride), self.layer.stride
+        pixels = weight_tile_shape(o, itemsize)[1]
         rows = len(weight_rows(1, self.layer.kernel, self.layer.stride, 1, 1, 1))
-        gwidth = -(-o // block) * block
-        return [((sh * sw * n * hq * wq * c + pixels,), None), ((n * ho * wo * gwidth,), None),
-                ((n * ho * wo,), INDEX), ((rows, 4), INDEX), ((c * numel(self.layer.kernel) * gwidth,), None),
+        gwidth, samples = self._weight_tile_width(o, itemsize), self._weight_tile_samples(in_shapes, itemsize)
+        return [((sh * sw * samples * hq * wq * c + pixels,), None), ((samples * ho * wo * gwidth,), None),
+                ((samples * ho * wo,), INDEX), ((rows, 4), INDEX), ((c * numel(self.layer.kernel) * gwidth,), None),
                 ((threads, pixels), INDEX)]
 
     def _grad_weight_tiles(self, ctx, gy, x, gweight):
-        """gweight by cpu_weight_tiles: x into its padded phase planes and gy into rows of output
-        channels, both channels last (split among the kernel threads), then the tiles' units
-        split among them."""
+        """gweight by cpu_weight_tiles, chunk by chunk of samples: x into its padded phase
+        planes and gy into rows of output channels, both channels last (split among the kernel
+        threads), then the tiles' units split among them, adding to the chunks before; then
+        the sums into gweight."""
         n, channels, h, w = x.shape
         outs, _, kh, kw = gweight.shape
         itemsize, (sh, sw), (ph, pw) = x.dtype.itemsize, self.layer.stride, self.layer.padding
@@ -525,16 +543,19 @@ class DirectConv2d(LayerLike):
                                                 in arrays_for(threads))
         hq, wq = phase_planes(h, w, self.layer.padding, self.layer.stride)
         vectors, pixels = weight_tile_shape(outs, itemsize)
-        gwidth = gt.size // offsets.size
-        run_split(transpose_planes, 0, sh * sw * n * hq, threads, (x, ph, pw, sh, sw, hq, wq, xt))
-        xt[sh * sw * n * hq * wq * channels:] = 0
-        run_split(outputs_last, 0, n, threads, (gy, gt))
-        pixel_offsets(n, *gy.shape[2:], hq, wq, channels, offsets)
-        rows[:] = weight_rows(channels, (kh, kw), (sh, sw), hq, wq, n)
+        gwidth, samples = self._weight_tile_width(outs, itemsize), self._weight_tile_samples([x.shape], itemsize)
         chunk = chunk_pixels(channels, vectors * lanes_of(itemsize), gy.shape[2:], sh * sw, (hq, wq), itemsize)
-        units = unit_count(rows, gwidth, vectors, pixels, itemsize)
-        run_split(weight_tiles(vectors, pixels), 0, units, threads,
-                  (xt, gt, gwidth, offsets, rows, channels, kh, kw, sw, chunk, sums), (targets,))
+        for n0 in range(0, n, samples):
+            part = min(samples, n - n0)
+            xs, gys, pixel_windows = x[n0:n0 + part], gy[n0:n0 + part], offsets[:part * numel(gy.shape[2:])]
+            run_split(transpose_planes, 0, sh * sw * part * hq, threads, (xs, ph, pw, sh, sw, hq, wq, xt))
+            xt[sh * sw * part * hq * wq * channels:] = 0
+            run_split(outputs_last, 0, part, threads, (gys, gt[:pixel_windows.size * gwidth]))
+            pixel_offsets(part, *gy.shape[2:], hq, wq, channels, pixel_windows)
+            rows[:] = weight_rows(channels, (kh, kw), (sh, sw), hq, wq, part)
+            units = unit_count(rows, gwidth, vectors, pixels, itemsize)
+            run_split(weight_tiles(vectors, pixels), 0, units, threads,
+                      (xt, gt, gwidth, pixel_windows, rows, channels, kh, kw, sw, chunk, n0 == 0, sums), (targets,))
         run_split(weights_from_sums, 0, outs, threads, (sums, gwidth, gweight))
 
     def _grad_weight(self, ctx, gy, x, gweight):

@@ -13,7 +13,9 @@ vectors * pixels multiply-adds, no lane spent on padding, nothing summed across 
 3x3 32->32 @16 b32 weight gradient: 0.74 ms on one core, against 0.83 by cpu_conv's dot
 products, 0.60 of it the tiles at 250 GFLOP/s).
 
-A thread runs its units a block of output channels at a time, the pixels by chunks
+The samples go by chunks of about GRAD_WEIGHT_ELEMENTS values of xt and gt (cpu_conv), each
+copied and then added to the sums, so the workspace stays small for large maps. A thread runs
+its units a block of output channels at a time, the pixels by chunks
 (`chunk_pixels`: their xt and the block's gt about CHUNK_BYTES), every unit of the block
 through one chunk before the next, so that a chunk is read from cache by all of them; a
 unit's sums are stored after each chunk and read back before the next, as vectors of a
@@ -58,11 +60,11 @@ def chunk_pixels(channels, block, out_map, phases, planes, itemsize):
 
 
 @intrinsic
-def weight_tile(typingctx, xt, xstart, offsets, k0, k1, gt, gstart, gwidth, sums, targets, vectors, pixels):
+def weight_tile(typingctx, xt, xstart, offsets, k0, k1, gt, gstart, gwidth, sums, targets, resume, vectors, pixels):
     """For the taps p < `pixels` and the output channels o < vectors * lanes of a block: value
     = start + sum over k0 <= k < k1 of gt[k*gwidth + gstart + o] * xt[xstart + offsets[k] +
     p], stored at sums[targets[p]*gwidth + gstart + o] for each tap whose target is not
-    negative; start is 0 for the first pixels (k0 = 0), else the value stored there.
+    negative; start is the value stored there if `resume` is not 0, else 0.
     `vectors` and `pixels`: compile-time integers. Contiguous arrays, float32 or float64;
     offsets and targets int64."""
     dtype = xt.dtype
@@ -72,11 +74,11 @@ def weight_tile(typingctx, xt, xstart, offsets, k0, k1, gt, gstart, gwidth, sums
         return None
     tile_vectors, tile_pixels = vectors.literal_value, pixels.literal_value
     lanes = lanes_of(8 if dtype == types.float64 else 4)
-    arguments = (xt, types.intp, offsets, types.intp, types.intp, gt, types.intp, types.intp, sums, targets, vectors,
-                 pixels)
+    arguments = (xt, types.intp, offsets, types.intp, types.intp, gt, types.intp, types.intp, sums, targets, types.intp,
+                 vectors, pixels)
 
     def codegen(context, builder, signature, args):
-        xstart, k0, k1, gstart, gwidth = (args[i] for i in (1, 3, 4, 6, 7))
+        xstart, k0, k1, gstart, gwidth, resume = (args[i] for i in (1, 3, 4, 6, 7, 10))
         xs, offsets_d, gs, sums_d, targets_d = (context.make_array(signature.args[i])(context, builder, args[i]).data
                                                 for i in (0, 2, 5, 8, 9))
         index = xstart.type
@@ -89,7 +91,7 @@ def weight_tile(typingctx, xt, xstart, offsets, k0, k1, gt, gstart, gwidth, sums
         stored = [[builder.add(builder.mul(targets[p], gwidth), builder.add(gstart, ir.Constant(index, v * lanes)))
                    for v in range(tile_vectors)] for p in range(tile_pixels)]
         exists = [builder.icmp_signed(">=", targets[p], ir.Constant(index, 0)) for p in range(tile_pixels)]
-        with builder.if_then(builder.icmp_signed(">", k0, ir.Constant(index, 0))):  # go on from the sums so far
+        with builder.if_then(builder.icmp_signed("!=", resume, ir.Constant(index, 0))):  # go on from the sums so far
             for p in range(tile_pixels):
                 with builder.if_then(exists[p]):
                     for v in range(tile_vectors):
@@ -150,16 +152,17 @@ def weight_rows(channels, kernel, stride, hq, wq, samples):
 
 @lru_cache(maxsize=None)
 def weight_tiles(vectors, pixels):
-    """The compiled units(xt, gt, gwidth, offsets, rows, channels, kh, kw, sw, chunk, sums,
-    u0, u1, targets) of tiles of `vectors` x `pixels` (weight_tile): the units u0 <= u < u1, u
+    """The compiled units(xt, gt, gwidth, offsets, rows, channels, kh, kw, sw, chunk, fresh,
+    sums, u0, u1, targets) of tiles of `vectors` x `pixels` (weight_tile): the units u0 <= u < u1, u
     = (block b of vectors * lanes output channels, row r of weight_rows, group g of `pixels`
     taps along it), a block's units chunk by chunk of `chunk` output pixels (offsets: each
     output pixel's window in xt, cpu_weight_gemm.pixel_offsets), into sums[k*gwidth + o] for
-    the taps k = (c, i, j) of a kh x kw kernel. A group past its row's taps does nothing.
+    the taps k = (c, i, j) of a kh x kw kernel, from 0 if `fresh`, else adding to what the
+    sums hold (a later chunk of samples). A group past its row's taps does nothing.
     targets (`pixels` int64): this thread's scratch."""
 
     @njit(**THREADED)
-    def units(xt, gt, gwidth, offsets, rows, channels, kh, kw, sw, chunk, sums, u0, u1, targets):
+    def units(xt, gt, gwidth, offsets, rows, channels, kh, kw, sw, chunk, fresh, sums, u0, u1, targets):
         count = offsets.size
         block = vectors * lanes_of(xt.itemsize)
         groups = -(-rows[:, 1].max() // pixels)
@@ -180,7 +183,7 @@ def weight_tiles(vectors, pixels):
                         c, j = e % channels, column + e // channels * sw
                         targets[p] = (c * kh + i) * kw + j if e < taps else -1
                     weight_tile(xt, first + e0, offsets, k0, min(count, k0 + chunk), gt, b * block, gwidth, sums,
-                                targets, vectors, pixels)
+                                targets, 1 if k0 > 0 or not fresh else 0, vectors, pixels)
             u = end
 
     return units

@@ -217,13 +217,16 @@ def test_the_weight_gradient_over_small_maps_is_an_implicit_gemm(options, shape)
     dict(kernel=1),
     dict(kernel=(2, 3), padding=(1, 0), stride=(2, 3)),  # taken only when asked: six phases, rows of 1 and 2 taps
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-@pytest.mark.parametrize("chunk_bytes", [None, 1])  # all pixels at once; one a chunk, the sums stored between
-def test_the_weight_gradient_by_vectors_of_output_channels(options, chunk_bytes, monkeypatch):
+@pytest.mark.parametrize("chunk_bytes, chunk_elements", [(None, None), (1, None), (None, 1)])
+def test_the_weight_gradient_by_vectors_of_output_channels(options, chunk_bytes, chunk_elements, monkeypatch):
     """cpu_weight_tiles: 40 output channels (float64: one block of 32 and one of 8, zeros
     past them), 5 input channels (rows of 15 taps: groups of 6, the last partial), in float64
-    against finite differences and the reference."""
+    against finite differences and the reference; all at once, one pixel a chunk, one sample
+    a chunk (the sums stored between chunks)."""
     if chunk_bytes:
         monkeypatch.setattr(cpu_weight_tiles, "CHUNK_BYTES", chunk_bytes)
+    if chunk_elements:
+        monkeypatch.setattr(cpu_conv, "GRAD_WEIGHT_ELEMENTS", chunk_elements)
     monkeypatch.setattr(DirectConv2d, "_weight_tiles", lambda self, in_shapes: True)
     x = np.random.default_rng(10).standard_normal((3, 5, 9, 7))
     kernel = DirectConv2d(Conv2d(out_channels=40, **options))

@@ -142,21 +142,23 @@ def copies_over_floor(plan):
 
 def _within_cap(session, memory):
     """The memory-centric Assembly `memory`, with segments kept (offloaded, not dropped) until
-    its arena is at most the own plan of the row it is capped by (offload: superneurons never
-    needs more memory than offloading alone), each rebuild `within_peak`.
+    its arena and its peak are at most those of the own plan of the row it is capped by
+    (offload: superneurons never needs more memory than offloading alone), each rebuild
+    `within_peak`.
 
     Replaying a segment holds its checkpoint and the replayed chain on the device at once,
     where offloading holds only the one prefetched tensor the backward step reads. So while
-    the plan's arena exceeds the cap's, the segments replayed around a step over the cap's
-    peak are kept and the plan is rebuilt; if that does not get there within REPLAY_ROUNDS,
-    every segment is kept: the cap's plan under this row's name.
+    the plan's arena or peak exceeds the cap's, the segments replayed around a step over the
+    cap's peak are kept and the plan is rebuilt. If the arena is not within the cap's after
+    REPLAY_ROUNDS, every segment is kept: the cap's plan under this row's name; a plan within
+    the cap's arena whose peak is still over the cap's is kept as it is.
     """
     row = memory.recipe.row
     capped = own_plan(session, policy_named(row.capped_by), memory.recipe.hide_copies)
     cap = capped.plan
     kept, current = set(), memory
     for _ in range(REPLAY_ROUNDS):
-        if fits(current, cap.arena_bytes):
+        if fits(current, cap.arena_bytes) and current.plan.peak_bytes <= cap.peak_bytes:
             return current
         over = _segments_replayed_over(current.plan, current.segments, cap.peak_bytes)
         if not over:

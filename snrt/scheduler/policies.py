@@ -32,7 +32,8 @@ from snrt.errors import SnrtError
 class Policy:
     """What a policy may do: free tensors after their last use, drop and replay cheap layers'
     outputs, copy tensors to the host and back; `capped_by` names the policy whose arena
-    this one never exceeds (its replays over that plan's peak are offloaded instead); with a
+    this one never exceeds (its replays over that plan's peak are offloaded instead, until
+    its peak is within that plan's too, where a few rounds of that get there); with a
     budget, a row that `grows` keeps on the device, in the room its plan leaves, the replayed
     segments and offloaded tensors that save the most time (its budget-optimal plan)."""
 

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import snrt
+from snrt.models.resnet import resnet
 from snrt.scheduler.fuse import planned_graph
 from snrt.scheduler.plan import Plan
 from snrt.scheduler.planner import BudgetError, make_plan
@@ -79,6 +80,17 @@ def test_superneurons_recomputes_only_where_that_costs_no_more_memory_than_offlo
     kept = [n for n in graph.nodes if snrt.LAYERS[graph[n].layer.type_name].recompute_cost == "cheap"
             and n not in replayed and n in offloaded]
     assert kept  # ... and some cheap layers' outputs are offloaded instead at this batch
+
+
+def test_superneurons_peak_stays_within_offloads_where_replaying_the_stem_would_raise_it():
+    # at 227x227 in bf16, replaying the stem at the end of the backward peaks over offload's
+    # plan while still inside its arena: those segments are offloaded instead
+    graph = resnet(stages=(1, 1, 100, 1), image_size=227)
+    offload, superneurons = (make_plan(graph, 16, p, stream_parameters=True, precision="bf16")
+                             for p in ("offload", "superneurons"))
+    assert superneurons.peak_bytes <= offload.peak_bytes
+    assert superneurons.arena_bytes <= offload.arena_bytes
+    assert any(s.kind == "recompute" for s in superneurons.steps)  # still replays the other segments
 
 
 def test_recompute_replays_only_cheap_layers():

@@ -2,22 +2,23 @@
 
 cpu_tiles' vectors hold output pixels. Over maps narrower than a vector (the 14x14, 8x8 and
 7x7 maps of ResNets' last stages) they run along t = h*Wq + w across rows and compute the
-padding columns too: an 8x8 map's vectors are 80% outputs, a 7x7's 78%, a 4x4's 67%, and
-every tap's pixel vectors are loads that straddle cache lines. Here the vectors hold output
-channels: a tile is `pixels` output pixels, each read from its own place in the padded planes
-(`bases`), by `vectors` vectors of consecutive output channels. For each tap k = (c, i, j) it
-loads the block's weight vectors (wpack[b, k, :], contiguous) and broadcasts each pixel's
-input value x[bases[p] + offsets[k]]: vectors + pixels loads for vectors * pixels multiply-adds
-(4 + 6 for 24 with AVX-512's 32 registers), no lane computing padding. The price is the
-store: each sum vector is one pixel's outputs, a value every H*W in NCHW, stored lane by lane
-once per tile (after the C*kh*kw taps). Each block of output channels runs all the tiles of
-two samples in turn, its weights read from cache (tile by tile, a 1x1 512->2048's 4 MB weight
-was read again for every 6 pixels: slower than cpu_tiles).
+padding columns too: an 8x8 map's vectors are 80% outputs, a 7x7's 78%, and every tap's
+pixel vectors are loads that straddle cache lines; rows that are not whole vectors (56 or 28
+wide) end in a partial one. Here the vectors hold output channels: a tile is TILE_PIXELS
+output pixels, each read from its own place in the padded planes (`bases`), by TILE_VECTORS
+vectors of consecutive output channels. For each tap k = (c, i, j) it loads the block's
+weight vectors (wpack[b, k, :], contiguous) and broadcasts each pixel's input value
+x[bases[p] + offsets[k]]: 4 + 6 loads for 24 multiply-adds with AVX-512's 32 registers, no
+lane computing padding. The price is the store: each sum vector is one pixel's outputs, a
+value every H*W in NCHW, stored lane by lane once per chunk of taps.
 
-The input is padded and split into phase planes as cpu_tiles pads it (two samples at a time,
-`padded_values`), the weight packed by cpu_tiles.pack_weight into blocks of
-`vectors * lanes` output channels; a layer serves when its output channels are a whole number
-of such blocks (`tile_shape`). Each output value is the same chain of multiply-adds as in
+Each block of output channels runs all the tiles of two samples in turn, a chunk of taps at a
+time (`chunk_taps`: that block's weights of the chunk and the rows of the planes its tiles
+read at a time, about CHUNK_BYTES), so that both are read from cache; between chunks the sums
+are stored and read back. The input is padded and split into phase planes as cpu_tiles pads
+it (two samples at a time, `padded_values`), the weight packed by cpu_tiles.pack_weight into
+blocks of tile_channels; a layer serves when its output channels are a whole number of such
+blocks (cpu_conv._channel_tiles). Each output value is the same chain of multiply-adds as in
 cpu_tiles (bias, then the taps in order, one fused multiply-add each): the same bits as the
 pixel tiles, on any number of threads.
 """
@@ -109,13 +110,15 @@ def channel_tile(typingctx, x, bases, offsets, k0, k1, w, wstart, bias, bstart, 
     return types.void(*arguments), codegen
 
 
-def chunk_taps(channels, kernel, phases, planes, itemsize):
+def chunk_taps(channels, kernel, stride, planes, itemsize):
     """Taps of a chunk (cpu_channel_tiles' convolve): the taps of as many input channels (at
-    least one) as fit CHUNK_BYTES with their planes in the two samples of a group (`phases`
-    planes of (Hq, Wq) each) and their weights in one block."""
-    taps = kernel[0] * kernel[1]
-    per_channel = (2 * phases * planes[0] * planes[1] + taps * tile_channels(itemsize)) * itemsize
-    return max(1, min(channels, CHUNK_BYTES // per_channel)) * taps
+    least one) as fit CHUNK_BYTES with their weights in one block and the rows of their
+    planes that tiles read at a time (a tile's pixels may span two output rows, each reading
+    kh // sh + 1 rows of every phase plane)."""
+    (kh, kw), (sh, sw) = kernel, stride
+    rows = sh * sw * (kh // sh + 2) * planes[1]
+    per_channel = (rows + kh * kw * tile_channels(itemsize)) * itemsize
+    return max(1, min(channels, CHUNK_BYTES // per_channel)) * kh * kw
 
 
 def group_pixels(ho, wo):
@@ -133,8 +136,8 @@ def convolve_channel_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, chunk, y, 
     targets: where it is stored in y), filled up to whole tiles with the last pixel again,
     stored nowhere; then, `chunk` taps at a time (chunk_taps), each block of output channels
     runs every tile of the group, so that a block's weights are read from cache while they
-    serve the whole group, and the group's planes of those taps stay in cache from one block
-    to the next. xpad, bases and targets (group_pixels int64): this thread's scratch."""
+    serve the whole group, and the rows of those taps' planes that the tiles read stay in
+    cache from one block to the next. xpad, bases and targets (group_pixels int64): this thread's scratch."""
     outs, ho, wo = y.shape[1], y.shape[2], y.shape[3]
     hq, wq = phase_planes(x.shape[2], x.shape[3], (ph, pw), (sh, sw))
     blocks, taps, width = wpack.shape[0], wpack.shape[1], wpack.shape[2]

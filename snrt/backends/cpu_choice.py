@@ -43,7 +43,7 @@ VARIABLE = "SNRT_CPU_KERNELS"
 ROUNDS = 5  # timed calls of each candidate
 MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
-REVISION = 21  # of the kernels and the rule: raised when one changes (21: the weight gradient by cpu_weight_tiles)
+REVISION = 22  # of the kernels and the rule: raised when one changes (22: channel tiles chunked by the rows they read)
 _CHOSEN = {}  # key: its entry ({"kernel", "seconds"}), this process's choices
 
 

@@ -69,9 +69,6 @@ from numba import njit
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_threads, threads_for
 from snrt.backends.cpu_channel_tiles import chunk_taps, convolve_channel_tiles, group_pixels, tile_channels
 from snrt.backends.cpu_parallel import run_split
-from snrt.backends.cpu_weight_tiles import (chunk_pixels, outputs_last, unit_count, weight_rows, weight_tiles,
-                                            weights_from_sums)
-from snrt.backends.cpu_weight_tiles import tile_shape as weight_tile_shape
 from snrt.backends.cpu_dots import BLOCK, dots
 from snrt.backends.cpu_tiles import (BLOCK_OUTS, INDEX, PIXEL_VECTORS, convolve_tiles, fill_phase, lanes_of, pack_weight,
                                     padded_values, phase_planes, pointwise_tiles, pointwise_vectors, tap_offsets)
@@ -85,7 +82,6 @@ GEMM_PIXELS = 128  # output maps below which the weight gradient is an implicit 
 SCATTER_SPLIT = 1 << 17  # gx values from which scatter_phase's maps are split among the kernel threads
 GRAD_WEIGHT_ELEMENTS = 1 << 20  # padded x and gy values per weight-gradient chunk: about 4 MB of fp32
 POINTWISE_SPAN_ELEMENTS = 1 << 22  # x and gy values per span of a 1x1's weight gradient (read in place)
-WEIGHT_TILE_OUTS = (32, 256)  # output channels (least, most) whose stride-1 weight gradient is cpu_weight_tiles'
 CHANNEL_TILES_BELOW = 0.9  # share of output lanes under which cpu_channel_tiles computes a convolution
 REPEATS_MARGIN = 1.05  # blocks along the taps where they repeat this much fewer rows (block_shape)
 
@@ -192,19 +188,18 @@ def _pointwise(kernel, planes, itemsize):
 def _channel_tiles(kernel, planes, out_map, outs, itemsize):
     """Whether cpu_channel_tiles computes a convolution with `kernel` over padded planes `planes`
     (Hq, Wq) into `outs` maps of `out_map` (Ho, Wo) pixels: where its blocks hold the channels
-    whole and cpu_tiles' vectors would spend more than 1 - CHANNEL_TILES_BELOW of their lanes on
-    no output (padding columns, a row's or a sample's last partial vector). Measured on one
-    core, ms of the forward, pixel tiles -> channel tiles: 3x3 64->64 @8 b32 (80% of the lanes)
-    0.86 -> 0.71, 3x3 256 @14 b8 (88%) 8.4 -> 7.6, 3x3 64 @56 b8 (88%) 9.0 -> 8.4, 1x1 512->2048
-    @7 (77%) 4.6 -> 4.1-4.4 (its data gradient 5.9-6.0 -> 6.2); and the other way, 1x1
-    1024->256 @14 b8 (94%) 4.0 -> 4.6 (measured before the chunks of taps)."""
+    whole, it is no pointwise_tiles 1x1, and cpu_tiles' vectors would spend more than 1 -
+    CHANNEL_TILES_BELOW of their lanes on no output (padding columns, a row's last partial
+    vector). Measured on 2 threads, ms, pixel tiles -> channel tiles, forward and data
+    gradient: 3x3 512->512 @7 b8 (78% of the lanes) 5.5-6.6 -> 4.6-5.5 and 6.7-8.0 -> 5.5-6.1;
+    3x3 256 @14 b8 (88%) 4.5 -> 4.2-4.3; 3x3 64 @56 b8 (88%) 4.65 -> 4.3-4.5 and 4.8-5.0 ->
+    4.3-4.6. A 1x1 of 49 pixels (77% in pointwise_tiles' vectors) measured its forward 2.5 ->
+    2.3 but its data gradient 3.5-3.6 -> 3.8-3.9 (1x1 512->2048 @7), so 1x1s keep theirs."""
     lanes = lanes_of(itemsize)
-    if outs % tile_channels(itemsize):
+    if outs % tile_channels(itemsize) or _pointwise(kernel, planes, itemsize):
         return False
     (ho, wo), wq = out_map, planes[1]
-    if _pointwise(kernel, planes, itemsize):
-        lanes_computed = -(-ho * wo // lanes) * lanes  # per sample
-    elif wo >= lanes:
+    if wo >= lanes:
         lanes_computed = ho * -(-wo // lanes) * lanes  # row by row
     else:
         lanes_computed = -(-ho * wq // lanes) * lanes  # along the rows with their padding
@@ -381,8 +376,6 @@ class DirectConv2d(LayerLike):
 
     def _grad_weight_bytes(self, in_shapes, threads, itemsize):
         """The weight gradient's workspace: a 1x1's GEMM arrays, or the padded planes."""
-        if self._weight_tiles(in_shapes):
-            return _size(self._weight_tile_arrays(in_shapes, threads, itemsize), itemsize)
         return (_size(self._gemm_arrays(in_shapes, threads, itemsize), itemsize)
                 if self._gemm_grad_weight(in_shapes, itemsize) else _size(self._grad_weight_arrays(in_shapes), itemsize))
 
@@ -400,7 +393,7 @@ class DirectConv2d(LayerLike):
         planes = phase_planes(*x.shape[2:], padding, stride)
         pack_weight(weight_t, *planes, *stride, *scratch[:3], bias)
         if _channel_tiles((kh, kw), planes, y.shape[2:], outs, itemsize):
-            chunk = chunk_taps(x.shape[1], (kh, kw), stride[0] * stride[1], planes, itemsize)
+            chunk = chunk_taps(x.shape[1], (kh, kw), stride, planes, itemsize)
             run_split(convolve_channel_tiles, 0, rows, threads, (x, *scratch[:3], *padding, *stride, chunk, y),
                       scratch[3:])
             return
@@ -485,79 +478,6 @@ class DirectConv2d(LayerLike):
         run_split(gemm_tiles, 0, units, threads, (xt, gpack, offsets, zeros, n, channels, hq, wq, sh, sw, gweight),
                   (targets,))
 
-    def _weight_tiles(self, in_shapes):
-        """Whether the weight gradient is cpu_weight_tiles': at stride 1 into WEIGHT_TILE_OUTS
-        output channels. Measured on one core against the dot products and the implicit GEMM
-        (ms): 3x3 32->32 @16 b32 0.83 -> 0.74, 64->64 @8 b32 0.77-0.85 -> 0.71, 256->256 @14 b8
-        10.5-11.0 -> 9.5-9.6, 1x1 256->64 @56 b8 9.2 -> 7.6, 1024->256 @14 6.7 -> 5.9-6.4; 64->64
-        @56 and 128->128 @28 even. Slower: 16 output channels (16->16 @32 b32 0.83 -> 0.91, one
-        vector of them a tile), 512 and more (1x1 512->2048 @7 4.5 -> 5.9, 128->512 @28 6.1-6.8
-        -> 7.7), at a stride (3x3/2 16->32 @32 0.68 -> 0.95, 128 @56 13.4 -> 15.4)."""
-        least, most = WEIGHT_TILE_OUTS
-        return self.layer.stride == (1, 1) and least <= self.layer.out_channels <= most
-
-    def _weight_tile_samples(self, in_shapes, itemsize):
-        """Samples a chunk of cpu_weight_tiles' weight gradient copies (at least one): their xt
-        and gt about GRAD_WEIGHT_ELEMENTS values, the batch cut into chunks as even as that
-        allows."""
-        n, c, h, w = in_shapes[0]
-        _, o, ho, wo = self.layer.infer_shape(in_shapes)
-        (hq, wq), (sh, sw) = phase_planes(h, w, self.layer.padding, self.layer.stride), self.layer.stride
-        gwidth = self._weight_tile_width(o, itemsize)
-        most = max(1, min(n, GRAD_WEIGHT_ELEMENTS // (sh * sw * hq * wq * c + ho * wo * gwidth)))
-        return -(-n // -(-n // most))
-
-    @staticmethod
-    def _weight_tile_width(outs, itemsize):
-        """gt's rows: `outs` channels in whole blocks of cpu_weight_tiles' tiles."""
-        block = weight_tile_shape(outs, itemsize)[0] * lanes_of(itemsize)
-        return -(-outs // block) * block
-
-    def _weight_tile_arrays(self, in_shapes, threads, itemsize):
-        """cpu_weight_tiles' workspace: for a chunk of samples (_weight_tile_samples) xt (x's
-        padded phase planes, channels last, and the taps a last group reads past them), gt (gy
-        channels last, rows of whole blocks) and each output pixel's window in xt; the rows of
-        taps, the sums (gW transposed, rows of whole blocks) and per thread a group's
-        targets."""
-        _, c, h, w = in_shapes[0]
-        _, o, ho, wo = self.layer.infer_shape(in_shapes)
-        (hq, wq), (sh, sw) = phase_planes(h, w, self.layer.padding, self.layer.stride), self.layer.stride
-        pixels = weight_tile_shape(o, itemsize)[1]
-        rows = len(weight_rows(1, self.layer.kernel, self.layer.stride, 1, 1, 1))
-        gwidth, samples = self._weight_tile_width(o, itemsize), self._weight_tile_samples(in_shapes, itemsize)
-        return [((sh * sw * samples * hq * wq * c + pixels,), None), ((samples * ho * wo * gwidth,), None),
-                ((samples * ho * wo,), INDEX), ((rows, 4), INDEX), ((c * numel(self.layer.kernel) * gwidth,), None),
-                ((threads, pixels), INDEX)]
-
-    def _grad_weight_tiles(self, ctx, gy, x, gweight):
-        """gweight by cpu_weight_tiles, chunk by chunk of samples: x into its padded phase
-        planes and gy into rows of output channels, both channels last (split among the kernel
-        threads), then the tiles' units split among them, adding to the chunks before; then
-        the sums into gweight."""
-        n, channels, h, w = x.shape
-        outs, _, kh, kw = gweight.shape
-        itemsize, (sh, sw), (ph, pw) = x.dtype.itemsize, self.layer.stride, self.layer.padding
-        arrays_for = lambda count: self._weight_tile_arrays([x.shape], count, itemsize)  # noqa: E731
-        threads = fitting_threads(ctx.workspace.nbytes, lambda count: _size(arrays_for(count), itemsize))
-        xt, gt, offsets, rows, sums, targets = (ctx.scratch(shape, dtype or x.dtype) for shape, dtype
-                                                in arrays_for(threads))
-        hq, wq = phase_planes(h, w, self.layer.padding, self.layer.stride)
-        vectors, pixels = weight_tile_shape(outs, itemsize)
-        gwidth, samples = self._weight_tile_width(outs, itemsize), self._weight_tile_samples([x.shape], itemsize)
-        chunk = chunk_pixels(channels, vectors * lanes_of(itemsize), gy.shape[2:], sh * sw, (hq, wq), itemsize)
-        for n0 in range(0, n, samples):
-            part = min(samples, n - n0)
-            xs, gys, pixel_windows = x[n0:n0 + part], gy[n0:n0 + part], offsets[:part * numel(gy.shape[2:])]
-            run_split(transpose_planes, 0, sh * sw * part * hq, threads, (xs, ph, pw, sh, sw, hq, wq, xt))
-            xt[sh * sw * part * hq * wq * channels:] = 0
-            run_split(outputs_last, 0, part, threads, (gys, gt[:pixel_windows.size * gwidth]))
-            pixel_offsets(part, *gy.shape[2:], hq, wq, channels, pixel_windows)
-            rows[:] = weight_rows(channels, (kh, kw), (sh, sw), hq, wq, part)
-            units = unit_count(rows, gwidth, vectors, pixels, itemsize)
-            run_split(weight_tiles(vectors, pixels), 0, units, threads,
-                      (xt, gt, gwidth, pixel_windows, rows, channels, kh, kw, sw, chunk, n0 == 0, sums), (targets,))
-        run_split(weights_from_sums, 0, outs, threads, (sums, gwidth, gweight))
-
     def _grad_weight(self, ctx, gy, x, gweight):
         """gweight (O, C, kh, kw) by weight_grad_rows, its blocks of weights split among the
         kernel threads (a 1x1 over small maps: _grad_weight_gemm): of a 1x1 kernel from x and gy
@@ -566,9 +486,6 @@ class DirectConv2d(LayerLike):
         if self.unit_stride:
             z, rest = self._subsample(ctx, x)
             self.unit_stride._grad_weight(rest, gy, z, gweight)
-            return
-        if self._weight_tiles([x.shape]):
-            self._grad_weight_tiles(ctx, gy, x, gweight)
             return
         if self._gemm_grad_weight([x.shape], x.dtype.itemsize):
             self._grad_weight_gemm(ctx, gy, x, gweight)

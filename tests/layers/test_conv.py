@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import snrt.threads
-from snrt.backends import cpu_channel_tiles, cpu_choice, cpu_conv, cpu_depthwise, cpu_weight_tiles
+from snrt.backends import cpu_channel_tiles, cpu_choice, cpu_conv, cpu_depthwise
 from snrt.backends.cpu_conv import ChosenConv2d, DirectConv2d
 from snrt.backends.cpu_depthwise import ROWS_MIN_WIDTH, CompiledDepthwiseConv2d
 from snrt.backends.cpu_tiles import lanes_of
@@ -133,7 +133,6 @@ def test_direct_pointwise_convolution(bias):
 @pytest.mark.parametrize("options", [
     dict(kernel=3, padding=1),
     dict(kernel=3, padding=1, stride=2),  # the forward through x's phase planes, gx phase by phase
-    dict(kernel=1),  # x copied into its planes, no padding
     dict(kernel=(3, 1), padding=(1, 0), bias=False),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("outs", [32, 64])  # float64: one block of 4 vectors of 8 channels, two
@@ -155,14 +154,13 @@ def test_narrow_maps_convolve_by_vectors_of_output_channels(options, outs):
     ((3, 3), (10, 10), (8, 8), 48, False),  # not a whole block of channels
     ((3, 3), (18, 18), (16, 16), 64, False),  # a whole vector a row
     ((3, 3), (58, 58), (56, 56), 64, True),  # rows of 3.5 vectors
-    ((1, 1), (14, 14), (14, 14), 256, False),  # 196 pixels a sample: 13 vectors, 94% outputs
-    ((1, 1), (7, 7), (7, 7), 2048, True),  # 49: 4 vectors, 77%
+    ((1, 1), (7, 7), (7, 7), 2048, False),  # a 1x1 of 49 pixels: pointwise_tiles (x read where it is)
 ])
 def test_channel_tiles_serve_where_pixel_vectors_waste_lanes(kernel, planes, out_map, outs, served):
     assert cpu_conv._channel_tiles(kernel, planes, out_map, outs, 4) is served
 
 
-@pytest.mark.parametrize("options", [dict(kernel=3, padding=1), dict(kernel=3, padding=1, stride=2), dict(kernel=1)],
+@pytest.mark.parametrize("options", [dict(kernel=3, padding=1), dict(kernel=3, padding=1, stride=2)],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("chunk_bytes", [None, 1])  # all taps at once; a channel's taps a chunk, sums stored between
 def test_channel_tiles_compute_the_same_bits_as_pixel_tiles(options, chunk_bytes, monkeypatch):
@@ -201,7 +199,8 @@ def test_channel_tiles_compute_the_same_bits_as_pixel_tiles(options, chunk_bytes
     dict(kernel=3, padding=1, stride=2),  # two phases of x's planes each way
     dict(kernel=(2, 3), padding=(1, 0), stride=(2, 3)),  # six phases, taps past some phases' reach
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-@pytest.mark.parametrize("shape", [(3, 20, 7, 7), (2, 9, 4, 5)])  # 20 channels: 3 vectors of 8, the last in part
+@pytest.mark.parametrize("shape", [(3, 20, 7, 7), (2, 9, 4, 5), (2, 16, 10, 10)])  # 20 channels: 3 vectors of 8,
+# the last in part; 16 channels of 10 columns: x's planes by 8 x 8 blocks transposed (stride 1), and the rest
 def test_the_weight_gradient_over_small_maps_is_an_implicit_gemm(options, shape):
     """Output maps under GEMM_PIXELS and at least a vector of input channels: gweight by
     cpu_weight_gemm (x in padded phase planes with the channels last, vectors of input
@@ -210,34 +209,6 @@ def test_the_weight_gradient_over_small_maps_is_an_implicit_gemm(options, shape)
     kernel = DirectConv2d(Conv2d(out_channels=11, **options))
     assert kernel._gemm_grad_weight([x.shape], 8)
     check_layer(kernel, [x], _reference(kernel.layer))
-
-
-@pytest.mark.parametrize("options", [
-    dict(kernel=3, padding=1),
-    dict(kernel=1),
-    dict(kernel=(2, 3), padding=(1, 0), stride=(2, 3)),  # taken only when asked: six phases, rows of 1 and 2 taps
-], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-@pytest.mark.parametrize("chunk_bytes, chunk_elements", [(None, None), (1, None), (None, 1)])
-def test_the_weight_gradient_by_vectors_of_output_channels(options, chunk_bytes, chunk_elements, monkeypatch):
-    """cpu_weight_tiles: 40 output channels (float64: one block of 32 and one of 8, zeros
-    past them), 5 input channels (rows of 15 taps: groups of 6, the last partial), in float64
-    against finite differences and the reference; all at once, one pixel a chunk, one sample
-    a chunk (the sums stored between chunks)."""
-    if chunk_bytes:
-        monkeypatch.setattr(cpu_weight_tiles, "CHUNK_BYTES", chunk_bytes)
-    if chunk_elements:
-        monkeypatch.setattr(cpu_conv, "GRAD_WEIGHT_ELEMENTS", chunk_elements)
-    monkeypatch.setattr(DirectConv2d, "_weight_tiles", lambda self, in_shapes: True)
-    x = np.random.default_rng(10).standard_normal((3, 5, 9, 7))
-    kernel = DirectConv2d(Conv2d(out_channels=40, **options))
-    check_layer(kernel, [x], _reference(kernel.layer))
-
-
-def test_the_weight_gradient_takes_the_tiles_at_stride_1_into_32_to_256_channels():
-    shape = [(2, 16, 8, 8)]
-    for outs, stride, tiles in ((16, 1, False), (32, 1, True), (256, 1, True), (512, 1, False), (64, 2, False)):
-        layer = Conv2d(out_channels=outs, kernel=3, padding=1, stride=stride)
-        assert DirectConv2d(layer)._weight_tiles(shape) is tiles
 
 
 def test_the_weight_gradient_over_larger_maps_or_few_channels_is_by_dot_products():

@@ -137,7 +137,8 @@ def convolve_channel_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, chunk, y, 
     stored nowhere; then, `chunk` taps at a time (chunk_taps), each block of output channels
     runs every tile of the group, so that a block's weights are read from cache while they
     serve the whole group, and the rows of those taps' planes that the tiles read stay in
-    cache from one block to the next. xpad, bases and targets (group_pixels int64): this thread's scratch."""
+    cache from one block to the next. xpad, bases and targets (group_pixels int64): this
+    thread's scratch."""
     outs, ho, wo = y.shape[1], y.shape[2], y.shape[3]
     hq, wq = phase_planes(x.shape[2], x.shape[3], (ph, pw), (sh, sw))
     blocks, taps, width = wpack.shape[0], wpack.shape[1], wpack.shape[2]

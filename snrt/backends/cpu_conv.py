@@ -5,10 +5,11 @@ GEMM; for 3x3 kernels on small maps (CIFAR's ResNets) that copy costs as much as
 Here:
 
 - forward: y = conv(x, W) + b by the broadcast multiply-add tiles of cpu_tiles (vectors of
-  output pixels, at any stride through the input's phase planes), or, into output maps
-  narrower than a vector whose channels fill whole tiles, by cpu_channel_tiles' (vectors of
-  output channels, no lane spent on padding; `_channel_tiles`), output rows split evenly
-  among the kernel threads;
+  output pixels, at any stride through the input's phase planes), or, where those vectors
+  would be under CHANNEL_TILES_BELOW outputs (narrow maps, rows of partial vectors) and the
+  output channels fill whole tiles, by cpu_channel_tiles' (vectors of output channels, no
+  lane spent on padding; `_channel_tiles`), output rows split evenly among the kernel
+  threads;
 - data gradient: for stride 1, gx is the convolution of gy zero-padded by (kh-1-ph,
   kw-1-pw) with the flipped, transposed weight W'[c, o, i, j] = W[o, c, kh-1-i, kw-1-j],
   so the tiles compute it too;
@@ -314,8 +315,8 @@ class DirectConv2d(LayerLike):
         _, o, ho, wo = self.layer.infer_shape(in_shapes)
         u, v = self._phase_taps(phase)
         return [((n, c, ho + u - 1, wo + v - 1), None),
-                *self._tile_arrays(o, c, (ho + 2 * (u - 1), wo + 2 * (v - 1)), 1, (ho + u - 1, wo + v - 1), threads, itemsize,
-                                   (u, v))]
+                *self._tile_arrays(o, c, (ho + 2 * (u - 1), wo + 2 * (v - 1)), 1, (ho + u - 1, wo + v - 1), threads,
+                                   itemsize, (u, v))]
 
     def _phases(self):
         """gx's phases (a, b) at the layer's stride that some taps reach."""

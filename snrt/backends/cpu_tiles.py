@@ -116,10 +116,7 @@ def fma_tile(typingctx, x, p0, p1, offsets, w, wstart, bias, y, ystart, targets,
         count = builder.extract_value(arrays[1].shape, 0)
         index = p0_v.type
         vector, fma, broadcast = vector_ops(builder, dtype, lanes)
-
-        def at(pointer, i):
-            return builder.gep(pointer, [i if isinstance(i, ir.Value) else ir.Constant(index, i)])
-
+        at, _ = addressing(builder, index, vector)
         sums = [[cgutils.alloca_once_value(builder, broadcast(builder.load(at(biases, o))))
                  for _ in range(PIXEL_VECTORS)] for o in range(BLOCK_OUTS)]  # promoted to registers
         starts = [at(xs, p) for p in (p0_v, p1_v)]
@@ -177,9 +174,7 @@ def fma_run(typingctx, plane, kh, kw, row_step, column_step, taps, bias, out, co
         vector, fma, broadcast = vector_ops(builder, dtype, lanes)
         index = count_v.type
         step = ir.Constant(index, RUN_VECTORS * lanes)
-
-        def at(pointer, offset):
-            return builder.bitcast(builder.gep(pointer, [offset]), vector.as_pointer())
+        _, at = addressing(builder, index, vector)
 
         start_bias = broadcast(context.cast(builder, bias_v, signature.args[6], dtype))
         groups = builder.sdiv(builder.add(count_v, ir.Constant(index, RUN_VECTORS * lanes - 1)), step)
@@ -227,9 +222,7 @@ def fma_channel_run(typingctx, source, base, offsets, taps, bias, with_bias, out
         _, masked_load, masked_store, lane_mask = vector_memory(builder, dtype, lanes)
         index = count_v.type
         step = ir.Constant(index, RUN_VECTORS * lanes)
-
-        def at(pointer, offset):
-            return builder.bitcast(builder.gep(pointer, [offset]), vector.as_pointer())
+        _, at = addressing(builder, index, vector)
 
         zero = ir.Constant(vector, [0.0] * lanes)
         groups = builder.sdiv(builder.add(count_v, ir.Constant(index, RUN_VECTORS * lanes - 1)), step)
@@ -280,8 +273,9 @@ def pack_weight(weight, hq, wq, sh, sw, wpack, biases, offsets, bias):
     """Fill wpack (blocks, K, width) with weight (O, C, kh, kw), any strides, as wpack[b, (c, i,
     j), o] = weight[b*width + o, c, i, j] (zeros past O; width a multiple of BLOCK_OUTS:
     BLOCK_OUTS for fma_tile, a tile's channels for cpu_channel_tiles), the blocks split among
-    the kernel threads (pack_rows where the weight is C-contiguous, as a layer's is, pack_flipped
-    where it is the data gradient's flipped, transposed view of one, else pack_blocks); biases (blocks*width,) with `bias` (empty: none, zeros) and offsets (K,) with
+    the kernel threads (pack_rows where the weight is C-contiguous, as a layer's is,
+    pack_flipped where it is the data gradient's flipped, transposed view of one, else
+    pack_blocks); biases (blocks*width,) with `bias` (empty: none, zeros) and offsets (K,) with
     where each tap reads in the phase planes (Hq, Wq) at stride (sh, sw) (tap_offsets)."""
     outs, channels, kh, kw = weight.shape
     threads = threads_for(wpack.size, PACK_SPLIT)
@@ -317,9 +311,7 @@ def transpose_block(typingctx, source, source_start, row_stride, target, target_
                             for i, v in ((0, source_v), (3, target_v)))
         vector, _, _ = vector_ops(builder, dtype, size)
         index, align = source_start_v.type, 4 if dtype == types.float32 else 8
-
-        def at(pointer, offset):
-            return builder.bitcast(builder.gep(pointer, [offset]), vector.as_pointer())
+        _, at = addressing(builder, index, vector)
 
         rows = [builder.load(at(sources, builder.add(source_start_v, builder.mul(stride_v, ir.Constant(index, r)))),
                              align=align) for r in range(size)]

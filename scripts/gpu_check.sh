@@ -17,19 +17,20 @@
 # the check installs every wheel found there into .wheels/site first.
 #
 # Stages, each time-boxed (a stage that fails or runs out of time is recorded, and the others
-# still run), in this order: the environment and device; tests/backends and the rest of the
-# suite, side by side (pytest-xdist); ResNet-50 batch 32 at 224x224 under every policy
-# (bench_gpu.py, each iteration after the second a replayed CUDA graph); PyTorch's ResNet-50 at
-# the same batch (bench_torch.py: fp32 with TF32 off, then PyTorch's defaults, each also with
-# checkpoint_sequential); none and superneurons step by step (--no-cuda-graph); snrt's policy auto in half
-# the memory PyTorch's checkpoint_sequential took; three iterations of `snrt train
-# configs/resnet2500.yaml --backend cuda` at its own settings; ResNet-50 in tf32 under none and
-# superneurons, under none with cuDNN's non-deterministic engines admitted, and unfused
+# still run), in this order: the environment and device; tests/backends and the rest of the suite,
+# side by side (pytest-xdist); ResNet-50 batch 32 at 224x224 under every policy (bench_gpu.py,
+# each iteration after the second a replayed CUDA graph); PyTorch's ResNet-50 at the same batch
+# (bench_torch.py: fp32 with TF32 off, then PyTorch's defaults, each also with
+# checkpoint_sequential); none and superneurons step by step (--no-cuda-graph); snrt's policy auto
+# in half the memory PyTorch's checkpoint_sequential took; ResNet-50 in tf32 under none and
+# superneurons; five iterations of `snrt train configs/resnet2500.yaml --backend cuda` at its own
+# settings; ResNet-50 under none with cuDNN's non-deterministic engines admitted, and unfused
 # (--no-fuse) under none and superneurons (the last stage). The report opens with the targets
 # of the GPU work, measured or not. On one H100 the whole check took under 5 minutes before
 # cuDNN's engines were timed; on one H200 a first run (engines timed, 2026-11-27) did not
 # finish in 430 s without the rest of the suite: the engine choices are kept in the cache
-# folder for the next run (SNRT_CACHE_DIR moves it).
+# folder for the next run (SNRT_CACHE_DIR moves it). With them kept, `--no-rest --seconds 450`
+# ran every stage in 7 min 30 s on one H200 (2026-11-28).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -162,10 +163,10 @@ print(rows['fp32+checkpoint']['peak_bytes'] // 2)" 2> /dev/null); then
         run_stage bench-snrt-auto 90 "$python" scripts/bench_gpu.py --policies auto --budget "$half" \
             --out "$work/bench-snrt-auto.json"
     fi
-    run_stage resnet2500 200 "$python" -m snrt train configs/resnet2500.yaml --backend cuda --iterations 3 --no-eval \
-        --no-progress --out "$work/resnet2500"
     run_stage bench-snrt-tf32 90 "$python" scripts/bench_gpu.py --precision tf32 --policies none superneurons \
         --out "$work/bench-snrt-tf32.json"
+    run_stage resnet2500 200 "$python" -m snrt train configs/resnet2500.yaml --backend cuda --iterations 5 --no-eval \
+        --no-progress --out "$work/resnet2500"
     run_stage bench-snrt-nondeterministic 60 "$python" scripts/bench_gpu.py --nondeterministic --policies none \
         --out "$work/bench-snrt-nondeterministic.json"
     run_stage bench-snrt-unfused 90 "$python" scripts/bench_gpu.py --no-fuse --policies none superneurons \

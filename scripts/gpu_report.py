@@ -70,13 +70,21 @@ def read_tests(path):
     return {**counts, "passed_ids": passed, "failures": failed, "skip_reasons": skipped}
 
 
+STEADY_AFTER = 2  # iterations of a training run before its steady state: the first builds and times, the second is captured
+
+
 def read_resnet2500(folder):
+    """The ResNet-2500 run's summary with its iterations' seconds and `steady_images_per_s`:
+    images/s at the median of the iterations after the first STEADY_AFTER (the summary's mean
+    of every iteration after the first where there are no such)."""
     summary = read_json(folder / "summary.json")
     if summary is None:
         return None
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     seconds = [m["seconds"] for m in metrics]
-    return {**summary, "seconds_per_iteration": seconds}
+    steady = seconds[STEADY_AFTER:]
+    images_per_s = summary["batch"] / statistics.median(steady) if steady else summary["mean_images_per_s"]
+    return {**summary, "seconds_per_iteration": seconds, "steady_images_per_s": images_per_s}
 
 
 def collect(work):
@@ -156,7 +164,7 @@ def targets(report):
         ("moonshot: superneurons peak / PyTorch fp32 peak", "<=", 1 / 3,
          _ratio(sn_peak, _get(torch.get("fp32"), "peak_bytes"))),
         ("ResNet-2500 (batch 16, 227x227, superneurons) images/s", ">=", 3 * PAPER_RESNET2500_IMAGES_PER_S,
-         _get(r2500, "mean_images_per_s")),
+         _get(r2500, "steady_images_per_s")),
         ("ResNet-2500 measured peak (GiB; inside 12 GiB and equal to the plan's)", "<=", 12.0,
          None if r2500 is None or r2500["measured_peak_device_bytes"] != r2500["predicted_peak_device_bytes"]
          else r2500["measured_peak_device_bytes"] / GIB),
@@ -236,14 +244,15 @@ def markdown(report, figures=()):
     for name in figures:
         lines += ["", f"![{name}]({name})"]
     r2500 = report["resnet2500"]
-    lines += ["", "## snrt train configs/resnet2500.yaml --backend cuda --iterations 3", ""]
+    lines += ["", "## snrt train configs/resnet2500.yaml --backend cuda --iterations 5", ""]
     if r2500 is None:
         lines.append("No summary: see the stage's exit status above.")
     else:
         seconds = ", ".join(f"{s:.2f}" for s in r2500["seconds_per_iteration"])
         lines += [f"- batch {r2500['batch']}, policy {r2500['policy']}, final loss {r2500['final_loss']:.4f}",
                   f"- seconds per iteration: {seconds} (predicted {r2500.get('predicted_iteration_s', 0):.2f} s)",
-                  f"- images/s (after the first iteration): {r2500['mean_images_per_s']:.2f}",
+                  f"- images/s, median of the iterations after the second (each a replayed CUDA graph): "
+                  f"{r2500['steady_images_per_s']:.2f}",
                   f"- measured peak {gib(r2500['measured_peak_device_bytes'])}, planned "
                   f"{gib(r2500['predicted_peak_device_bytes'])}"]
     return "\n".join(lines) + "\n"

@@ -2,11 +2,12 @@
 GPU timings (scripts/bench_gpu.py) are compared against. PyTorch and torchvision are needed
 by this script only; the snrt package never imports them.
 
-Four modes, each one row: `fp32` (TF32 off for convolutions and matmuls), `fp32+checkpoint`
+Five modes, each one row: `fp32` (TF32 off for convolutions and matmuls), `fp32+checkpoint`
 (the same, the forward pass through torch.utils.checkpoint.checkpoint_sequential in
 `--segments` segments), `defaults` (PyTorch's TF32 settings as it ships them: on for cuDNN
-convolutions, off for matmuls) and `defaults+checkpoint`. cudnn.benchmark is on in all of
-them. Each mode builds a fresh resnet50(weights=None) trained with SGD (lr 0.01, momentum 0.9)
+convolutions, off for matmuls), `defaults+checkpoint`, and `bf16` (the mixed-precision
+recipe: PyTorch's defaults, the forward pass under bf16 autocast, model and images
+channels_last). cudnn.benchmark is on in all of them. Each mode builds a fresh resnet50(weights=None) trained with SGD (lr 0.01, momentum 0.9)
 and cross-entropy on fixed random float32 data: one untimed warm-up iteration, then the median
 of `--iterations` timed ones (the device synchronized around each), images/s, and the peak of
 torch.cuda.max_memory_allocated() over the timed iterations. A mode that fails (out of memory,
@@ -33,12 +34,14 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 ROOT = Path(__file__).resolve().parent.parent
 CLASSES = 1000
-# mode -> (PyTorch's default TF32 settings rather than none, checkpointed forward)
+# mode -> (PyTorch's default TF32 settings rather than none, checkpointed forward, bf16 autocast
+# with channels_last)
 MODES = {
-    "fp32": (False, False),
-    "fp32+checkpoint": (False, True),
-    "defaults": (True, False),
-    "defaults+checkpoint": (True, True),
+    "fp32": (False, False, False),
+    "fp32+checkpoint": (False, True, False),
+    "defaults": (True, False, False),
+    "defaults+checkpoint": (True, True, False),
+    "bf16": (True, False, True),
 }
 # PyTorch's TF32 settings as it ships them, read before any mode changes them
 DEFAULT_TF32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
@@ -85,22 +88,25 @@ def synchronize(device):
 
 
 def run_mode(mode, device, batch, image_size, iterations, segments):
-    pytorch_defaults, checkpointed = MODES[mode]
+    pytorch_defaults, checkpointed, bf16 = MODES[mode]
     set_precision(pytorch_defaults)
     torch.manual_seed(0)
-    model = torchvision.models.resnet50(weights=None, num_classes=CLASSES).to(device).train()
+    layout = torch.channels_last if bf16 else torch.contiguous_format
+    model = torchvision.models.resnet50(weights=None, num_classes=CLASSES).to(device, memory_format=layout).train()
     layers = as_sequential(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    images = torch.randn(batch, 3, image_size, image_size, device=device)
+    images = torch.randn(batch, 3, image_size, image_size, device=device).to(memory_format=layout)
     labels = torch.randint(0, CLASSES, (batch,), device=device)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        if checkpointed:
-            output = checkpoint_sequential(layers, segments, images, use_reentrant=False)
-        else:
-            output = model(images)
-        F.cross_entropy(output, labels).backward()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            if checkpointed:
+                output = checkpoint_sequential(layers, segments, images, use_reentrant=False)
+            else:
+                output = model(images)
+            loss = F.cross_entropy(output, labels)
+        loss.backward()
         optimizer.step()
 
     step()  # warm-up: cuDNN autotuning (cudnn.benchmark) and the allocator's first blocks

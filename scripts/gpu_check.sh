@@ -21,16 +21,16 @@
 # side by side (pytest-xdist); ResNet-50 batch 32 at 224x224 under every policy (bench_gpu.py,
 # each iteration after the second a replayed CUDA graph); PyTorch's ResNet-50 at the same batch
 # (bench_torch.py: fp32 with TF32 off, then PyTorch's defaults, each also with
-# checkpoint_sequential); none and superneurons step by step (--no-cuda-graph); snrt's policy auto
-# in half the memory PyTorch's checkpoint_sequential took; ResNet-50 in tf32 under none and
-# superneurons; five iterations of `snrt train configs/resnet2500.yaml --backend cuda` at its own
-# settings; ResNet-50 under none with cuDNN's non-deterministic engines admitted, and unfused
-# (--no-fuse) under none and superneurons (the last stage). The report opens with the targets
-# of the GPU work, measured or not. On one H100 the whole check took under 5 minutes before
-# cuDNN's engines were timed; on one H200 a first run (engines timed, 2026-11-27) did not
-# finish in 430 s without the rest of the suite: the engine choices are kept in the cache
-# folder for the next run (SNRT_CACHE_DIR moves it). With them kept, `--no-rest --seconds 450`
-# ran every stage in 7 min 30 s on one H200 (2026-11-28).
+# checkpoint_sequential, then bf16 autocast channels_last); none and superneurons step by step
+# (--no-cuda-graph); snrt's policy auto in half the memory PyTorch's checkpoint_sequential took;
+# ResNet-50 in tf32, then in bf16, under none and superneurons; five iterations of `snrt train
+# configs/resnet2500.yaml --backend cuda` at its own settings; ResNet-50 under none with cuDNN's
+# non-deterministic engines admitted, and unfused (--no-fuse) under none and superneurons (the
+# last stage). The report opens with the targets of the GPU work, measured or not. On one H100 the
+# whole check took under 5 minutes before cuDNN's engines were timed; on one H200 a first run
+# (engines timed, 2026-11-27) did not finish in 430 s without the rest of the suite: the engine
+# choices are kept in the cache folder for the next run (SNRT_CACHE_DIR moves it). With them kept,
+# `--no-rest --seconds 450` ran every stage in 7 min 30 s on one H200 (2026-11-28).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -165,6 +165,8 @@ print(rows['fp32+checkpoint']['peak_bytes'] // 2)" 2> /dev/null); then
     fi
     run_stage bench-snrt-tf32 90 "$python" scripts/bench_gpu.py --precision tf32 --policies none superneurons \
         --out "$work/bench-snrt-tf32.json"
+    run_stage bench-snrt-bf16 90 "$python" scripts/bench_gpu.py --precision bf16 --policies none superneurons \
+        --out "$work/bench-snrt-bf16.json"
     run_stage resnet2500 200 "$python" -m snrt train configs/resnet2500.yaml --backend cuda --iterations 5 --no-eval \
         --no-progress --out "$work/resnet2500"
     run_stage bench-snrt-nondeterministic 60 "$python" scripts/bench_gpu.py --nondeterministic --policies none \

@@ -7,8 +7,8 @@ The work folder holds stages.txt (one line per stage: name, exit status or -1 wh
 check's time ran out before it, seconds, limit),
 environment.json, the pytest runs' JUnit XML (tests-backends.xml, tests-rest.xml), bench_gpu's
 JSON (bench-snrt.json in fp32, bench-snrt-stepwise.json without the CUDA graph,
-bench-snrt-tf32.json, bench-snrt-nondeterministic.json, bench-snrt-unfused.json,
-bench-snrt-auto.json), the
+bench-snrt-tf32.json, bench-snrt-bf16.json, bench-snrt-nondeterministic.json,
+bench-snrt-unfused.json, bench-snrt-auto.json), the
 ResNet-2500 run folder
 (resnet2500/summary.json) and bench_torch's JSON (bench-torch.json). A stage that did not leave
 its file is reported as missing, with its exit status: the report is written whatever failed.
@@ -95,6 +95,7 @@ def collect(work):
         "tests": {name: read_tests(work / f"{name}.xml") for name in ("tests-backends", "tests-rest")},
         "snrt_resnet50": read_json(work / "bench-snrt.json"),
         "snrt_resnet50_tf32": read_json(work / "bench-snrt-tf32.json"),
+        "snrt_resnet50_bf16": read_json(work / "bench-snrt-bf16.json"),
         "snrt_resnet50_nondeterministic": read_json(work / "bench-snrt-nondeterministic.json"),
         "snrt_resnet50_unfused": read_json(work / "bench-snrt-unfused.json"),
         "snrt_resnet50_stepwise": read_json(work / "bench-snrt-stepwise.json"),
@@ -135,6 +136,8 @@ def targets(report):
     parts; `measured` is None where its stage left nothing or the work is not built."""
     snrt = rows_by(report["snrt_resnet50"], "policy")
     tf32 = rows_by(report.get("snrt_resnet50_tf32"), "policy")
+    bf16 = {policy: _get(row, "seconds_per_iteration")
+            for policy, row in rows_by(report.get("snrt_resnet50_bf16"), "policy").items()}
     auto = rows_by(report.get("snrt_resnet50_auto"), "policy").get("auto")
     anything = rows_by(report.get("snrt_resnet50_nondeterministic"), "policy")
     torch = rows_by(report["torch_resnet50"], "mode")
@@ -174,6 +177,9 @@ def targets(report):
          len(exact) if exact or exact_failed else None),
         ("ResNet-50 b32 tf32: snrt none speed / PyTorch defaults (TF32)", ">=", 1.0,
          _ratio(torch_ms.get("defaults"), _get(tf32.get("none"), "seconds_per_iteration"))),
+        ("ResNet-50 b32 bf16: snrt none speed / PyTorch bf16 autocast, channels_last", ">=", 1.0,
+         _ratio(torch_ms.get("bf16"), bf16.get("none"))),
+        ("superneurons / none iteration time in bf16", "<=", 1.10, _ratio(bf16.get("superneurons"), bf16.get("none"))),
     ]
     return [{"target": name, "goal": f"{sign} {goal:.2f}", "measured": measured,
              "met": measured is not None and (measured >= goal if sign == ">=" else measured <= goal)}
@@ -187,7 +193,7 @@ def gib(nbytes):
 def speed_rows(report):
     """(what, ms per iteration, images/s, peak) of every ResNet-50 row, snrt's then PyTorch's."""
     rows = []
-    for part, label in (("snrt_resnet50", ""), ("snrt_resnet50_tf32", " tf32"),
+    for part, label in (("snrt_resnet50", ""), ("snrt_resnet50_tf32", " tf32"), ("snrt_resnet50_bf16", " bf16"),
                         ("snrt_resnet50_nondeterministic", " non-deterministic"),
                         ("snrt_resnet50_unfused", " unfused (--no-fuse)"), ("snrt_resnet50_auto", ""),
                         ("snrt_resnet50_stepwise", " step by step (--no-cuda-graph)")):
@@ -237,7 +243,7 @@ def markdown(report, figures=()):
     snrt50 = report["snrt_resnet50"] or {}
     torch50 = report["torch_resnet50"] or {}
     batch = next((row["batch"] for row in snrt50.get("rows", [])), torch50.get("batch", "?"))
-    lines += ["", f"## ResNet-50, batch {batch}, 224x224, fp32 and tf32 (median of 5 iterations)", "",
+    lines += ["", f"## ResNet-50, batch {batch}, 224x224, fp32, tf32 and bf16 (median of 5 iterations)", "",
               f"PyTorch {torch50.get('torch', '?')}, cuDNN {torch50.get('cudnn', '?')}, on {torch50.get('device', '?')}.", "",
               "| | ms/iteration | img/s | peak |", "| --- | --- | --- | --- |"]
     lines += [f"| {' | '.join(row)} |" for row in speed_rows(report)]

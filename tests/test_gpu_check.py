@@ -70,7 +70,12 @@ def test_the_report_opens_with_the_targets_each_measured_or_said_to_be_missing(t
     (work / "bench-torch.json").write_text(json.dumps({"batch": 32, "rows": [
         {"mode": "fp32", "ms_per_iteration": 40.0, "images_per_s": 800.0, "peak_bytes": 3 * gib},
         {"mode": "fp32+checkpoint", "ms_per_iteration": 50.0, "images_per_s": 640.0, "peak_bytes": 2.5 * gib},
-        {"mode": "defaults", "error": "CUDA out of memory"}]}))
+        {"mode": "defaults", "error": "CUDA out of memory"},
+        {"mode": "bf16", "ms_per_iteration": 20.0, "images_per_s": 1600.0, "peak_bytes": 2 * gib}]}))
+    (work / "bench-snrt-bf16.json").write_text(json.dumps({"rows": [
+        {"policy": policy, "batch": 32, "seconds_per_iteration": seconds, "images_per_s": 32 / seconds,
+         "measured_peak_bytes": gib, "planned_peak_bytes": gib, "copies": None}
+        for policy, seconds in (("none", 0.025), ("superneurons", 0.03125))]}))
     (work / "bench-snrt-auto.json").write_text(json.dumps({"rows": [
         {"policy": "auto", "plan_policy": "auto:optimal(offload)", "budget": 1.25 * gib, "batch": 32,
          "seconds_per_iteration": 0.0625, "images_per_s": 512.0, "measured_peak_bytes": 1.2 * gib,
@@ -107,6 +112,8 @@ def test_the_report_opens_with_the_targets_each_measured_or_said_to_be_missing(t
         "executor overhead with the CUDA graph": (3.0, True),  # (40 - 38.5) ms over 500 steps
         "every policy bit-identical to none, measured peak = planned": (1, False),  # one of the two failed
         "ResNet-50 b32 tf32: snrt none speed / PyTorch defaults": (None, False),  # no tf32 run, PyTorch failed
+        "ResNet-50 b32 bf16: snrt none speed / PyTorch bf16 autocast, channels_last": (0.8, False),
+        "superneurons / none iteration time in bf16": (1.25, False),
     }
     assert set(found) == set(expected)
     for name, (measured, met) in expected.items():
@@ -114,6 +121,7 @@ def test_the_report_opens_with_the_targets_each_measured_or_said_to_be_missing(t
         assert found[name]["measured"] == (None if measured is None else pytest.approx(measured)), name
     text = out.with_suffix(".md").read_text()
     assert "| superneurons / none iteration time | <= 1.10 | 1.15 | no |" in text
+    assert "| snrt none bf16 | 25.0 | 1280 | 1.00 GiB (plan 1.00 GiB) |" in text
     assert "| snrt auto (auto:optimal(offload) within 1.25 GiB) | 62.5 | 512 | 1.20 GiB (plan 1.20 GiB)" in text
     assert "| executor overhead with the CUDA graph (us per step: ResNet-50 none's replayed iteration less its " \
            "steps' GPU time) | <= 5.00 | 3.00 | yes |" in text

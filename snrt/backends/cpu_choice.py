@@ -44,7 +44,7 @@ ROUNDS = 5  # timed calls of each candidate
 MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
 REVISION = 22  # of the kernels and the rule: raised when one changes (22: channel tiles chunked by the rows they read)
-_CHOSEN = {}  # key: its entry ({"kernel", "seconds"}), this process's choices
+_CHOSEN = {}  # this process's choices: file key, or (layer, in_shapes, phase) asked, -> entry ({"kernel", "seconds"})
 
 
 def setting():
@@ -103,8 +103,18 @@ def _forced(candidates):
 
 def _entry(layer, in_shapes, phase, candidates):
     """{"kernel": the chosen name, "seconds": {name: best seconds}} of `phase` of `layer` at
-    `in_shapes`' measured shapes: this process's, else the file's, else measured now."""
-    in_shapes = measured_shapes(in_shapes)
+    `in_shapes`' measured shapes: this process's (looked up by the call's own arguments, which
+    every step of a training iteration repeats), else the file's, else measured now."""
+    asked = (layer, tuple(map(tuple, in_shapes)), phase)
+    entry = _CHOSEN.get(asked)
+    if entry is None:
+        entry = _CHOSEN[asked] = _measured_entry(layer, measured_shapes(in_shapes), phase, candidates)
+    return entry
+
+
+def _measured_entry(layer, in_shapes, phase, candidates):
+    """_entry's answer at measured shapes `in_shapes`: this process's, else the file's, else
+    measured now."""
     key = f"{cpu_model()} | r{REVISION} | {layer!r} | {[list(s) for s in in_shapes]} | {phase}"
     if key not in _CHOSEN:
         def measure():

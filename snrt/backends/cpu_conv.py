@@ -235,6 +235,7 @@ class DirectConv2d(LayerLike):
         # over x's pixels at the stride (its data gradient is the strided one, _strided_grad_input)
         strided_pointwise = layer.kernel == (1, 1) and layer.stride != (1, 1)
         self.unit_stride = DirectConv2d(dataclasses.replace(layer, stride=1)) if strided_pointwise else None
+        self._layouts = {}  # _layout's answers
 
     def _subsampled(self, in_shapes):
         """(N, C, Ho, Wo): x[:, :, ::sh, ::sw], what a 1x1 at a stride over 1 convolves."""
@@ -380,15 +381,28 @@ class DirectConv2d(LayerLike):
         return (_size(self._gemm_arrays(in_shapes, threads, itemsize), itemsize)
                 if self._gemm_grad_weight(in_shapes, itemsize) else _size(self._grad_weight_arrays(in_shapes), itemsize))
 
+    def _layout(self, key, workspace_bytes, arrays_for, itemsize):
+        """(threads, arrays_for(threads, itemsize)): the most kernel threads whose workspace
+        arrays fit a planned workspace of `workspace_bytes` (fitting_threads), and those arrays;
+        remembered under `key`, what arrays_for depends on besides the threads (every iteration
+        asks again with the same)."""
+        known = (key, workspace_bytes, itemsize, kernel_threads())
+        layout = self._layouts.get(known)
+        if layout is None:
+            threads = fitting_threads(workspace_bytes, lambda count: _size(arrays_for(count, itemsize), itemsize))
+            layout = self._layouts[known] = (threads, arrays_for(threads, itemsize))
+        return layout
+
     # ---- kernels -----------------------------------------------------------------------
-    def _convolve(self, ctx, x, weight_t, bias, padding, stride, y, arrays_for, taken=0):
+    def _convolve(self, ctx, x, weight_t, bias, padding, stride, y, key, arrays_for, taken=0):
         """y = the convolution of x padded by `padding` with weight_t (O, C, kh, kw, any strides)
         at `stride`, plus bias, on the kernel threads that fit the planned workspace;
         arrays_for(threads, itemsize): its workspace arrays (_forward_arrays, _grad_input_arrays
-        or _phase_arrays of the layer's input), the first `taken` of them already the caller's."""
+        or _phase_arrays of the layer's input; `key` says which, for _layout), the first `taken`
+        of them already the caller's."""
+        threads, arrays = self._layout(key, ctx.workspace.nbytes, arrays_for, x.dtype.itemsize)
         itemsize = x.dtype.itemsize
-        threads = fitting_threads(ctx.workspace.nbytes, lambda count: _size(arrays_for(count, itemsize), itemsize))
-        scratch = [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in arrays_for(threads, itemsize)[taken:]]
+        scratch = [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in arrays[taken:]]
         outs, _, kh, kw = weight_t.shape
         rows = y.shape[0] * y.shape[2]
         planes = phase_planes(*x.shape[2:], padding, stride)
@@ -420,7 +434,7 @@ class DirectConv2d(LayerLike):
             return
         x, weight = xs[0], params["weight"]
         bias = params["bias"] if self.layer.bias else weight[:0, 0, 0, 0]
-        self._convolve(ctx, x, weight, bias, self.layer.padding, self.layer.stride, y,
+        self._convolve(ctx, x, weight, bias, self.layer.padding, self.layer.stride, y, ("forward", x.shape),
                        lambda threads, itemsize: self._forward_arrays([x.shape], threads, itemsize))
         ctx.release_scratch()
 
@@ -437,6 +451,7 @@ class DirectConv2d(LayerLike):
             (kh, kw), (ph, pw) = self.layer.kernel, self.layer.padding
             flipped = weight[:, :, ::-1, ::-1].transpose(1, 0, 2, 3)  # (C, O, kh, kw)
             self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (kh - 1 - ph, kw - 1 - pw), (1, 1), gxs[0],
+                           ("grad_input", x.shape),
                            lambda threads, itemsize: self._grad_input_arrays([x.shape], threads, itemsize))
             ctx.release_scratch()
 
@@ -454,7 +469,7 @@ class DirectConv2d(LayerLike):
             u, v = self._phase_taps((a, b))
             z = ctx.scratch(self._phase_arrays(shape, (a, b), 1, gx.dtype.itemsize)[0][0], gx.dtype)
             flipped = weight[:, :, a::sh, b::sw][:, :, ::-1, ::-1].transpose(1, 0, 2, 3)  # (C, O, U, V)
-            self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (u - 1, v - 1), (1, 1), z,
+            self._convolve(ctx, gy, flipped, weight[:0, 0, 0, 0], (u - 1, v - 1), (1, 1), z, ("phase", a, b, gx.shape),
                            lambda threads, itemsize: self._phase_arrays(shape, (a, b), threads, itemsize), taken=1)
             run_split(scatter_phase, 0, planes, threads_for(gx.size, SCATTER_SPLIT),
                       (z.reshape(planes, *z.shape[2:]), a, b, sh, sw, ph, pw, gx.reshape(planes, *gx.shape[2:])))
@@ -466,10 +481,9 @@ class DirectConv2d(LayerLike):
         GEMM's units split among them."""
         n, channels, h, w = x.shape
         itemsize, (sh, sw), (ph, pw) = x.dtype.itemsize, self.layer.stride, self.layer.padding
-        threads = fitting_threads(ctx.workspace.nbytes, lambda count: _size(self._gemm_arrays([x.shape], count, itemsize),
-                                                                           itemsize))
-        xt, gpack, offsets, zeros, targets = (ctx.scratch(shape, dtype or x.dtype) for shape, dtype
-                                              in self._gemm_arrays([x.shape], threads, itemsize))
+        threads, arrays = self._layout(("grad_weight_gemm", x.shape), ctx.workspace.nbytes,
+                                       lambda count, itemsize: self._gemm_arrays([x.shape], count, itemsize), itemsize)
+        xt, gpack, offsets, zeros, targets = (ctx.scratch(shape, dtype or x.dtype) for shape, dtype in arrays)
         hq, wq = phase_planes(h, w, self.layer.padding, self.layer.stride)
         zeros[:] = 0
         run_split(transpose_planes, 0, sh * sw * n * hq, threads, (x, ph, pw, sh, sw, hq, wq, xt))

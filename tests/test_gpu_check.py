@@ -66,6 +66,7 @@ def test_the_report_opens_with_the_targets_each_measured_or_said_to_be_missing(t
          "measured_peak_bytes": 3 * gib, "planned_peak_bytes": 3 * gib, "copies": None, "cuda_graph": True,
          "plan_steps": 500, "steps": [["backward Conv2d", 0.025, 53], ["forward Conv2d", 0.0135, 53]]},
         {"policy": "superneurons", "batch": 32, "seconds_per_iteration": 0.046, "images_per_s": 696.0,
+         "predicted_s": 0.0345,
          "measured_peak_bytes": gib, "planned_peak_bytes": gib, "copies": {"hidden": 0.95}}]}))
     (work / "bench-torch.json").write_text(json.dumps({"batch": 32, "rows": [
         {"mode": "fp32", "ms_per_iteration": 40.0, "images_per_s": 800.0, "peak_bytes": 3 * gib},
@@ -82,7 +83,8 @@ def test_the_report_opens_with_the_targets_each_measured_or_said_to_be_missing(t
          "planned_peak_bytes": 1.2 * gib, "copies": {"hidden": 0.5}}]}))
     (work / "resnet2500" / "summary.json").write_text(json.dumps({
         "batch": 16, "policy": "superneurons", "final_loss": 6.9, "mean_images_per_s": 12.0,
-        "measured_peak_device_bytes": 11 * gib, "predicted_peak_device_bytes": 11 * gib}))
+        "measured_peak_device_bytes": 11 * gib, "predicted_peak_device_bytes": 11 * gib,
+        "predicted_iteration_s": 0.72}))
     (work / "resnet2500" / "metrics.jsonl").write_text(  # built, captured, then replayed: 20 img/s
         "".join(f'{{"seconds": {s}}}\n' for s in (2.5, 1.9, 0.8, 0.9, 0.7)))
     exactness = "tests.backends.test_cuda_device"
@@ -114,6 +116,7 @@ def test_the_report_opens_with_the_targets_each_measured_or_said_to_be_missing(t
         "ResNet-50 b32 tf32: snrt none speed / PyTorch defaults": (None, False),  # no tf32 run, PyTorch failed
         "ResNet-50 b32 bf16: snrt none speed / PyTorch bf16 autocast, channels_last": (0.8, False),
         "superneurons / none iteration time in bf16": (1.25, False),
+        "cost model: largest |predicted / measured - 1| of the iteration time": (0.25, False),  # superneurons'
     }
     assert set(found) == set(expected)
     for name, (measured, met) in expected.items():

@@ -36,6 +36,7 @@ from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, threads_for
 from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
+from snrt.backends.cpu_dropout import CompiledDropout
 from snrt.backends.cpu_join import CompiledAdd
 from snrt.backends.cpu_pool import CompiledGlobalAvgPool, CompiledMaxPool
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
@@ -199,7 +200,7 @@ class CpuKernels(LayerKernels):
         "MaxPool": (CompiledMaxPool,), "GlobalAvgPool": (CompiledGlobalAvgPool,), "GroupNorm": (CompiledGroupNorm,),
         "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
         "Upsample": (CompiledUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),
-        "Softmax": (CompiledSoftmax,), "Add": (CompiledAdd,),
+        "Softmax": (CompiledSoftmax,), "Add": (CompiledAdd,), "Dropout": (CompiledDropout,), "Dropout2d": (CompiledDropout,),
         **{name: (CompiledActivation,) for name in ("GELU", "SiLU", "Sigmoid", "ELU", "ReLU", "ReLU6")}}
 
     def kernel_for(self, layer, in_shapes):

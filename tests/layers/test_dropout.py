@@ -1,7 +1,10 @@
 import numpy as np
 import pytest
 
-from snrt.layers.dropout import Dropout
+from snrt.backends.cpu_dropout import CompiledDropout
+from snrt.backends.cpu_kernels import CPU_KERNELS
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
+from snrt.layers.dropout import Dropout, Dropout2d
 from tests.layers.harness import check_layer, run_backward, run_forward
 
 
@@ -70,3 +73,34 @@ def test_dropout2d_drops_whole_feature_maps_at_rate_p_and_backward_reuses_the_ma
     check_layer(Dropout2d(p=0.4), [np.random.default_rng(1).standard_normal((3, 4, 2, 2))])
     eval_y, _ = run_forward(layer, [x_of((2, 3, 4, 4))], {}, training=False)
     np.testing.assert_array_equal(eval_y, x_of((2, 3, 4, 4)))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the layer's own 0 * inf
+@pytest.mark.parametrize("layer, shape", [(Dropout(p=0.3), (3, 7, 5, 11)), (Dropout(p=0.9), (2, 70000)),
+                                          (Dropout2d(p=0.5), (4, 6, 3, 5)), (Dropout2d(p=0.2), (2, 3, 1, 1))],
+                         ids=repr)
+def test_the_compiled_kernel_gives_the_layers_bits(layer, shape):
+    """The CPU backend's Dropout kernel: the layer's mask and products bit for bit, forward,
+    recomputed and backward, over keys (seed, iteration, node), on one thread and several
+    (2 x 70000 values split), a NaN and an infinity in x staying NaN where dropped (the bits
+    compared, so NaN against NaN too)."""
+    kernel = CPU_KERNELS.kernel_for(layer, [shape])
+    assert isinstance(kernel, CompiledDropout) and kernel.workspace_bytes([shape], FORWARD) == 0
+    x = x_of(shape, seed=3)
+    x.flat[0], x.flat[1] = np.nan, np.inf
+    gy = x_of(shape, seed=4)
+    def context(for_layer, **key):
+        workspace = np.empty(max(for_layer.workspace_bytes([shape], phase), 1), np.uint8)
+        return KernelContext(np, workspace=workspace, **key)
+
+    for seed, iteration, node in ((0, 0, 0), (7, 3, 12), (2**31 - 1, 10**6, 999)):
+        key = dict(seed=seed, iteration=iteration, node_index=node)
+        for phase, recompute in ((FORWARD, False), (FORWARD, True), (BACKWARD, False)):
+            want, got = np.full_like(x, 5.0), np.full_like(x, 7.0)
+            for runner, out in ((layer, want), (kernel, got)):
+                if phase == FORWARD:
+                    runner.forward(context(runner, **key), [x], {}, {}, out, {}, recompute=recompute)
+                else:
+                    runner.backward(context(runner, **key), gy, Saved((None,), None), {}, {}, [out], {})
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+            assert 0 < (got == 0).sum() < got.size

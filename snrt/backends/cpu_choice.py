@@ -43,7 +43,7 @@ VARIABLE = "SNRT_CPU_KERNELS"
 ROUNDS = 5  # timed calls of each candidate
 MARGIN = 0.9  # another kernel replaces the default when it takes at most this share of its time
 MEASURED_ELEMENTS = 1 << 21  # input values a measurement's batch holds, about (8 MB of fp32)
-REVISION = 22  # of the kernels and the rule: raised when one changes (22: channel tiles chunked by the rows they read)
+REVISION = 23  # of the kernels and the rule: raised when one changes (23: channel tiles for 1x1s with partial vectors)
 _CHOSEN = {}  # this process's choices: file key, or (layer, in_shapes, phase) asked, -> entry ({"kernel", "seconds"})
 
 

@@ -189,18 +189,21 @@ def _pointwise(kernel, planes, itemsize):
 def _channel_tiles(kernel, planes, out_map, outs, itemsize):
     """Whether cpu_channel_tiles computes a convolution with `kernel` over padded planes `planes`
     (Hq, Wq) into `outs` maps of `out_map` (Ho, Wo) pixels: where its blocks hold the channels
-    whole, it is no pointwise_tiles 1x1, and cpu_tiles' vectors would spend more than 1 -
-    CHANNEL_TILES_BELOW of their lanes on no output (padding columns, a row's last partial
-    vector). Measured on 2 threads, ms, pixel tiles -> channel tiles, forward and data
-    gradient: 3x3 512->512 @7 b8 (78% of the lanes) 5.5-6.6 -> 4.6-5.5 and 6.7-8.0 -> 5.5-6.1;
-    3x3 256 @14 b8 (88%) 4.5 -> 4.2-4.3; 3x3 64 @56 b8 (88%) 4.65 -> 4.3-4.5 and 4.8-5.0 ->
-    4.3-4.6. A 1x1 of 49 pixels (77% in pointwise_tiles' vectors) measured its forward 2.5 ->
-    2.3 but its data gradient 3.5-3.6 -> 3.8-3.9 (1x1 512->2048 @7), so 1x1s keep theirs."""
+    whole and cpu_tiles' vectors would spend more than 1 - CHANNEL_TILES_BELOW of their lanes
+    on no output (padding columns, a row's last partial vector; for a pointwise_tiles 1x1, the
+    map's last partial vector). Measured on 2 threads, ms, pixel tiles -> channel tiles,
+    forward and data gradient: 3x3 512->512 @7 b8 (78% of the lanes) 5.5-6.6 -> 4.6-5.5 and
+    6.7-8.0 -> 5.5-6.1; 3x3 256 @14 b8 (88%) 4.5 -> 4.2-4.3; 3x3 64 @56 b8 (88%) 4.65 ->
+    4.3-4.5 and 4.8-5.0 -> 4.3-4.6; 1x1 512->2048 @7 b8 (77%) 2.29-2.37 -> 1.95-2.05 and
+    3.0-3.1 -> 2.7-3.2, 1x1 2048->512 @7 b8 2.29-2.34 -> 2.13-2.23 and 3.0-3.2 -> 2.7-3.0; a 1x1
+    @14 (94%) and one @4 (100%) were slower by them."""
     lanes = lanes_of(itemsize)
-    if outs % tile_channels(itemsize) or _pointwise(kernel, planes, itemsize):
+    if outs % tile_channels(itemsize):
         return False
     (ho, wo), wq = out_map, planes[1]
-    if wo >= lanes:
+    if _pointwise(kernel, planes, itemsize):
+        lanes_computed = -(-ho * wo // lanes) * lanes  # the map as one run of pixels
+    elif wo >= lanes:
         lanes_computed = ho * -(-wo // lanes) * lanes  # row by row
     else:
         lanes_computed = -(-ho * wq // lanes) * lanes  # along the rows with their padding

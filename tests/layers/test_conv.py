@@ -154,23 +154,26 @@ def test_narrow_maps_convolve_by_vectors_of_output_channels(options, outs):
     ((3, 3), (10, 10), (8, 8), 48, False),  # not a whole block of channels
     ((3, 3), (18, 18), (16, 16), 64, False),  # a whole vector a row
     ((3, 3), (58, 58), (56, 56), 64, True),  # rows of 3.5 vectors
-    ((1, 1), (7, 7), (7, 7), 2048, False),  # a 1x1 of 49 pixels: pointwise_tiles (x read where it is)
+    ((1, 1), (7, 7), (7, 7), 2048, True),  # a 1x1 of 49 pixels: pointwise_tiles' 4 vectors 77% outputs
+    ((1, 1), (14, 14), (14, 14), 256, False),  # 196 pixels: 13 vectors, 94%
+    ((1, 1), (28, 28), (28, 28), 512, False),  # 784 pixels: 49 whole vectors (the map as one run)
 ])
 def test_channel_tiles_serve_where_pixel_vectors_waste_lanes(kernel, planes, out_map, outs, served):
     assert cpu_conv._channel_tiles(kernel, planes, out_map, outs, 4) is served
 
 
-@pytest.mark.parametrize("options", [dict(kernel=3, padding=1), dict(kernel=3, padding=1, stride=2)],
-                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("options, size", [(dict(kernel=3, padding=1), 8), (dict(kernel=3, padding=1, stride=2), 8),
+                                           (dict(kernel=1), 7)],  # a 1x1 over 49 pixels: pointwise_tiles' are 77% full
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) if isinstance(o, dict) else str(o))
 @pytest.mark.parametrize("chunk_bytes", [None, 1])  # all taps at once; a channel's taps a chunk, sums stored between
-def test_channel_tiles_compute_the_same_bits_as_pixel_tiles(options, chunk_bytes, monkeypatch):
+def test_channel_tiles_compute_the_same_bits_as_pixel_tiles(options, size, chunk_bytes, monkeypatch):
     """Each output is the same chain of multiply-adds (bias, then the taps in order) in both
     tile kernels, in chunks of taps too, so switching a shape from one to the other changes no
     bit of a run."""
     if chunk_bytes:
         monkeypatch.setattr(cpu_channel_tiles, "CHUNK_BYTES", chunk_bytes)
     rng = np.random.default_rng(9)
-    x = rng.standard_normal((3, 64, 8, 8), dtype=np.float32)
+    x = rng.standard_normal((3, 64, size, size), dtype=np.float32)
     kernel = DirectConv2d(Conv2d(out_channels=64, **options))
     in_shapes = [x.shape]
     params = {name: rng.standard_normal(spec.shape, dtype=np.float32)
@@ -186,8 +189,13 @@ def test_channel_tiles_compute_the_same_bits_as_pixel_tiles(options, chunk_bytes
                         gparams)
         return y, gx
 
+    served = []
+    real = cpu_conv._channel_tiles
+    monkeypatch.setattr(cpu_conv, "_channel_tiles", lambda *args: served.append(real(*args)) or served[-1])
     channels = run()
+    assert any(served)
     monkeypatch.setattr(cpu_conv, "_channel_tiles", lambda *args: False)
+    kernel._layouts.clear()  # the workspace arrays it remembered are the channel tiles'
     pixels = run()
     for by_channels, by_pixels in zip(channels, pixels):
         np.testing.assert_array_equal(by_channels, by_pixels)

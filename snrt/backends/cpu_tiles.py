@@ -198,14 +198,15 @@ def fma_run(typingctx, plane, kh, kw, row_step, column_step, taps, bias, out, co
 
 
 @intrinsic
-def fma_channel_run(typingctx, source, base, offsets, taps, bias, with_bias, out, out_start, count):
-    """out[out_start + o] = (with_bias: bias[o], else 0) + sum over k of taps[k*count + o] *
-    source[base + offsets[k] + o] for the channels o < count: a depthwise convolution's output
-    pixel over channels-last data (source a padded (Hp, Wp, O) input, offsets the taps' shifts
-    in it, taps (kh*kw, O) the weight), RUN_VECTORS vectors of channels kept in registers
-    through all the taps, one chain of multiply-adds per output in tap order. The vectors past
-    `count` are masked: nothing past a pixel's channels is read or written. Contiguous 1-d
-    arrays, float32 or float64; offsets int64."""
+def fma_channel_run(typingctx, source, base, offsets, taps, taps_stride, bias, with_bias, out, out_start, count):
+    """out[out_start + o] = (with_bias: bias[o], else 0) + sum over k of taps[k*taps_stride + o]
+    * source[base + offsets[k] + o] for the channels o < count: a depthwise convolution's output
+    pixel (or a run of its channels) over channels-last data (source a padded (Hp, Wp, O) input,
+    offsets the taps' shifts in it, taps a (kh*kw, O) weight from the run's first channel on, O
+    = taps_stride), RUN_VECTORS vectors of channels kept in registers through all the taps, one
+    chain of multiply-adds per output in tap order. The vectors past `count` are masked:
+    nothing past the run's channels is read or written. Contiguous 1-d arrays, float32 or
+    float64; offsets int64."""
     dtype = source.dtype
     if dtype not in (types.float32, types.float64) or any(a.dtype != dtype or a.ndim != 1 or a.layout != "C"
                                                           for a in (source, taps, bias, out)) \
@@ -214,9 +215,9 @@ def fma_channel_run(typingctx, source, base, offsets, taps, bias, with_bias, out
     lanes = lanes_of(8 if dtype == types.float64 else 4)
 
     def codegen(context, builder, signature, args):
-        base_v, with_bias_v, out_start_v, count_v = (args[i] for i in (1, 5, 7, 8))
+        base_v, stride_v, with_bias_v, out_start_v, count_v = (args[i] for i in (1, 4, 6, 8, 9))
         xs, offsets_d, ws, biases, ys = (context.make_array(signature.args[i])(context, builder, args[i]).data
-                                         for i in (0, 2, 3, 4, 6))
+                                         for i in (0, 2, 3, 5, 7))
         taps_count = builder.extract_value(context.make_array(signature.args[2])(context, builder, args[2]).shape, 0)
         vector, fma, _ = vector_ops(builder, dtype, lanes)
         _, masked_load, masked_store, lane_mask = vector_memory(builder, dtype, lanes)
@@ -237,7 +238,7 @@ def fma_channel_run(typingctx, source, base, offsets, taps, bias, with_bias, out
                     for c, mask in zip(channels, bias_masks)]
             with cgutils.for_range(builder, taps_count) as tap:
                 shift = builder.add(base_v, builder.load(builder.gep(offsets_d, [tap.index])))
-                row = builder.mul(tap.index, count_v)
+                row = builder.mul(tap.index, stride_v)
                 for v in range(RUN_VECTORS):
                     weight = masked_load(at(ws, builder.add(row, channels[v])), masks[v])
                     value = masked_load(at(xs, builder.add(shift, channels[v])), masks[v])
@@ -246,7 +247,7 @@ def fma_channel_run(typingctx, source, base, offsets, taps, bias, with_bias, out
                 masked_store(builder.load(sums[v]), at(ys, builder.add(out_start_v, channels[v])), masks[v])
         return context.get_dummy_value()
 
-    return types.void(source, types.intp, offsets, taps, bias, types.intp, out, types.intp, types.intp), codegen
+    return types.void(source, types.intp, offsets, taps, types.intp, bias, types.intp, out, types.intp, types.intp), codegen
 
 
 def run_slack(itemsize):

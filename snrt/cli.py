@@ -21,6 +21,7 @@ from snrt.backends import BACKENDS, default_backend
 from snrt.config import DATASETS, config_to_yaml, load_config, with_settings
 from snrt.checkpoint import CheckpointError, NonFiniteError, load_checkpoint
 from snrt.errors import DivergenceError, SnrtError
+from snrt.layers.base import BACKWARD, FORWARD
 from snrt.optim import make_optimizer
 from snrt.parallel import Solo, first_failing_rank, launcher_rank, launcher_size, world
 from snrt.runfolder import CHECKPOINT, RunFolder
@@ -173,7 +174,9 @@ def _add_precision(parser):
                              "usable cores for image folders, else 0)")
     parser.add_argument("--skip-bad-images", action="store_true", default=None,
                         help="image folders: count and leave out unreadable images instead of stopping")
-    parser.add_argument("--backend", choices=BACKENDS, help="cpu or cuda (default: cuda when CuPy finds a GPU)")
+    parser.add_argument("--backend", choices=BACKENDS,
+                        help="cpu or cuda (default: cuda when CuPy finds a GPU; snrt plan: without it, the layers' own "
+                             "workspaces and the CPU cost model, the same plan on every machine)")
     parser.add_argument("--nondeterministic", dest="deterministic", action="store_false", default=None,
                         help="GPU: admit cuDNN's non-deterministic engines, which may be faster (results vary in "
                              "their last bits; sets train.deterministic false)")
@@ -322,21 +325,29 @@ def run_plan(args, console):
         raise SnrtError(f"{args.config}: train.batch: the batch {config.train.batch} must split evenly over the "
                         f"{ranks} ranks (it is the global batch); choose a multiple of {ranks}")
     batch = config.train.batch // ranks  # each rank's
+    backend = args.backend  # None: the layers' own workspaces and the CPU rates, the same on every machine
+    limit_threads(args.threads or usable_cores())  # before planning: CPU kernels size their workspace by it
+    choices, estimate = _planning_choices(backend, config.train) if backend else ({}, None)
     update = {**make_optimizer(config.train.optimizer).plan_options, "ranks": ranks,  # planned as training plans it
               "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters,
-              "precision": config.train.precision, "fuse": config.train.fuse}
+              "precision": config.train.precision, "fuse": config.train.fuse, **choices}
     chosen = args.policy or config.memory.policy
     here = policies.planned_first(chosen)
+    # a second process plans some rows where no device is involved (CUDA does not survive a fork)
+    forks = usable_cores() > 1 and (backend != "cuda" or estimate is not None)
     others = policies.planning_groups([p for p in policies.POLICIES if p not in here])
+    if estimate:
+        print(f"note: {estimate}", file=sys.stderr)
 
     def rows(names):
         return {policy: policy_row(plan, budget) for policy, plan
                 in each_plan(config.graph, batch, names, budget, **update)}
 
     rows_of, plans = {}, {}
-    with console.status("planning...") as status:
+    with console.status("planning (kernels new to this machine are timed first)...") as status:
         theirs = None
-        if others and usable_cores() > 1:
+        if others and forks:
+            _choose_kernels(config.graph, batch, choices.get("kernels"))  # timed here once, not by both processes
             status.update(f"planning {', '.join(here)} here, and with a second process "
                           f"{', '.join(p for g in others for p in g)}...")
             others = Claims(others)  # each group planned by whichever process is free first
@@ -360,7 +371,8 @@ def run_plan(args, console):
             chosen_row["layers"] = detail.node_decisions()
             chosen_row["parameters"] = detail.parameter_homes()
         print(json.dumps({"network": config.name, "batch": batch, "ranks": ranks, "budget_bytes": budget,
-                          "policies": table, "chosen": chosen_row}, indent=2))
+                          "backend": backend, "estimate": estimate, "policies": table, "chosen": chosen_row},
+                         indent=2))
     else:
         console.print(_policy_table(config, batch, budget, table))
         console.print(plan_headline(detail))
@@ -376,6 +388,36 @@ def run_plan(args, console):
 
         draw_timeline(detail, args.png, budget=budget, title=f"{config.name}: {detail.policy}, batch {batch}")
         console.print(f"timeline written to {args.png}")
+
+
+def _planning_choices(backend, train):
+    """(the PlanOptions fields {"cost_model", "kernels"} `snrt plan --backend B` plans with, None
+    or a sentence saying the plan is an estimate): the backend's own, as `snrt train`'s plan
+    (runtime.backend_planning; the CPU's compiled kernels are timed where new to the machine);
+    for "cuda" on a machine without a usable GPU, the CUDA cost model's default rates and the
+    layers' own workspaces, since cuDNN's engines and a GPU's rates are measured on one."""
+    from snrt.backends import cuda_unavailable_reason
+    from snrt.runtime import backend_planning
+    from snrt.scheduler import cost
+
+    reason = cuda_unavailable_reason() if backend == "cuda" else None
+    if reason:
+        return {"cost_model": cost.CUDA}, (
+            f"no GPU to plan for here ({reason}): an estimate of the CUDA plan, with the CUDA cost model's default "
+            f"rates and the layers' own workspaces (on a GPU, cuDNN's engines and its measured rates decide them)")
+    return backend_planning(backend, train.precision, train.deterministic), None
+
+
+def _choose_kernels(graph, batch, kernels):
+    """Have the kernel choice `kernels` (None: the layers' own) choose every layer's kernels,
+    timing those new to this machine, before a second process plans beside this one: two
+    processes timing kernels at once would slow each other's timings down."""
+    if kernels is None:
+        return
+    for name, node in graph.nodes.items():
+        in_shapes = graph.in_shapes(name, batch)
+        for phase in (FORWARD, BACKWARD):
+            kernels.workspace_bytes(node.layer, in_shapes, phase)
 
 
 def _policy_table(config, batch, budget, rows):

@@ -57,25 +57,33 @@ def check_trainable(graph, batch):
                 raise SnrtError(f"node {name!r} ({node.layer.type_name}) cannot train at batch {batch}: {error}") from None
 
 
-def plan_run(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
-             deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES, stream_parameters=False, precision="fp32",
-             deterministic=True, fuse=True):
-    """The plan `prepare` carries out with the same arguments, made with the cost model and
-    kernel choice of the backend called `backend`; nothing is allocated. Raises SnrtError when
-    the backend is not available or cannot run `precision`, the graph cannot train at `batch`,
-    or (BudgetError) no plan fits `budget`."""
-    if training:
-        check_trainable(graph, batch)
+def backend_planning(backend, precision="fp32", deterministic=True):
+    """{"cost_model", "kernels"}: the cost model and kernel choice a plan for the backend called
+    `backend` is made with in `precision` (the PlanOptions fields; its step times and
+    workspaces are those of the kernels it will run). Raises SnrtError when the backend is not
+    available or cannot run `precision`."""
     device_class = backend_class(backend)
     refused = unsupported(precision, device_class)
     if refused:
         raise refused
+    return {"cost_model": device_class.planning_cost_model(),
+            "kernels": device_class.kernel_choice(precision, deterministic)}
+
+
+def plan_run(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),
+             deferred_updates=False, group=None, bucket_bytes=BUCKET_BYTES, stream_parameters=False, precision="fp32",
+             deterministic=True, fuse=True):
+    """The plan `prepare` carries out with the same arguments, made with the cost model and
+    kernel choice of the backend called `backend` (backend_planning); nothing is allocated.
+    Raises SnrtError when the backend is not available or cannot run `precision`, the graph
+    cannot train at `batch`, or (BudgetError) no plan fits `budget`."""
+    if training:
+        check_trainable(graph, batch)
+    choices = backend_planning(backend, precision, deterministic)
     ranks = group.size if group is not None and training else 1
     return make_plan(graph, batch, policy, budget=budget, training=training, optimizer_states=optimizer_states,
-                     cost_model=device_class.planning_cost_model(),
-                     kernels=device_class.kernel_choice(precision, deterministic),
                      deferred_updates=deferred_updates, ranks=ranks, bucket_bytes=bucket_bytes,
-                     stream_parameters=stream_parameters, precision=precision, fuse=fuse)
+                     stream_parameters=stream_parameters, precision=precision, fuse=fuse, **choices)
 
 
 def prepare(graph, batch, policy="none", budget=None, backend="cpu", training=True, optimizer_states=("momentum",),

@@ -11,7 +11,9 @@ import pytest
 
 import snrt
 
+from snrt.backends import cuda_available
 from snrt.cli import main
+from snrt.config import with_settings
 
 LENET = "configs/lenet.yaml"
 SYNTHETIC = ["--data", "synthetic"]
@@ -40,18 +42,47 @@ def test_plan_prints_every_policy_and_writes_a_timeline(tmp_path, capsys):
 
 def test_plan_under_a_budget_shows_the_plan_training_runs(capsys):
     from snrt.cli import policy_row
+    from snrt.runtime import backend_planning
     from snrt.scheduler.planner import make_plan
 
     config, batch = snrt.load_config("configs/cifar_resnet56.yaml"), 8
-    own = make_plan(config.graph, batch, "superneurons")
+    cpu = backend_planning("cpu")  # the CPU kernels' workspaces and measured times, as training plans with
+    own = make_plan(config.graph, batch, "superneurons", **cpu)
     budget = 2 * own.arena_bytes  # room to grow into: the budgeted plan is another plan than the policy's own
-    trained = policy_row(make_plan(config.graph, batch, "superneurons", budget=budget), budget)
+    trained = policy_row(make_plan(config.graph, batch, "superneurons", budget=budget, **cpu), budget)
     assert trained["arena_bytes"] != own.arena_bytes
     assert main(["plan", "configs/cifar_resnet56.yaml", "--batch", str(batch), "--policy", "superneurons",
-                 "--budget", str(budget), "--json"]) == 0
+                 "--budget", str(budget), "--json", "--backend", "cpu"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["chosen"] == trained
     assert report["policies"][-1] == trained
+
+
+def test_plan_shows_the_plan_a_training_run_makes_on_its_backend(capsys):
+    """Every row is the plan `snrt train` makes on the same backend: sized for the kernels that
+    backend runs (the CPU's compiled kernels take other workspaces than the layers' own code)."""
+    from snrt.train import Trainer
+
+    config = with_settings(snrt.load_config("configs/cifar_resnet20.yaml"), train={"batch": 8})
+    assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--json", "--backend", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] == "cpu" and report["estimate"] is None
+    for row in report["policies"]:
+        trained = Trainer.plan_for(with_settings(config, memory={"policy": row["policy"]}), backend="cpu")
+        assert (row["peak_bytes"], row["arena_bytes"], row["predicted_s"]) == \
+            (trained.peak_bytes, trained.arena_bytes, trained.predicted_s), row["policy"]
+
+
+@pytest.mark.skipif(cuda_available(), reason="this machine has a GPU: the plan is the device's, not an estimate")
+def test_a_cuda_plan_without_a_gpu_is_an_estimate_and_says_so(capsys):
+    assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--json", "--backend", "cuda"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["backend"] == "cuda" and "estimate of the CUDA plan" in report["estimate"]
+    assert err.startswith("note: no GPU to plan for here")
+    cpu = report["policies"][0]["predicted_s"]
+    assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--json", "--backend", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["policies"][0]["predicted_s"] > 5 * cpu  # the CUDA rates: faster
 
 
 def test_plan_with_an_infeasible_budget_says_what_would_work(capsys):

@@ -2,7 +2,7 @@
 parallel loop compiled with numba (`parallel=True`, its OpenMP or TBB threading layer).
 
 A hand-off takes no Python and no GIL: a run_split of an empty kernel on two threads takes
-about 6 µs here (median; 1.6 on one thread), where a pool of Python threads that each took
+about 3.6 µs here (best of runs; 1.6 on one thread), where a pool of Python threads that each took
 the GIL to start its share and to report its end took 48, which made splitting a tensor of
 under 2^20 values slower than running it on one thread. A kernel splits its work so that every output value is one
 share's, computed in an order fixed by the compiled code: results do not depend on the number

@@ -1,6 +1,7 @@
 """The GPU check's parts that run anywhere: without a GPU it says so in one line and does
 nothing else, and its report is written from whatever the stages left."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -129,3 +130,15 @@ def test_the_report_opens_with_the_targets_each_measured_or_said_to_be_missing(t
     assert "| executor overhead with the CUDA graph (us per step: ResNet-50 none's replayed iteration less its " \
            "steps' GPU time) | <= 5.00 | 3.00 | yes |" in text
     assert result.stdout.splitlines()[1].startswith("met ")  # the targets come first in the short table
+
+
+def test_an_overhead_below_what_the_step_timings_resolve_is_not_measured():
+    """A replayed iteration shorter than its steps timed one by one (their events add time of
+    their own) leaves no overhead to report: not measured, rather than a negative number met."""
+    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "scripts" / "gpu_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    row = {"cuda_graph": True, "plan_steps": 400, "steps": [["backward Conv2d", 0.030, 53], ["forward Conv2d", 0.012, 53]]}
+    assert report.graph_overhead_us({**row, "seconds_per_iteration": 0.044}) == pytest.approx(5.0)
+    assert report.graph_overhead_us({**row, "seconds_per_iteration": 0.040}) is None
+    assert report.graph_overhead_us({**row, "cuda_graph": False, "seconds_per_iteration": 0.044}) is None

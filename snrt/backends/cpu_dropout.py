@@ -72,7 +72,8 @@ class CompiledDropout(LayerLike):
         if group == 1:
             run_split(masked_values, 0, x.size, threads, (x.reshape(-1), *mask, out.reshape(-1)))
         else:
-            run_split(masked_maps, 0, x.size // group, threads, (x.reshape(-1), *mask, np.int64(group), out.reshape(-1)))
+            run_split(masked_maps, 0, x.size // group, threads,
+                      (x.reshape(-1), *mask, np.int64(group), out.reshape(-1)))
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         if not ctx.training or self.layer.p == 0 or xs[0].dtype != np.float32:

@@ -11,8 +11,8 @@ runs by the direct kernel of cpu_conv.py where it serves, or by the layer's im2c
 measured at least 10% faster for its shape and phase on this machine (cpu_choice.py).
 Depthwise convolution (cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py), the
 activations (cpu_activation.py), MaxPool and GlobalAvgPool (cpu_pool.py), AdaptiveAvgPool and
-nearest Upsample (cpu_resample.py), and the channel products of Mul and Scale (cpu_channel.py)
-have modules of their own.
+nearest Upsample (cpu_resample.py), the channel products of Mul and Scale (cpu_channel.py),
+and Dropout (cpu_dropout.py) have modules of their own.
 
 Determinism: a kernel on the kernel threads (cpu_parallel.run_split) gives each output value to
 one thread; all are compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a sum
@@ -200,7 +200,8 @@ class CpuKernels(LayerKernels):
         "MaxPool": (CompiledMaxPool,), "GlobalAvgPool": (CompiledGlobalAvgPool,), "GroupNorm": (CompiledGroupNorm,),
         "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
         "Upsample": (CompiledUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),
-        "Softmax": (CompiledSoftmax,), "Add": (CompiledAdd,), "Dropout": (CompiledDropout,), "Dropout2d": (CompiledDropout,),
+        "Softmax": (CompiledSoftmax,), "Add": (CompiledAdd,),
+        "Dropout": (CompiledDropout,), "Dropout2d": (CompiledDropout,),
         **{name: (CompiledActivation,) for name in ("GELU", "SiLU", "Sigmoid", "ELU", "ReLU", "ReLU6")}}
 
     def kernel_for(self, layer, in_shapes):

@@ -403,8 +403,8 @@ class DirectConv2d(LayerLike):
         arrays_for(threads, itemsize): its workspace arrays (_forward_arrays, _grad_input_arrays
         or _phase_arrays of the layer's input; `key` says which, for _layout), the first `taken`
         of them already the caller's."""
-        threads, arrays = self._layout(key, ctx.workspace.nbytes, arrays_for, x.dtype.itemsize)
         itemsize = x.dtype.itemsize
+        threads, arrays = self._layout(key, ctx.workspace.nbytes, arrays_for, itemsize)
         scratch = [ctx.scratch(shape, dtype or x.dtype) for shape, dtype in arrays[taken:]]
         outs, _, kh, kw = weight_t.shape
         rows = y.shape[0] * y.shape[2]

@@ -18,24 +18,17 @@ from numba import njit
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, threads_for
 from snrt.backends.cpu_parallel import run_split
 from snrt.layers.base import FLOAT32_BYTES
-from snrt.layers.random import stream_key
+from snrt.layers.random import MASK32, mix32, stream_key
 
 SPLIT_VALUES = 1 << 16  # below this many values one thread does the pass (a hand-off costs a few µs)
-_MASK32 = 0xFFFFFFFF
+_mix32 = njit(**COMPILED, inline="always")(mix32)  # the layer's finaliser, compiled
 
 
 @njit(**COMPILED, inline="always")
 def _kept(counter, key, threshold):
-    """Whether the mask entry of `counter` keeps its values: murmur3's finaliser of
-    counter * 0x9E3779B1 + key, in 32 bits, is >= `threshold`. Products of two 32-bit values
-    may wrap the int64: their low 32 bits, all that is kept, do not."""
-    h = ((counter & _MASK32) * 0x9E3779B1 + key) & _MASK32
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & _MASK32
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & _MASK32
-    h ^= h >> 16
-    return h >= threshold
+    """Whether the mask entry of `counter` keeps its values: the finaliser of counter *
+    0x9E3779B1 + key, in 32 bits (as fill_random_bits hashes), is >= `threshold`."""
+    return _mix32((counter & MASK32) * 0x9E3779B1 + key) >= threshold
 
 
 @njit(**THREADED)

@@ -3,22 +3,23 @@ value, on numpy and on cupy, so that a recomputed Dropout regenerates its mask e
 
 from snrt.layers.base import scratch_bytes
 
-_MASK32 = 0xFFFFFFFF
+MASK32 = 0xFFFFFFFF
 
 
-def _mix32(h):
-    """murmur3's 32-bit finaliser on a Python int."""
-    h &= _MASK32
+def mix32(h):
+    """murmur3's 32-bit finaliser of h's low 32 bits (a Python int; compiled, an int64 whose
+    products may wrap, which leaves the low 32 bits kept the same)."""
+    h &= MASK32
     h ^= h >> 16
-    h = (h * 0x85EBCA6B) & _MASK32
+    h = (h * 0x85EBCA6B) & MASK32
     h ^= h >> 13
-    h = (h * 0xC2B2AE35) & _MASK32
+    h = (h * 0xC2B2AE35) & MASK32
     return h ^ (h >> 16)
 
 
 def stream_key(seed, iteration, node_index):
     """A 32-bit key for one kernel call."""
-    return _mix32(_mix32(_mix32(seed) ^ iteration) + 0x9E3779B9 * (node_index + 1))
+    return mix32(mix32(mix32(seed) ^ iteration) + 0x9E3779B9 * (node_index + 1))
 
 
 def random_bits_scratch_bytes(numel):

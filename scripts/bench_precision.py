@@ -5,9 +5,12 @@ fp16 the updates its loss scaling skipped.
 
 By default LeNet on scikit-learn's digits (configs/lenet.yaml, bundled: nothing is downloaded);
 `--config configs/cifar_resnet20.yaml` with a local CIFAR-10 folder (train.data.path) for the
-CIFAR ResNet-20 comparison. Writes results/precision_accuracy.{md,json}.
+CIFAR ResNet-20 comparison, or with `--digits` to train that network on the bundled digits
+instead (its input becomes 1x8x8: the stages see 8x8, 4x4 and 2x2 maps). Writes
+results/precision_accuracy.{md,json} for LeNet, results/precision_accuracy_<network>.{md,json}
+for another network.
 
-    python scripts/bench_precision.py [--config F] [--iterations N] [--quick]
+    python scripts/bench_precision.py [--config F] [--digits] [--iterations N] [--quick]
 """
 
 import argparse
@@ -21,9 +24,13 @@ from snrt.train import Trainer
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def train(config_path, precision, iterations):
-    """The numbers of one run."""
-    config = snrt.load_config(config_path, {"train.precision": precision, "train.iterations": iterations})
+DIGITS = {"train.data": {"type": "digits"}, "input.shape": [1, 8, 8], "input.classes": 10}
+
+
+def train(config_path, precision, iterations, overrides=None):
+    """The numbers of one run; `overrides` are more config keys (DIGITS)."""
+    config = snrt.load_config(config_path, {"train.precision": precision, "train.iterations": iterations,
+                                            **(overrides or {})})
     trainer = Trainer(config)
     start = time.perf_counter()
     history = trainer.fit()
@@ -40,6 +47,8 @@ def train(config_path, precision, iterations):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "lenet.yaml"))
+    parser.add_argument("--digits", action="store_true",
+                        help="train on scikit-learn's bundled 8x8 digits, whatever the config's data and input")
     parser.add_argument("--iterations", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="200 iterations, results/quick/")
     parser.add_argument("--out", default=None)
@@ -49,16 +58,19 @@ def main():
     meta = machine()
     rows = []
     for precision in PRECISIONS:
-        rows.append(train(args.config, precision, iterations))
+        rows.append(train(args.config, precision, iterations, DIGITS if args.digits else None))
         r = rows[-1]
         print(f"{precision}: held-out accuracy {r['heldout_accuracy']:.4f}, {r['images_per_s']:.0f} images/s, "
               f"{r['skipped_updates']} updates skipped", flush=True)
     fp32 = rows[0]
-    save_json(out, "precision_accuracy", {"meta": meta, "config": args.config, "runs": rows})
     name = snrt.load_config(args.config).name
-    lines = [f"# Precisions on the CPU: {name}, {iterations} iterations from the same seed", "",
+    stem = "precision_accuracy" if name == "lenet" else f"precision_accuracy_{name}"
+    save_json(out, stem, {"meta": meta, "config": args.config, "digits": args.digits, "runs": rows})
+    data = " on scikit-learn's digits (input 1x8x8)" if args.digits else ""
+    command = f"python scripts/bench_precision.py --config {args.config}{' --digits' * args.digits} --iterations {iterations}"
+    lines = [f"# Precisions on the CPU: {name}{data}, {iterations} iterations from the same seed", "",
              meta_line(meta, args.quick), "",
-             f"`python scripts/bench_precision.py --config {args.config} --iterations {iterations}`. bf16 and fp16 "
+             f"`{command}`. bf16 and fp16 "
              "store activations, their gradients and saved tensors in 2 bytes and compute in fp32 on copies staged "
              "in each step's workspace; fp16 scales its loss dynamically.", "",
              *table(["precision", "held-out accuracy", "vs fp32 (points)", "held-out loss", "images/s",
@@ -68,7 +80,7 @@ def main():
                       f"{r['images_per_s']:.0f}", f"{r['images_per_s'] / fp32['images_per_s']:.2f}x",
                       f"{r['peak_bytes'] / 2**20:.1f}", r["skipped_updates"],
                       "-" if r["loss_scale"] is None else f"{r['loss_scale']:g}"] for r in rows])]
-    save_markdown(out, "precision_accuracy", lines)
+    save_markdown(out, stem, lines)
 
 
 if __name__ == "__main__":

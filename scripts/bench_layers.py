@@ -52,7 +52,7 @@ from snrt.layers.activation import ELU, GELU, ReLU, ReLU6, Sigmoid, SiLU, Softma
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved  # noqa: E402
 from snrt.layers.conv import Conv2d, ConvTranspose2d  # noqa: E402
 from snrt.layers.dropout import Dropout  # noqa: E402
-from snrt.layers.fused import BatchNormReLU  # noqa: E402
+from snrt.layers.fused import AddReLU, BatchNormReLU  # noqa: E402
 from snrt.layers.join import Add, Concat, Mul, Scale  # noqa: E402
 from snrt.layers.linear import Linear  # noqa: E402
 from snrt.layers.norm import LRN, BatchNorm, GroupNorm, LayerNorm  # noqa: E402
@@ -85,9 +85,12 @@ CASES = [
     ("relu 256 @56 b8", ReLU(), [(8, 256, 56, 56)]),
     ("add 16 @32 b32", Add(), [(32, 16, 32, 32)] * 2),
     ("add 256 @56 b8", Add(), [(8, 256, 56, 56)] * 2),
-    # the fused node (snrt/scheduler/fuse.py) against PyTorch's two layers
+    # the fused nodes (snrt/scheduler/fuse.py) against PyTorch's two layers (AddReLU's input
+    # gradients in arrays of their own: in a residual chain's plan they are gy's, masked in place)
     ("batchnorm+relu 16 @32 b32", BatchNormReLU(), [(32, 16, 32, 32)]),
     ("batchnorm+relu 64 @112 b8", BatchNormReLU(), [(8, 64, 112, 112)]),
+    ("add+relu 16 @32 b32", AddReLU(), [(32, 16, 32, 32)] * 2),
+    ("add+relu 256 @56 b8", AddReLU(), [(8, 256, 56, 56)] * 2),
     # the newer layers, at the sizes of the zoo networks that use them
     ("depthwise 3x3 144 @56 b8", conv(out_channels=144, kernel=3, padding=1, groups=144), [(8, 144, 56, 56)]),
     ("depthwise 7x7 96 @56 b8", conv(out_channels=96, kernel=7, padding=3, groups=96), [(8, 96, 56, 56)]),
@@ -154,9 +157,10 @@ def snrt_kernels(layer, xs, params, rng):
 
 
 # PyTorch's side of layers whose values snrt.torch_reference does not compare (other random masks),
-# and of the fused node, which a network file never names: PyTorch's two layers
+# and of the fused nodes, which a network file never names: PyTorch's two layers
 TIMED_ONLY = {"Dropout": lambda l, xs, p, s, t: torch.nn.functional.dropout(xs[0], l.p, training=True),
-              "BatchNormReLU": lambda l, xs, p, s, t: torch.relu(OPS["BatchNorm"](l, xs, p, s, t))}
+              "BatchNormReLU": lambda l, xs, p, s, t: torch.relu(OPS["BatchNorm"](l, xs, p, s, t)),
+              "AddReLU": lambda l, xs, p, s, t: torch.relu(sum(xs))}
 
 
 def torch_function(layer, in_shapes):

@@ -1,5 +1,5 @@
-"""What fusion (each BatchNorm and the ReLU after it as one node, train.fuse) saves: planned peaks of
-the zoo, and training time and peak measured on this CPU, fused against unfused.
+"""What fusion (each BatchNorm or Add and the ReLU after it as one node, train.fuse) saves: planned
+peaks of the zoo, and training time and peak measured on this CPU, fused against unfused.
 
 Part 1, plans (exact for any device): each network below at its image size and batch, the
 peak device bytes under none, liveness and superneurons planned with fuse true and false, and
@@ -8,7 +8,7 @@ how many nodes fusion folded.
 Part 2, measured on this CPU: a Trainer of each network below with fuse true and one with fuse
 false, built in one process on the same batch, their iterations alternated (so a drift of a
 shared machine's speed slows both alike); the median seconds of an iteration, the seconds per
-iteration of the steps fusion touches (BatchNorm, ReLU and the fused nodes, forward and
+iteration of the steps fusion touches (BatchNorm, Add, ReLU and the fused nodes, forward and
 backward, timed one by one), the measured peak (which equals the planned one), and whether the
 losses agree bit for bit.
 
@@ -32,7 +32,7 @@ from snrt.scheduler.planner import each_plan
 from snrt.train import Trainer
 
 POLICIES = ("none", "liveness", "superneurons")
-TOUCHED = ("BatchNorm", "ReLU", "BatchNormReLU")  # the layers fusion folds, and its node
+TOUCHED = ("BatchNorm", "Add", "ReLU", "BatchNormReLU", "AddReLU")  # the layers fusion folds, and its nodes
 PLANNED = [("cifar_resnet110", 32, 128), ("resnet50", 224, 32), ("resnet152", 224, 32), ("densenet121", 224, 32),
            ("mobilenet_v2", 224, 32), ("efficientnet_b0", 224, 32), ("convnext_tiny", 224, 32), ("unet", 256, 16),
            ("vgg16", 224, 64), ("resnet2500", 227, 16)]
@@ -42,9 +42,9 @@ QUICK_MEASURED = [("cifar_resnet20", 32, 16, 4)]
 NOTE = ("Where superneurons (and offload) peak higher fused, the step that holds more is a convolution's "
         "backward: the fused node's input, prefetched for its backward, is on its way during the "
         "convolution's backward before it, where unfused it could arrive during ReLU's small backward. Under "
-        "a budget the planner prefetches just in time instead. Add+ReLU is not fused: fused, its backward "
-        "holds y, gy and both input gradients at once, one tensor more than either layer's backward, which "
-        "raised ResNet-50's offload and superneurons peaks (224x224, batch 32) from 636 to 710 and 704 MiB.")
+        "a budget the planner prefetches just in time instead. An AddReLU's backward holds y and gy alone "
+        "where ReLU's held y, gy and its input gradient: the masked gradient is written over gy and handed "
+        "to both inputs (where its step is the last to read gy, as in a chain of residual blocks).")
 
 
 def planned_rows(networks):
@@ -118,10 +118,11 @@ def main():
     planned = planned_rows(QUICK_PLANNED if args.quick else PLANNED)
     measured = [measured_row(*case) for case in (QUICK_MEASURED if args.quick else MEASURED)]
     save_json(args.out, "fusion", {"meta": meta, "planned": planned, "measured": measured})
-    lines = ["# Fusion: a BatchNorm and its ReLU as one node", "", meta_line(meta, args.quick), "",
-             "`python scripts/reproduce_fusion.py`. Each ReLU that alone reads a BatchNorm's output is planned "
-             "as part of it (snrt/scheduler/fuse.py): one step each way, only the BatchNorm's input saved, the "
-             "tensor between and its gradient never planned.", "",
+    lines = ["# Fusion: a BatchNorm or an Add and its ReLU as one node", "", meta_line(meta, args.quick), "",
+             "`python scripts/reproduce_fusion.py`. Each ReLU that alone reads a BatchNorm's or an Add's output "
+             "is planned as part of it (snrt/scheduler/fuse.py): one step each way, the tensor between and its "
+             "gradient never planned; BatchNormReLU saves only the BatchNorm's input, AddReLU its output (as the "
+             "ReLU did) and masks the gradient in place.", "",
              "## Planned peak (GiB), unfused -> fused", ""]
     lines += table(["network", "image", "batch", "nodes folded", *POLICIES, "fused / unfused"], [
         [r["network"], r["image"], r["batch"], f"{r['folded']} of {r['nodes']}",
@@ -129,7 +130,7 @@ def main():
          " / ".join(f"{r['fused'][p] / r['unfused'][p]:.2f}" for p in POLICIES)] for r in planned])
     lines += ["", "## Measured on this CPU (iterations alternated in one process)", ""]
     lines += table(["network", "image", "batch", "unfused s/iter", "fused s/iter", "fused / unfused",
-                    "BatchNorm and ReLU steps ms/iter", "steps", "peak MiB (measured = planned)", "same losses",
+                    "BatchNorm, Add and ReLU steps ms/iter", "steps", "peak MiB (measured = planned)", "same losses",
                     "load"], [
         [r["network"], r["image"], r["batch"], f"{r['unfused']['median_s']:.3f}", f"{r['fused']['median_s']:.3f}",
          f"{r['fused']['median_s'] / r['unfused']['median_s']:.3f}",

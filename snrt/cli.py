@@ -165,7 +165,7 @@ def _add_precision(parser):
                         help="the dtype tensors are stored in: fp32, tf32 (fp32 storage, tensor-core math), "
                              "bf16 or fp16 (2-byte activations) (overrides train.precision)")
     parser.add_argument("--no-fuse", dest="fuse", action="store_false", default=None,
-                        help="plan every layer as a node of its own: no BatchNorm+ReLU fusion "
+                        help="plan every layer as a node of its own: no BatchNorm+ReLU or Add+ReLU fusion "
                              "(sets train.fuse false)")
     parser.add_argument("--data", type=_data_spec, metavar="TYPE[:PATH]",
                         help=f"data set: {', '.join(DATASETS)}; npz, cifar and folder (DIR/train/<class>/*) take :PATH")

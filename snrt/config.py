@@ -125,7 +125,7 @@ class TrainConfig:
     gradient_bucket: Bytes = 25 * 2**20  # data parallel: gradients exchanged per bucket (snrt/scheduler/reduce.py)
     precision: str = "fp32"  # the dtype tensors are stored and computed in (snrt/precision.py)
     deterministic: bool = True  # GPU: only kernels that compute the same bits every time
-    fuse: bool = True  # plan each BatchNorm and the ReLU after it as one node (snrt/scheduler/fuse.py)
+    fuse: bool = True  # plan each BatchNorm or Add and the ReLU after it as one node (snrt/scheduler/fuse.py)
     cuda_graph: bool = True  # GPU: replay each iteration after the second as one captured CUDA graph (snrt/executor.py)
 
 

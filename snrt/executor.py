@@ -312,8 +312,10 @@ class Executor:
         saved = Saved(tuple(v[b] if b >= 0 else None for b in step.saved_inputs),
                       v[step.saved_output] if step.saved_output >= 0 else None)
         targets = [None if g is None else g[1] if g[1] >= 0 else g[0] for g in step.grad_inputs]
-        # a gradient that took over gy's buffer (Layer.passes_gradient) is written already
-        gxs = [None if b is None or b == step.grad_output else v[b] for b in targets]
+        # a gradient that took over gy's buffer is written already (Layer.passes_gradient), or
+        # is gy's own array, which the kernel writes over (Layer.gradient_in_place)
+        in_place = self.graph.nodes[step.node].layer.gradient_in_place
+        gxs = [None if b is None or b == step.grad_output and not in_place else v[b] for b in targets]
         args = (ctx, v[step.grad_output], saved, self._named(step.params), self._named(step.aux), gxs,
                 self._named(step.grad_params))
         backward = _kernel(self.kernels[step.node], [args[1], *saved.xs, saved.y, *args[4].values(), *gxs]).backward

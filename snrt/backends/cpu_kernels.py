@@ -200,7 +200,7 @@ class CpuKernels(LayerKernels):
         "MaxPool": (CompiledMaxPool,), "GlobalAvgPool": (CompiledGlobalAvgPool,), "GroupNorm": (CompiledGroupNorm,),
         "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
         "Upsample": (CompiledUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),
-        "Softmax": (CompiledSoftmax,), "Add": (CompiledAdd,),
+        "Softmax": (CompiledSoftmax,), "Add": (CompiledAdd,), "AddReLU": (CompiledAdd,),
         "Dropout": (CompiledDropout,), "Dropout2d": (CompiledDropout,),
         **{name: (CompiledActivation,) for name in ("GELU", "SiLU", "Sigmoid", "ELU", "ReLU", "ReLU6")}}
 

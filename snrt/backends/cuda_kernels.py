@@ -4,7 +4,8 @@
 and BatchNorm (snrt/backends/cudnn_graphs.py) with the CUDA kernels as their fallback, the
 CUDA kernels (snrt/backends/cuda_layers.py) for the other layers whose `xp` code allocates,
 BatchNormReLU as BatchNorm's kernel then ReLU's forward and one masked BatchNorm backward
-(CudaReLUAfter), and the layer's own `xp` code for the rest. `CudaKernels` is the kernel
+(CudaReLUAfter), AddReLU as Add's kernels then ReLU's (AddThenReLU: its one-pass backward
+writes over gy where the plan lets it), and the layer's own `xp` code for the rest. `CudaKernels` is the kernel
 choice the CUDA backend plans and runs with. Importing this module does not import CuPy.
 """
 
@@ -16,7 +17,8 @@ from snrt.backends.cuda_layers import (CublasLinear, CudaAdd, CudaAvgPool, CudaB
 from snrt.backends.cuda_source import KernelModule
 from snrt.backends.cudnn_graphs import CudnnBatchNorm, CudnnContext, CudnnConv2d
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES
-from snrt.layers.fused import RELU, ReLUAfter
+from snrt.layers.fused import RELU, AddThenReLU, ReLUAfter
+from snrt.layers.join import Add
 from snrt.layers.staging import fp32_kernel_workspace_bytes
 
 
@@ -34,6 +36,11 @@ def _cudnn_batchnorm(layer, in_shapes, kernels):
 def _upsample(layer, in_shapes, kernels):
     """Bilinear by cuBLAS; nearest is slicing, the layer's own xp code."""
     return XpKernel(layer, in_shapes) if uses_xp_code(layer) else CudaUpsample(layer, in_shapes, kernels.module)
+
+
+def _add_relu(layer, in_shapes, kernels):
+    """AddReLU: the kernels an Add and a ReLU of these shapes run, composed (snrt/layers/fused.py)."""
+    return AddThenReLU(layer, kernels.kernel_for(Add(), in_shapes), kernels.kernel_for(RELU, in_shapes[:1]))
 
 
 def _plain(kernel_class):
@@ -96,6 +103,7 @@ REGISTRY = {
     "Add": _plain(CudaAdd),
     "Upsample": _upsample,
     "BatchNormReLU": CudaReLUAfter,
+    "AddReLU": _add_relu,
 }
 
 

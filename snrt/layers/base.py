@@ -221,6 +221,11 @@ class Layer:
     # lets input gradients take over gy's buffer (snrt/scheduler/order.py), and the kernel is
     # then given None for them
     passes_gradient: ClassVar[bool] = False
+    # every input's gradient is one elementwise function of gy (Add+ReLU's: gy masked), which the
+    # kernel may compute in place: the plan lets input gradients take over gy's buffer where no
+    # other tensor's gradient still to be read shares it, and the kernel is then given gy's own
+    # array as those inputs' gradients, to write over
+    gradient_in_place: ClassVar[bool] = False
     keeps_fp32: ClassVar[bool] = False  # output and saved tensors in fp32 whatever the precision (snrt/precision.py)
     fp32_aux: ClassVar[tuple] = ()  # names of saved tensors (statistics) kept in fp32 whatever the precision
 

@@ -6,7 +6,9 @@ through a partial buffer and are added), and each node's optimizer update comes 
 its backward, when its parameter gradients are complete (fused update). A layer whose input
 gradients are its output's gradient itself (`passes_gradient`: Add, Identity) lets them take
 over gy's buffer: a first contribution is then that buffer (nothing copied), a later one adds
-gy itself (no partial buffer). Several inputs' gradients may be the one buffer where no later
+gy itself (no partial buffer). So does one whose input gradients are one elementwise function
+of gy (`gradient_in_place`: Add+ReLU's masked gy), computed over gy in place, where its step is
+the last to read gy. Several inputs' gradients may be the one buffer where no later
 contribution to one of them can reach another's before it is read (`_may_share`): a residual
 block's Add hands gy to both branches and copies nothing.
 """
@@ -172,11 +174,13 @@ class _StepBuilder:
             grad_inputs = []
             sources = [source for i, source in enumerate(node.inputs) if i in wanted and needs[source]]
             repeats = len(set(sources)) < len(sources)  # then gy itself may take a contribution in this step
+            # (asked before this step's inputs join gy's owners)
+            hands_on = layer.passes_gradient or layer.gradient_in_place and self._only_reader(gy, node)
             for i, source in enumerate(node.inputs):
                 if i not in wanted or not needs[source]:
                     grad_inputs.append(None)
                     continue
-                takes_over = layer.passes_gradient and self.grad.get(source) != gy and self._like(source, gy)
+                takes_over = hands_on and self.grad.get(source) != gy and self._like(source, gy)
                 if source in written:  # a later contribution: gy itself is added, unless gy changes in this step
                     total = self.table.buffers[self.grad[source]]
                     partial = (gy if takes_over and not repeats
@@ -230,6 +234,13 @@ class _StepBuilder:
             return False
         first_write = max(late[writers[0]]) if writers else -1  # backward steps run in decreasing position
         return all(position[s] > first_write for s in pending if s not in writers)
+
+    def _only_reader(self, gy, node):
+        """Whether `node`'s backward step is the last to read gradient buffer `gy` as a gradient
+        (it may then write over it): every other tensor whose gradient gy also is has had its
+        backward step already, or has none."""
+        position, here = self.position, self.position[node.name]
+        return all(s == node.name or position[s] > here or not self.needs[s] for s in self.owners[gy])
 
     def _like(self, source, gy):
         """Whether node `source`'s output gradient can be buffer `gy` (the same shape and dtype)."""

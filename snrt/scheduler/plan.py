@@ -103,8 +103,8 @@ class Backward(_Step):
     """Run node's backward. `grad_inputs[i]` is (buffer id, partial id) or None: the kernel
     writes the gradient of input i into the buffer, or, when `partial` is not -1, into the
     partial buffer which is then added to the gradient buffer (fan-out). Where that buffer is
-    `grad_output` itself (a gradient that took over gy's, Layer.passes_gradient), the kernel
-    writes nothing for input i."""
+    `grad_output` itself (a gradient that took over gy's), the kernel writes nothing for input
+    i (Layer.passes_gradient), or writes it over gy (Layer.gradient_in_place)."""
 
     node: str
     grad_output: int

@@ -14,7 +14,7 @@ from snrt.layers.activation import ELU, GELU, Identity, LeakyReLU, ReLU, ReLU6, 
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.conv import Conv2d, ConvTranspose2d
 from snrt.layers.dropout import Dropout, Dropout2d
-from snrt.layers.fused import BatchNormReLU
+from snrt.layers.fused import AddReLU, BatchNormReLU
 from snrt.layers.join import Add, Concat, Mul, Scale
 from snrt.layers.linear import Flatten, Linear, Reshape
 from snrt.layers.loss import SoftmaxCrossEntropy
@@ -27,7 +27,7 @@ from snrt.timeline import copy_overlap
 REASON = cuda_unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"needs a CUDA device: {REASON}")]
 
-EXACT = ("Dropout", "AvgPool", "ReLU", "LeakyReLU", "Add", "Concat", "Flatten", "MaxPool")  # same arithmetic
+EXACT = ("Dropout", "AvgPool", "ReLU", "LeakyReLU", "Add", "AddReLU", "Concat", "Flatten", "MaxPool")  # same arithmetic
 
 LAYERS = [
     (Conv2d(out_channels=8, kernel=3, padding=1), [(4, 6, 10, 10)]),
@@ -39,6 +39,7 @@ LAYERS = [
     (BatchNorm(momentum=0.3), [(16, 12)]),
     (BatchNorm(affine=False), [(4, 8, 6, 6)]),
     (BatchNormReLU(), [(4, 8, 6, 6)]),
+    (AddReLU(), [(3, 4, 5), (3, 4, 5)]),
     (ConvTranspose2d(out_channels=4, kernel=3, stride=2, padding=1, output_padding=1), [(2, 6, 5, 5)]),
     (Linear(out_features=7), [(5, 3, 2, 2)]),
     (Linear(out_features=7, bias=False), [(5, 11)]),

@@ -84,10 +84,10 @@ def test_unknown_backend_is_an_error():
 
 
 def test_registry_covers_every_layer_whose_xp_code_allocates():
-    from snrt.layers.fused import BatchNormReLU
+    from snrt.layers.fused import AddReLU, BatchNormReLU
 
     assert set(NUMPY_ONLY) <= set(REGISTRY)
-    assert set(REGISTRY) <= set(LAYERS) | {BatchNormReLU.type_name}  # and the node fusion makes
+    assert set(REGISTRY) <= set(LAYERS) | {BatchNormReLU.type_name, AddReLU.type_name}  # and the nodes fusion makes
 
 
 def test_gemm_convolution_fits_the_workspace_existing_plans_give():
@@ -614,6 +614,41 @@ def test_the_one_pass_relu_and_add_backwards_match_the_layers_own(inputs):
     gxs[1] = None
     CudaAdd(Add(), [gy.shape] * inputs, OnePassModule()).backward(ctx, gy, Saved(xs=(None,) * inputs), {}, {}, gxs, {})
     assert all(np.array_equal(gx, gy) for gx in gxs if gx is not None)
+
+
+@pytest.mark.parametrize("over_gy", [None, 0, 1], ids=["apart", "first-over-gy", "second-over-gy"])
+def test_add_relu_on_cuda_is_adds_then_relus_kernels_and_may_write_over_gy(over_gy):
+    """The CUDA backend's AddReLU: Add's and ReLU's kernels composed (AddThenReLU), no workspace,
+    its backward the layer's bits with an input gradient in gy's own array or apart."""
+    from types import SimpleNamespace
+
+    from snrt.backends.cuda_kernels import _add_relu
+    from snrt.backends.cuda_layers import CudaAdd, CudaReLU
+    from snrt.layers.fused import AddReLU
+
+    module = OnePassModule()
+    kinds = {"Add": CudaAdd, "ReLU": CudaReLU}
+    kernels = SimpleNamespace(kernel_for=lambda layer, shapes: kinds[layer.type_name](layer, shapes, module))
+    layer, shape = AddReLU(), (2, 3, 5)
+    kernel = _add_relu(layer, [shape, shape], kernels)
+    assert kernel.name == "cuda+relu" and kernel.measured_seconds(BACKWARD) is None
+    assert kernel.workspace_bytes([shape, shape], BACKWARD) == 0 < layer.workspace_bytes([shape, shape], BACKWARD)
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+    xs[0][0, 0, :2] = np.nan, -xs[1][0, 0, 1]  # a NaN, and a sum of exactly 0
+    gy = rng.standard_normal(shape).astype(np.float32)
+    ctx = KernelContext(np, True, 0, 0, 0, np.zeros(layer.workspace_bytes([shape, shape], BACKWARD), np.uint8))
+    ys, grads = [], []
+    for runner in (kernel, layer):
+        y, given = np.empty_like(gy), gy.copy()
+        runner.forward(ctx, xs, {}, {}, y, {})
+        gxs = [given if i == over_gy else np.full_like(gy, np.nan) for i in range(2)]
+        runner.backward(ctx, given, Saved(xs=(None, None), y=y), {}, {}, gxs, {})
+        ys.append(y)
+        grads.append(gxs)
+    np.testing.assert_array_equal(ys[0], ys[1])
+    for got, want in zip(*grads):
+        np.testing.assert_array_equal(got, want)
 
 
 class BatchNormModule:

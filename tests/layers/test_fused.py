@@ -1,6 +1,6 @@
-"""The fused layer (snrt/layers/fused.py): against finite differences and PyTorch through the
-harness, and bit for bit against BatchNorm then ReLU, for the layers' own code and for the
-CPU's compiled kernels."""
+"""The fused layers (snrt/layers/fused.py): against finite differences and PyTorch through the
+harness, and bit for bit against BatchNorm then ReLU and Add then ReLU, for the layers' own
+code and for the CPU's compiled kernels."""
 
 import numpy as np
 import pytest
@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.layers.activation import ReLU
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
-from snrt.layers.fused import BatchNormReLU
+from snrt.layers.fused import MASK_SLICE, AddReLU, AddThenReLU, BatchNormReLU
+from snrt.layers.join import Add
 from snrt.layers.norm import BatchNorm
 from tests.layers.harness import check_layer, make_params, make_state
 
@@ -102,3 +103,100 @@ def test_the_fused_layer_saves_only_its_input_and_keeps_batch_norms_options():
     assert CPU_KERNELS.workspace_bytes(layer, [shape], BACKWARD) == 0
     parts = [BatchNorm().cost([shape], phase).bytes + ReLU().cost([shape], phase).bytes for phase in (FORWARD, BACKWARD)]
     assert [layer.cost([shape], phase).bytes for phase in (FORWARD, BACKWARD)] < parts
+
+
+# ---- Add+ReLU ------------------------------------------------------------------------------
+@KERNELS
+def test_add_relu_matches_torch_and_finite_differences(kernels):
+    shape = (4, 3, 5, 6)
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal(shape), rng.standard_normal(shape)]
+    xs[1] += np.sign(xs[0] + xs[1]) * 0.3  # sums away from 0, ReLU's kink
+    check_layer(kernels(AddReLU(), [shape, shape]), xs, lambda t, p: F.relu(t[0] + t[1]))
+
+
+def _add_relu_cases(shape, inputs, rng):
+    """Inputs, gy and a saved-output stand-in with NaN, infinities and both zeros in the sums."""
+    xs = [rng.standard_normal(shape, dtype=np.float32) for _ in range(inputs)]
+    flat = [x.reshape(-1) for x in xs]
+    flat[0][:6] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30]
+    flat[1][:6] = [1.0, 1.0, 1.0, -0.0, -0.0, -1e-30]
+    gy = rng.standard_normal(shape, dtype=np.float32)
+    gy.reshape(-1)[6:9] = [np.nan, np.inf, -5.0]
+    return xs, gy
+
+
+def _unfused_add_relu(kernels, xs, gy, wanted):
+    """(y, input gradients) of Add then ReLU, each by its kernel of `kernels`, in float32."""
+    shapes = [x.shape for x in xs]
+    add, relu = kernels(Add(), shapes), kernels(ReLU(), shapes[:1])
+    z, y, g = (np.empty_like(gy) for _ in range(3))
+    add.forward(_ctx(), xs, {}, {}, z, {})
+    relu.forward(_ctx(), [z], {}, {}, y, {})
+    relu.backward(_ctx(), gy, Saved((None,), y), {}, {}, [g], {})
+    gxs = [np.full_like(gy, np.nan) if w else None for w in wanted]
+    add.backward(_ctx(), g, Saved((None,) * len(xs), None), {}, {}, gxs, {})
+    return y, [gx for gx in gxs if gx is not None]
+
+
+def _composed(layer, shapes):
+    """AddThenReLU from the CPU's compiled Add and ReLU: the composition the CUDA backend runs."""
+    if isinstance(layer, AddReLU):
+        return AddThenReLU(layer, CPU_KERNELS.kernel_for(Add(), shapes), CPU_KERNELS.kernel_for(ReLU(), shapes[:1]))
+    return CPU_KERNELS.kernel_for(layer, shapes)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # NaN and inf on purpose
+@pytest.mark.parametrize("kernels", [lambda layer, shapes: layer, CPU_KERNELS.kernel_for, _composed],
+                         ids=["numpy", "compiled", "composed"])
+@pytest.mark.parametrize("inputs", [2, 3])
+@pytest.mark.parametrize("over_gy", [None, 0, 1], ids=["apart", "first-over-gy", "second-over-gy"])
+@pytest.mark.parametrize("shape", [(8, 16, 15, 15), (5, 3)])  # the first over MASK_SLICE values
+def test_add_relu_gives_the_bits_of_add_then_relu(shape, over_gy, inputs, kernels):
+    """Forward and backward of the fused layer against the two layers': the input gradients in
+    arrays of their own, or one of them gy's own array (the plan let it take over gy's buffer),
+    which the kernel then writes over."""
+    xs, gy = _add_relu_cases(shape, inputs, np.random.default_rng(4))
+    y, expected = _unfused_add_relu(kernels, xs, gy, [True] * inputs)
+    fused = kernels(AddReLU(), [x.shape for x in xs])
+    ours = np.empty_like(y)
+    fused.forward(_ctx(), xs, {}, {}, ours, {})
+    _assert_same_bits(ours, y)
+    given = gy.copy()
+    gxs = [given if i == over_gy else np.full_like(gy, np.nan) for i in range(inputs)]
+    fused.backward(_ctx(), given, Saved((None,) * inputs, ours), {}, {}, gxs, {})
+    for gx, want in zip(gxs, expected):
+        _assert_same_bits(gx, want)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("kernels", [lambda layer, shapes: layer, CPU_KERNELS.kernel_for, _composed],
+                         ids=["numpy", "compiled", "composed"])
+def test_add_relu_writes_only_the_gradients_asked_for(kernels):
+    shape = (6, 5)
+    xs, gy = _add_relu_cases(shape, 2, np.random.default_rng(5))
+    y, expected = _unfused_add_relu(kernels, xs, gy, [False, True])
+    fused, given = kernels(AddReLU(), [shape, shape]), gy.copy()
+    gx = np.full_like(gy, np.nan)
+    fused.backward(_ctx(), given, Saved((None, None), y), {}, {}, [None, gx], {})
+    _assert_same_bits(gx, expected[0])
+    _assert_same_bits(given, gy)  # gy, not one of the gradients, is left as it was
+    fused.backward(_ctx(), given, Saved((None, None), y), {}, {}, [None, None], {})
+    _assert_same_bits(given, gy)
+
+
+def test_add_relu_saves_its_output_and_needs_no_workspace_compiled():
+    layer, shape = AddReLU(), (8, 16, 16, 16)
+    assert layer.saves.output and layer.saves.inputs == ()
+    assert layer.gradient_in_place and not layer.passes_gradient
+    assert layer.recompute_cost == Add.recompute_cost  # a join: its output is a checkpoint
+    assert layer.infer_shape([shape, shape]) == shape and layer.param_specs([shape, shape]) == {}
+    # the layer's own code carves a slice's mask from its workspace when it writes over gy; the
+    # CPU's compiled kernel needs none
+    assert layer.workspace_bytes([shape, shape], BACKWARD) == 4 * MASK_SLICE < 8 * 16 * 16 * 16 * 4
+    assert layer.workspace_bytes([(5, 3)] * 2, BACKWARD) == 4 * 15
+    assert layer.workspace_bytes([shape, shape], FORWARD) == 0
+    assert CPU_KERNELS.workspace_bytes(layer, [shape, shape], BACKWARD) == 0
+    parts = [Add().cost([shape, shape], phase).bytes + ReLU().cost([shape], phase).bytes
+             for phase in (FORWARD, BACKWARD)]
+    assert [layer.cost([shape, shape], phase).bytes for phase in (FORWARD, BACKWARD)] < parts

@@ -3,9 +3,9 @@
 import argparse
 import collections
 import dataclasses
+import errno
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from snrt.atomic import replace_atomically
 from snrt.backends import BACKENDS, default_backend
 from snrt.config import DATASETS, config_to_yaml, load_config, with_settings
 from snrt.checkpoint import CheckpointError, NonFiniteError, load_checkpoint
@@ -46,6 +47,9 @@ def _data_spec(text):
     if kind not in DATASETS:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(DATASETS)} (with :PATH for npz, cifar and "
                                          f"folder), got {text!r}")
+    if path and kind in ("synthetic", "digits"):
+        raise argparse.ArgumentTypeError(f"{kind} reads no files (it is made, or comes with scikit-learn): give it "
+                                         f"without :PATH, got {text!r}")
     return {"type": kind, **({"path": path} if path else {})}
 
 
@@ -509,6 +513,10 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     if folder is None:
         trainer.fit(checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
         return 128 + int(trainer.stop_reason) if isinstance(trainer.stop_reason, int) else 0
+    if args.resume is not None and trainer.iteration >= config.train.iterations:  # the folder stays as it is
+        console.print(f"nothing to do: the run in {folder.path} is at iteration {trainer.iteration} already, and "
+                      f"train.iterations is {config.train.iterations}; ask for more with --iterations")
+        return 0
     if args.resume is not None:
         folder.truncate_metrics(trainer.iteration)
     out = folder.path
@@ -600,12 +608,9 @@ def _heldout(trainer, console):
 def _write_run_file(path, text, kept):
     """Write one of the run folder's small files, atomically (an earlier version stays whole
     until the new one is); a failure names the file and says what was kept."""
-    partial = path.with_name(f".{path.name}.tmp")
     try:
-        partial.write_text(text)
-        os.replace(partial, path)
+        replace_atomically(path, lambda partial: partial.write_text(text))
     except OSError as e:
-        partial.unlink(missing_ok=True)
         raise _cannot_write(path, e, kept) from None
 
 
@@ -902,11 +907,11 @@ def _describe(error, args):
         return f"{args.config}: memory.budget: {error}", 2
     if isinstance(error, PrecisionError):  # nor does the runtime: name the file whose precision it is
         return f"{args.config}: {error}", 2
-    if isinstance(error, OSError):  # a file the run needs or writes: named, with the system's reason
-        return f"{error.filename + ': ' if error.filename else ''}{error.strerror or error}", 2
-    if isinstance(error, MemoryError):
+    if isinstance(error, MemoryError) or isinstance(error, OSError) and error.errno == errno.ENOMEM:
         return ("not enough memory for this run: lower --batch or --image-size, or shrink the device footprint "
                 "with --policy and --budget (snrt plan shows each policy's peak)"), 2
+    if isinstance(error, OSError):  # a file the run needs or writes: named, with the system's reason
+        return f"{error.filename + ': ' if error.filename else ''}{error.strerror or error}", 2
     if isinstance(error, KeyboardInterrupt):
         return "interrupted", 128 + signal.SIGINT
     if isinstance(error, Terminated):

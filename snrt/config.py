@@ -27,10 +27,12 @@ from snrt.layers.input import Input
 from snrt.precision import PRECISIONS
 from snrt.scheduler import policies
 from snrt.units import Bytes, parse_bytes
+from snrt.workers import MAX_WORKERS
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DATASETS = ("synthetic", "npz", "cifar10", "cifar100", "digits", "folder")
 TOP_LEVEL_KEYS = ("name", "input", "vars", "train", "memory", "blocks", "network")
+PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")  # a network's name, and its default run folder's
 LABEL_READERS = {"SoftmaxCrossEntropy"}  # layers whose default inputs are [previous, label]
 LOSSES = LABEL_READERS  # the layers a training iteration starts its backward pass from
 # Limits that turn a runaway file into an error instead of a hang or a crash
@@ -163,6 +165,7 @@ OPTIONAL = ("path", "host_store", "workers")  # settings that may be null
 POSITIVE = {(TrainConfig, "batch"), (TrainConfig, "gradient_bucket"), (TrainConfig, "iterations"), (OptimizerConfig, "lr"), (ParamGroup, "lr_scale"),
             (DataConfig, "samples"), (DataConfig, "holdout"), (OptimizerConfig, "eps")}
 BELOW_ONE = {(DataConfig, "holdout"), (OptimizerConfig, "beta1"), (OptimizerConfig, "beta2")}  # fractions
+AT_MOST = {(DataConfig, "workers"): MAX_WORKERS}
 
 
 # ---- public entry points ----------------------------------------------------------------
@@ -231,7 +234,9 @@ def load_config(source, overrides=None):
     except OSError as e:
         raise ConfigError(str(path), "", f"cannot read the file ({e.strerror})") from None
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=_Loader)
+    except _DuplicateKey as e:
+        raise ConfigError(str(path), e.key, str(e)) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -241,6 +246,38 @@ def load_config(source, overrides=None):
         raise ConfigError(str(path), "", "not valid YAML: nested too deeply") from None
     _check_size(str(path), doc)
     return parse_config(apply_overrides(doc, overrides), str(path), default_name=path.stem)
+
+
+class _DuplicateKey(Exception):
+    """A mapping of the file gives one key twice (YAML would keep the last silently)."""
+
+    def __init__(self, key, first, second):
+        where = f"line {first}" if first == second else f"lines {first} and {second}"
+        super().__init__(f"given twice in one mapping ({where}); keep one")
+        self.key = str(key)
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in a mapping is an error, and numbers in
+    exponent form without a point (1e-3, 5E4) are floats, as in JSON and YAML 1.2."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}  # key -> its line
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *alias" may override, as YAML says
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, seen[key], line)
+                seen[key] = line
+            except TypeError:  # an unhashable key: the constructor reports it
+                continue
+        return super().construct_mapping(node, deep)
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
 
 
 def _check_size(source, doc):
@@ -286,9 +323,14 @@ def parse_config(doc, source, default_name="net"):
     for required in ("input", "network"):
         if required not in doc:
             raise ConfigError(source, required, "missing; every network file needs 'input' and 'network'")
-    name = doc.get("name", default_name)
-    if not isinstance(name, str):
+    name = doc.get("name", None)
+    if name is None:  # the file's name, made plain
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", default_name)[:200].strip(".") or "net"
+    elif not isinstance(name, str):
         raise ConfigError(source, "name", f"expected a string, got {_kind(name)}")
+    elif not PLAIN_NAME.fullmatch(name) or name in (".", ".."):
+        raise ConfigError(source, "name", f"expected a plain name (letters, digits, '.', '_', '-'; it names the "
+                                          f"run folder runs/NAME), got {name!r}")
     input_cfg = _parse_input(source, doc["input"])
     env = {"classes": input_cfg.classes, **_parse_vars(source, doc.get("vars", {}))}
     blocks = _parse_blocks(source, doc.get("blocks", {}))
@@ -413,6 +455,8 @@ def _check_setting(source, key, cls, name, annotation, value):
         raise ConfigError(source, key, f"expected a positive value, got {value!r}")
     if (cls, name) in BELOW_ONE and value >= 1:
         raise ConfigError(source, key, f"expected a fraction below 1, got {value!r}")
+    if (cls, name) in AT_MOST and value > AT_MOST[(cls, name)]:
+        raise ConfigError(source, key, f"expected at most {AT_MOST[(cls, name)]}, got {value!r}")
     if annotation in (int, float) and value < 0:
         raise ConfigError(source, key, f"expected a non-negative value, got {value!r}")
     return value
@@ -727,6 +771,10 @@ def build_graph(source, name, input_cfg, entries):
     label_shape = tuple(input_cfg.shape[1:]) if input_cfg.per_pixel else ()
     graph.add(Input(shape=label_shape, dtype="int64"), name="label", key="input.classes")
     for entry in _sort_topologically(source, entries):
+        if any(ref == "label" and not (entry.type in LABEL_READERS and i == 1) for i, ref in enumerate(entry.inputs)):
+            raise ConfigError(source, _join(entry.key, "inputs"), f"layer '{entry.name}' ({entry.type}) reads 'label', "
+                                                                   "the class indices, which only a loss reads (as "
+                                                                   "its second input)")
         layer = make_layer(source, entry)
         try:
             graph.add(layer, inputs=entry.inputs, name=entry.name, key=entry.key)

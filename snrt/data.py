@@ -79,13 +79,21 @@ def load_datasets(data, input_shape, classes, seed, per_pixel=False):
     if per_pixel and data.crop_padding:
         raise ConfigError("<data>", "train.data.crop_padding", "random crops are not offered with per-pixel labels "
                                                                "(input.per_pixel); flip is; set crop_padding: 0")
+    for key, on in (("crop_padding", data.crop_padding), ("flip", data.flip)):
+        if on and len(input_shape) != 3:
+            raise ConfigError("<data>", f"train.data.{key}", f"augments images (C, H, W), but input.shape is "
+                                                             f"{list(input_shape)}; turn it off")
+    if data.crop_padding > max(input_shape[1:], default=0):
+        raise ConfigError("<data>", "train.data.crop_padding", f"expected at most the image's side "
+                                                               f"({max(input_shape[1:])}), got {data.crop_padding}")
     if data.type in ("synthetic", "npz"):
         return loaders[data.type](data, input_shape, classes, seed, per_pixel)
     return loaders[data.type](data, input_shape, classes, seed)
 
 
 def _load_synthetic(data, input_shape, classes, seed, per_pixel=False):
-    """Learnable class-dependent images: a smooth random prototype per class plus noise; with
+    """Learnable class-dependent images: a smooth random prototype per class plus noise (inputs
+    of another rank than (C, H, W): a random one); with
     `per_pixel`, label maps of random class blocks and each pixel the colour of its class."""
     if data.samples < 2:
         raise ConfigError("<data>", "train.data.samples", f"the synthetic set needs at least 2 samples, got {data.samples}")
@@ -93,6 +101,13 @@ def _load_synthetic(data, input_shape, classes, seed, per_pixel=False):
     if per_pixel:
         return _split_holdout(*_synthetic_label_maps(rng, data.samples, input_shape, classes), classes,
                               "synthetic", data, seed)
+    if len(input_shape) != 3:  # vectors, sequences: a random prototype per class, plus noise
+        y = rng.permutation(np.arange(data.samples) % classes).astype(np.int64)
+        prototypes = 0.5 * rng.standard_normal((classes, *input_shape)).astype(np.float32)
+        x = rng.standard_normal((data.samples, *input_shape), dtype=np.float32)
+        x *= 0.25
+        x += prototypes[y]
+        return _split_holdout(x, y, classes, "synthetic", data, seed)
     c, h, w = input_shape
     low_h, low_w = _low_resolution(h), _low_resolution(w)
     low = 0.25 * rng.standard_normal((classes, c, low_h, low_w)).astype(np.float32)
@@ -429,17 +444,19 @@ def _held_out(y, classes, data, seed, source):
 
 
 def channel_stats(dataset, limit=None):
-    """(mean (C,), std (C,)) float32 per channel over all samples (the first `limit`) and
-    pixels; a (near) zero std becomes 1."""
+    """(mean (C,), std (C,)) float32 per channel (the first axis of a sample: an image's
+    channels, a vector's features) over all samples (the first `limit`) and positions; a (near)
+    zero std becomes 1."""
     n = len(dataset) if limit is None else min(limit, len(dataset))
 
     def chunks():  # two passes, a chunk in memory at a time
         return (dataset.take(slice(s, min(s + _STATS_CHUNK, n)))[0] for s in range(0, n, _STATS_CHUNK))
-    _, h, w = dataset.shape
-    count = n * h * w
-    total = sum(x.sum(axis=(0, 2, 3), dtype=np.float64) for x in chunks())
+    shape = dataset.shape
+    axes = (0, *range(2, len(shape) + 1))  # all but the channels of a batch
+    count = n * int(np.prod(shape[1:]))
+    total = sum(x.sum(axis=axes, dtype=np.float64) for x in chunks())
     mean = total / count
-    square = sum(((x - mean[:, None, None]) ** 2).sum(axis=(0, 2, 3)) for x in chunks())
+    square = sum(((x - _by_channel(mean, shape)) ** 2).sum(axis=axes) for x in chunks())
     std = np.sqrt(square / count)
     std[std < 1e-6] = 1.0  # a constant channel is left as it is, not blown up
     return mean.astype(np.float32), std.astype(np.float32)
@@ -453,10 +470,15 @@ def normalization(data, dataset):
     return np.zeros(c, np.float32), np.ones(c, np.float32)
 
 
+def _by_channel(values, sample_shape):
+    """(C,) `values` shaped to broadcast over a batch of samples of `sample_shape` (C, ...)."""
+    return values.reshape(-1, *(1,) * (len(sample_shape) - 1))
+
+
 def _normalize(x, mean, std):
-    """x (float32, owned by the caller) normalised in place per channel."""
-    x -= mean[:, None, None]
-    x /= std[:, None, None]
+    """x (float32 (B, C, ...), owned by the caller) normalised in place per channel."""
+    x -= _by_channel(mean, x.shape[1:])
+    x /= _by_channel(std, x.shape[1:])
     return x
 
 

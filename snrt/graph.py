@@ -6,6 +6,7 @@ layer fact methods work with full shapes (batch first). Nodes are kept in topolo
 """
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 from snrt.errors import GraphError, ShapeError
@@ -15,6 +16,7 @@ from snrt.layers.input import Input
 from snrt.summary import format_summary
 
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "int32": 4, "int64": 8}
+MAX_VALUES = 1 << 62  # values of one tensor per sample, or of one parameter: more than an array can index
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,12 @@ class Graph:
             raise GraphError(name, f"{layer.type_name} cannot take inputs of shape {shapes}: {e}", key) from None
         if len(out) < 1 or out[0] != 1 or any(d < 1 for d in out):
             raise GraphError(name, f"{layer.type_name} inferred an invalid output shape {list(out[1:])}", key)
+        sizes = [("its output per sample", out[1:])] + [(f"its parameter '{p}'", spec.shape)
+                                                         for p, spec in layer.param_specs(in_shapes).items()]
+        for what, shape in sizes:
+            if math.prod(shape) > MAX_VALUES:
+                raise GraphError(name, f"{what} would hold {math.prod(shape):,} values (shape "
+                                       f"{list(shape)}), more than an array can hold (2^62)", key)
         return out[1:], layer.output_dtype(in_dtypes)
 
     # ---- queries ---------------------------------------------------------------------

@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+from snrt.atomic import save_figure  # noqa: E402
 from snrt.errors import SnrtError  # noqa: E402
 from snrt.runfolder import METRICS  # noqa: E402
 
@@ -87,7 +88,7 @@ def draw_metrics(runs, path, title=None):
     axes[0][1].legend(fontsize=8)
     fig.suptitle(title or ", ".join(r.name for r in runs))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+from snrt.atomic import save_figure  # noqa: E402
 from snrt.scheduler import cost  # noqa: E402
 from snrt.scheduler.fuse import planned_graph  # noqa: E402
 from snrt.scheduler.plan import ROLES  # noqa: E402
@@ -52,7 +53,7 @@ def draw_timeline(plan, path, budget=None, measured=None, title=None):
     ax.legend(loc="upper left", fontsize=8, ncol=2)
     ax.margins(x=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -147,5 +148,5 @@ def draw_streams(predicted, measured, path, title):
     ax.set_title(title)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)

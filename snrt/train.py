@@ -19,7 +19,7 @@ import numpy as np
 
 from snrt.checkpoint import CheckpointError, describe_batch_change, load_checkpoint, save_checkpoint
 from snrt.data import Batches, eval_batches, load_datasets, normalization
-from snrt.errors import DivergenceError, SnrtError
+from snrt.errors import ConfigError, DivergenceError, SnrtError
 from snrt.init import each_initial_parameter, each_initial_state
 from snrt.optim import learning_rate, make_optimizer
 from snrt.parallel import Solo, launcher_local_size
@@ -94,8 +94,11 @@ class Trainer:
         self.plan, self.backend, self.executor = self.runtime.plan, self.runtime.backend, self.runtime.executor
         self._backend_name, self._check = backend, check
         self.iteration = 0
-        self.train_set, self.heldout_set = load_datasets(train.data, tuple(config.input.shape), config.input.classes,
-                                                         train.seed, config.input.per_pixel)
+        try:
+            self.train_set, self.heldout_set = load_datasets(train.data, tuple(config.input.shape),
+                                                             config.input.classes, train.seed, config.input.per_pixel)
+        except ConfigError as e:  # the data set's settings: named in the config's file
+            raise ConfigError(config.source, e.key, e.message) if e.source == "<data>" else e from None
         self.mean, self.std = normalization(train.data, self.train_set)
         self.stop_reason = None  # what asked fit to stop: a signal (SIGINT, SIGTERM) or a caller's reason
 
@@ -165,6 +168,11 @@ class Trainer:
         workers = self.config.train.data.workers
         if workers is None:
             return max(1, usable_cores() // launcher_local_size()) if self.train_set.decodes else 0
+        most = 4 * usable_cores() + 4
+        if workers > most:  # each is a Python process of its own: more only wait for the cores, and fill memory
+            raise ConfigError(self.config.source, "train.data.workers",
+                              f"{workers} worker processes on a machine with {usable_cores()} usable cores; "
+                              f"expected at most {most}")
         return workers
 
     def _agree_to_stop(self):

@@ -12,10 +12,10 @@ the rate where the loss was lowest.
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from snrt.atomic import replace_atomically, save_figure
 from snrt.config import config_to_yaml, with_settings
 from snrt.scheduler.planner import fitting_plan
 from snrt.scheduler.policies import POLICIES
@@ -176,9 +176,7 @@ def write_config(config, path, overwrite=False):
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass --overwrite to replace it, or --out another file")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(config_to_yaml(config))
-    os.replace(tmp, path)
+    replace_atomically(path, lambda partial: partial.write_text(config_to_yaml(config)))
     return path
 
 
@@ -208,5 +206,5 @@ def _figure(path, title, xlabel, ylabel):
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)

@@ -26,7 +26,9 @@ def parse_bytes(value):
         if value < 0:
             raise ValueError(f"expected a non-negative byte size, got {value}")
         return _at_most_max(value)
-    if isinstance(value, float) and math.isfinite(value) and value >= 0 and value == int(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"expected a finite byte size such as 12GiB, got {value!r}")
+    if isinstance(value, float) and value >= 0 and value == int(value):
         return _at_most_max(int(value))
     match = _PATTERN.match(value) if isinstance(value, str) else None
     if match is None or match.group(2).lower() not in _UNITS:

@@ -67,8 +67,10 @@ def read(path):
     torch = _module("torch", f"{path}: reading a PyTorch file needs PyTorch")
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle and zip errors alike
-        raise SnrtError(f"{path}: not a PyTorch state dict ({e})") from None
+    except Exception:  # pickle and zip errors alike (PyTorch's text suggests unsafe loading: not repeated)
+        raise SnrtError(f"{path}: not a PyTorch state dict of tensors (a whole pickled model, or not a PyTorch file; "
+                        "snrt loads with weights_only, running no code from the file); save the model's "
+                        "state_dict(), or safetensors") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict):

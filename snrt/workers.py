@@ -21,6 +21,7 @@ import numpy as np
 
 from snrt.errors import SnrtError
 
+MAX_WORKERS = 512  # more worker processes than this is a typo (each is a Python process of its own)
 HANG_S = 120.0  # a batch taking longer than this is a hung worker
 POLL_S = 0.1
 PATH_BYTES = 1024  # the longest file name a worker can report

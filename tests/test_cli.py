@@ -212,3 +212,10 @@ def test_an_error_in_the_second_process_is_raised_in_the_first():
     with pytest.raises(ZeroDivisionError):
         in_a_child(lambda: 1 / 0)()
     assert in_a_child(lambda: {"rows": [1, 2]})() == {"rows": [1, 2]}
+
+
+@pytest.mark.parametrize("spec", ["digits:/tmp", "synthetic:/x"])
+def test_a_path_for_a_data_set_that_reads_no_files_is_refused(spec, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", LENET, "--data", spec])
+    assert exit_.value.code == 2 and "reads no files" in capsys.readouterr().err

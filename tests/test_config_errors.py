@@ -105,6 +105,16 @@ CASES = [
     ("inf-budget", ("budget: 1GiB", "budget: .inf"), "memory.budget", "byte size"),
     ("huge-budget", ("budget: 1GiB", "budget: 1e400"), "memory.budget", "finite byte size"),
     ("host-store-type", ("budget: 1GiB", "budget: 1GiB, host_store: 3"), "memory.host_store", "expected a string"),
+    ("name-a-path", "name: ../../escaped\n" + VALID, "name", "expected a plain name"),
+    ("name-empty", "name: ''\n" + VALID, "name", "expected a plain name"),
+    ("duplicate-key", VALID + "input: {shape: [3, 8, 8], classes: 3}\n", "input", "given twice in one mapping (lines"),
+    ("duplicate-option", ("{type: GlobalAvgPool}", "{type: Dropout, p: 0.1, p: 0.2}"), "p", "given twice in one mapping (line"),
+    ("label-into-a-layer", ("{type: GlobalAvgPool}", "{type: GlobalAvgPool}\n  - {type: Flatten, inputs: [label]}"),
+     "network[3].inputs", "reads 'label', the class indices, which only a loss reads"),
+    ("astronomical-width", ("out_features: $classes", "out_features: '${classes * 1000000000000000000}'"),
+     "network[3]", "its output per sample would hold 10,000,000,000,000,000,000 values"),
+    ("too-many-workers", ("iterations: 2,", "iterations: 2, data: {workers: 100000},"), "train.data.workers",
+     "expected at most 512"),
     ("zero-bucket", ("iterations: 2,", "iterations: 2, gradient_bucket: 0,"), "train.gradient_bucket",
      "positive byte size"),
     ("bucket-format", ("iterations: 2,", "iterations: 2, gradient_bucket: big,"), "train.gradient_bucket",
@@ -318,3 +328,16 @@ def test_a_block_reads_several_inputs_as_in0_in1():
     broken = {**UNET, "network": network}
     with pytest.raises(ConfigError, match=r"unknown input '\$in1'.*\$in0, \$in1, ... when it reads several"):
         load_config(broken)
+
+
+def test_a_file_without_a_name_is_named_after_the_file_made_plain(tmp_path):
+    path = tmp_path / "my net (v2).yaml"
+    path.write_text(VALID)
+    assert load_config(path).name == "my_net__v2_"
+
+
+def test_numbers_in_exponent_form_are_floats(tmp_path):
+    path = tmp_path / "net.yaml"
+    path.write_text(VALID.replace("optimizer: {lr: 0.1}", "optimizer: {lr: 1e-3, weight_decay: 5E-4}"))
+    optimizer = load_config(path).train.optimizer
+    assert (optimizer.lr, optimizer.weight_decay) == (0.001, 0.0005)

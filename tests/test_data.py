@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import yaml
 
 from snrt.data import (Batches, Dataset, augment, channel_stats, eval_batches, load_datasets,
                        normalization)
@@ -485,3 +486,46 @@ def test_per_pixel_labels_from_npz_and_what_is_refused(tmp_path):
         load_datasets(Data("digits"), (1, 8, 8), 10, 0, per_pixel=True)
     with pytest.raises(ConfigError, match="crop_padding"):
         load_datasets(Data(crop_padding=2), (1, 8, 8), 2, 0, per_pixel=True)
+
+
+VECTOR_NET = {
+    "name": "vectors",
+    "input": {"shape": [12], "classes": 3},
+    "train": {"batch": 4, "iterations": 3, "data": {"samples": 24}},
+    "network": [{"type": "Linear", "out_features": 8}, {"type": "ReLU"},
+                {"type": "Linear", "out_features": "$classes"}, {"type": "SoftmaxCrossEntropy"}],
+}
+
+
+def test_a_network_of_vectors_trains_on_synthetic_data_normalised_per_feature():
+    import snrt
+    from snrt.train import Trainer
+
+    trainer = Trainer(snrt.load_config(VECTOR_NET))
+    assert trainer.train_set.shape == (12,) and trainer.mean.shape == trainer.std.shape == (12,)
+    x = trainer.train_set.take(slice(0, len(trainer.train_set)))[0]
+    np.testing.assert_allclose(trainer.mean, x.mean(axis=0), rtol=1e-5, atol=1e-6)
+    losses = [m.loss for m in trainer.fit()]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+
+
+@pytest.mark.parametrize("key, value", [("crop_padding", 2), ("flip", True)])
+def test_image_augmentation_of_inputs_that_are_not_images_is_a_config_error(tmp_path, key, value):
+    import snrt
+    from snrt.train import Trainer
+
+    path = tmp_path / "vectors.yaml"
+    doc = {**VECTOR_NET, "train": {**VECTOR_NET["train"], "data": {"samples": 24, key: value}}}
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError) as caught:
+        Trainer(snrt.load_config(path))
+    assert caught.value.source == str(path) and caught.value.key == f"train.data.{key}"  # the file, not "<data>"
+    assert "augments images (C, H, W), but input.shape is [12]" in caught.value.message
+
+
+def test_a_crop_padding_wider_than_the_image_is_a_config_error():
+    import snrt
+    from snrt.train import Trainer
+
+    with pytest.raises(ConfigError, match="crop_padding: expected at most the image's side \\(8\\), got 1000000"):
+        Trainer(snrt.load_config("configs/lenet.yaml", {"train.data": {"type": "digits", "crop_padding": 1000000}}))

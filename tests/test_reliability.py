@@ -115,6 +115,16 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_so_no_iteration_repeats(tmp_
     assert iterations_in(out) == list(range(6))
 
 
+def test_resuming_a_run_already_at_its_iterations_leaves_the_folder_as_it_was(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "2") == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for iterations in ("1", "2"):
+        assert train(out, "--iterations", iterations, "--resume") == 0
+        assert "nothing to do: the run in" in capsys.readouterr().out
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_stale_checkpoint_temporaries_are_removed_when_a_run_starts(tmp_path):
     out = tmp_path / "run"
     assert train(out, "--iterations", "2") == 0

@@ -68,3 +68,30 @@ def test_eval_every_records_held_out_results_without_changing_the_training(tmp_p
     assert [m.heldout_accuracy is not None for m in evaluated] == [False, True, False, True, False, False]
     assert all(0 <= m.heldout_accuracy <= 1 for m in evaluated if m.heldout_accuracy is not None)
     assert all(m.heldout_accuracy is None for m in plain)
+
+
+def test_a_figure_interrupted_while_it_is_written_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pytest
+
+    from snrt.atomic import save_figure
+
+    path = tmp_path / "metrics.png"
+    fig = plt.figure()
+    save_figure(fig, path)
+    earlier = path.read_bytes()
+    assert earlier.startswith(b"\x89PNG") and len(earlier) > 1000
+
+    def interrupted(target, **kwargs):
+        target.write_bytes(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fig, "savefig", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_figure(fig, path)
+    plt.close(fig)
+    assert path.read_bytes() == earlier
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.png"]  # no temporary left

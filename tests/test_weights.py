@@ -91,3 +91,19 @@ def test_names_like_a_reference_that_does_not_fit_names_the_tensors(run, tmp_pat
     assert not (tmp_path / "w.pt").exists()
     assert main(["export", str(run), "--format", "onnx", "--names-like", str(tmp_path / "reference.pt")]) == 2
     assert "an ONNX model keeps snrt's names" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("saved", ["whole model", "text"])
+def test_a_file_that_is_not_a_state_dict_is_one_line_that_never_suggests_unsafe_loading(tmp_path, saved):
+    from snrt.weights import read
+
+    path = tmp_path / "model.pt"
+    if saved == "whole model":
+        torch.save(torch.nn.Linear(2, 2), path)
+    else:
+        path.write_text("input: {shape: [3]}\n")
+    with pytest.raises(SnrtError) as caught:
+        read(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: not a PyTorch state dict of tensors") and "\n" not in message
+    assert "weights_only` set to `False`" not in message and "state_dict()" in message

@@ -130,3 +130,13 @@ def test_a_run_resumed_with_other_workers_ends_where_an_uninterrupted_one_does(t
     assert sorted(whole.files) == sorted(resumed.files)
     for name in whole.files:
         np.testing.assert_array_equal(whole[name], resumed[name], err_msg=name)
+
+
+def test_more_workers_than_this_machine_can_run_is_one_error_before_any_starts(tmp_path, capsys, monkeypatch):
+    from snrt import train
+
+    monkeypatch.setattr(train, "usable_cores", lambda: 2)
+    assert main(["train", "configs/lenet.yaml", "--workers", "13", "--iterations", "1", "--no-progress",
+                 "--out", str(tmp_path / "run")]) == 2
+    assert ("train.data.workers: 13 worker processes on a machine with 2 usable cores; expected at most 12"
+            in capsys.readouterr().err)

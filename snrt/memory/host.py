@@ -27,6 +27,9 @@ class HostStore:
     def on_disk(cls, nbytes, folder):
         """A store of `nbytes` in a new file in `folder`, deleted at once (its space lives as long
         as the mapping: however the process ends, nothing is left behind)."""
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise OSError(errno.ENOTDIR, "memory.host_store: expected a folder for the host store's file, this is "
+                                         "a file", str(folder))
         os.makedirs(folder, exist_ok=True)
         fd, path = tempfile.mkstemp(prefix="snrt-host-store-", suffix=".bin", dir=folder)
         try:

@@ -1,6 +1,9 @@
 """Memory planning passes: execution order, liveness, recomputation, offload. Pure functions
 from a Graph and options to a Plan; no numpy or cupy here."""
 
+import numbers
+
+from snrt.errors import SnrtError
 from snrt.scheduler.plan import Plan
 from snrt.scheduler.planner import BudgetError, make_plan
 from snrt.scheduler.policies import POLICIES, Policy
@@ -10,10 +13,16 @@ from snrt.units import parse_bytes
 def plan(graph, batch, policy="none", budget=None, training=True, **options):
     """The memory plan of one iteration of `graph` at `batch` under `policy`.
 
-    `budget` is bytes or a string such as "12GiB"; see make_plan for the other options.
+    `budget` is bytes or a string such as "12GiB"; see make_plan for the other options. A batch
+    that is not a positive int, or a budget that is not a byte size, is a SnrtError.
     """
-    budget = parse_bytes(budget) if budget is not None else None
-    return make_plan(graph, batch, policy, budget=budget, training=training, **options)
+    if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+        raise SnrtError(f"batch: expected a positive int, got {batch!r}")
+    try:
+        budget = parse_bytes(budget) if budget is not None else None
+    except ValueError as e:
+        raise SnrtError(f"budget: {e}") from None
+    return make_plan(graph, int(batch), policy, budget=budget, training=training, **options)
 
 
 __all__ = ["BudgetError", "POLICIES", "Plan", "Policy", "make_plan", "plan"]

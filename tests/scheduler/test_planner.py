@@ -1,5 +1,7 @@
 """Plans of every policy are consistent (static checks, property tests on generated graphs)."""
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -329,3 +331,12 @@ def test_an_update_reserves_the_workspace_its_kernel_choice_asks_for():
         assert all(s.workspace == -1 for s in compiled.steps if s.kind == "update")
         assert not any(b.name.endswith(":workspace:update") for b in compiled.buffers)
         assert compiled.peak_bytes <= array_code.peak_bytes
+
+
+@pytest.mark.parametrize("batch", [-1, 0, 2.5, True, "4"])
+def test_snrt_plan_refuses_a_batch_that_is_not_a_positive_int(batch):
+    graph = snrt.load_config("configs/lenet.yaml").graph
+    with pytest.raises(snrt.SnrtError, match=f"batch: expected a positive int, got {re.escape(repr(batch))}"):
+        snrt.plan(graph, batch=batch)
+    with pytest.raises(snrt.SnrtError, match="budget: expected a byte size"):
+        snrt.plan(graph, batch=2, budget="lots")

@@ -1,0 +1,26 @@
+"""Files written whole or not at all: the new version goes to a temporary beside the file and
+replaces it in one rename, so a reader, or a run interrupted while it writes, sees the old file
+or the new one, never part of one."""
+
+import os
+from pathlib import Path
+
+
+def replace_atomically(path, write):
+    """`write(temporary)` (a Path beside `path`), then the temporary renamed over `path`; the
+    temporary is removed when either fails (an interrupt included), and the error raised."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.tmp")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def save_figure(fig, path, dpi=110):
+    """Save matplotlib figure `fig` to `path` atomically, in the format its suffix names (PNG
+    without one)."""
+    fmt = Path(path).suffix[1:].lower() or "png"
+    replace_atomically(path, lambda partial: fig.savefig(partial, dpi=dpi, format=fmt))

@@ -298,24 +298,24 @@ def _load_cifar(data, input_shape, classes, seed):
     folders = " or ".join(f"{folder}/ ({', '.join(train + [test])})" for folder, train, test, _ in layouts)
     expected = f"the folder holding {folders}, or the folder that contains it (nothing is downloaded)"
     root = _existing_path(data, data.type, expected, want_dir=True)
+    found = [(base, train_files, test_file, reader) for folder, train_files, test_file, reader in layouts
+             for base in (root, root / folder) if all((base / f).is_file() for f in train_files + [test_file])]
+    if not found:
+        partial = [f"{base}: has {', '.join(present)}, lacks {', '.join(missing)}"
+                   for folder, train_files, test_file, _ in layouts for base in (root, root / folder)
+                   for present, missing in [_present_missing(base, train_files + [test_file])] if present]
+        detail = f" ({'; '.join(partial)})" if partial else ""
+        raise ConfigError(str(root), PATH_KEY, f"no {data.type} files found{detail}; expected {expected}")
     if classes != n_classes:
         raise ConfigError(str(root), TYPE_KEY, f"{data.type} has {n_classes} classes but the network's input.classes "
                                                f"is {classes}; set input.classes: {n_classes} "
                                                f"(or --classes {n_classes})")
     if input_shape != _CIFAR_IMAGE:
         _shape_mismatch(str(root), TYPE_KEY, _CIFAR_IMAGE, input_shape, data.type)
-    for folder, train_files, test_file, reader in layouts:
-        for base in (root, root / folder):
-            if all((base / f).is_file() for f in train_files + [test_file]):
-                x, y = _read_cifar_files([base / f for f in train_files], reader, n_classes)
-                x_test, y_test = _read_cifar_files([base / test_file], reader, n_classes)
-                return (Dataset(x, y, n_classes, f"{data.type}/train"),
-                        Dataset(x_test, y_test, n_classes, f"{data.type}/test"))
-    partial = [f"{base}: has {', '.join(present)}, lacks {', '.join(missing)}"
-               for folder, train_files, test_file, _ in layouts for base in (root, root / folder)
-               for present, missing in [_present_missing(base, train_files + [test_file])] if present]
-    detail = f" ({'; '.join(partial)})" if partial else ""
-    raise ConfigError(str(root), PATH_KEY, f"no {data.type} files found{detail}; expected {expected}")
+    base, train_files, test_file, reader = found[0]
+    x, y = _read_cifar_files([base / f for f in train_files], reader, n_classes)
+    x_test, y_test = _read_cifar_files([base / test_file], reader, n_classes)
+    return (Dataset(x, y, n_classes, f"{data.type}/train"), Dataset(x_test, y_test, n_classes, f"{data.type}/test"))
 
 
 def _present_missing(base, names):

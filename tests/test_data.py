@@ -402,6 +402,7 @@ def test_labels_out_of_range_say_the_range_found(tmp_path):
 
 
 def test_class_count_mismatch(tmp_path):
+    write_cifar_py(tmp_path / "cifar-100-python", ["train", "test"], b"fine_labels")
     e = error(Data("cifar100", str(tmp_path)), classes=10)
     assert e.key == "train.data.type" and "100 classes" in e.message and "input.classes is 10" in e.message
     assert "10 classes" in error(Data("digits"), (1, 8, 8), classes=100).message
@@ -529,3 +530,9 @@ def test_a_crop_padding_wider_than_the_image_is_a_config_error():
 
     with pytest.raises(ConfigError, match="crop_padding: expected at most the image's side \\(8\\), got 1000000"):
         Trainer(snrt.load_config("configs/lenet.yaml", {"train.data": {"type": "digits", "crop_padding": 1000000}}))
+
+
+def test_a_folder_without_cifar_files_says_so_before_it_compares_shapes(tmp_path):
+    data = Data(type="cifar10", path=str(tmp_path))
+    with pytest.raises(ConfigError, match="no cifar10 files found"):  # not the network's 1x8x8 input
+        load_datasets(data, (1, 8, 8), 3, 0)

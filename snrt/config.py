@@ -338,6 +338,7 @@ def parse_config(doc, source, default_name="net"):
         entries = expand_network(source, doc["network"], blocks, env)
     except RecursionError:
         raise ConfigError(source, "network", "nested too deeply") from None
+    _check_unused_blocks(source, blocks, doc["network"])
     graph = build_graph(source, name, input_cfg, entries)
     _check_loss(source, graph, input_cfg.classes)
     train = parse_section(source, "train", TrainConfig, doc.get("train", {}))
@@ -533,6 +534,33 @@ def _parse_blocks(source, section):
     return blocks
 
 
+def _check_unused_blocks(source, blocks, network):
+    """The layer types and block uses of the blocks `network` never uses (expanding the
+    network checked the others where they are used): a typo there is an error too."""
+    used, todo = set(), [network]
+    while todo:
+        for item in todo.pop():
+            name = item.get("block") if isinstance(item, dict) else None
+            if isinstance(name, str) and name in blocks and name not in used:
+                used.add(name)
+                todo.append(blocks[name].layers)
+    for name in blocks.keys() - used:
+        for i, item in enumerate(blocks[name].layers):
+            key = f"blocks.{name}.layers[{i}]"
+            kind = item.get("type") if isinstance(item, dict) else None
+            if isinstance(kind, str) and not kind.startswith("$") and kind != "Input" and kind not in LAYERS:
+                raise _unknown_type(source, key, kind)
+            block = item.get("block") if isinstance(item, dict) else None
+            if isinstance(block, str) and not block.startswith("$") and block not in blocks:
+                raise ConfigError(source, _join(key, "block"), f"unknown block {block!r}; known: {', '.join(blocks)}")
+
+
+def _unknown_type(source, key, type_name):
+    """The ConfigError of an unknown layer type at `key`, with the closest known one."""
+    return ConfigError(source, _join(key, "type"), f"unknown layer type {type_name!r}{_suggest(type_name, list(LAYERS))}; "
+                                                   f"known: {', '.join(sorted(LAYERS))}")
+
+
 _REF = re.compile(r"^\$([A-Za-z_]\w*)$")
 _EXPR = re.compile(r"^\$\{(.*)\}$")
 
@@ -617,8 +645,7 @@ class _Expander:
             raise ConfigError(self.source, _join(key, "type"), "the inputs ('data', 'label') come from the input: "
                                                                 "section; a network lists no Input layers")
         if type_name not in LAYERS:
-            hint = _suggest(type_name, list(LAYERS))
-            raise ConfigError(self.source, _join(key, "type"), f"unknown layer type {type_name!r}{hint}; known: {', '.join(sorted(LAYERS))}")
+            raise _unknown_type(self.source, key, type_name)
         name = item.get("name")
         if name is None:
             name = self._auto_name(counters, type_name.lower())

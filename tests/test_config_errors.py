@@ -113,6 +113,8 @@ CASES = [
      "network[3].inputs", "reads 'label', the class indices, which only a loss reads"),
     ("astronomical-width", ("out_features: $classes", "out_features: '${classes * 1000000000000000000}'"),
      "network[3]", "its output per sample would hold 10,000,000,000,000,000,000 values"),
+    ("unused-block-unknown-type", ("blocks:\n", "blocks:\n  spare:\n    layers:\n      - {type: Relu}\n"),
+     "blocks.spare.layers[0].type", "did you mean 'ReLU'"),
     ("too-many-workers", ("iterations: 2,", "iterations: 2, data: {workers: 100000},"), "train.data.workers",
      "expected at most 512"),
     ("zero-bucket", ("iterations: 2,", "iterations: 2, gradient_bucket: 0,"), "train.gradient_bucket",

@@ -178,3 +178,35 @@ def test_a_fused_add_relu_trains_as_add_then_relu_bit_for_bit(precision):
 
 def test_every_policy_of_a_plan_with_add_relu_agrees_with_none():
     assert_policies_agree(snrt.load_config(CHAIN), iterations=2)
+
+
+# An AddReLU of one tensor with itself (its gradient reaches that tensor twice: once over gy,
+# once added from a partial buffer), then one of a convolution and the first.
+TWICE = {
+    "name": "twice",
+    "input": {"shape": [3, 8, 8], "classes": 4},
+    "train": {"batch": 4, "iterations": 3, "seed": 1, "optimizer": {"lr": 0.05, "momentum": 0.9},
+              "data": {"samples": 32}},
+    "network": [
+        {"type": "Conv2d", "out_channels": 6, "kernel": 3, "padding": 1, "name": "c"},
+        {"type": "Add", "inputs": ["c", "c"], "name": "twice"},
+        {"type": "ReLU", "name": "twice_relu"},
+        {"type": "Conv2d", "out_channels": 6, "kernel": 3, "padding": 1, "name": "d"},
+        {"type": "Add", "inputs": ["d", "twice_relu"], "name": "join"},
+        {"type": "ReLU"},
+        {"type": "GlobalAvgPool"},
+        {"type": "Linear", "out_features": "$classes"},
+        {"type": "SoftmaxCrossEntropy"},
+    ],
+}
+
+
+def test_an_add_relu_of_a_tensor_with_itself_trains_as_add_then_relu_under_every_policy():
+    fused_graph = fuse_layers(snrt.load_config(TWICE).graph)
+    assert type(fused_graph["twice"].layer) is AddReLU and fused_graph["twice"].inputs == ("c", "c")
+    _, unfused_losses, unfused_arrays = _trained(TWICE, False)
+    _, fused_losses, fused_arrays = _trained(TWICE, True)
+    assert fused_losses == unfused_losses
+    for key, value in unfused_arrays.items():
+        assert np.array_equal(value, fused_arrays[key]), key
+    assert_policies_agree(snrt.load_config(TWICE), iterations=2)

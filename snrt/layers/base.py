@@ -14,7 +14,9 @@ Facts the scheduler relies on (they must be exact, liveness is computed from the
 - `workspace_bytes(in_shapes, phase, itemsize)`: scratch the kernel carves from
   `ctx.scratch`; a kernel that asks for more raises;
 - `cost(in_shapes, phase)`: FLOPs and bytes moved;
-- `recompute_cost`: CHEAP (replay it in backward) or EXPENSIVE (checkpoint its output).
+- `recompute_cost`: CHEAP (replay it in backward) or EXPENSIVE (checkpoint its output);
+- `passes_gradient` / `gradient_in_place`: whether the input gradients may take over gy's
+  buffer (they are gy itself; or an elementwise function of it, written over gy).
 """
 
 import dataclasses

@@ -9,7 +9,7 @@ Same graph and options give a byte-identical `to_json()`.
 """
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 
 ROLES = ("activation", "gradient", "parameter", "parameter_gradient", "optimizer_state", "state", "aux", "workspace",
          "collective")
@@ -378,7 +378,7 @@ class Plan:
 
     def to_json(self):
         """Deterministic JSON text of the whole plan."""
-        doc = asdict(self)
+        doc = _plain(self)
         doc["peak_bytes"] = self.peak_bytes
         return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
@@ -489,6 +489,23 @@ _FIELDS = {}  # dataclass -> the names of its fields, what evolve copies
 def _some(buffer_id):
     """() for the -1 'no buffer' marker, else (buffer_id,)."""
     return () if buffer_id < 0 else (buffer_id,)
+
+
+def _plain(value):
+    """`value` as dataclasses.asdict gives it (a dataclass a dict of its fields, recursively),
+    for the plan's records only (dataclasses, tuples, lists, dicts, numbers, strings): a plan
+    holds hundreds of thousands of them, and asdict's generality tripled to_json's time."""
+    cls = type(value)
+    if cls in (int, str, float, bool) or value is None:
+        return value
+    if cls is tuple or cls is list:
+        return [_plain(v) for v in value]
+    if is_dataclass(value):
+        names = _FIELDS.get(cls) or _FIELDS.setdefault(cls, frozenset(f.name for f in fields(cls)))
+        return {name: _plain(getattr(value, name)) for name in names}
+    if cls is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    raise TypeError(f"a plan holds no {cls.__name__}: {value!r}")
 
 
 def _tuples(value):

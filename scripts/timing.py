@@ -36,22 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's snrt, whatever the installed copy points at
 import snrt  # noqa: E402,F401  (before numpy: it sets OpenBLAS's thread timeout, as the `snrt` command does)
+from snrt.backends.cpu_choice import cpu_model  # noqa: E402,F401  (the processor the timings ran on)
 
 RESULT_TAG = "TIMING_RESULT "  # a worker's JSON line on its stdout
 WORKER_FLAG = "--timing-worker"
 
 
 # ---- memory of this process -----------------------------------------------------------------
-def cpu_model():
-    """The processor's model name from /proc/cpuinfo (timings differ by machine), or None."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
-    except OSError:
-        return None
-    return names[0] if names else None
-
-
 def max_rss_bytes():
     """The process's peak resident set size so far (ru_maxrss is KiB on Linux)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

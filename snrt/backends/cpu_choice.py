@@ -19,8 +19,8 @@ engines are on the GPU).
 `SNRT_CPU_KERNELS` overrides the choice: `measure` (the default), or a candidate's name
 (`direct`, `im2col`) to run that one wherever it serves. The file is cpu-kernels.json in the
 cache folder (`$SNRT_CACHE_DIR`, see choice_file.py); its entries are keyed by the CPU
-model, so a file shared between machines (a home directory on a cluster) keeps each model's
-own choices, and by `REVISION`, so that choices measured against earlier kernels are
+model (its name, family and model numbers: `cpu_model`), so a file shared between machines (a
+home directory on a cluster) keeps each model's own choices, and by `REVISION`, so that choices measured against earlier kernels are
 measured again. They are not keyed by the number of threads, which would let a run with
 --threads 1 compute other bits than the same run with 2 (it keeps the choice measured with
 the threads of the first run).
@@ -59,14 +59,27 @@ def cache_path():
 
 @lru_cache(maxsize=1)
 def cpu_model():
-    """The processor's model name (/proc/cpuinfo), else platform's description of it."""
+    """The processor's name from /proc/cpuinfo (`named_cpu`), else platform's description of it."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        named = named_cpu(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        named = None
+    return named or platform.processor() or platform.machine()
+
+
+def named_cpu(cpuinfo):
+    """The first processor's model name in the text of /proc/cpuinfo, with its family and model
+    numbers where given, e.g. 'AMD EPYC (family 25, model 17)' (a virtual machine's name is often
+    the vendor's line alone, shared by generations whose kernels time differently); None
+    without a model name."""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    if not fields.get("model name"):
+        return None
+    numbers = [f"{key.split()[-1]} {fields[key]}" for key in ("cpu family", "model") if fields.get(key)]
+    return fields["model name"] + (f" ({', '.join(numbers)})" if numbers else "")
 
 
 def choose(layer, in_shapes, phase, candidates):

@@ -509,6 +509,16 @@ def test_convolution_algorithm_is_measured_once_and_kept_on_disk(monkeypatch, tm
     assert len(timed) > measured
 
 
+def test_choices_are_kept_per_processor_generation_not_per_vendor_line():
+    """Two virtual machines may both call their processor 'AMD EPYC': the family and model
+    numbers tell the generations apart in the choices file's keys."""
+    info = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: {}\nmodel\t\t: {}\nmodel name\t: AMD EPYC\n"
+    older, newer = cpu_choice.named_cpu(info.format(25, 17)), cpu_choice.named_cpu(info.format(26, 2))
+    assert older == "AMD EPYC (family 25, model 17)" and newer == "AMD EPYC (family 26, model 2)"
+    assert cpu_choice.named_cpu("model name\t: Some CPU\n") == "Some CPU"
+    assert cpu_choice.named_cpu("processor\t: 0\n") is None  # no name: the caller asks the platform
+
+
 def _distinct(items):
     """`items` without repeats, in order (lists inside: not hashable)."""
     return [item for i, item in enumerate(items) if item not in items[:i]]

@@ -163,7 +163,8 @@ def _auto(session, budget):
     parameters resident (a training plan), the fastest of those with idle tensors spilled and
     of the same with parameters streamed."""
     if budget is None:
-        raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
+        raise BudgetError("policy 'auto' picks the fastest plan within a budget: give one (memory.budget, or "
+                          "for example --budget 12GiB)", None, None)
     rows = tuple(POLICIES.values())
     candidates = _candidates(session, rows, budget)
     suffix = ", streamed" if session.options.stream_parameters else ""
@@ -220,14 +221,16 @@ def _infeasible(session, budget, rows, candidates=None):
             high = mid - 1
     largest = low
     names = "/".join(r.name for r in rows)
+    policy = f"policy {row.name}" + (", parameters streamed" if session.options.stream_parameters else "")
     if largest:
-        where = f"the largest batch that fits is {largest} (policy {row.name})"
-    elif session.options.training and not session.options.stream_parameters:
-        where = ("no batch size fits: the parameters and optimizer state alone are too large to stay on the device; "
-                 "stream them from host memory (--stream-parameters, memory.stream_parameters) or use policy auto")
+        where = f"the largest batch that fits is {largest} ({policy})"
+    elif persistent > budget and session.options.training and not session.options.stream_parameters:
+        where = (f"no batch size fits: the parameters and optimizer state alone ({human_bytes(persistent)}) are too "
+                 "large to stay on the device; stream them from host memory (--stream-parameters, "
+                 "memory.stream_parameters) or use policy auto")
     else:
-        where = "no batch size fits: the largest single step does not fit"
+        where = f"no batch size fits: even batch 1 needs more under {policy}"
     return BudgetError(
         f"budget {human_bytes(budget)} is too small for batch {session.batch} under {names}: the smallest "
-        f"budget that works is {human_bytes(smallest)} ({smallest} bytes, policy {row.name}); {where}",
+        f"budget that works is {human_bytes(smallest)} ({smallest} bytes, {policy}); {where}",
         smallest, largest)

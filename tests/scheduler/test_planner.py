@@ -151,7 +151,7 @@ def test_fitting_plan_is_make_plans_plan_or_none_without_searching_for_a_batch(p
 
 def test_policy_auto_needs_a_budget():
     graph = build([("relu", 0, 0)])
-    with pytest.raises(snrt.SnrtError, match="needs a budget"):
+    with pytest.raises(snrt.SnrtError, match="picks the fastest plan within a budget"):
         make_plan(graph, 2, "auto")
 
 

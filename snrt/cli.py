@@ -21,7 +21,7 @@ from snrt.atomic import replace_atomically
 from snrt.backends import BACKENDS, default_backend
 from snrt.config import DATASETS, config_to_yaml, load_config, with_settings
 from snrt.checkpoint import CheckpointError, NonFiniteError, load_checkpoint
-from snrt.errors import DivergenceError, SnrtError
+from snrt.errors import ConfigError, DivergenceError, SnrtError
 from snrt.layers.base import BACKWARD, FORWARD
 from snrt.optim import make_optimizer
 from snrt.parallel import Solo, first_failing_rank, launcher_rank, launcher_size, world
@@ -196,8 +196,7 @@ def _overrides(args):
     if getattr(args, "batch", None):
         out["train.batch"] = args.batch
     if getattr(args, "image_size", None):
-        size = args.image_size
-        out["input.shape"] = lambda shape: [shape[0], size, size] if isinstance(shape, list) and shape else shape
+        out["input.shape"] = _image_size(args.config, args.image_size)
     if getattr(args, "data", None):
         for key, value in args.data.items():
             out[f"train.data.{key}"] = value
@@ -212,6 +211,21 @@ def _overrides(args):
         if getattr(args, flag, None) is not None:
             out[key] = getattr(args, flag)
     return out
+
+
+def _image_size(source, size):
+    """The input.shape override of --image-size: an image's (C, H, W) with H and W set to
+    `size`. A shape of another length has no H and W to set (a vector input, say): an error,
+    rather than a network on inputs of another kind. A value that is not a list is left for
+    the file's own check to report."""
+    def resized(shape):
+        if not isinstance(shape, list):
+            return shape
+        if len(shape) != 3:
+            raise ConfigError(source, "input.shape", f"--image-size sets the height and width of images (C, H, W); "
+                                                     f"this network's input is {shape}, which has none to set")
+        return [shape[0], size, size]
+    return resized
 
 
 def inspect_report(config, batch):

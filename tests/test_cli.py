@@ -170,6 +170,25 @@ def test_user_errors_are_one_line_without_a_traceback(argv, words, capsys, tmp_p
     assert words in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", [["plan"], ["tune", "--budget", "1GiB"], ["train", "--iterations", "1"]])
+def test_image_size_on_a_network_of_vectors_is_refused(command, tmp_path, capsys):
+    """--image-size sets an image's height and width; a vector input has neither, so it is an
+    error naming input.shape, not a plan or run of the network on 16x8x8 inputs."""
+    network = tmp_path / "mlp.yaml"
+    network.write_text("input: {shape: [16], classes: 3}\n"
+                       "network: [{type: Linear, out_features: 3}, {type: SoftmaxCrossEntropy}]\n")
+    out = ["--out", str(tmp_path / "out")] if command[0] != "plan" else []
+    assert main([command[0], str(network), "--image-size", "8", *command[1:], *out]) == 2
+    err = capsys.readouterr().err
+    assert "input.shape: --image-size" in err and "[16]" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    peaks = []
+    for size in ([], ["--image-size", "16"]):  # an image network's (1, 8, 8) input made (1, 16, 16)
+        assert main(["plan", LENET, "--json", *size]) == 0
+        peaks.append(json.loads(capsys.readouterr().out)["chosen"]["peak_bytes"])
+    assert peaks[1] > peaks[0]
+
+
 def test_train_reports_its_thread_pools_capped_at_threads(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "snrt.cli", "train", LENET, *SYNTHETIC, "--iterations", "1",

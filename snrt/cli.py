@@ -254,7 +254,12 @@ def run_inspect(args, console):
     config = load_config(args.config)
     batch = args.batch or config.train.batch
     if args.json:
-        print(json.dumps(inspect_report(config, batch), indent=2))
+        report = inspect_report(config, batch)
+        if args.layers:  # the rows of the --layers table
+            report["nodes"] = [{"name": row.name, "type": row.type, "inputs": list(node.inputs), "shape": list(row.shape),
+                                "params": row.params} for row, node in zip(config.graph.rows(batch),
+                                                                           config.graph.nodes.values())]
+        print(json.dumps(report, indent=2))
         return
     if args.layers:
         table = Table(title=f"{config.name}: every node at batch {batch}")

@@ -27,6 +27,19 @@ def test_inspect_json_reports_the_published_parameter_count(capsys):
     assert {t["type"] for t in report["by_type"]} >= {"Conv2d", "BatchNorm", "ReLU", "Add", "Linear"}
 
 
+def test_inspect_json_with_layers_lists_every_node(capsys):
+    assert main(["inspect", LENET, "--json"]) == 0
+    totals = json.loads(capsys.readouterr().out)
+    assert main(["inspect", LENET, "--json", "--layers"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    nodes = report.pop("nodes")
+    assert report == totals
+    graph = snrt.load_config(LENET).graph
+    assert [n["name"] for n in nodes] == list(graph.nodes) and len(nodes) == report["layers"]
+    assert sum(n["params"] for n in nodes) == report["params"]
+    assert nodes[-1]["inputs"] == list(graph[nodes[-1]["name"]].inputs) and nodes[0]["shape"] == [1, 8, 8]
+
+
 def test_plan_prints_every_policy_and_writes_a_timeline(tmp_path, capsys):
     png = tmp_path / "timeline.png"
     assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--policy", "superneurons",

@@ -91,6 +91,6 @@ def holds_floats(dtype):
 
 def precision_named(name):
     """The Precision called `name`; an unknown one is a SnrtError listing the choices."""
-    if name not in PRECISIONS:
+    if not isinstance(name, str) or name not in PRECISIONS:
         raise SnrtError(f"unknown precision {name!r}; expected one of {', '.join(PRECISIONS)}")
     return PRECISIONS[name]

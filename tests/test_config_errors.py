@@ -124,6 +124,10 @@ CASES = [
     ("huge-repeat", ("repeat: 2", "repeat: 1000000"), "network[1].repeat", "more than 200,000 layers"),
     ("long-expression", ("out_features: $classes", "out_features: '${" + "+".join(["classes"] * 200) + "}'"),
      "network[3].out_features", "at most 1000"),
+    ("name-with-a-colon", ("{type: GlobalAvgPool}", "{type: GlobalAvgPool, name: 'pool:1'}"), "network[2]",
+     "a node's name must be a non-empty string without ':' or '@'"),
+    ("block-name-with-an-at", ("{block: pair,", "{block: pair, name: p@1,"), "network[1].block.pair.layers[0]",
+     "layer 'p@1.0.a' (Conv2d): a node's name must be"),
     ("generated-name-clash", ("{type: GlobalAvgPool}", "{type: GlobalAvgPool, name: pair0.0.a}"), "network[2]",
      "also the name of the layer at network[1]"),
 ]

@@ -7,9 +7,10 @@ layer fact methods work with full shapes (batch first). Nodes are kept in topolo
 
 import hashlib
 import math
+import numbers
 from dataclasses import dataclass
 
-from snrt.errors import GraphError, ShapeError
+from snrt.errors import GraphError, ShapeError, SnrtError
 from snrt.layers import Layer
 from snrt.layers.base import BACKWARD, FORWARD, numel
 from snrt.layers.input import Input
@@ -211,7 +212,10 @@ class Graph:
         return sum(numel(p.shape) for specs in self.param_specs().values() for p in specs.values())
 
     def rows(self, batch=1):
-        """One LayerRow per node at `batch` (Input nodes included)."""
+        """One LayerRow per node at `batch` (Input nodes included); a batch that is not a
+        positive int is a SnrtError."""
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+            raise SnrtError(f"batch: expected a positive int, got {batch!r}")
         rows = []
         for node in self.nodes.values():
             in_shapes = self.in_shapes(node.name, batch)

@@ -1,5 +1,7 @@
 """The Graph IR and its Python API."""
 
+import re
+
 import pytest
 
 import snrt
@@ -93,6 +95,12 @@ def test_building_errors_name_the_node(build, words):
     with pytest.raises(snrt.GraphError) as info:
         build(g)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("batch", [0, -2, "4", 2.0, True])
+def test_a_summary_at_a_batch_that_is_not_a_positive_int_says_so(batch):
+    with pytest.raises(snrt.SnrtError, match=f"batch: expected a positive int, got {re.escape(repr(batch))}"):
+        small_graph().summary(batch=batch)
 
 
 def test_layers_are_configuration_only_and_comparable():

@@ -6,8 +6,11 @@ import pytest
 
 import snrt
 from snrt import ConfigError, load_config
-from snrt.config import with_settings
+from snrt.config import MemoryConfig, OptimizerConfig, TrainConfig, config_from_graph, with_settings
 from snrt.cli import main
+from snrt.layers.input import Input
+from snrt.layers.linear import Linear
+from snrt.layers.loss import SoftmaxCrossEntropy
 
 VALID = """
 input: {shape: [3, 16, 16], classes: 10}
@@ -254,6 +257,69 @@ def test_settings_are_changed_on_a_loaded_config_and_checked_like_the_file():
         with_settings(config, memory={"budget": "lots"})
     with pytest.raises(snrt.ConfigError, match=r"train.batch: expected a positive value"):
         with_settings(config, train={"batch": 0})
+
+
+def python_graph(classes=3):
+    """A network built in Python whose head gives `classes` scores."""
+    graph = snrt.Graph("mlp")
+    graph.add(Input(shape=(6,)), name="data")
+    graph.add(Input(shape=(), dtype="int64"), name="label")
+    graph.add(Linear(out_features=classes), inputs="data", name="fc")
+    graph.add(SoftmaxCrossEntropy(), inputs=["fc", "label"])
+    return graph
+
+
+@pytest.mark.parametrize("arguments, key, words", [
+    ({"classes": 0}, "classes", "expected an int >= 2, got int 0"),
+    ({"classes": "3"}, "classes", "expected an int >= 2, got str '3'"),
+    ({"classes": 5}, "network", "reads 'fc' of shape [3] per sample; it needs [5]"),  # labels past the scores
+    ({"train": TrainConfig(batch=0)}, "train.batch", "expected a positive value, got 0"),
+    ({"train": {"batch": 4, "optimizr": {}}}, "train.optimizr", "unknown key"),
+    ({"memory": MemoryConfig(policy="fast")}, "memory.policy", "expected one of none, "),
+    ({"memory": "liveness"}, "memory", "expected a MemoryConfig or a mapping of settings, got str 'liveness'"),
+])
+def test_a_config_of_a_python_graph_is_checked_as_a_files_would_be(arguments, key, words):
+    arguments = {"classes": 3, **arguments}
+    with pytest.raises(snrt.ConfigError) as caught:
+        config_from_graph(python_graph(), **arguments)
+    assert (caught.value.source, caught.value.key) == ("<graph mlp>", key) and words in caught.value.message
+
+
+@pytest.mark.parametrize("node, layer, words", [
+    ("data", Input(shape=(6,), dtype="int32"), "expected an Input of a float dtype (the data pipeline feeds it images)"),
+    ("label", Input(shape=()), "expected an Input of an int dtype (the data pipeline feeds it class indices)"),
+    ("extra", Input(shape=(6,)), "an Input other than 'data' and 'label', which nothing feeds"),
+])
+def test_a_python_graph_reads_the_inputs_the_data_pipeline_feeds(node, layer, words):
+    graph = snrt.Graph("mlp")
+    for name in ("data", "label", "extra"):
+        default = {"data": Input(shape=(6,)), "label": Input(shape=(), dtype="int64")}.get(name)
+        if name == node or default:
+            graph.add(layer if name == node else default, name=name)
+    graph.add(Linear(out_features=3), inputs="data", name="fc")
+    graph.add(SoftmaxCrossEntropy(), inputs=["fc", "label"])
+    with pytest.raises(snrt.ConfigError) as caught:
+        config_from_graph(graph, 3)
+    assert caught.value.key == node and words in caught.value.message
+
+
+def test_a_python_graph_may_take_its_images_and_labels_in_other_float_and_int_dtypes():
+    graph = snrt.Graph("mlp")
+    graph.add(Input(shape=(6,), dtype="float64"), name="data")  # planned in the run's precision, as float32 is
+    graph.add(Input(shape=(), dtype="int32"), name="label")
+    graph.add(Linear(out_features=3), inputs="data", name="fc")
+    graph.add(SoftmaxCrossEntropy(), inputs=["fc", "label"])
+    assert config_from_graph(graph, 3).input.shape == [6]
+
+
+def test_a_config_of_a_python_graph_takes_its_settings_as_dataclasses_or_mappings():
+    given = config_from_graph(python_graph(), 3, TrainConfig(batch=4, optimizer=OptimizerConfig(lr=0.01)),
+                              MemoryConfig(policy="liveness", budget=2**20))
+    mapped = config_from_graph(python_graph(), 3, {"batch": 4, "optimizer": {"lr": 0.01}},
+                               {"policy": "liveness", "budget": "1MiB"})
+    assert given.train == mapped.train and given.memory == mapped.memory
+    assert (given.train.batch, given.train.optimizer.lr, given.memory.budget) == (4, 0.01, 2**20)
+    assert config_from_graph(python_graph(), 3).train == TrainConfig()
 
 
 # ---- mutated zoo configs: each loads, or is one ConfigError ---------------------------------

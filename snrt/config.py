@@ -13,6 +13,7 @@ import difflib
 import fnmatch
 import heapq
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,6 +212,9 @@ def with_settings(config, train=None, memory=None):
     """
     sections = {}
     for key, cls, changes in (("train", TrainConfig, train), ("memory", MemoryConfig, memory)):
+        if changes is not None and not isinstance(changes, dict):
+            raise ConfigError(config.source, key, f"expected a mapping of settings such as {{'batch': 8}}, "
+                                                  f"got {_kind(changes)}")
         if changes:
             current = settings_dict(getattr(config, key))
             sections[key] = parse_section(config.source, key, cls, _merged(current, changes))
@@ -246,6 +250,9 @@ def load_config(source, overrides=None):
     """
     if isinstance(source, dict):
         return parse_config(apply_overrides(source, overrides), "<dict>")
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"<{type(source).__name__}>", "", f"expected a network file's path or a parsed dict, "
+                                                           f"got {_kind(source)}")
     path = Path(source)
     try:
         text = path.read_text(encoding="utf-8")

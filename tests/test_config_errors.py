@@ -1,5 +1,6 @@
 """Broken network files: each gives one ConfigError naming the file, the key path and the fix."""
 
+import re
 import textwrap
 
 import pytest
@@ -202,6 +203,13 @@ def test_cli_prints_one_line_and_no_traceback(tmp_path, capsys):
     assert f"{path}: network[1].block.pair.layers[0].kernel:" in " ".join(err.split())
 
 
+@pytest.mark.parametrize("source", [None, 3, ["configs/lenet.yaml"]])
+def test_a_source_that_is_neither_a_path_nor_a_dict_is_named(source):
+    with pytest.raises(snrt.ConfigError, match=re.escape(f"expected a network file's path or a parsed dict, got "
+                                                         f"{'nothing' if source is None else type(source).__name__}")):
+        load_config(source)
+
+
 def test_missing_file_is_reported(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         load_config(tmp_path / "nope.yaml")
@@ -257,6 +265,14 @@ def test_settings_are_changed_on_a_loaded_config_and_checked_like_the_file():
         with_settings(config, memory={"budget": "lots"})
     with pytest.raises(snrt.ConfigError, match=r"train.batch: expected a positive value"):
         with_settings(config, train={"batch": 0})
+
+
+@pytest.mark.parametrize("changes", [{"train": "batch=8"}, {"memory": ["offload"]}])
+def test_settings_that_are_not_a_mapping_are_named(changes):
+    config = snrt.load_config("configs/lenet.yaml")
+    key = next(iter(changes))
+    with pytest.raises(snrt.ConfigError, match=rf"lenet.yaml: {key}: expected a mapping of settings"):
+        with_settings(config, **changes)
 
 
 def python_graph(classes=3):

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import numbers
 import signal
 import threading
 import time
@@ -121,6 +122,9 @@ class Trainer:
         `lr_at(iteration)` replaces train.schedule's learning rate (a learning-rate range test).
         """
         train = self.config.train
+        for name, value in (("iterations", iterations), ("checkpoint_every", checkpoint_every)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+                raise SnrtError(f"fit: {name}: expected an int >= 0, got {value!r}")
         total = iterations if iterations is not None else train.iterations
         every = train.checkpoint_every if checkpoint_every is None else checkpoint_every
         history = []

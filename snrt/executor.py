@@ -286,7 +286,8 @@ class Executor:
     # ---- binding: one closure per step ------------------------------------------------
     def _context(self, step, node_index):
         ctx = KernelContext(self.xp, training=self.plan.training, node_index=node_index[step.node],
-                            workspace=self.views[step.workspace] if step.workspace >= 0 else None)
+                            workspace=self.views[step.workspace] if step.workspace >= 0 else None,
+                            in_shapes=self.graph.in_shapes(step.node, self.plan.batch))
         self.contexts.append(ctx)
         self.context_nodes.append(step.node)
         return ctx

@@ -210,6 +210,8 @@ def with_settings(config, train=None, memory=None):
 
     Nested sections merge: train={"optimizer": {"lr": 0.01}} keeps the other optimizer settings.
     """
+    if not isinstance(config, Config):
+        raise ConfigError(f"<{type(config).__name__}>", "", f"expected a snrt.Config to change, got {_kind(config)}")
     sections = {}
     for key, cls, changes in (("train", TrainConfig, train), ("memory", MemoryConfig, memory)):
         if changes is not None and not isinstance(changes, dict):

@@ -275,6 +275,11 @@ def test_settings_that_are_not_a_mapping_are_named(changes):
         with_settings(config, **changes)
 
 
+def test_settings_are_changed_on_a_config_only():
+    with pytest.raises(snrt.ConfigError, match="<str>: expected a snrt.Config to change, got str 'configs/lenet.yaml'"):
+        with_settings("configs/lenet.yaml", train={"batch": 8})
+
+
 def python_graph(classes=3):
     """A network built in Python whose head gives `classes` scores."""
     graph = snrt.Graph("mlp")

@@ -264,6 +264,12 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
         np.testing.assert_array_equal(value, expected[key], err_msg=f"{key}")
 
 
+def test_a_trainer_of_something_other_than_a_config_says_what_it_wants():
+    for make in (Trainer, Trainer.plan_for):
+        with pytest.raises(snrt.SnrtError, match=r"config: expected a snrt.Config \(snrt.load_config\(path\), .*got str"):
+            make("configs/lenet.yaml")
+
+
 def test_fit_names_a_count_of_the_wrong_kind_and_trains_nothing():
     trainer = Trainer(small_config())
     for name, value in (("iterations", "3"), ("iterations", 2.5), ("iterations", -1), ("checkpoint_every", "2")):

@@ -355,6 +355,7 @@ def run_plan(args, console):
               "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters,
               "precision": config.train.precision, "fuse": config.train.fuse, **choices}
     chosen = args.policy or config.memory.policy
+    policies.require_budget(chosen, budget)  # before the table's plans, which can take minutes
     here = policies.planned_first(chosen)
     # a second process plans some rows where no device is involved (CUDA does not survive a fork)
     forks = usable_cores() > 1 and (backend != "cuda" or estimate is not None)

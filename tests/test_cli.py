@@ -98,6 +98,15 @@ def test_a_cuda_plan_without_a_gpu_is_an_estimate_and_says_so(capsys):
     assert json.loads(capsys.readouterr().out)["policies"][0]["predicted_s"] > 5 * cpu  # the CUDA rates: faster
 
 
+def test_plan_of_policy_auto_without_a_budget_is_refused_before_any_planning(capsys, monkeypatch):
+    from snrt.scheduler import planner
+
+    monkeypatch.setattr(planner, "each_plan", lambda *args, **kwargs: pytest.fail("planned the table first"))
+    assert main(["plan", LENET, "--policy", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "policy 'auto' needs a budget (for example --budget 12GiB)" in err and "Traceback" not in err
+
+
 def test_plan_with_an_infeasible_budget_says_what_would_work(capsys):
     assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--policy", "auto", "--budget", "4MiB"]) == 2
     err = " ".join(capsys.readouterr().err.split())

@@ -43,7 +43,7 @@ from snrt.scheduler.candidates import fitting_cap, grown, optimal, own_plan, spi
 from snrt.scheduler.lowering import SPILL_FLOOR
 from snrt.scheduler.options import PlanOptions
 from snrt.scheduler.pick import FASTEST_THEN_SMALLEST, SMALLEST, fits, pick
-from snrt.scheduler.policies import AUTO, POLICIES, policy_named
+from snrt.scheduler.policies import AUTO, POLICIES, policy_named, require_budget
 from snrt.scheduler.session import Session, planning
 from snrt.summary import human_bytes
 
@@ -162,8 +162,7 @@ def _auto(session, budget):
     arena), of the rows' and of the budget-optimal ones grown from them; when none fits with
     parameters resident (a training plan), the fastest of those with idle tensors spilled and
     of the same with parameters streamed."""
-    if budget is None:
-        raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
+    require_budget(AUTO, budget)
     rows = tuple(POLICIES.values())
     candidates = _candidates(session, rows, budget)
     suffix = ", streamed" if session.options.stream_parameters else ""

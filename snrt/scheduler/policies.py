@@ -63,6 +63,13 @@ def policy_named(name):
     return POLICIES[name]
 
 
+def require_budget(name, budget):
+    """A SnrtError when policy `name` is "auto" and `budget` is None: auto picks the fastest
+    plan that fits a budget, so it has nothing to pick without one."""
+    if name == AUTO and budget is None:
+        raise SnrtError("policy 'auto' needs a budget (for example --budget 12GiB)")
+
+
 def planned_first(chosen):
     """The policies `snrt plan` plans first in its own process when detailing `chosen` (the
     others it may share with a second process, see `planning_groups`): it and the one it is

@@ -394,6 +394,8 @@ def run_plan(args, console):
         if args.layers:
             chosen_row["layers"] = detail.node_decisions()
             chosen_row["parameters"] = detail.parameter_homes()
+        if args.steps:
+            chosen_row["steps"] = [detail.describe_step(i) for i in range(len(detail.steps))]
         print(json.dumps({"network": config.name, "batch": batch, "ranks": ranks, "budget_bytes": budget,
                           "backend": backend, "estimate": estimate, "policies": table, "chosen": chosen_row},
                          indent=2))
@@ -402,16 +404,19 @@ def run_plan(args, console):
         console.print(plan_headline(detail))
         if args.layers:
             console.print(layers_table(detail, planned_graph(config.graph, detail)))
-    if args.steps:
-        for i in range(len(detail.steps)):
-            console.print(detail.describe_step(i), highlight=False, markup=False)
+        if args.steps:
+            for i in range(len(detail.steps)):
+                console.print(detail.describe_step(i), highlight=False, markup=False)
     if args.save:
         Path(args.save).write_text(detail.to_json())
     if args.png:
         from snrt.timeline import draw_timeline  # matplotlib only when a picture is asked for
 
         draw_timeline(detail, args.png, budget=budget, title=f"{config.name}: {detail.policy}, batch {batch}")
-        console.print(f"timeline written to {args.png}")
+        if args.json:  # stdout is the JSON alone
+            print(f"timeline written to {args.png}", file=sys.stderr)
+        else:
+            console.print(f"timeline written to {args.png}")
 
 
 def _planning_choices(backend, train):

@@ -44,13 +44,25 @@ def test_plan_prints_every_policy_and_writes_a_timeline(tmp_path, capsys):
     png = tmp_path / "timeline.png"
     assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--policy", "superneurons",
                  "--png", str(png), "--json", "--layers"]) == 0
-    report = json.loads(capsys.readouterr().out.split("timeline written")[0])
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # the JSON alone: the note on the picture goes to stderr
+    assert f"timeline written to {png}" in captured.err
     assert [r["policy"] for r in report["policies"]] == ["none", "liveness", "recompute", "offload", "superneurons"]
     chosen = report["chosen"]
     assert chosen["policy"] == "superneurons" and chosen["copied_to_host_bytes"] > 0
     assert {"recompute", "offload", "unsaved"} <= set(chosen["layers"].values()) <= {"keep", "recompute", "offload",
                                                                                       "unsaved"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_json_with_steps_holds_the_steps_the_text_prints(capsys):
+    args = ["plan", LENET, "--policy", "offload", "--steps"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["chosen"]["steps"]
+    printed = " ".join(printed.split())  # the console folds long lines
+    assert len(steps) > 10 and all(" ".join(step.split()) in printed for step in steps)
 
 
 def test_plan_under_a_budget_shows_the_plan_training_runs(capsys):

@@ -21,13 +21,14 @@ from snrt.atomic import replace_atomically
 from snrt.backends import BACKENDS, default_backend
 from snrt.config import DATASETS, config_to_yaml, load_config, with_settings
 from snrt.checkpoint import CheckpointError, NonFiniteError, load_checkpoint
-from snrt.errors import DivergenceError, SnrtError
+from snrt.errors import ConfigError, DivergenceError, SnrtError
 from snrt.layers.base import BACKWARD, FORWARD
 from snrt.optim import make_optimizer
 from snrt.parallel import Solo, first_failing_rank, launcher_rank, launcher_size, world
 from snrt.runfolder import CHECKPOINT, RunFolder
 from snrt.precision import PRECISIONS, PrecisionError
 from snrt.scheduler import BudgetError, policies
+from snrt.scheduler.planner import require_budget
 from snrt.summary import human_bytes, summary_table, totals_by_type
 from snrt.threads import Claims, describe_pools, in_a_child, limit_threads, thread_pools, usable_cores
 
@@ -196,8 +197,7 @@ def _overrides(args):
     if getattr(args, "batch", None):
         out["train.batch"] = args.batch
     if getattr(args, "image_size", None):
-        size = args.image_size
-        out["input.shape"] = lambda shape: [shape[0], size, size] if isinstance(shape, list) and shape else shape
+        out["input.shape"] = _image_size(args.config, args.image_size)
     if getattr(args, "data", None):
         for key, value in args.data.items():
             out[f"train.data.{key}"] = value
@@ -212,6 +212,21 @@ def _overrides(args):
         if getattr(args, flag, None) is not None:
             out[key] = getattr(args, flag)
     return out
+
+
+def _image_size(source, size):
+    """The input.shape override of --image-size: an image's (C, H, W) with H and W set to
+    `size`. A shape of another length has no H and W to set (a vector input, say): an error,
+    rather than a network on inputs of another kind. A value that is not a list is left for
+    the file's own check to report."""
+    def resized(shape):
+        if not isinstance(shape, list):
+            return shape
+        if len(shape) != 3:
+            raise ConfigError(source, "input.shape", f"--image-size sets the height and width of images (C, H, W); "
+                                                     f"this network's input is {shape}, which has none to set")
+        return [shape[0], size, size]
+    return resized
 
 
 def inspect_report(config, batch):
@@ -240,7 +255,12 @@ def run_inspect(args, console):
     config = load_config(args.config)
     batch = args.batch or config.train.batch
     if args.json:
-        print(json.dumps(inspect_report(config, batch), indent=2))
+        report = inspect_report(config, batch)
+        if args.layers:  # the rows of the --layers table
+            report["nodes"] = [{"name": row.name, "type": row.type, "inputs": list(node.inputs), "shape": list(row.shape),
+                                "params": row.params} for row, node in zip(config.graph.rows(batch),
+                                                                           config.graph.nodes.values())]
+        print(json.dumps(report, indent=2))
         return
     if args.layers:
         table = Table(title=f"{config.name}: every node at batch {batch}")
@@ -336,6 +356,7 @@ def run_plan(args, console):
               "bucket_bytes": config.train.gradient_bucket, "stream_parameters": config.memory.stream_parameters,
               "precision": config.train.precision, "fuse": config.train.fuse, **choices}
     chosen = args.policy or config.memory.policy
+    require_budget(chosen, budget)  # before the table's plans, which can take minutes
     here = policies.planned_first(chosen)
     # a second process plans some rows where no device is involved (CUDA does not survive a fork)
     forks = usable_cores() > 1 and (backend != "cuda" or estimate is not None)
@@ -374,6 +395,8 @@ def run_plan(args, console):
         if args.layers:
             chosen_row["layers"] = detail.node_decisions()
             chosen_row["parameters"] = detail.parameter_homes()
+        if args.steps:
+            chosen_row["steps"] = [detail.describe_step(i) for i in range(len(detail.steps))]
         print(json.dumps({"network": config.name, "batch": batch, "ranks": ranks, "budget_bytes": budget,
                           "backend": backend, "estimate": estimate, "policies": table, "chosen": chosen_row},
                          indent=2))
@@ -382,16 +405,19 @@ def run_plan(args, console):
         console.print(plan_headline(detail))
         if args.layers:
             console.print(layers_table(detail, planned_graph(config.graph, detail)))
-    if args.steps:
-        for i in range(len(detail.steps)):
-            console.print(detail.describe_step(i), highlight=False, markup=False)
+        if args.steps:
+            for i in range(len(detail.steps)):
+                console.print(detail.describe_step(i), highlight=False, markup=False)
     if args.save:
         Path(args.save).write_text(detail.to_json())
     if args.png:
         from snrt.timeline import draw_timeline  # matplotlib only when a picture is asked for
 
         draw_timeline(detail, args.png, budget=budget, title=f"{config.name}: {detail.policy}, batch {batch}")
-        console.print(f"timeline written to {args.png}")
+        if args.json:  # stdout is the JSON alone
+            print(f"timeline written to {args.png}", file=sys.stderr)
+        else:
+            console.print(f"timeline written to {args.png}")
 
 
 def _planning_choices(backend, train):

@@ -13,6 +13,7 @@ import difflib
 import fnmatch
 import heapq
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,12 +171,36 @@ AT_MOST = {(DataConfig, "workers"): MAX_WORKERS}
 
 # ---- public entry points ----------------------------------------------------------------
 def config_from_graph(graph, classes, train=None, memory=None, name=None):
-    """A Config for a graph built in Python (its images come in through the node "data")."""
+    """A Config for a graph built in Python (its images come in through the node "data").
+
+    `train` and `memory` are a TrainConfig and a MemoryConfig, or mappings as a file's sections
+    (None: the defaults); either is checked as a file's would be, and so are `classes` and the
+    loss layers reading that many scores."""
+    if not isinstance(graph, Graph):
+        raise ConfigError(f"<{type(graph).__name__}>", "", f"expected a snrt.Graph, got {_kind(graph)}")
+    source = f"<graph {graph.name}>"
     if "data" not in graph.nodes or "label" not in graph.nodes:
         raise ConfigError(name or graph.name, "", "a trainable graph needs Input nodes named 'data' and 'label'")
+    fed = {"data": ("float", "a float dtype (the data pipeline feeds it images)"),
+           "label": ("int", "an int dtype (the data pipeline feeds it class indices)")}
+    for node in graph.nodes.values():  # the Inputs the data pipeline feeds, and no others
+        kind, wanted = fed.get(node.name, (None, None))
+        if isinstance(node.layer, Input) != bool(kind) or (kind and not node.dtype.startswith(kind)):
+            raise ConfigError(source, node.name, f"expected an Input of {wanted}, got {node.layer!r}" if kind else
+                              f"an Input other than 'data' and 'label', which nothing feeds: {node.layer!r}")
+    if not _is_int(classes) or classes < 2:
+        raise ConfigError(source, "classes", f"expected an int >= 2, got {_kind(classes)}")
+    _check_loss(source, graph, classes)
+    sections = {}
+    for key, cls, given in (("train", TrainConfig, train), ("memory", MemoryConfig, memory)):
+        if isinstance(given, cls):
+            given = settings_dict(given)
+        elif given is not None and not isinstance(given, dict):
+            raise ConfigError(source, key, f"expected a {cls.__name__} or a mapping of settings, got {_kind(given)}")
+        sections[key] = parse_section(source, key, cls, given or {})
+    _check_groups(source, graph, sections["train"].optimizer.groups)
     input_cfg = InputConfig(list(graph["data"].shape), classes, per_pixel=bool(graph["label"].shape))
-    return Config(name or graph.name, graph, input_cfg, train or TrainConfig(), memory or MemoryConfig(),
-                  f"<graph {graph.name}>")
+    return Config(name or graph.name, graph, input_cfg, sections["train"], sections["memory"], source)
 
 
 
@@ -185,8 +210,13 @@ def with_settings(config, train=None, memory=None):
 
     Nested sections merge: train={"optimizer": {"lr": 0.01}} keeps the other optimizer settings.
     """
+    if not isinstance(config, Config):
+        raise ConfigError(f"<{type(config).__name__}>", "", f"expected a snrt.Config to change, got {_kind(config)}")
     sections = {}
     for key, cls, changes in (("train", TrainConfig, train), ("memory", MemoryConfig, memory)):
+        if changes is not None and not isinstance(changes, dict):
+            raise ConfigError(config.source, key, f"expected a mapping of settings such as {{'batch': 8}}, "
+                                                  f"got {_kind(changes)}")
         if changes:
             current = settings_dict(getattr(config, key))
             sections[key] = parse_section(config.source, key, cls, _merged(current, changes))
@@ -222,6 +252,9 @@ def load_config(source, overrides=None):
     """
     if isinstance(source, dict):
         return parse_config(apply_overrides(source, overrides), "<dict>")
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"<{type(source).__name__}>", "", f"expected a network file's path or a parsed dict, "
+                                                           f"got {_kind(source)}")
     path = Path(source)
     try:
         text = path.read_text(encoding="utf-8")

@@ -18,7 +18,6 @@ import time
 
 from snrt.layers.base import KernelContext, Saved
 from snrt.layers.staging import Staged, is_two_byte
-from snrt.precision import holds_floats
 from snrt.scheduler.fuse import planned_graph
 from snrt.scheduler.plan import PERSISTENT_ROLES
 
@@ -287,7 +286,8 @@ class Executor:
     # ---- binding: one closure per step ------------------------------------------------
     def _context(self, step, node_index):
         ctx = KernelContext(self.xp, training=self.plan.training, node_index=node_index[step.node],
-                            workspace=self.views[step.workspace] if step.workspace >= 0 else None)
+                            workspace=self.views[step.workspace] if step.workspace >= 0 else None,
+                            in_shapes=self.graph.in_shapes(step.node, self.plan.batch))
         self.contexts.append(ctx)
         self.context_nodes.append(step.node)
         return ctx
@@ -448,7 +448,7 @@ class Executor:
         if step.kind in ("forward", "recompute", "backward", "update"):
             for b in step.reads():
                 buffer = self.plan.buffers[b]
-                if holds_floats(buffer.dtype) and bool(self.xp.isnan(self.views[b]).any()):
+                if arena.holds_poison(buffer):
                     raise PlanViolation(f"step {i} ({step.kind} {step.node}) reads {buffer.name}, which holds "
                                         "poison: it was freed, never written, or not yet prefetched")
 

@@ -7,15 +7,17 @@ layer fact methods work with full shapes (batch first). Nodes are kept in topolo
 
 import hashlib
 import math
+import numbers
 from dataclasses import dataclass
 
-from snrt.errors import GraphError, ShapeError
+from snrt.errors import GraphError, ShapeError, SnrtError
 from snrt.layers import Layer
 from snrt.layers.base import BACKWARD, FORWARD, numel
 from snrt.layers.input import Input
 from snrt.summary import format_summary
 
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "int32": 4, "int64": 8}
+RESERVED = (":", "@")  # in node names: buffers are named node:name, and their later versions name@k
 MAX_VALUES = 1 << 62  # values of one tensor per sample, or of one parameter: more than an array can index
 
 
@@ -79,12 +81,18 @@ class Graph:
         if not isinstance(layer, Layer):
             raise GraphError(name or "?", f"expected a Layer instance, got {type(layer).__name__}", key)
         name = name if name is not None else self._fresh_name(layer.type_name)
+        if not isinstance(name, str) or not name or any(c in name for c in RESERVED):
+            raise GraphError(name, "a node's name must be a non-empty string without "
+                                   f"{' or '.join(repr(c) for c in RESERVED)} (they join the parts of its buffers' "
+                                   "names, as in conv1:weight)", key)
         if name in self.nodes:
             raise GraphError(name, "a node with this name already exists", key)
         if inputs is None:
             inputs = () if layer.max_inputs == 0 or self._last is None else (self._last,)
         elif isinstance(inputs, str):
             inputs = (inputs,)
+        if not isinstance(inputs, (list, tuple)) or not all(isinstance(i, str) for i in inputs):
+            raise GraphError(name, f"inputs: expected a node's name or a list of them, got {inputs!r}", key)
         inputs = tuple(inputs)
         self._check_arity(name, layer, inputs, key)
         for i in inputs:
@@ -204,7 +212,10 @@ class Graph:
         return sum(numel(p.shape) for specs in self.param_specs().values() for p in specs.values())
 
     def rows(self, batch=1):
-        """One LayerRow per node at `batch` (Input nodes included)."""
+        """One LayerRow per node at `batch` (Input nodes included); a batch that is not a
+        positive int is a SnrtError."""
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+            raise SnrtError(f"batch: expected a positive int, got {batch!r}")
         rows = []
         for node in self.nodes.values():
             in_shapes = self.in_shapes(node.name, batch)

@@ -84,13 +84,8 @@ def unsupported(precision, backend_class):
                           f"(snrt plan --precision {precision} shows its memory)")
 
 
-def holds_floats(dtype):
-    """Whether a buffer of dtype name `dtype` holds floating-point values (NaN-poisonable)."""
-    return dtype.startswith("float") or dtype == "bfloat16"
-
-
 def precision_named(name):
     """The Precision called `name`; an unknown one is a SnrtError listing the choices."""
-    if name not in PRECISIONS:
+    if not isinstance(name, str) or name not in PRECISIONS:
         raise SnrtError(f"unknown precision {name!r}; expected one of {', '.join(PRECISIONS)}")
     return PRECISIONS[name]

@@ -14,6 +14,7 @@ snrt's kernel threads with them.
 
 import math
 import multiprocessing
+import numbers
 import os
 import warnings
 from pathlib import Path
@@ -68,7 +69,10 @@ def limit_threads(count):
     """Cap every BLAS and OpenMP pool in this process at `count` threads, for the rest of the
     process: the pools loaded now through threadpoolctl, those a library loads later (numba
     loads scipy's OpenBLAS on its first compile) through the variables they read when they
-    load. Returns `thread_pools()` after the change."""
+    load. Returns `thread_pools()` after the change; a count that is not a positive int is a
+    SnrtError, and changes nothing."""
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+        raise SnrtError(f"limit_threads: expected a positive int, got {count!r}")
     _LIMIT[:] = [count]
     for variable in POOL_VARIABLES:
         os.environ[variable] = str(count)

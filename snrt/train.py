@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import numbers
 import signal
 import threading
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from snrt.checkpoint import CheckpointError, describe_batch_change, load_checkpoint, save_checkpoint
+from snrt.config import Config
 from snrt.data import Batches, eval_batches, load_datasets, normalization
 from snrt.errors import ConfigError, DivergenceError, SnrtError
 from snrt.init import each_initial_parameter, each_initial_state
@@ -51,6 +53,9 @@ class Metrics:
 def _run_options(config, group):
     """What plan_run and prepare are told to train `config` on `group`'s ranks (each plans its
     part of the global batch)."""
+    if not isinstance(config, Config):
+        raise SnrtError(f"config: expected a snrt.Config (snrt.load_config(path), or config_from_graph for a graph "
+                        f"built in Python), got {type(config).__name__}")
     train, memory = config.train, config.memory
     if train.batch % group.size:
         raise SnrtError(f"{config.source}: train.batch: the batch {train.batch} must split evenly over the "
@@ -80,14 +85,15 @@ class Trainer:
     """
 
     def __init__(self, config, backend="cpu", check=False, group=None, plan=None):
+        self.group = group or Solo()
+        options = _run_options(config, self.group)
         self.config = config
         self.graph = config.graph
         train, memory = config.train, config.memory
-        self.group = group or Solo()
         self.batch = train.batch
         self.optimizer = make_optimizer(train.optimizer)
         self.loss_scale = LossScale() if precision_named(train.precision).loss_scaling else None
-        self.runtime = prepare(**_run_options(config, self.group), backend=backend, check=check,
+        self.runtime = prepare(**options, backend=backend, check=check,
                                host_folder=memory.host_store, plan=plan, replay=train.cuda_graph,
                                values=itertools.chain(each_initial_parameter(self.graph, train.seed, train.init),
                                                       each_initial_state(self.graph)))
@@ -121,6 +127,9 @@ class Trainer:
         `lr_at(iteration)` replaces train.schedule's learning rate (a learning-rate range test).
         """
         train = self.config.train
+        for name, value in (("iterations", iterations), ("checkpoint_every", checkpoint_every)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+                raise SnrtError(f"fit: {name}: expected an int >= 0, got {value!r}")
         total = iterations if iterations is not None else train.iterations
         every = train.checkpoint_every if checkpoint_every is None else checkpoint_every
         history = []

@@ -27,17 +27,42 @@ def test_inspect_json_reports_the_published_parameter_count(capsys):
     assert {t["type"] for t in report["by_type"]} >= {"Conv2d", "BatchNorm", "ReLU", "Add", "Linear"}
 
 
+def test_inspect_json_with_layers_lists_every_node(capsys):
+    assert main(["inspect", LENET, "--json"]) == 0
+    totals = json.loads(capsys.readouterr().out)
+    assert main(["inspect", LENET, "--json", "--layers"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    nodes = report.pop("nodes")
+    assert report == totals
+    graph = snrt.load_config(LENET).graph
+    assert [n["name"] for n in nodes] == list(graph.nodes) and len(nodes) == report["layers"]
+    assert sum(n["params"] for n in nodes) == report["params"]
+    assert nodes[-1]["inputs"] == list(graph[nodes[-1]["name"]].inputs) and nodes[0]["shape"] == [1, 8, 8]
+
+
 def test_plan_prints_every_policy_and_writes_a_timeline(tmp_path, capsys):
     png = tmp_path / "timeline.png"
     assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--policy", "superneurons",
                  "--png", str(png), "--json", "--layers"]) == 0
-    report = json.loads(capsys.readouterr().out.split("timeline written")[0])
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # the JSON alone: the note on the picture goes to stderr
+    assert f"timeline written to {png}" in captured.err
     assert [r["policy"] for r in report["policies"]] == ["none", "liveness", "recompute", "offload", "superneurons"]
     chosen = report["chosen"]
     assert chosen["policy"] == "superneurons" and chosen["copied_to_host_bytes"] > 0
     assert {"recompute", "offload", "unsaved"} <= set(chosen["layers"].values()) <= {"keep", "recompute", "offload",
                                                                                       "unsaved"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_json_with_steps_holds_the_steps_the_text_prints(capsys):
+    args = ["plan", LENET, "--policy", "offload", "--steps"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    steps = json.loads(capsys.readouterr().out)["chosen"]["steps"]
+    printed = " ".join(printed.split())  # the console folds long lines
+    assert len(steps) > 10 and all(" ".join(step.split()) in printed for step in steps)
 
 
 def test_plan_under_a_budget_shows_the_plan_training_runs(capsys):
@@ -83,6 +108,16 @@ def test_a_cuda_plan_without_a_gpu_is_an_estimate_and_says_so(capsys):
     cpu = report["policies"][0]["predicted_s"]
     assert main(["plan", "configs/cifar_resnet20.yaml", "--batch", "8", "--json", "--backend", "cpu"]) == 0
     assert json.loads(capsys.readouterr().out)["policies"][0]["predicted_s"] > 5 * cpu  # the CUDA rates: faster
+
+
+def test_plan_of_policy_auto_without_a_budget_is_refused_before_any_planning(capsys, monkeypatch):
+    from snrt.scheduler import planner
+
+    monkeypatch.setattr(planner, "each_plan", lambda *args, **kwargs: pytest.fail("planned the table first"))
+    assert main(["plan", LENET, "--policy", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert f"{LENET}: memory.budget: policy 'auto' picks the fastest plan within a budget" in err
+    assert "Traceback" not in err
 
 
 def test_plan_with_an_infeasible_budget_says_what_would_work(capsys):
@@ -168,6 +203,25 @@ def test_user_errors_are_one_line_without_a_traceback(argv, words, capsys, tmp_p
     assert main([*argv, "--no-progress"] + (["--out", str(tmp_path)] if argv[0] == "train" else [])) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["plan"], ["tune", "--budget", "1GiB"], ["train", "--iterations", "1"]])
+def test_image_size_on_a_network_of_vectors_is_refused(command, tmp_path, capsys):
+    """--image-size sets an image's height and width; a vector input has neither, so it is an
+    error naming input.shape, not a plan or run of the network on 16x8x8 inputs."""
+    network = tmp_path / "mlp.yaml"
+    network.write_text("input: {shape: [16], classes: 3}\n"
+                       "network: [{type: Linear, out_features: 3}, {type: SoftmaxCrossEntropy}]\n")
+    out = ["--out", str(tmp_path / "out")] if command[0] != "plan" else []
+    assert main([command[0], str(network), "--image-size", "8", *command[1:], *out]) == 2
+    err = capsys.readouterr().err
+    assert "input.shape: --image-size" in err and "[16]" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    peaks = []
+    for size in ([], ["--image-size", "16"]):  # an image network's (1, 8, 8) input made (1, 16, 16)
+        assert main(["plan", LENET, "--json", *size]) == 0
+        peaks.append(json.loads(capsys.readouterr().out)["chosen"]["peak_bytes"])
+    assert peaks[1] > peaks[0]
 
 
 def test_train_reports_its_thread_pools_capped_at_threads(tmp_path):

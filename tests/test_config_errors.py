@@ -1,13 +1,17 @@
 """Broken network files: each gives one ConfigError naming the file, the key path and the fix."""
 
+import re
 import textwrap
 
 import pytest
 
 import snrt
 from snrt import ConfigError, load_config
-from snrt.config import with_settings
+from snrt.config import MemoryConfig, OptimizerConfig, TrainConfig, config_from_graph, with_settings
 from snrt.cli import main
+from snrt.layers.input import Input
+from snrt.layers.linear import Linear
+from snrt.layers.loss import SoftmaxCrossEntropy
 
 VALID = """
 input: {shape: [3, 16, 16], classes: 10}
@@ -124,6 +128,10 @@ CASES = [
     ("huge-repeat", ("repeat: 2", "repeat: 1000000"), "network[1].repeat", "more than 200,000 layers"),
     ("long-expression", ("out_features: $classes", "out_features: '${" + "+".join(["classes"] * 200) + "}'"),
      "network[3].out_features", "at most 1000"),
+    ("name-with-a-colon", ("{type: GlobalAvgPool}", "{type: GlobalAvgPool, name: 'pool:1'}"), "network[2]",
+     "a node's name must be a non-empty string without ':' or '@'"),
+    ("block-name-with-an-at", ("{block: pair,", "{block: pair, name: p@1,"), "network[1].block.pair.layers[0]",
+     "layer 'p@1.0.a' (Conv2d): a node's name must be"),
     ("generated-name-clash", ("{type: GlobalAvgPool}", "{type: GlobalAvgPool, name: pair0.0.a}"), "network[2]",
      "also the name of the layer at network[1]"),
 ]
@@ -195,6 +203,13 @@ def test_cli_prints_one_line_and_no_traceback(tmp_path, capsys):
     assert f"{path}: network[1].block.pair.layers[0].kernel:" in " ".join(err.split())
 
 
+@pytest.mark.parametrize("source", [None, 3, ["configs/lenet.yaml"]])
+def test_a_source_that_is_neither_a_path_nor_a_dict_is_named(source):
+    with pytest.raises(snrt.ConfigError, match=re.escape(f"expected a network file's path or a parsed dict, got "
+                                                         f"{'nothing' if source is None else type(source).__name__}")):
+        load_config(source)
+
+
 def test_missing_file_is_reported(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         load_config(tmp_path / "nope.yaml")
@@ -250,6 +265,82 @@ def test_settings_are_changed_on_a_loaded_config_and_checked_like_the_file():
         with_settings(config, memory={"budget": "lots"})
     with pytest.raises(snrt.ConfigError, match=r"train.batch: expected a positive value"):
         with_settings(config, train={"batch": 0})
+
+
+@pytest.mark.parametrize("changes", [{"train": "batch=8"}, {"memory": ["offload"]}])
+def test_settings_that_are_not_a_mapping_are_named(changes):
+    config = snrt.load_config("configs/lenet.yaml")
+    key = next(iter(changes))
+    with pytest.raises(snrt.ConfigError, match=rf"lenet.yaml: {key}: expected a mapping of settings"):
+        with_settings(config, **changes)
+
+
+def test_settings_are_changed_on_a_config_only():
+    with pytest.raises(snrt.ConfigError, match="<str>: expected a snrt.Config to change, got str 'configs/lenet.yaml'"):
+        with_settings("configs/lenet.yaml", train={"batch": 8})
+
+
+def python_graph(classes=3):
+    """A network built in Python whose head gives `classes` scores."""
+    graph = snrt.Graph("mlp")
+    graph.add(Input(shape=(6,)), name="data")
+    graph.add(Input(shape=(), dtype="int64"), name="label")
+    graph.add(Linear(out_features=classes), inputs="data", name="fc")
+    graph.add(SoftmaxCrossEntropy(), inputs=["fc", "label"])
+    return graph
+
+
+@pytest.mark.parametrize("arguments, key, words", [
+    ({"classes": 0}, "classes", "expected an int >= 2, got int 0"),
+    ({"classes": "3"}, "classes", "expected an int >= 2, got str '3'"),
+    ({"classes": 5}, "network", "reads 'fc' of shape [3] per sample; it needs [5]"),  # labels past the scores
+    ({"train": TrainConfig(batch=0)}, "train.batch", "expected a positive value, got 0"),
+    ({"train": {"batch": 4, "optimizr": {}}}, "train.optimizr", "unknown key"),
+    ({"memory": MemoryConfig(policy="fast")}, "memory.policy", "expected one of none, "),
+    ({"memory": "liveness"}, "memory", "expected a MemoryConfig or a mapping of settings, got str 'liveness'"),
+])
+def test_a_config_of_a_python_graph_is_checked_as_a_files_would_be(arguments, key, words):
+    arguments = {"classes": 3, **arguments}
+    with pytest.raises(snrt.ConfigError) as caught:
+        config_from_graph(python_graph(), **arguments)
+    assert (caught.value.source, caught.value.key) == ("<graph mlp>", key) and words in caught.value.message
+
+
+@pytest.mark.parametrize("node, layer, words", [
+    ("data", Input(shape=(6,), dtype="int32"), "expected an Input of a float dtype (the data pipeline feeds it images)"),
+    ("label", Input(shape=()), "expected an Input of an int dtype (the data pipeline feeds it class indices)"),
+    ("extra", Input(shape=(6,)), "an Input other than 'data' and 'label', which nothing feeds"),
+])
+def test_a_python_graph_reads_the_inputs_the_data_pipeline_feeds(node, layer, words):
+    graph = snrt.Graph("mlp")
+    for name in ("data", "label", "extra"):
+        default = {"data": Input(shape=(6,)), "label": Input(shape=(), dtype="int64")}.get(name)
+        if name == node or default:
+            graph.add(layer if name == node else default, name=name)
+    graph.add(Linear(out_features=3), inputs="data", name="fc")
+    graph.add(SoftmaxCrossEntropy(), inputs=["fc", "label"])
+    with pytest.raises(snrt.ConfigError) as caught:
+        config_from_graph(graph, 3)
+    assert caught.value.key == node and words in caught.value.message
+
+
+def test_a_python_graph_may_take_its_images_and_labels_in_other_float_and_int_dtypes():
+    graph = snrt.Graph("mlp")
+    graph.add(Input(shape=(6,), dtype="float64"), name="data")  # planned in the run's precision, as float32 is
+    graph.add(Input(shape=(), dtype="int32"), name="label")
+    graph.add(Linear(out_features=3), inputs="data", name="fc")
+    graph.add(SoftmaxCrossEntropy(), inputs=["fc", "label"])
+    assert config_from_graph(graph, 3).input.shape == [6]
+
+
+def test_a_config_of_a_python_graph_takes_its_settings_as_dataclasses_or_mappings():
+    given = config_from_graph(python_graph(), 3, TrainConfig(batch=4, optimizer=OptimizerConfig(lr=0.01)),
+                              MemoryConfig(policy="liveness", budget=2**20))
+    mapped = config_from_graph(python_graph(), 3, {"batch": 4, "optimizer": {"lr": 0.01}},
+                               {"policy": "liveness", "budget": "1MiB"})
+    assert given.train == mapped.train and given.memory == mapped.memory
+    assert (given.train.batch, given.train.optimizer.lr, given.memory.budget) == (4, 0.01, 2**20)
+    assert config_from_graph(python_graph(), 3).train == TrainConfig()
 
 
 # ---- mutated zoo configs: each loads, or is one ConfigError ---------------------------------

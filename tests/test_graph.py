@@ -1,5 +1,7 @@
 """The Graph IR and its Python API."""
 
+import re
+
 import pytest
 
 import snrt
@@ -79,6 +81,13 @@ def test_summary_lists_types_and_totals():
         (lambda g: g.add(Add(), inputs=["fc1", "data"], name="a"), "node 'a': Add cannot take inputs of shape [8], [6]"),
         (lambda g: g.add(SoftmaxCrossEntropy(), inputs=["fc1"], name="l"), "node 'l': SoftmaxCrossEntropy takes 2 input(s)"),
         (lambda g: g.add("relu", name="x"), "node 'x': expected a Layer instance"),
+        (lambda g: g.add(ReLU(), name="fc1:relu"), "node 'fc1:relu': a node's name must be a non-empty string "
+                                                  "without ':' or '@'"),
+        (lambda g: g.add(ReLU(), name="relu@1"), "node 'relu@1': a node's name must be"),
+        (lambda g: g.add(ReLU(), name=""), "node '': a node's name must be"),
+        (lambda g: g.add(ReLU(), name=7), "node '7': a node's name must be"),
+        (lambda g: g.add(ReLU(), inputs=3, name="r"), "node 'r': inputs: expected a node's name or a list of them, got 3"),
+        (lambda g: g.add(ReLU(), inputs=[["fc1"]], name="r"), "node 'r': inputs: expected a node's name or a list"),
     ],
 )
 def test_building_errors_name_the_node(build, words):
@@ -86,6 +95,12 @@ def test_building_errors_name_the_node(build, words):
     with pytest.raises(snrt.GraphError) as info:
         build(g)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("batch", [0, -2, "4", 2.0, True])
+def test_a_summary_at_a_batch_that_is_not_a_positive_int_says_so(batch):
+    with pytest.raises(snrt.SnrtError, match=f"batch: expected a positive int, got {re.escape(repr(batch))}"):
+        small_graph().summary(batch=batch)
 
 
 def test_layers_are_configuration_only_and_comparable():

@@ -1,6 +1,7 @@
 """Thread pools: the cores a process may use, and the BLAS pool capped explicitly."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -50,6 +51,18 @@ def test_limit_threads_caps_numpys_pool_and_those_loaded_later():
     assert any("numpy" in path for path, _ in pools) and any("scipy" in path for path, _ in pools)
     assert all(n == 1 for _, n in pools)
     assert value == 64.0
+
+
+@pytest.mark.parametrize("count", [0, -1, "2", 1.5, True])
+def test_limit_threads_refuses_a_count_that_is_not_a_positive_int_and_changes_nothing(count):
+    """0 threads once set trained to a ZeroDivisionError where the kernels split their work."""
+    import snrt
+    from snrt.threads import kernel_threads
+
+    before = kernel_threads()
+    with pytest.raises(snrt.SnrtError, match=f"limit_threads: expected a positive int, got {re.escape(repr(count))}"):
+        snrt.limit_threads(count)
+    assert kernel_threads() == before
 
 
 @pytest.mark.parametrize("preset, expected", [(None, "16"), ("4", "4")])

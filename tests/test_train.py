@@ -1,6 +1,7 @@
 """End-to-end training on the CPU backend: learning, PyTorch parity, determinism, checkpoints."""
 
 import errno
+import re
 
 import numpy as np
 import pytest
@@ -261,6 +262,22 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     expected = straight.host_arrays()
     for key, value in resumed.host_arrays().items():
         np.testing.assert_array_equal(value, expected[key], err_msg=f"{key}")
+
+
+def test_a_trainer_of_something_other_than_a_config_says_what_it_wants():
+    for make in (Trainer, Trainer.plan_for):
+        with pytest.raises(snrt.SnrtError, match=r"config: expected a snrt.Config \(snrt.load_config\(path\), .*got str"):
+            make("configs/lenet.yaml")
+
+
+def test_fit_names_a_count_of_the_wrong_kind_and_trains_nothing():
+    trainer = Trainer(small_config())
+    for name, value in (("iterations", "3"), ("iterations", 2.5), ("iterations", -1), ("checkpoint_every", "2")):
+        with pytest.raises(snrt.SnrtError, match=re.escape(f"fit: {name}: expected an int >= 0, got {value!r}")):
+            trainer.fit(**{name: value})
+    assert trainer.iteration == 0
+    assert [m.iteration for m in trainer.fit(iterations=np.int64(2))] == [0, 1]
+    assert trainer.fit(iterations=2) == []  # up to iteration 2: there already
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):

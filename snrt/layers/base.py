@@ -139,7 +139,9 @@ class KernelContext:
 
     `xp` is the array module; `training` selects batch statistics and dropout; `seed`,
     `iteration` and `node_index` key the counter-based RNG; `workspace` is a flat uint8 array
-    of the planned workspace bytes (or None when the step has none), handed out by `scratch`.
+    of the planned workspace bytes (or None when the step has none), handed out by `scratch`;
+    `in_shapes` the full shapes of the step's inputs (None for a kernel called outside a
+    plan), those of inputs the backward writes no gradient for included.
 
     Reading `seed` or `iteration` sets `read_key` on the step's context (`root`, shared with
     the contexts `rest` makes): the executor replays a captured iteration only where no
@@ -149,12 +151,14 @@ class KernelContext:
     seed = _KeyPart()
     iteration = _KeyPart()
 
-    def __init__(self, xp, training=True, seed=0, iteration=0, node_index=0, workspace=None, root=None):
+    def __init__(self, xp, training=True, seed=0, iteration=0, node_index=0, workspace=None, root=None,
+                 in_shapes=None):
         self.xp = xp
         self.training = training
         self._seed, self._iteration = seed, iteration
         self.node_index = node_index
         self.workspace = workspace
+        self.in_shapes = in_shapes
         self.root = root or self
         self.read_key = False
         self._used_bytes = 0
@@ -191,7 +195,8 @@ class KernelContext:
         so far left (from the next aligned offset)."""
         start = scratch_aligned(self._used_bytes)
         rest = None if self.workspace is None else self.workspace[start:]
-        return KernelContext(self.xp, self.training, self._seed, self._iteration, self.node_index, rest, self.root)
+        return KernelContext(self.xp, self.training, self._seed, self._iteration, self.node_index, rest, self.root,
+                             self.in_shapes)
 
 
 SCRATCH_ALIGN = 64  # bytes: where each scratch view starts

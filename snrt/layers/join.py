@@ -186,8 +186,10 @@ class Concat(Layer):
             y[index] = x
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        shapes = [gx.shape for gx in gxs if gx is not None]
-        if len(shapes) != len(gxs):
-            raise ValueError("Concat backward needs every input gradient buffer (for the offsets)")
+        if ctx.in_shapes is None and any(gx is None for gx in gxs):
+            raise ValueError("Concat backward without an input's gradient needs the inputs' shapes (ctx.in_shapes) "
+                             "for the offsets")
+        shapes = ctx.in_shapes or [gx.shape for gx in gxs]
         for gx, index in zip(gxs, self._slices(shapes)):
-            gx[...] = gy[index]
+            if gx is not None:  # an input no parameter reaches (the images) gets no gradient
+                gx[...] = gy[index]

@@ -3,13 +3,18 @@
 Reservations are checked against the capacity, and the live bytes are measured as the
 executor reserves and releases buffers, so the peak it reports is observed, not copied from
 the plan. With `check=True` every reservation is also checked against the live ones for
-overlap, and memory is poisoned with NaN (float views) when it is reserved and when it is
-released, so a read before the write or after the free shows up in the results.
+overlap, and memory is poisoned when it is reserved and when it is released, so a read before
+the write or after the free shows up (`holds_poison`, and NaN in the results).
 """
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy: buffers of bf16 plans are views of that dtype)
 
-from snrt.precision import holds_floats
+# The poison of float buffers, by dtype: (itemsize, the bits of a quiet NaN whose payload is
+# 0xA5...). Arithmetic makes NaNs without a payload (inf - inf, an fp16 gradient that
+# overflows), so a buffer holding these bits was not written since it was poisoned; a NaN
+# that training itself produced (which fp16's loss scaling skips) is not taken for poison.
+POISON = {"float16": (2, 0x7EA5), "bfloat16": (2, 0x7FE5), "float32": (4, 0x7FE5A5A5),
+          "float64": (8, 0x7FFDA5A5A5A5A5A5)}
 
 
 class ArenaError(RuntimeError):
@@ -66,9 +71,18 @@ class Arena:
             self.poison(buffer)
 
     def poison(self, buffer):
-        """Fill `buffer` with NaN (floats) or a marker pattern (integers)."""
+        """Fill `buffer` with its dtype's POISON NaN (floats) or a marker pattern (integers)."""
         view = self.bytes_of(buffer)
-        if holds_floats(buffer.dtype):
-            view.view(buffer.dtype)[...] = self.xp.nan
+        if buffer.dtype in POISON:
+            size, bits = POISON[buffer.dtype]
+            view.view(f"uint{8 * size}")[...] = bits
         else:
             view[...] = 0xA5
+
+    def holds_poison(self, buffer):
+        """Whether float `buffer` holds its POISON anywhere: a part not written since it was
+        reserved or released (False for other dtypes, whose marker bytes may be data)."""
+        if buffer.dtype not in POISON:
+            return False
+        size, bits = POISON[buffer.dtype]
+        return bool((self.bytes_of(buffer).view(f"uint{8 * size}") == bits).any())

@@ -1,10 +1,13 @@
 """Memory planning passes: execution order, liveness, recomputation, offload. Pure functions
 from a Graph and options to a Plan; no numpy or cupy here."""
 
+import dataclasses
 import numbers
 
 from snrt.errors import SnrtError
+from snrt.graph import Graph
 from snrt.scheduler.plan import Plan
+from snrt.scheduler.options import PlanOptions
 from snrt.scheduler.planner import BudgetError, make_plan
 from snrt.scheduler.policies import POLICIES, Policy
 from snrt.units import parse_bytes
@@ -13,9 +16,17 @@ from snrt.units import parse_bytes
 def plan(graph, batch, policy="none", budget=None, training=True, **options):
     """The memory plan of one iteration of `graph` at `batch` under `policy`.
 
-    `budget` is bytes or a string such as "12GiB"; see make_plan for the other options. A batch
-    that is not a positive int, or a budget that is not a byte size, is a SnrtError.
+    `budget` is bytes or a string such as "12GiB"; see make_plan for the other options. A graph
+    that is not a Graph, a batch that is not a positive int, a budget that is not a byte size,
+    or an option PlanOptions does not have, is a SnrtError.
     """
+    if not isinstance(graph, Graph):
+        raise SnrtError(f"graph: expected a snrt.Graph, got {type(graph).__name__} (a loaded network file's is "
+                        "snrt.load_config(path).graph)")
+    accepted = ["hide_copies", *(f.name for f in dataclasses.fields(PlanOptions))]  # make_plan's own, and the fields
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise SnrtError(f"unknown planning option {unknown[0]!r}; expected one of {', '.join(accepted)}")
     if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
         raise SnrtError(f"batch: expected a positive int, got {batch!r}")
     try:

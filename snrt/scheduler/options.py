@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from snrt.errors import SnrtError
 from snrt.layers.base import LAYER_KERNELS
 from snrt.precision import DEFAULT as DEFAULT_PRECISION, precision_named
 from snrt.scheduler import cost as cost_models
@@ -48,7 +49,15 @@ class PlanOptions:
     fuse: bool = True
 
     def __post_init__(self):
-        object.__setattr__(self, "optimizer_states", tuple(self.optimizer_states))
+        states = self.optimizer_states
+        if isinstance(states, str) or not isinstance(states, (tuple, list)) or not all(
+                isinstance(s, str) for s in states):
+            raise SnrtError(f"optimizer_states: expected a tuple of buffer names such as ('momentum',), got {states!r}")
+        object.__setattr__(self, "optimizer_states", tuple(states))
+        for name in ("ranks", "bucket_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SnrtError(f"{name}: expected a positive int, got {value!r}")
         precision_named(self.precision)  # an unknown name: a SnrtError listing the choices
 
     def iteration_key(self):

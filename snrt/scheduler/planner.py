@@ -58,6 +58,14 @@ class BudgetError(SnrtError):
         self.smallest_bytes, self.largest_batch = smallest_bytes, largest_batch
 
 
+def require_budget(policy, budget):
+    """A BudgetError when `policy` is "auto" and `budget` is None: auto picks the fastest plan
+    that fits a budget, so it has nothing to pick without one (checked before any planning)."""
+    if policy == AUTO and budget is None:
+        raise BudgetError("policy 'auto' picks the fastest plan within a budget: give one (memory.budget, or "
+                          "for example --budget 12GiB)", None, None)
+
+
 def make_plan(graph, batch, policy="none", budget=None, hide_copies=True, **options):
     """The Plan of one iteration of `graph` at `batch` under `policy` (a name of
     snrt/scheduler/policies.py, or "auto") whose arena fits `budget` (bytes; None: any), by the
@@ -162,9 +170,7 @@ def _auto(session, budget):
     arena), of the rows' and of the budget-optimal ones grown from them; when none fits with
     parameters resident (a training plan), the fastest of those with idle tensors spilled and
     of the same with parameters streamed."""
-    if budget is None:
-        raise BudgetError("policy 'auto' picks the fastest plan within a budget: give one (memory.budget, or "
-                          "for example --budget 12GiB)", None, None)
+    require_budget(AUTO, budget)
     rows = tuple(POLICIES.values())
     candidates = _candidates(session, rows, budget)
     suffix = ", streamed" if session.options.stream_parameters else ""

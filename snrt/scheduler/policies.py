@@ -58,7 +58,7 @@ CHOICES = (*POLICIES, AUTO)  # every name a user may ask for
 
 def policy_named(name):
     """The Policy called `name` (not "auto"); an unknown name is a SnrtError listing the choices."""
-    if name not in POLICIES:
+    if not isinstance(name, str) or name not in POLICIES:
         raise SnrtError(f"unknown memory policy {name!r}; expected one of {', '.join(CHOICES)}")
     return POLICIES[name]
 

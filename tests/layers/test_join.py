@@ -5,6 +5,7 @@ import torch
 from snrt.backends.cpu_channel import CompiledGateMul, CompiledScale
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.errors import ShapeError
+from snrt.layers.base import KernelContext, Saved
 from snrt.layers.join import Add, Concat, Mul, Scale
 from tests.layers.harness import check_layer
 
@@ -30,6 +31,19 @@ def test_concat(axis):
     shapes = [tuple(c + i if d == axis else c for d, c in enumerate(s)) for i, s in enumerate(shapes)]
     xs = [randn(*s, seed=i) for i, s in enumerate(shapes)]
     check_layer(Concat(axis=axis), xs, lambda t, p: torch.cat(t, dim=axis))
+
+
+def test_concat_writes_the_gradients_asked_for_at_the_offsets_of_every_input():
+    """An input no parameter reaches (the images) gets no gradient: its slice of gy is skipped,
+    found from the step's input shapes."""
+    shapes = [(2, 3, 4, 4), (2, 2, 4, 4), (2, 1, 4, 4), (2, 4, 4, 4)]
+    gy = np.random.default_rng(0).standard_normal((2, 10, 4, 4)).astype(np.float32)
+    gxs = [None, np.empty(shapes[1], np.float32), None, np.empty(shapes[3], np.float32)]
+    Concat().backward(KernelContext(np, in_shapes=shapes), gy, Saved((None,) * 4), {}, {}, gxs, {})
+    np.testing.assert_array_equal(gxs[1], gy[:, 3:5])
+    np.testing.assert_array_equal(gxs[3], gy[:, 6:])
+    with pytest.raises(ValueError, match="needs the inputs' shapes"):
+        Concat().backward(KernelContext(np), gy, Saved((None,) * 4), {}, {}, gxs, {})
 
 
 def test_concat_infers_channels_and_rejects_mismatch():

@@ -44,6 +44,26 @@ CONCAT_NET = {
 }
 
 
+# Inception's stem joins a convolution and a pooling of the images: the pooled branch, which no
+# parameter reaches, has no gradient, and neither has the input joined a second time
+STEM = {
+    "name": "stem",
+    "input": {"shape": [3, 8, 8], "classes": 4},
+    "train": {"batch": 2, "seed": 2, "optimizer": {"lr": 0.05, "momentum": 0.9}, "data": {"samples": 8}},
+    "network": [
+        {"type": "Conv2d", "name": "conv", "out_channels": 4, "kernel": 3, "padding": 1},
+        {"type": "MaxPool", "name": "pool", "inputs": ["data"], "kernel": 3, "stride": 1, "padding": 1},
+        {"type": "Concat", "name": "joined", "inputs": ["pool", "conv", "data"]},
+        {"type": "BatchNorm"},
+        {"type": "ReLU"},
+        {"type": "Conv2d", "out_channels": 4, "kernel": 3, "stride": 2, "padding": 1},
+        {"type": "GlobalAvgPool"},
+        {"type": "Linear", "out_features": "$classes"},
+        {"type": "SoftmaxCrossEntropy"},
+    ],
+}
+
+
 def run_under(config, policy, iterations, stream=False):
     """Losses, persistent arrays and (predicted, measured) peaks of a checked run (`stream`:
     parameters and optimizer state streamed from the host store)."""
@@ -72,6 +92,11 @@ def test_resnet_with_batchnorm_is_bit_identical_under_every_policy():
 
 def test_concat_branches_are_bit_identical_under_every_policy():
     assert_policies_agree(snrt.load_config(CONCAT_NET), iterations=3)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_concat_of_branches_without_gradients_is_bit_identical_under_every_policy(precision):
+    assert_policies_agree(with_settings(snrt.load_config(STEM), train={"precision": precision}), iterations=2)
 
 
 @pytest.mark.parametrize("name, size", [("alexnet", 67), ("se_resnet50", 32), ("mobilenet_v2", 32),

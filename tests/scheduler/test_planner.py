@@ -333,6 +333,30 @@ def test_an_update_reserves_the_workspace_its_kernel_choice_asks_for():
         assert compiled.peak_bytes <= array_code.peak_bytes
 
 
+@pytest.mark.parametrize("arguments, message", [
+    ({"policy": ["none"]}, "unknown memory policy ['none']; expected one of none, "),
+    ({"precision": ["bf16"]}, "unknown precision ['bf16']; expected one of fp32, "),
+    ({"ranks": 0}, "ranks: expected a positive int, got 0"),
+    ({"ranks": "2"}, "ranks: expected a positive int, got '2'"),
+    ({"ranks": 2, "bucket_bytes": "25MiB"}, "bucket_bytes: expected a positive int, got '25MiB'"),
+    ({"optimizer_states": "momentum"}, "optimizer_states: expected a tuple of buffer names"),  # not 8 of one letter
+    ({"optimizer_states": None}, "optimizer_states: expected a tuple of buffer names"),
+    ({"optimiser_states": ()}, "unknown planning option 'optimiser_states'; expected one of hide_copies, training, "),
+], ids=lambda value: str(value) if isinstance(value, dict) else "")
+def test_snrt_plan_names_an_option_of_the_wrong_kind(arguments, message):
+    graph = snrt.load_config("configs/lenet.yaml").graph
+    with pytest.raises(snrt.SnrtError, match=re.escape(message)):
+        snrt.plan(graph, 2, **arguments)
+
+
+def test_snrt_plan_of_something_other_than_a_graph_says_what_it_wants():
+    config = snrt.load_config("configs/lenet.yaml")
+    for wrong in ("configs/lenet.yaml", config):
+        with pytest.raises(snrt.SnrtError, match=f"graph: expected a snrt.Graph, got {type(wrong).__name__} "):
+            snrt.plan(wrong, 2)
+    assert snrt.plan(config.graph, 2, hide_copies=False).peak_bytes > 0
+
+
 @pytest.mark.parametrize("batch", [-1, 0, 2.5, True, "4"])
 def test_snrt_plan_refuses_a_batch_that_is_not_a_positive_int(batch):
     graph = snrt.load_config("configs/lenet.yaml").graph

@@ -195,6 +195,40 @@ def test_an_fp16_iteration_whose_gradients_overflow_updates_nothing_and_halves_t
     assert any(not np.array_equal(trainer.host_arrays(("parameter",))[k], v) for k, v in before.items())
 
 
+def test_check_mode_runs_an_fp16_iteration_whose_gradients_overflow_under_every_policy():
+    """Overflowing gradients hold inf and NaN (inf - inf) in the buffers later steps read:
+    check mode takes those for what they are, not for poison, and the run skips its updates
+    under every policy as it does without check mode, with the same losses."""
+    config = with_settings(snrt.load_config(SMALL_RESNET), train={"precision": "fp16"})
+    losses = {}
+    for policy in POLICIES:
+        trainer = Trainer(with_settings(config, memory={"policy": policy}), check=True)
+        trainer.loss_scale = LossScale(scale=2.0 ** 40)
+        history = trainer.fit(iterations=2)
+        assert [m.skipped for m in history] == [True, True], policy
+        assert trainer.backend.arena.peak_bytes == trainer.plan.peak_bytes, policy
+        losses[policy] = [m.loss for m in history]
+    assert all(run == losses["none"] for run in losses.values())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_poison_is_told_from_a_nan_that_arithmetic_makes(dtype):
+    from snrt.memory.arena import Arena
+    from snrt.scheduler.plan import Buffer
+
+    arena = Arena(np, 64, check=True)
+    buffer = Buffer(0, "x:y", (4,), dtype, 4 * np.dtype(dtype).itemsize, "activation", offset=0)
+    arena.reserve(buffer)
+    view = arena.view(buffer)
+    assert arena.holds_poison(buffer) and np.isnan(view.astype(np.float32)).all()
+    with np.errstate(invalid="ignore"):
+        view[...] = np.float32(np.inf) - np.float32(np.inf)  # what an overflow leaves
+    assert not arena.holds_poison(buffer)
+    view[1:] = 0.0
+    arena.release(buffer)
+    assert arena.holds_poison(buffer)
+
+
 def test_the_loss_scale_grows_after_an_interval_without_overflow_and_resumes_from_a_checkpoint(tmp_path):
     scale = LossScale(scale=8.0, growth_interval=3)
     for overflowed, expected in [(False, 8.0), (False, 8.0), (False, 16.0), (True, 8.0), (False, 8.0)]:

@@ -121,10 +121,10 @@ def _random_resized_crop(image, h, w, rng):
         if 0 < cw <= width and 0 < ch <= height:
             left, top = int(rng.integers(0, width - cw + 1)), int(rng.integers(0, height - ch + 1))
             break
-    else:  # the largest centered crop whose ratio is in range
+    else:  # the largest centered crop whose ratio is in range: the image's full height, or its full width
         ratio = width / height
-        cw, ch = ((width, round(width / RATIO[1])) if ratio > RATIO[1] else
-                  (round(height * RATIO[0]), height) if ratio < RATIO[0] else (width, height))
+        cw, ch = ((round(height * RATIO[1]), height) if ratio > RATIO[1] else
+                  (width, round(width / RATIO[0])) if ratio < RATIO[0] else (width, height))
         left, top = (width - cw) // 2, (height - ch) // 2
     return image.resize((w, h), resample=2, box=(left, top, left + cw, top + ch))
 

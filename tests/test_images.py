@@ -87,6 +87,15 @@ def test_a_random_resized_crop_keeps_its_area_and_ratio_in_torchvisions_ranges()
         assert 0.08 * 0.9 <= w * h / 20000 <= 1.0 and 3 / 4 * 0.9 <= w / h <= 4 / 3 * 1.1
 
 
+@pytest.mark.parametrize("size, box", [((1000, 10), (493, 0, 506, 10)), ((10, 1000), (0, 493, 10, 506))],
+                         ids=["wide", "tall"])
+def test_an_image_too_long_for_any_random_crop_takes_the_largest_centered_crop_in_range(size, box):
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, size[::-1], dtype=np.uint8))
+    out = _random_resized_crop(image, 16, 16, np.random.default_rng(0))  # ten tries of >= 8% of the area fail
+    expected = image.resize((16, 16), resample=2, box=box)  # torchvision's: the short side whole, at 4/3 or 3/4
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
 def test_without_a_val_folder_a_stratified_part_of_train_is_held_out(tmp_path):
     train, held = datasets(make_folder(tmp_path, (("train", 5),)), holdout=0.2)
     assert len(train) + len(held) == 15 and np.bincount(held.y).tolist() == [1, 1, 1]

@@ -27,7 +27,7 @@ from snrt.precision import LossScale, precision_named
 from snrt.runtime import plan_run, prepare
 from snrt.threads import usable_cores
 from snrt.weights import ROLES as WEIGHT_ROLES, matched, read as read_weights
-from snrt.workers import DataError, WorkerBatches
+from snrt.workers import WorkerBatches
 
 
 @dataclass
@@ -116,7 +116,8 @@ class Trainer:
         `on_iteration(metrics)` is called after every iteration. With `checkpoint` (a path),
         a checkpoint is written every `checkpoint_every` iterations, at the end, and when
         SIGINT (Ctrl-C) or SIGTERM stops the run (the current iteration finishes first; the
-        signal is in `stop_reason`), or a caller sets `stop_reason`. A NaN or infinite loss
+        signal is in `stop_reason`), or a caller sets `stop_reason`, and before the error of
+        data that cannot be read (a bad file, a worker that died) is raised. A NaN or infinite loss
         raises DivergenceError and writes no checkpoint, so the last good one stays.
         `lr_at(iteration)` replaces train.schedule's learning rate (a learning-rate range test).
         """
@@ -130,7 +131,7 @@ class Trainer:
                 waiting = time.perf_counter()
                 try:
                     x, y = next(stream)
-                except DataError:
+                except SnrtError:  # a file a worker process or this process's loader thread could not read
                     if checkpoint:  # the iterations done so far are kept
                         self.save(checkpoint)
                     raise

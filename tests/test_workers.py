@@ -1,6 +1,7 @@
 """Worker processes (snrt/workers.py): the same batches for any number of workers, and a worker
 that dies, hangs or cannot decode a file stops the run in one line naming it, checkpoint saved."""
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 from PIL import Image
 
 from snrt import images, workers
+from snrt.checkpoint import load_checkpoint
 from snrt.cli import main
 from snrt.data import Batches, Dataset
 from snrt.workers import DataError, WorkerBatches
@@ -87,7 +89,8 @@ def test_a_worker_that_hangs_is_named_with_the_file_it_was_reading(monkeypatch):
     assert "data worker 0 made no batch in 1 s while reading /data/train/dog/stuck.png" in str(error.value)
 
 
-def test_a_file_that_cannot_be_decoded_stops_the_run_with_its_checkpoint(tmp_path, capsys):
+@pytest.mark.parametrize("count", ["1", "0"], ids=["a worker process", "the loader thread"])
+def test_a_file_that_cannot_be_decoded_stops_the_run_with_its_checkpoint(tmp_path, capsys, count):
     root = make_folder(tmp_path / "images")
     jpeg = root / "train" / "dog" / "1.jpg"
     noise = np.random.default_rng(0).integers(0, 256, (40, 40, 3), np.uint8)
@@ -103,12 +106,13 @@ def test_a_file_that_cannot_be_decoded_stops_the_run_with_its_checkpoint(tmp_pat
         f"train: {{batch: 4, iterations: 12, seed: {seed}, data: {{type: folder, path: {root}, normalize: false}}}}\n"
         "network:\n  - {type: Conv2d, out_channels: 4, kernel: 3, padding: 1}\n  - {type: ReLU}\n"
         "  - {type: GlobalAvgPool}\n  - {type: Linear, out_features: 3}\n  - {type: SoftmaxCrossEntropy}\n")
-    code = main(["train", str(tmp_path / "net.yaml"), "--workers", "1", "--out", str(tmp_path / "run"),
-                 "--no-progress", "--checkpoint-every", "1"])
+    code = main(["train", str(tmp_path / "net.yaml"), "--workers", count, "--out", str(tmp_path / "run"),
+                 "--no-progress"])
     err = " ".join(capsys.readouterr().err.split())
     assert code == 2 and "Traceback" not in err
     assert str(jpeg) in err and "cannot decode this image" in err
-    assert (tmp_path / "run" / "checkpoint.npz").exists()
+    done = [json.loads(line)["iteration"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert done and load_checkpoint(tmp_path / "run" / "checkpoint.npz")[1]["iteration"] == len(done)
 
 
 def test_a_run_resumed_with_other_workers_ends_where_an_uninterrupted_one_does(tmp_path):

@@ -513,6 +513,8 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     if folder is None:
         trainer.fit(checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
         return 128 + int(trainer.stop_reason) if isinstance(trainer.stop_reason, int) else 0
+    if args.overwrite and args.resume is None:  # only now: a run that cannot start leaves the earlier one whole
+        folder.start_over()
     if args.resume is not None and trainer.iteration >= config.train.iterations:  # the folder stays as it is
         console.print(f"nothing to do: the run in {folder.path} is at iteration {trainer.iteration} already, and "
                       f"train.iterations is {config.train.iterations}; ask for more with --iterations")

@@ -96,6 +96,20 @@ def test_an_earlier_run_is_never_overwritten_without_being_asked(tmp_path, capsy
     assert load_checkpoint(out / "checkpoint.npz")[1]["iteration"] == 2
 
 
+@pytest.mark.parametrize("mistake, says", [
+    (["--data", "npz:missing.npz"], "missing.npz: train.data.path: no such file"),
+    (["--init-from", "missing.pt"], "missing.pt: no such weights file"),
+], ids=["data", "weights"])
+def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_start(tmp_path, capsys, mistake, says):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "2") == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"}
+    capsys.readouterr()
+    assert train(out, "--iterations", "2", "--overwrite", *mistake) == 2
+    assert says in " ".join(capsys.readouterr().err.split())
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == before
+
+
 def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     with RunFolder(out):

@@ -822,7 +822,7 @@ def run_export(args, console):
     with the network of the run (its config.yaml) as an ONNX model."""
     source = Path(args.source)
     checkpoint = source / CHECKPOINT if source.is_dir() else source
-    arrays, _ = load_checkpoint(checkpoint)
+    arrays, meta = load_checkpoint(checkpoint)
     weights = {key: value for key, value in arrays.items() if key.count(":") == 1}  # node:name; not node:name:state
     out = Path(args.out) if args.out else checkpoint.with_name(EXPORTED[args.format])
     if args.names_like:
@@ -840,6 +840,10 @@ def run_export(args, console):
                 raise SnrtError(f"{network}: not found; ONNX export needs the network, which snrt train writes "
                                 "there beside the checkpoint")
             graph = load_config(network).graph
+            if meta.get("graph", graph.fingerprint()) != graph.fingerprint():
+                raise SnrtError(f"{checkpoint}: made for another network (structure {meta['graph']}) than {network} "
+                                f"describes ({graph.name!r}, structure {graph.fingerprint()}): its layers, options or "
+                                "connections differ; export the checkpoint beside the config.yaml of its run")
             out.write_bytes(to_onnx(graph, {tuple(k.split(":")): v for k, v in weights.items()}).SerializeToString())
         else:
             from snrt.weights import export

@@ -36,30 +36,44 @@ class Run:
 
 def load_run(folder):
     """The Run in `folder`; SnrtError naming the file and line when it is not a run folder or a
-    line of its metrics is not a metrics record."""
+    line of its metrics is not a metrics record. A last line without its newline that is not
+    JSON is what a run killed while it wrote the line leaves: the iterations before it are drawn."""
     folder = Path(folder)
     path = folder / METRICS
     if not path.is_file():
         raise SnrtError(f"{folder}: not a run folder: no {METRICS} (snrt train writes one per run)")
+    text = _text(path)
+    lines = text.splitlines()
     metrics = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                break
             raise SnrtError(f"{path}: line {number} is not JSON ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("iteration"), int) or "loss" not in record:
+        if not isinstance(record, dict) or not isinstance(record.get("iteration"), int) or not isinstance(
+                record.get("loss"), (int, float)):
             raise SnrtError(f"{path}: line {number} is not a metrics record (expected an object with "
-                            "'iteration' and 'loss')")
+                            "'iteration' and 'loss', numbers)")
         metrics.append(record)
     if not metrics:
         raise SnrtError(f"{path}: no iterations yet")
     summary = {}
     if (folder / SUMMARY).is_file():
         try:
-            summary = json.loads((folder / SUMMARY).read_text())
+            summary = json.loads(_text(folder / SUMMARY))
         except json.JSONDecodeError as e:
             raise SnrtError(f"{folder / SUMMARY}: not JSON ({e.msg})") from None
     return Run(folder.name or str(folder), metrics, summary if isinstance(summary, dict) else {})
+
+
+def _text(path):
+    """The text of the file `path`; SnrtError when it is not UTF-8 (a damaged file)."""
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as e:
+        raise SnrtError(f"{path}: not a text file ({e.reason} at byte {e.start})") from None
 
 
 def draw_metrics(runs, path, title=None):

@@ -15,6 +15,7 @@ a DataError, which the trainer answers by saving its checkpoint.
 
 import multiprocessing
 import queue
+import signal
 import time
 
 import numpy as np
@@ -129,6 +130,9 @@ class WorkerBatches:
 def _work(batches, memory, slot_bytes, tasks, done, reading, k):
     """A worker's loop: make batch i into its slot, say so, until killed."""
     from snrt import images  # the image decoder reports each file it opens
+
+    # Ctrl-C at a terminal signals every process of the command: the trainer stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     images.on_open = lambda path: setattr(reading, "value", str(path).encode()[:PATH_BYTES - 1])
     view = np.frombuffer(memory, np.uint8)

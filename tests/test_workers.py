@@ -3,6 +3,7 @@ that dies, hangs or cannot decode a file stops the run in one line naming it, ch
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -144,3 +145,22 @@ def test_more_workers_than_this_machine_can_run_is_one_error_before_any_starts(t
                  "--out", str(tmp_path / "run")]) == 2
     assert ("train.data.workers: 13 worker processes on a machine with 2 usable cores; expected at most 12"
             in capsys.readouterr().err)
+
+
+def test_ctrl_c_at_a_terminal_stops_a_run_with_workers_cleanly(tmp_path):
+    root = make_folder(tmp_path / "images")
+    (tmp_path / "net.yaml").write_text(
+        "name: tiny\ninput: {shape: [3, 16, 16], classes: 3}\n"
+        f"train: {{batch: 4, iterations: 100000, data: {{type: folder, path: {root}, workers: 2}}}}\n"
+        "network:\n  - {type: GlobalAvgPool}\n  - {type: Linear, out_features: 3}\n  - {type: SoftmaxCrossEntropy}\n")
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "snrt", "train", str(tmp_path / "net.yaml"), "--out", str(out),
+                             "--no-progress", "--no-eval"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics, deadline = out / "metrics.jsonl", time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the trainer and its workers, one process group
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert "interrupted at iteration" in output and "Traceback" not in output and "KeyboardInterrupt" not in output

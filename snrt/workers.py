@@ -14,6 +14,7 @@ a DataError, which the trainer answers by saving its checkpoint.
 """
 
 import multiprocessing
+import os
 import queue
 import signal
 import time
@@ -101,7 +102,7 @@ class WorkerBatches:
                 "train.data.workers to 0)")
 
     def _while_reading(self, k):
-        path = self.reading[k].value.decode(errors="replace")
+        path = os.fsdecode(self.reading[k].value)
         return f" while reading {path}" if path else ""
 
     def _arrays(self, slot):
@@ -134,7 +135,7 @@ def _work(batches, memory, slot_bytes, tasks, done, reading, k):
     # Ctrl-C at a terminal signals every process of the command: the trainer stops the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    images.on_open = lambda path: setattr(reading, "value", str(path).encode()[:PATH_BYTES - 1])
+    images.on_open = lambda path: setattr(reading, "value", os.fsencode(path)[:PATH_BYTES - 1])  # any name
     view = np.frombuffer(memory, np.uint8)
     while True:
         i, slot = tasks.get()

@@ -63,6 +63,16 @@ def test_the_batches_are_those_of_one_process_for_any_number_of_workers(tmp_path
             np.testing.assert_array_equal(y, ey)
 
 
+def test_a_worker_reads_a_file_whose_name_is_not_utf8(tmp_path):
+    root = make_folder(tmp_path)
+    image = root / "train" / "cat" / "0.png"
+    image.rename(image.with_name(os.fsdecode(b"caf\xe9.png")))  # a Latin-1 name: byte 0xE9 is not UTF-8
+    train, _ = datasets(root)
+    expected = Batches(train, len(train), 0, ZERO, ONE, prefetch=False).get(0)
+    with WorkerBatches(Batches(train, len(train), 0, ZERO, ONE, prefetch=False), 1) as made:
+        np.testing.assert_array_equal(next(iter(made))[0], expected[0])
+
+
 def test_a_worker_that_dies_is_named_with_the_file_it_was_reading():
     batches = Batches(numbered(Dying), 2, 0, ZERO, ONE, prefetch=False)  # sample 5: in the first epoch
     with WorkerBatches(batches, 1) as made, pytest.raises(DataError) as error:

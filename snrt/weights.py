@@ -7,7 +7,8 @@ matched by those names when it has them all; otherwise by order and shape, the n
 parameters and statistics in graph order against the file's tensors in the file's order (a
 PyTorch state dict keeps its module order; safetensors keeps no order, so it is matched by
 name only). A file that matches neither way is one error listing the first tensors that do
-not match. Optimizer state is neither written nor read: a run started from weights starts its
+not match; a tensor of integers, booleans or complex numbers, or one holding NaN or infinity,
+is one error naming it. Optimizer state is neither written nor read: a run started from weights starts its
 optimizer afresh.
 
 Another framework's names: `snrt export --names-like FILE` writes the tensors under the names
@@ -87,10 +88,18 @@ def _weights(found):
 def matched(wanted, found, path):
     """{(node, name): array} of the file `path`'s tensors `found` ([(name, array)]) for the
     network's `wanted` ([((node, name), shape)] in graph order), by name or else by order and
-    shape; a SnrtError listing the first mismatches when neither fits."""
+    shape; a SnrtError listing the first mismatches when neither fits, or naming the first
+    tensor that is not finite floating-point numbers, which every parameter and statistic is."""
     found = _weights(found)
     arrays = dict(found)
-    return {key: arrays[name] for key, name in _paired(wanted, found, Path(path)).items()}
+    paired = _paired(wanted, found, Path(path))
+    for name in paired.values():
+        if arrays[name].dtype.kind != "f":
+            raise SnrtError(f"{path}: {name} holds {arrays[name].dtype} values, not the floating-point numbers "
+                            "of a parameter or statistic")
+        if not np.isfinite(arrays[name]).all():
+            raise SnrtError(f"{path}: {name} holds NaN or infinite values (saved from a run that diverged?)")
+    return {key: arrays[name] for key, name in paired.items()}
 
 
 def named_like(tensors, path):

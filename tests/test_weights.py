@@ -107,3 +107,23 @@ def test_a_file_that_is_not_a_state_dict_is_one_line_that_never_suggests_unsafe_
     message = str(caught.value)
     assert message.startswith(f"{path}: not a PyTorch state dict of tensors") and "\n" not in message
     assert "weights_only` set to `False`" not in message and "state_dict()" in message
+
+
+@pytest.mark.parametrize("values, says", [
+    (lambda v: np.ones(v.shape, np.int64), "conv2d0.weight holds int64 values, not the floating-point numbers"),
+    (lambda v: np.ones(v.shape, bool), "conv2d0.weight holds bool values"),
+    (lambda v: np.full(v.shape, np.nan, np.float32), "conv2d0.weight holds NaN or infinite values"),
+], ids=["integers", "booleans", "nan"])
+def test_weights_that_are_not_finite_floats_are_refused_not_cast(tmp_path, values, says):
+    trainer = Trainer(snrt.load_config(LENET, {"train.batch": 8}))
+    before = trainer.host_arrays(("parameter", "state"))
+    tensors = {f"{node}.{name}": v for (node, name), v in before.items()}
+    tensors["conv2d0.weight"] = values(tensors["conv2d0.weight"])
+    save_file(tensors, tmp_path / "w.safetensors")
+    torch.save({f"layer{i}": torch.from_numpy(v) for i, v in enumerate(tensors.values())}, tmp_path / "w.pt")
+    with pytest.raises(SnrtError, match=f"w.safetensors: {says}"):
+        trainer.load_weights(tmp_path / "w.safetensors")
+    with pytest.raises(SnrtError, match=f"w.pt: {says.replace('conv2d0.weight', 'layer0')}"):  # by order
+        trainer.load_weights(tmp_path / "w.pt")
+    for key, value in trainer.host_arrays(("parameter", "state")).items():
+        np.testing.assert_array_equal(value, before[key])

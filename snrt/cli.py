@@ -819,12 +819,15 @@ EXPORTED = {"safetensors": "weights.safetensors", "torch": "weights.pt", "onnx":
 
 def run_export(args, console):
     """Write a checkpoint's parameters and statistics (not its optimizer state) as weights, or
-    with the network of the run (its config.yaml) as an ONNX model."""
+    with the network of the run (its config.yaml) as an ONNX model: atomically, and never over
+    the checkpoint."""
     source = Path(args.source)
     checkpoint = source / CHECKPOINT if source.is_dir() else source
     arrays, meta = load_checkpoint(checkpoint)
     weights = {key: value for key, value in arrays.items() if key.count(":") == 1}  # node:name; not node:name:state
     out = Path(args.out) if args.out else checkpoint.with_name(EXPORTED[args.format])
+    if out.resolve() == checkpoint.resolve():
+        raise SnrtError(f"{out}: is the checkpoint being exported; choose another --out")
     if args.names_like:
         if args.format == "onnx":
             raise SnrtError("--names-like renames weights files (safetensors, torch); an ONNX model keeps snrt's names")
@@ -844,7 +847,8 @@ def run_export(args, console):
                 raise SnrtError(f"{checkpoint}: made for another network (structure {meta['graph']}) than {network} "
                                 f"describes ({graph.name!r}, structure {graph.fingerprint()}): its layers, options or "
                                 "connections differ; export the checkpoint beside the config.yaml of its run")
-            out.write_bytes(to_onnx(graph, {tuple(k.split(":")): v for k, v in weights.items()}).SerializeToString())
+            model = to_onnx(graph, {tuple(k.split(":")): v for k, v in weights.items()}).SerializeToString()
+            replace_atomically(out, lambda partial: partial.write_bytes(model))
         else:
             from snrt.weights import export
 

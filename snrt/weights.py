@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from snrt.atomic import replace_atomically
 from snrt.errors import SnrtError
 
 FORMATS = ("safetensors", "torch")
@@ -42,13 +43,18 @@ def _module(name, extra):
 
 def export(tensors, path, fmt):
     """Write `tensors` ({"node:name", or a name of another framework: array}, in the order to write)
-    to `path` as `fmt`."""
+    to `path` as `fmt`, atomically (snrt/atomic.py); OSError when it cannot be written."""
     named = {key.replace(":", ".", 1): np.ascontiguousarray(value) for key, value in tensors.items()}
     if fmt == "safetensors":
-        _module("safetensors.numpy", "writing safetensors needs safetensors").save_file(named, str(path))
+        data = _module("safetensors.numpy", "writing safetensors needs safetensors").save(named)
+        replace_atomically(path, lambda partial: partial.write_bytes(data))
     elif fmt == "torch":
         torch = _module("torch", "writing a PyTorch state dict needs PyTorch")
-        torch.save({key: torch.from_numpy(value) for key, value in named.items()}, str(path))
+
+        def write(partial):
+            with open(partial, "wb") as f:
+                torch.save({key: torch.from_numpy(value) for key, value in named.items()}, f)
+        replace_atomically(path, write)
     else:
         raise SnrtError(f"unknown weights format {fmt!r}; expected one of {', '.join(FORMATS)}")
 

@@ -127,3 +127,15 @@ def test_weights_that_are_not_finite_floats_are_refused_not_cast(tmp_path, value
         trainer.load_weights(tmp_path / "w.pt")
     for key, value in trainer.host_arrays(("parameter", "state")).items():
         np.testing.assert_array_equal(value, before[key])
+
+
+def test_an_export_that_cannot_be_written_is_one_line_and_never_replaces_the_checkpoint(run, tmp_path, capsys):
+    for fmt in ("safetensors", "torch", "onnx"):
+        assert main(["export", str(run), "--format", fmt, "--out", str(tmp_path / "missing" / "w")]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"{tmp_path / 'missing' / 'w'}: cannot write (No such file or directory)" in err, fmt
+        assert "Traceback" not in err
+    before = (run / "checkpoint.npz").read_bytes()
+    assert main(["export", str(run), "--out", str(run / "checkpoint.npz")]) == 2
+    assert "checkpoint.npz: is the checkpoint being exported; choose another --out" in capsys.readouterr().err
+    assert (run / "checkpoint.npz").read_bytes() == before

@@ -86,9 +86,10 @@ class RunFolder:
         return f"{len(lines)} iterations in {METRICS}" if lines else f"a {CHECKPOINT}"
 
     def _metric_lines(self):
+        """metrics.jsonl's lines; a byte that is not UTF-8 (a damaged disk block) spoils its line only."""
         try:
-            return self.metrics.read_text().splitlines()
-        except (OSError, UnicodeDecodeError):
+            return self.metrics.read_text(errors="replace").splitlines()
+        except OSError:
             return []
 
     def truncate_metrics(self, iteration):

@@ -129,6 +129,15 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_so_no_iteration_repeats(tmp_
     assert iterations_in(out) == list(range(6))
 
 
+def test_a_damaged_byte_in_metrics_costs_its_own_line_on_resume_not_the_others(tmp_path):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "3") == 0
+    with (out / "metrics.jsonl").open("ab") as f:
+        f.write(b'{"iteration": 1, "loss": \xff}\n')
+    assert train(out, "--iterations", "4", "--resume") == 0
+    assert iterations_in(out) == [0, 1, 2, 3]
+
+
 def test_resuming_a_run_already_at_its_iterations_leaves_the_folder_as_it_was(tmp_path, capsys):
     out = tmp_path / "run"
     assert train(out, "--iterations", "2") == 0

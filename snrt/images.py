@@ -209,6 +209,6 @@ def _problem(image_module, path, full):
                 image.load()
             else:
                 image.verify()
-    except (OSError, SyntaxError, ValueError) as e:
+    except (OSError, SyntaxError, ValueError, image_module.DecompressionBombError) as e:  # the last: absurd sizes
         return f"not a readable image ({e})"
     return None

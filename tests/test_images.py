@@ -3,6 +3,8 @@ with torchvision's crops, classes by folder name, and every kind of bad data one
 (or, with --skip-bad-images, counted and left out). The tests build their own folders."""
 
 import json
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -143,13 +145,23 @@ def test_a_network_with_other_classes_is_told_the_folders_count(tmp_path, capsys
                  "--classes", "3"]) == 0
 
 
+def huge_png(path):
+    """A PNG that says it is 30000 x 30000 pixels, which Pillow refuses to open (a decompression bomb)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 30000, 30000, 8, 0, 0, 0, 0))
+                     + chunk(b"IEND", b""))
+
+
 @pytest.mark.parametrize("damage, where, says", [
     (lambda r: (r / "train" / "dog" / "notes.txt").write_text("hello"), "train/dog/notes.txt", "not an image (.txt"),
     (lambda r: (r / "train" / "dog" / "0.png").write_bytes(b"not a png at all"), "train/dog/0.png",
      "not a readable image"),
     (lambda r: [p.unlink() for p in (r / "train" / "eel").iterdir()], "train/eel", "a class folder with no image"),
     (lambda r: (r / "val" / "fox").mkdir(), "val/fox", "a class of val that train does not have"),
-], ids=["text file", "not an image", "empty class", "unknown val class"])
+    (lambda r: huge_png(r / "train" / "dog" / "big.png"), "train/dog/big.png",
+     "not a readable image (Image size (900000000 pixels) exceeds limit"),
+], ids=["text file", "not an image", "empty class", "unknown val class", "absurd size"])
 def test_bad_data_is_one_line_naming_the_file_or_folder(tmp_path, damage, where, says):
     root = make_folder(tmp_path)
     damage(root)

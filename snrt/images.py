@@ -15,7 +15,7 @@ stratified fraction train.data.holdout of train is held out. Images are decoded 
 
 Bad data is found when the folder is read: a class folder with no image, a class in val that
 train does not have, a file that is not an image (its extension, or Pillow cannot identify
-it), an image that cannot be decoded: one line naming the file or folder. With
+it), a link to nothing, an image that cannot be decoded: one line naming the file or folder. With
 train.data.skip_bad_images (`--skip-bad-images`) bad files are counted and left out instead
 (every image is then decoded once to check it).
 """
@@ -180,7 +180,7 @@ def _listed(folder, names, skip_bad, skipped, index=None):
     for name in names:
         found = 0
         for path in sorted(p for p in (folder / name).iterdir() if not p.name.startswith(".")):
-            if not path.is_file():
+            if path.is_dir():
                 continue
             problem = _problem(image_module, path, full=skip_bad)
             if problem is None:
@@ -199,8 +199,10 @@ def _listed(folder, names, skip_bad, skipped, index=None):
 
 
 def _problem(image_module, path, full):
-    """Why `path` is not a usable image (None when it is): its extension, or Pillow cannot
-    identify it, or (`full`) cannot decode it."""
+    """Why `path` is not a usable image (None when it is): a link to nothing, not a file, its
+    extension, or Pillow cannot identify it, or (`full`) cannot decode it."""
+    if not path.is_file():
+        return f"a link to nothing ({path.readlink()})" if path.is_symlink() else "not a file (a pipe, socket or device)"
     if path.suffix.lower() not in EXTENSIONS:
         return f"not an image ({path.suffix or 'no extension'}; expected {', '.join(EXTENSIONS)})"
     try:

@@ -3,6 +3,7 @@ with torchvision's crops, classes by folder name, and every kind of bad data one
 (or, with --skip-bad-images, counted and left out). The tests build their own folders."""
 
 import json
+import os
 import struct
 import zlib
 
@@ -161,7 +162,10 @@ def huge_png(path):
     (lambda r: (r / "val" / "fox").mkdir(), "val/fox", "a class of val that train does not have"),
     (lambda r: huge_png(r / "train" / "dog" / "big.png"), "train/dog/big.png",
      "not a readable image (Image size (900000000 pixels) exceeds limit"),
-], ids=["text file", "not an image", "empty class", "unknown val class", "absurd size"])
+    (lambda r: (r / "train" / "dog" / "9.png").symlink_to(r / "elsewhere" / "9.png"), "train/dog/9.png",
+     "a link to nothing ("),
+    (lambda r: os.mkfifo(r / "train" / "dog" / "9.png"), "train/dog/9.png", "not a file (a pipe, socket or device)"),
+], ids=["text file", "not an image", "empty class", "unknown val class", "absurd size", "broken link", "pipe"])
 def test_bad_data_is_one_line_naming_the_file_or_folder(tmp_path, damage, where, says):
     root = make_folder(tmp_path)
     damage(root)
@@ -175,8 +179,10 @@ def test_skip_bad_images_counts_and_leaves_out_what_cannot_be_decoded(tmp_path):
     good = (root / "train" / "cat" / "1.jpg").read_bytes()
     (root / "train" / "cat" / "1.jpg").write_bytes(good[:len(good) // 2])  # truncated
     (root / "train" / "dog" / "readme.md").write_text("#")
+    (root / "train" / "eel" / "moved.png").symlink_to(tmp_path / "nowhere.png")
     train, _ = datasets(root, skip_bad_images=True)
-    assert len(train) == 17 and sorted(p.rsplit("/", 2)[-2:][1] for p in train.skipped) == ["1.jpg", "readme.md"]
+    assert len(train) == 17
+    assert sorted(p.rsplit("/", 2)[-2:][1] for p in train.skipped) == ["1.jpg", "moved.png", "readme.md"]
     assert isinstance(train, FolderDataset)
 
 

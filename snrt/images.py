@@ -10,7 +10,8 @@ stratified fraction train.data.holdout of train is held out. Images are decoded 
   train.data.flip then flips as for any data set;
 - evaluation: the shorter side resized to the input size / 0.875 (256 for 224), then the
   center crop of the input size; JPEGs decode at the smallest DCT scale that is not smaller;
-- pixels scaled to [0, 1]; per-channel normalization as for any data set (the training
+- pixels scaled to [0, 1] (16-bit gray images by their high byte, where Pillow's conversion, and
+  so torchvision's loader, would clip them to white); per-channel normalization as for any data set (the training
   split's statistics, measured on up to STATS_SAMPLES images at the evaluation transform).
 
 Bad data is found when the folder is read: a class folder with no image, a class in val that
@@ -87,6 +88,8 @@ class FolderDataset:
             with image_module.open(path) as image:
                 if rng is None:
                     image.draft("RGB" if c == 3 else "L", _eval_resized(image.size, h, w))
+                if image.mode.startswith("I"):  # 16-bit gray (a PNG's I;16): its high byte; convert would clip it
+                    image = image_module.fromarray(np.clip(np.asarray(image) >> 8, 0, 255).astype(np.uint8))
                 image = image.convert("RGB" if c == 3 else "L")
                 image = _random_resized_crop(image, h, w, rng) if rng is not None else _center_crop(image, h, w)
         except OSError as e:

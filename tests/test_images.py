@@ -58,6 +58,14 @@ def test_classes_come_from_the_folder_names_and_images_decode_to_the_input_size(
     np.testing.assert_array_equal(batch[0], x)
 
 
+def test_a_16_bit_gray_image_decodes_to_its_gray_not_to_white(tmp_path):
+    root = make_folder(tmp_path)
+    Image.fromarray(np.full((30, 40), 30000, np.uint16)).save(root / "val" / "cat" / "0.png")  # 46% of 65535
+    _, val = datasets(root)
+    x, _ = val.take([0])
+    np.testing.assert_array_equal(x, np.full((1, 3, 16, 16), (30000 >> 8) / 255, np.float32))
+
+
 def test_training_crops_are_drawn_per_sample_and_the_same_for_the_same_seed_and_batch(tmp_path):
     train, _ = datasets(make_folder(tmp_path))
     assert train.draws_per_sample

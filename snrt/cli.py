@@ -77,13 +77,15 @@ def build_parser():
                        help="CPU: keep the host store in a file in DIR instead of memory (sets memory.host_store)")
     train.add_argument("--seed", type=int, help="seed for initialisation, data and dropout (overrides train.seed)")
     train.add_argument("--out", help="output folder for metrics, checkpoint and summary (default runs/NAME)")
-    train.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
+    start = train.add_mutually_exclusive_group()  # a resumed run's weights are its checkpoint's
+    start.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
                        help="continue from a checkpoint (default: OUT/checkpoint.npz)")
     train.add_argument("--overwrite", action="store_true",
                        help="start over in an output folder that holds an earlier run (its files are deleted)")
     train.add_argument("--checkpoint-every", type=_positive_int, help="iterations between checkpoints")
-    train.add_argument("--init-from", metavar="FILE",
-                       help="start from these weights: safetensors or a PyTorch state dict (see snrt export)")
+    start.add_argument("--init-from", metavar="FILE",
+                       help="start from these weights: safetensors or a PyTorch state dict (see snrt export); "
+                            "not with --resume")
     train.add_argument("--check", action="store_true", help="debug mode: check arena overlaps, poison freed memory")
     train.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
     train.set_defaults(run=run_train)
@@ -499,7 +501,7 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     kernels = trainer.backend.describe_kernels(trainer.executor)
     if kernels:
         console.print(kernels)
-    if args.init_from and args.resume is None:
+    if args.init_from:
         trainer.load_weights(args.init_from)
         console.print(f"weights from {args.init_from}")
     if args.resume is not None:

@@ -21,6 +21,7 @@ from snrt.errors import SnrtError
 
 FORMAT = "snrt-checkpoint-1"
 META = "__meta__"
+_NPY = b"\x93NUMPY"  # how an .npy file begins; an .npz, a zip archive, begins with "PK"
 
 
 class CheckpointError(SnrtError):
@@ -94,6 +95,11 @@ def load_checkpoint(path):
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
     try:
+        with open(path, "rb") as f:
+            head = f.read(len(_NPY))
+        if not head.startswith(b"PK") and head != _NPY:  # numpy would take it for a pickle, and suggest loading it
+            raise ValueError("not the .npz archive snrt train writes; a weights file (safetensors, a PyTorch state "
+                             "dict) starts a run with --init-from")
         data = np.load(path, allow_pickle=False)
         if not isinstance(data, np.lib.npyio.NpzFile):
             raise ValueError("it holds a single array, not the named arrays snrt train writes")

@@ -405,6 +405,16 @@ def test_a_npy_file_given_as_a_checkpoint_is_refused(tmp_path, capsys):
     assert "single array" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name, content", [("weights.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}      "),
+                                           ("notes.txt", b"a text")])
+def test_a_file_of_another_kind_given_as_a_checkpoint_never_suggests_unsafe_loading(tmp_path, capsys, name, content):
+    (tmp_path / name).write_bytes(content)
+    assert main(["eval", LENET, *RUN[:4], "--checkpoint", str(tmp_path / name)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{tmp_path / name}: not a readable checkpoint (not the .npz archive snrt train writes" in err
+    assert "pickle" not in err and "unsafe" not in err
+
+
 @pytest.mark.parametrize("budget", ["1e400", "99999999999EiB"])
 def test_absurd_budgets_are_one_clear_error(tmp_path, capsys, budget):
     assert train(tmp_path / "run", "--budget", budget) == 2

@@ -566,13 +566,13 @@ def _draw_run(folder, kept):
 
 def run_report(args, console):
     """Redraw each run's metrics.png (several runs: one picture side by side) and print a table."""
-    from snrt.report import draw_metrics, load_run, report_rows
+    from snrt.report import display_name, draw_metrics, load_run, report_rows
 
     runs = [load_run(folder) for folder in args.runs]
     names = [r.name for r in runs]
     for i, name in enumerate(names):  # two folders of the same name: tell them apart by their path
         if names.count(name) > 1:
-            runs[i].name = str(args.runs[i])
+            runs[i].name = display_name(args.runs[i])
     path = Path(args.png) if args.png else (Path(args.runs[0]) / "metrics.png" if len(runs) == 1 else None)
     if path is None:
         raise SnrtError("several runs are drawn into one picture: name it with --png FILE")

@@ -7,6 +7,7 @@ RUN [RUN ...]` redraws it, one run or several side by side, and prints a short t
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,13 @@ def load_run(folder):
             summary = json.loads(_text(folder / SUMMARY))
         except json.JSONDecodeError as e:
             raise SnrtError(f"{folder / SUMMARY}: not JSON ({e.msg})") from None
-    return Run(folder.name or str(folder), metrics, summary if isinstance(summary, dict) else {})
+    return Run(display_name(folder.name or folder), metrics, summary if isinstance(summary, dict) else {})
+
+
+def display_name(path):
+    """`path` as text a picture can show: bytes of it that are not UTF-8 (a Latin-1 folder name)
+    become U+FFFD, where matplotlib refuses to draw the string."""
+    return os.fsencode(path).decode(errors="replace")
 
 
 def _text(path):

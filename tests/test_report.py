@@ -2,6 +2,7 @@
 several and prints a table; a folder that is not a run is one clear line."""
 
 import json
+import os
 
 import pytest
 
@@ -132,3 +133,13 @@ def test_a_damaged_run_or_a_picture_of_no_known_format_is_one_line(tmp_path, cap
     assert main(["report", str(run), "--png", str(tmp_path / "m.txt")]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert says in err and "Traceback" not in err
+
+
+def test_a_run_in_a_folder_whose_name_is_not_utf8_is_drawn(tmp_path, capsys):
+    latin1 = os.fsdecode(b"caf\xe9")  # byte 0xE9 is not UTF-8
+    (tmp_path / "x").mkdir()
+    for run in (metrics_folder(tmp_path / latin1, LINES), metrics_folder(tmp_path / "x" / latin1, LINES)):
+        assert main(["report", str(run), "--json"]) == 0 and (run / "metrics.png").read_bytes()[:4] == PNG
+    assert main(["report", str(tmp_path / latin1), str(tmp_path / "x" / latin1), "--png",
+                 str(tmp_path / "both.png"), "--json"]) == 0  # the same name twice: told apart by their paths
+    assert (tmp_path / "both.png").read_bytes()[:4] == PNG

@@ -2,6 +2,11 @@
 safetensors or a PyTorch state dict; --init-from reads either back, by name or by order and
 shape, and a file that fits neither way is one error naming the first tensors that do not."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -139,3 +144,11 @@ def test_an_export_that_cannot_be_written_is_one_line_and_never_replaces_the_che
     assert main(["export", str(run), "--out", str(run / "checkpoint.npz")]) == 2
     assert "checkpoint.npz: is the checkpoint being exported; choose another --out" in capsys.readouterr().err
     assert (run / "checkpoint.npz").read_bytes() == before
+
+
+def test_a_path_that_is_not_utf8_is_printed_as_it_is_in_a_utf8_locale(run, tmp_path):
+    out = tmp_path / os.fsdecode(b"caf\xe9.safetensors")  # a Latin-1 name
+    done = subprocess.run([sys.executable, "-m", "snrt", "export", str(run), "--out", str(out)], capture_output=True,
+                          env={**os.environ, "PYTHONIOENCODING": "utf-8"}, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert b"caf\xe9.safetensors" in done.stdout and out.is_file()

@@ -367,8 +367,10 @@ def _read_cifar_pickle(path, reader):
     try:
         with open(path, "rb") as f:
             batch = _CifarUnpickler(f, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError) as e:
-        raise ConfigError(str(path), PATH_KEY, f"truncated or corrupt CIFAR python batch: {e}") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError,
+            OverflowError, MemoryError) as e:  # the last two: a damaged length asking for more than any file holds
+        raise ConfigError(str(path), PATH_KEY, f"truncated or corrupt CIFAR python batch: "
+                                               f"{str(e) or type(e).__name__}") from None
     if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
         found = ", ".join(repr(k) for k in batch) if isinstance(batch, dict) else type(batch).__name__
         raise ConfigError(str(path), PATH_KEY, f"not a CIFAR python batch: expected a dict with b'data' and {label_key!r}, found {found}")

@@ -424,6 +424,10 @@ def test_corrupt_and_truncated_files(tmp_path):
     assert "expected a dict with b'data' and b'labels'" in error(Data("cifar10", str(tmp_path / "py"))).message
     victim.write_bytes(pickle.dumps(threading.Thread))  # no code from a data file
     assert "unexpected object" in error(Data("cifar10", str(tmp_path / "py"))).message
+    for length in (2**63 + 5, 2**45):  # a damaged length of bytes: more than Python can hold, more than memory
+        victim.write_bytes(b"\x80\x04\x8e" + length.to_bytes(8, "little"))
+        e = error(Data("cifar10", str(tmp_path / "py")))
+        assert "test_batch" in e.source and "truncated or corrupt CIFAR python batch" in e.message
 
     path = write_npz(tmp_path, x=np.zeros((4, 1, 2, 2)), y=np.zeros(4, int))
     with open(path, "r+b") as f:

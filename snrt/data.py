@@ -328,9 +328,10 @@ def _read_cifar_files(paths, reader, n_classes):
     parts = [(_read_cifar_binary if reader.startswith("bin") else _read_cifar_pickle)(p, reader) for p in paths]
     pixels = np.concatenate([p[0] for p in parts])
     y = np.concatenate([p[1] for p in parts]).astype(np.int64)
-    if len(y) and y.max() >= n_classes:
-        raise ConfigError(str(paths[0].parent), PATH_KEY, f"labels up to {y.max()} in {len(paths)} file(s), but "
-                                                          f"this data set has {n_classes} classes: the files are corrupt or of another data set")
+    if len(y) and (y.min() < 0 or y.max() >= n_classes):
+        raise ConfigError(str(paths[0].parent), PATH_KEY, f"labels from {y.min()} to {y.max()} in {len(paths)} "
+                                                          f"file(s), but this data set has {n_classes} classes (0 to "
+                                                          f"{n_classes - 1}): the files are corrupt or of another data set")
     return _to_float(pixels.reshape(-1, *_CIFAR_IMAGE)), y
 
 
@@ -375,9 +376,11 @@ def _read_cifar_pickle(path, reader):
         found = ", ".join(repr(k) for k in batch) if isinstance(batch, dict) else type(batch).__name__
         raise ConfigError(str(path), PATH_KEY, f"not a CIFAR python batch: expected a dict with b'data' and {label_key!r}, found {found}")
     pixels, y = np.asarray(batch[b"data"]), np.asarray(batch[label_key])
-    if pixels.dtype != np.uint8 or pixels.ndim != 2 or pixels.shape[1] != _CIFAR_PIXELS or y.shape != (len(pixels),):
+    if (pixels.dtype != np.uint8 or pixels.ndim != 2 or pixels.shape[1] != _CIFAR_PIXELS or y.shape != (len(pixels),)
+            or y.dtype.kind not in "iu"):
         raise ConfigError(str(path), PATH_KEY, f"corrupt CIFAR python batch: data is {pixels.dtype} {pixels.shape} and "
-                                               f"{len(y)} labels; expected uint8 (N, {_CIFAR_PIXELS}) and N labels")
+                                               f"{len(y)} labels of {y.dtype}; expected uint8 (N, {_CIFAR_PIXELS}) and "
+                                               "N integer labels")
     return pixels, y
 
 

@@ -424,6 +424,10 @@ def test_corrupt_and_truncated_files(tmp_path):
     assert "expected a dict with b'data' and b'labels'" in error(Data("cifar10", str(tmp_path / "py"))).message
     victim.write_bytes(pickle.dumps(threading.Thread))  # no code from a data file
     assert "unexpected object" in error(Data("cifar10", str(tmp_path / "py"))).message
+    for labels, says in (([-1, 3, 4], "labels from -1 to 4 in 1 file(s), but this data set has 10 classes (0 to 9)"),
+                         (["a", "b", "c"], "3 labels of <U1; expected uint8 (N, 3072) and N integer labels")):
+        victim.write_bytes(pickle.dumps({b"data": fake_pixels(3, 0), b"labels": labels}))
+        assert says in error(Data("cifar10", str(tmp_path / "py"))).message
     for length in (2**63 + 5, 2**45):  # a damaged length of bytes: more than Python can hold, more than memory
         victim.write_bytes(b"\x80\x04\x8e" + length.to_bytes(8, "little"))
         e = error(Data("cifar10", str(tmp_path / "py")))

@@ -82,8 +82,23 @@ def read(path):
         state = state["state_dict"]
     if not isinstance(state, dict):
         raise SnrtError(f"{path}: expected a state dict (names to tensors), found a {type(state).__name__}")
-    return [(key, (value.detach().float() if value.is_floating_point() else value.detach()).numpy())
-            for key, value in state.items() if hasattr(value, "numpy")]
+    return [(key, _array(path, key, value)) for key, value in state.items() if hasattr(value, "numpy")]
+
+
+def _array(path, key, tensor):
+    """The NumPy array of the file `path`'s tensor `key`: floating point as float32, a sparse tensor
+    dense; SnrtError for one without values (on PyTorch's meta device) or that NumPy cannot hold
+    (a quantized tensor, say)."""
+    tensor = tensor.detach()
+    if tensor.is_meta:
+        raise SnrtError(f"{path}: {key} holds no values: a tensor of PyTorch's meta device, saved before the model "
+                        "was given weights")
+    if tensor.is_sparse:
+        tensor = tensor.to_dense()
+    try:
+        return (tensor.float() if tensor.is_floating_point() else tensor).numpy()
+    except (TypeError, RuntimeError) as e:
+        raise SnrtError(f"{path}: {key} is a tensor NumPy cannot hold ({e}); save it as a dense float tensor") from None
 
 
 def _weights(found):

@@ -152,3 +152,21 @@ def test_a_path_that_is_not_utf8_is_printed_as_it_is_in_a_utf8_locale(run, tmp_p
                           env={**os.environ, "PYTHONIOENCODING": "utf-8"}, cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     assert b"caf\xe9.safetensors" in done.stdout and out.is_file()
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_a_sparse_tensor_loads_dense_and_one_without_values_or_numpy_form_is_named(tmp_path):
+    trainer = Trainer(snrt.load_config(LENET, {"train.batch": 8}))
+    expected = {f"{node}.{name}": v for (node, name), v in trainer.host_arrays(("parameter", "state")).items()}
+    state = {name: torch.from_numpy(v) for name, v in expected.items()}
+    torch.save({**state, "linear0.weight": state["linear0.weight"].to_sparse()}, tmp_path / "sparse.pt")
+    trainer.load_weights(tmp_path / "sparse.pt")
+    np.testing.assert_array_equal(trainer.host_arrays(("parameter",))[("linear0", "weight")], expected["linear0.weight"])
+    quantized = torch.quantize_per_tensor(state["linear0.weight"], 0.1, 0, torch.qint8)
+    torch.save({**state, "linear0.weight": quantized}, tmp_path / "quantized.pt")
+    with pytest.raises(SnrtError, match="quantized.pt: linear0.weight is a tensor NumPy cannot hold"):
+        trainer.load_weights(tmp_path / "quantized.pt")
+    torch.save({**state, "linear0.weight": torch.empty(state["linear0.weight"].shape, device="meta")},
+               tmp_path / "meta.pt")
+    with pytest.raises(SnrtError, match="meta.pt: linear0.weight holds no values: a tensor of PyTorch's meta device"):
+        trainer.load_weights(tmp_path / "meta.pt")

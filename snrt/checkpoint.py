@@ -123,10 +123,17 @@ def load_checkpoint(path):
     return arrays, meta
 
 
-def describe_batch_change(saved, batch):
-    """What changes when a run saved at batch `saved` resumes at `batch` (None when the same)."""
-    if saved is None or saved == batch:
+def describe_changes(meta, batch, seed):
+    """What changes when a run saved with `meta` resumes at `batch` with `seed` (None when neither
+    differs from the checkpoint's): the batches are functions of both."""
+    changes = []
+    if meta.get("batch") not in (None, batch):
+        changes.append(f"trained at batch {meta['batch']}, resuming at batch {batch}: "
+                       f"{batch / meta['batch']:.3g}x as many samples per iteration")
+    if meta.get("seed") not in (None, seed):
+        changes.append(f"trained with seed {meta['seed']}, resuming with seed {seed}: another order of the data, "
+                       "other augmentation and dropout")
+    if not changes:
         return None
-    epochs = f"{batch / saved:.3g}x as many samples per iteration"
-    return (f"the checkpoint was trained at batch {saved}, resuming at batch {batch}: {epochs}, different "
-            "batches from here on, and a result that differs from an uninterrupted run")
+    return (f"the checkpoint was {'; and '.join(changes)}, different batches from here on, and a result that differs "
+            "from an uninterrupted run")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snrt.checkpoint import CheckpointError, describe_batch_change, load_checkpoint, save_checkpoint
+from snrt.checkpoint import CheckpointError, describe_changes, load_checkpoint, save_checkpoint
 from snrt.data import Batches, eval_batches, load_datasets, normalization
 from snrt.errors import ConfigError, DivergenceError, SnrtError
 from snrt.init import each_initial_parameter, each_initial_state
@@ -311,7 +311,8 @@ class Trainer:
     def restore(self, path):
         """Load a checkpoint written by `save` for the same network; training continues from it.
 
-        Returns a note when the checkpoint was trained at another batch size (None otherwise).
+        Returns a note when the checkpoint was trained at another batch size or with another seed
+        (None otherwise).
         """
         arrays, meta = load_checkpoint(path)
         roles = ("parameter", "optimizer_state", "state")
@@ -338,7 +339,7 @@ class Trainer:
         if self.loss_scale and isinstance(meta.get("loss_scale"), dict):  # else it starts afresh
             self.loss_scale = LossScale(**{k: meta["loss_scale"][k] for k in ("scale", "good", "growth_interval")
                                            if k in meta["loss_scale"]})
-        return describe_batch_change(meta.get("batch"), self.batch)
+        return describe_changes(meta, self.batch, self.config.train.seed)
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -366,12 +366,15 @@ def test_a_checkpoint_of_another_structure_with_the_same_tensors_is_refused(tmp_
         Trainer(snrt.load_config(other)).restore(path)
 
 
-def test_resuming_at_another_batch_says_what_changes(tmp_path, capsys):
+def test_resuming_at_another_batch_or_seed_says_what_changes(tmp_path, capsys):
     out = tmp_path / "run"
     assert train(out, "--iterations", "2") == 0
     assert main(["train", LENET, *RUN[:2], "--batch", "4", *RUN[4:], "--out", str(out), "--iterations", "3",
                  "--resume"]) == 0
     assert "trained at batch 8, resuming at batch 4" in " ".join(capsys.readouterr().out.split())
+    assert train(out, "--iterations", "4", "--resume", "--seed", "5") == 0  # and back at batch 8
+    assert ("trained at batch 4, resuming at batch 8: 2x as many samples per iteration; and trained with seed 0, "
+            "resuming with seed 5: another order of the data") in " ".join(capsys.readouterr().out.split())
 
 
 def test_checkpoint_saving_holds_one_tensor_at_a_time(tmp_path, monkeypatch):

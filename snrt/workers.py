@@ -10,7 +10,8 @@ recipe, sent once.
 
 A worker that dies, or that spends more than `HANG_S` on one batch, stops the run with one line
 naming the worker and the file it was reading (each worker records it in a shared string), as
-a DataError, which the trainer answers by saving its checkpoint.
+a DataError, which the trainer answers by saving its checkpoint. Workers whose trainer was
+killed (SIGKILL: it could not stop them) end themselves within `POLL_S`.
 """
 
 import multiprocessing
@@ -129,7 +130,8 @@ class WorkerBatches:
 
 
 def _work(batches, memory, slot_bytes, tasks, done, reading, k):
-    """A worker's loop: make batch i into its slot, say so, until killed."""
+    """A worker's loop: make batch i into its slot, say so, until killed, or until the trainer is
+    gone (killed itself, by the OOM killer say, it cannot stop its workers)."""
     from snrt import images  # the image decoder reports each file it opens
 
     # Ctrl-C at a terminal signals every process of the command: the trainer stops the workers
@@ -137,8 +139,14 @@ def _work(batches, memory, slot_bytes, tasks, done, reading, k):
 
     images.on_open = lambda path: setattr(reading, "value", os.fsencode(path)[:PATH_BYTES - 1])  # any name
     view = np.frombuffer(memory, np.uint8)
+    trainer = os.getppid()
     while True:
-        i, slot = tasks.get()
+        try:
+            i, slot = tasks.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != trainer:  # an orphan, adopted by another process
+                return
+            continue
         try:
             x, y = batches.get(i)
         except Exception as e:  # noqa: BLE001  (handed to the trainer, which stops the run)

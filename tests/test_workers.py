@@ -174,3 +174,31 @@ def test_ctrl_c_at_a_terminal_stops_a_run_with_workers_cleanly(tmp_path):
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 128 + signal.SIGINT, output
     assert "interrupted at iteration" in output and "Traceback" not in output and "KeyboardInterrupt" not in output
+
+
+def test_workers_end_themselves_when_their_trainer_is_killed(tmp_path):
+    script = tmp_path / "trainer.py"  # a trainer that starts two workers, says their ids, then waits to be killed
+    script.write_text("import os, sys, time\nimport numpy as np\nfrom snrt.data import Dataset, Batches\n"
+                      "from snrt.workers import WorkerBatches\nif __name__ == '__main__':\n"
+                      "    data = Dataset(np.zeros((8, 1, 2, 2), np.float32), np.zeros(8, np.int64), 2, 'zeros')\n"
+                      "    made = WorkerBatches(Batches(data, 2, 0, [0.0], [1.0], prefetch=False), 2)\n"
+                      "    next(iter(made))\n"
+                      "    print(*[p.pid for p in made.processes], flush=True)\n    time.sleep(600)\n")
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    pids = [int(p) for p in trainer.stdout.readline().split()]
+    trainer.kill()
+    trainer.wait()
+
+    def running(pid):  # a zombie is done: whoever adopted it has not reaped it yet
+        try:
+            return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+    deadline = time.time() + 30
+    while time.time() < deadline and any(running(p) for p in pids):
+        time.sleep(0.1)
+    alive = [p for p in pids if running(p)]
+    for p in alive:  # not to leave them behind when the test fails
+        os.kill(p, signal.SIGKILL)
+    assert len(pids) == 2 and not alive

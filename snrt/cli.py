@@ -78,8 +78,8 @@ def build_parser():
     train.add_argument("--seed", type=int, help="seed for initialisation, data and dropout (overrides train.seed)")
     train.add_argument("--out", help="output folder for metrics, checkpoint and summary (default runs/NAME)")
     start = train.add_mutually_exclusive_group()  # a resumed run's weights are its checkpoint's
-    start.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
-                       help="continue from a checkpoint (default: OUT/checkpoint.npz)")
+    start.add_argument("--resume", nargs="?", const="", metavar="RUN_OR_CHECKPOINT",
+                       help="continue from a checkpoint, or a run folder's (default: OUT/checkpoint.npz)")
     train.add_argument("--overwrite", action="store_true",
                        help="start over in an output folder that holds an earlier run (its files are deleted)")
     train.add_argument("--checkpoint-every", type=_positive_int, help="iterations between checkpoints")
@@ -150,7 +150,8 @@ def build_parser():
 
     evaluate = commands.add_parser("eval", help="loss and accuracy of a checkpoint on the held-out split")
     _add_run_options(evaluate)
-    evaluate.add_argument("--checkpoint", required=True, help="checkpoint file written by snrt train")
+    evaluate.add_argument("--checkpoint", required=True, metavar="RUN_OR_CHECKPOINT",
+                          help="checkpoint file written by snrt train, or its run folder")
     evaluate.set_defaults(run=run_eval)
     return parser
 
@@ -505,7 +506,7 @@ def _train_in(folder, checkpoint, args, config, plan, console):
         trainer.load_weights(args.init_from)
         console.print(f"weights from {args.init_from}")
     if args.resume is not None:
-        source = Path(args.resume) if args.resume else checkpoint
+        source = _checkpoint_in(args.resume) if args.resume else checkpoint
         note = trainer.restore(source)
         console.print(f"resumed from {source} at iteration {trainer.iteration}" + (f"; note: {note}" if note else ""))
     if trainer.group.size > 1:
@@ -823,8 +824,7 @@ def run_export(args, console):
     """Write a checkpoint's parameters and statistics (not its optimizer state) as weights, or
     with the network of the run (its config.yaml) as an ONNX model: atomically, and never over
     the checkpoint."""
-    source = Path(args.source)
-    checkpoint = source / CHECKPOINT if source.is_dir() else source
+    checkpoint = _checkpoint_in(args.source)
     arrays, meta = load_checkpoint(checkpoint)
     weights = {key: value for key, value in arrays.items() if key.count(":") == 1}  # node:name; not node:name:state
     out = Path(args.out) if args.out else checkpoint.with_name(EXPORTED[args.format])
@@ -861,13 +861,20 @@ def run_export(args, console):
     return 0
 
 
+def _checkpoint_in(path):
+    """The checkpoint `path` names: a checkpoint file, or a run folder's checkpoint."""
+    path = Path(path)
+    return path / CHECKPOINT if path.is_dir() else path
+
+
 def run_eval(args, console):
     config = load_config(args.config, _overrides(args))
     trainer = _make_trainer(args, config)
-    trainer.restore(args.checkpoint)
+    checkpoint = _checkpoint_in(args.checkpoint)
+    trainer.restore(checkpoint)
     loss, accuracy = trainer.evaluate()
     if not math.isfinite(loss):
-        raise SnrtError(f"{args.checkpoint}: {trainer.nonfinite_evaluation(loss)}")
+        raise SnrtError(f"{checkpoint}: {trainer.nonfinite_evaluation(loss)}")
     console.print(f"{config.name} at iteration {trainer.iteration}: held-out loss {loss:.4f}, accuracy {accuracy:.4f} "
                   f"({len(trainer.heldout_set.y)} samples)")
 

@@ -227,3 +227,14 @@ def test_weights_to_start_from_and_a_checkpoint_to_resume_are_not_asked_for_toge
     assert exit_.value.code == 2
     assert "argument --init-from: not allowed with argument --resume" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_and_resume_take_a_run_folder_for_its_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    flags = ["--batch", "8", "--no-progress", "--no-eval"]
+    assert main(["train", LENET, *flags, "--iterations", "1", "--out", str(run)]) == 0
+    assert main(["eval", LENET, "--batch", "8", "--checkpoint", str(run)]) == 0
+    assert "lenet at iteration 1: held-out loss" in capsys.readouterr().out
+    assert main(["train", LENET, *flags, "--iterations", "2", "--out", str(tmp_path / "next"), "--resume",
+                 str(run)]) == 0
+    assert f"resumed from {run / 'checkpoint.npz'} at iteration 1" in " ".join(capsys.readouterr().out.split())

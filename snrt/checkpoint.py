@@ -13,6 +13,7 @@ import json
 import os
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -105,7 +106,8 @@ def load_checkpoint(path):
             raise ValueError("it holds a single array, not the named arrays snrt train writes")
         with data:
             arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError,
+            RuntimeError) as e:  # the last three: damaged zip headers (a compression or encryption it does not have)
         raise CheckpointError(f"{path}: not a readable checkpoint ({e})") from None
     try:
         meta = json.loads(arrays.pop(META).tobytes().decode())

@@ -20,6 +20,7 @@ from snrt.cli import main
 from snrt.errors import DivergenceError
 from snrt.runfolder import RunFolder, RunFolderError
 from snrt.train import Trainer
+from tests.test_data import DAMAGED_ZIP_HEADERS, damage_zip_header
 from tests.test_train import SMALL_RESNET, small_config
 
 LENET = "configs/lenet.yaml"
@@ -406,6 +407,15 @@ def test_a_npy_file_given_as_a_checkpoint_is_refused(tmp_path, capsys):
     np.save(tmp_path / "weights.npy", np.zeros(3))
     assert main(["eval", LENET, *RUN[:4], "--checkpoint", str(tmp_path / "weights.npy")]) == 2
     assert "single array" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("offset, value", DAMAGED_ZIP_HEADERS, ids=["unknown compression", "encrypted"])
+def test_a_checkpoint_with_a_damaged_zip_header_is_refused_in_one_line(tmp_path, offset, value):
+    path = tmp_path / "checkpoint.npz"
+    np.savez(path, weights=np.zeros(3))
+    damage_zip_header(path, offset, value)
+    with pytest.raises(CheckpointError, match="checkpoint.npz: not a readable checkpoint"):
+        load_checkpoint(path)
 
 
 @pytest.mark.parametrize("name, content", [("weights.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}      "),

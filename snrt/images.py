@@ -10,15 +10,16 @@ stratified fraction train.data.holdout of train is held out. Images are decoded 
   train.data.flip then flips as for any data set;
 - evaluation: the shorter side resized to the input size / 0.875 (256 for 224), then the
   center crop of the input size; JPEGs decode at the smallest DCT scale that is not smaller;
-- pixels scaled to [0, 1] (16-bit gray images by their high byte, where Pillow's conversion, and
-  so torchvision's loader, would clip them to white); per-channel normalization as for any data set (the training
-  split's statistics, measured on up to STATS_SAMPLES images at the evaluation transform).
+- pixels scaled to [0, 1] (16-bit gray images by their high byte, where Pillow's conversion,
+  and so torchvision's loader, would clip them to white); per-channel normalization as for any
+  data set (the training split's statistics, measured on up to STATS_SAMPLES images at the
+  evaluation transform).
 
-Bad data is found when the folder is read: a class folder with no image, a class in val that
-train does not have, a file that is not an image (its extension, or Pillow cannot identify
-it), a link to nothing, an image that cannot be decoded: one line naming the file or folder. With
-train.data.skip_bad_images (`--skip-bad-images`) bad files are counted and left out instead
-(every image is then decoded once to check it).
+Bad data is found when the folder is read: a class folder with no image, a val folder with no
+class folder, a class in val that train does not have, a file that is not an image (its
+extension, or Pillow cannot identify it), a link to nothing, an image that cannot be decoded:
+one line naming the file or folder. With train.data.skip_bad_images (`--skip-bad-images`) bad
+files are counted and left out instead (every image is then decoded once to check it).
 """
 
 import math
@@ -165,8 +166,12 @@ def load_folder(data, input_shape, classes, seed, held_out):
                        and p.name not in names)
         if extra:
             raise ConfigError(str(val_dir / extra[0]), "train.data.path", "a class of val that train does not have")
-        val_files, val_y = _listed(val_dir, [n for n in names if (val_dir / n).is_dir()], data.skip_bad_images,
-                                   skipped, index={n: k for k, n in enumerate(names)})
+        present = [n for n in names if (val_dir / n).is_dir()]
+        if not present:  # evaluating on nothing would report a loss and an accuracy of 0
+            raise ConfigError(str(val_dir), "train.data.path", "no class folders (expected val/<class>/<image>; "
+                                                              "without a val folder part of train is held out)")
+        val_files, val_y = _listed(val_dir, present, data.skip_bad_images, skipped,
+                                   index={n: k for k, n in enumerate(names)})
         return split(files, y, f"{root.name}/train", True), split(val_files, val_y, f"{root.name}/val", False)
     held = held_out(np.asarray(y, np.int64))
     files, y = np.array(files, dtype=object), np.asarray(y, np.int64)

@@ -173,7 +173,9 @@ def huge_png(path):
     (lambda r: (r / "train" / "dog" / "9.png").symlink_to(r / "elsewhere" / "9.png"), "train/dog/9.png",
      "a link to nothing ("),
     (lambda r: os.mkfifo(r / "train" / "dog" / "9.png"), "train/dog/9.png", "not a file (a pipe, socket or device)"),
-], ids=["text file", "not an image", "empty class", "unknown val class", "absurd size", "broken link", "pipe"])
+    (lambda r: [p.rename(r / p.name) for p in (r / "val").iterdir()], "val", "no class folders (expected val/<class>/"),
+], ids=["text file", "not an image", "empty class", "unknown val class", "absurd size", "broken link", "pipe",
+        "empty val"])
 def test_bad_data_is_one_line_naming_the_file_or_folder(tmp_path, damage, where, says):
     root = make_folder(tmp_path)
     damage(root)

@@ -298,8 +298,13 @@ class Trainer:
         save_checkpoint(path, tensors, {"iteration": self.iteration, "seed": self.config.train.seed,
                                         "network": self.graph.name, "graph": self.graph.fingerprint(),
                                         "optimizer": self.config.train.optimizer.type,
-                                        "batch": self.batch,
+                                        "batch": self.batch, **self._class_names(),
                                         **({"loss_scale": dataclasses.asdict(self.loss_scale)} if self.loss_scale else {})})
+
+    def _class_names(self):
+        """{"class_names": the folder of each class index} of an image folder's data; {} for other data."""
+        names = getattr(self.train_set, "class_names", ())
+        return {"class_names": list(names)} if names else {}
 
     def load_weights(self, path):
         """Parameters and normalization statistics from a weights file (safetensors or a
@@ -334,6 +339,10 @@ class Trainer:
             raise CheckpointError(f"{path}: made for another network ({meta.get('network')!r}, structure "
                                   f"{meta['graph']}) than {self.graph.name!r} (structure {self.graph.fingerprint()}): "
                                   "its layers, options or connections differ")
+        saved, now = meta.get("class_names"), self._class_names().get("class_names")
+        if saved and now and saved != now:  # the same index, another folder: every label would mean another class
+            raise CheckpointError(f"{path}: trained on the classes (image folders) {saved}, this data's are {now}: "
+                                  "a class index would name another folder")
         self.runtime.load({(node, name): arrays[key] for key, (node, name) in expected.items()})
         self.iteration = int(meta["iteration"])
         if self.loss_scale and isinstance(meta.get("loss_scale"), dict):  # else it starts afresh

@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 import snrt
+from snrt.checkpoint import CheckpointError
 from snrt.cli import main
 from snrt.config import DataConfig
 from snrt.data import Batches, eval_batches, load_datasets
@@ -129,6 +130,20 @@ def test_a_run_trains_on_a_folder_and_writes_its_classes(tmp_path):
     assert main(["train", str(tmp_path / "net.yaml"), "--out", str(tmp_path / "synthetic"), "--no-progress",
                  "--data", "synthetic"]) == 0
     assert json.loads((tmp_path / "synthetic" / "summary.json").read_text())["data_workers"] == 0  # in memory
+
+
+def test_a_checkpoint_is_refused_on_a_folder_whose_classes_are_other_folders(tmp_path):
+    root = make_folder(tmp_path / "images")
+    trainer = snrt.Trainer(network(root, workers=0))
+    trainer.fit(iterations=1)
+    trainer.save(tmp_path / "checkpoint.npz")
+    snrt.Trainer(network(root, workers=0)).restore(tmp_path / "checkpoint.npz")  # the same folders
+    (root / "train" / "eel").rename(root / "train" / "emu")  # still index 2, another class
+    (root / "val" / "eel").rename(root / "val" / "emu")
+    with pytest.raises(CheckpointError,
+                       match=r"trained on the classes \(image folders\) \['cat', 'dog', 'eel'\], this data's are "
+                             r"\['cat', 'dog', 'emu'\]: a class index would name another folder"):
+        snrt.Trainer(network(root, workers=0)).restore(tmp_path / "checkpoint.npz")
 
 
 def test_ranks_on_one_host_share_its_cores_among_their_default_workers(tmp_path, monkeypatch):

@@ -119,8 +119,10 @@ def report_rows(runs):
     rows = []
     for run in runs:
         timed = run.metrics[1:] or run.metrics
+        heldout = run.summary.get("heldout_accuracy")  # a number, or null when it was not finite
         rows.append({"run": run.name, "iterations": run.metrics[-1]["iteration"] + 1,
-                     "final_loss": run.metrics[-1]["loss"], "heldout_accuracy": run.summary.get("heldout_accuracy"),
+                     "final_loss": run.metrics[-1]["loss"],
+                     "heldout_accuracy": heldout if isinstance(heldout, (int, float)) else None,
                      "images_per_s": _mean(m.get("images_per_s") for m in timed),
                      "data_wait_s": _mean(m.get("data_wait_s") for m in timed),
                      "peak_device_bytes": run.metrics[-1].get("peak_device_bytes")})

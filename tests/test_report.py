@@ -143,3 +143,12 @@ def test_a_run_in_a_folder_whose_name_is_not_utf8_is_drawn(tmp_path, capsys):
     assert main(["report", str(tmp_path / latin1), str(tmp_path / "x" / latin1), "--png",
                  str(tmp_path / "both.png"), "--json"]) == 0  # the same name twice: told apart by their paths
     assert (tmp_path / "both.png").read_bytes()[:4] == PNG
+
+
+def test_a_summary_whose_heldout_accuracy_is_not_a_number_shows_none(tmp_path, capsys):
+    run = metrics_folder(tmp_path / "run", LINES)
+    (run / "summary.json").write_text('{"heldout_accuracy": "0.9"}')  # edited by hand
+    assert main(["report", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["heldout_accuracy"] is None

@@ -5,6 +5,8 @@ or the new one, never part of one."""
 import os
 from pathlib import Path
 
+from snrt.errors import SnrtError
+
 
 def replace_atomically(path, write):
     """`write(temporary)` (a Path beside `path`), then the temporary renamed over `path`; the
@@ -21,6 +23,10 @@ def replace_atomically(path, write):
 
 def save_figure(fig, path, dpi=110):
     """Save matplotlib figure `fig` to `path` atomically, in the format its suffix names (PNG
-    without one)."""
+    without one); SnrtError for a suffix matplotlib does not write."""
     fmt = Path(path).suffix[1:].lower() or "png"
+    formats = fig.canvas.get_supported_filetypes()
+    if fmt not in formats:
+        raise SnrtError(f"{path}: cannot draw a picture as .{fmt}; name it .png (or one of "
+                        f"{', '.join('.' + f for f in sorted(formats))})")
     replace_atomically(path, lambda partial: fig.savefig(partial, dpi=dpi, format=fmt))

@@ -13,6 +13,7 @@ import json
 import os
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from snrt.errors import SnrtError
 
 FORMAT = "snrt-checkpoint-1"
 META = "__meta__"
+_NPY = b"\x93NUMPY"  # how an .npy file begins; an .npz, a zip archive, begins with "PK"
 
 
 class CheckpointError(SnrtError):
@@ -94,12 +96,18 @@ def load_checkpoint(path):
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
     try:
+        with open(path, "rb") as f:
+            head = f.read(len(_NPY))
+        if not head.startswith(b"PK") and head != _NPY:  # numpy would take it for a pickle, and suggest loading it
+            raise ValueError("not the .npz archive snrt train writes; a weights file (safetensors, a PyTorch state "
+                             "dict) starts a run with --init-from")
         data = np.load(path, allow_pickle=False)
         if not isinstance(data, np.lib.npyio.NpzFile):
             raise ValueError("it holds a single array, not the named arrays snrt train writes")
         with data:
             arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError,
+            RuntimeError) as e:  # the last three: damaged zip headers (a compression or encryption it does not have)
         raise CheckpointError(f"{path}: not a readable checkpoint ({e})") from None
     try:
         meta = json.loads(arrays.pop(META).tobytes().decode())
@@ -117,10 +125,17 @@ def load_checkpoint(path):
     return arrays, meta
 
 
-def describe_batch_change(saved, batch):
-    """What changes when a run saved at batch `saved` resumes at `batch` (None when the same)."""
-    if saved is None or saved == batch:
+def describe_changes(meta, batch, seed):
+    """What changes when a run saved with `meta` resumes at `batch` with `seed` (None when neither
+    differs from the checkpoint's): the batches are functions of both."""
+    changes = []
+    if meta.get("batch") not in (None, batch):
+        changes.append(f"trained at batch {meta['batch']}, resuming at batch {batch}: "
+                       f"{batch / meta['batch']:.3g}x as many samples per iteration")
+    if meta.get("seed") not in (None, seed):
+        changes.append(f"trained with seed {meta['seed']}, resuming with seed {seed}: another order of the data, "
+                       "other augmentation and dropout")
+    if not changes:
         return None
-    epochs = f"{batch / saved:.3g}x as many samples per iteration"
-    return (f"the checkpoint was trained at batch {saved}, resuming at batch {batch}: {epochs}, different "
-            "batches from here on, and a result that differs from an uninterrupted run")
+    return (f"the checkpoint was {'; and '.join(changes)}, different batches from here on, and a result that differs "
+            "from an uninterrupted run")

@@ -78,13 +78,15 @@ def build_parser():
                        help="CPU: keep the host store in a file in DIR instead of memory (sets memory.host_store)")
     train.add_argument("--seed", type=int, help="seed for initialisation, data and dropout (overrides train.seed)")
     train.add_argument("--out", help="output folder for metrics, checkpoint and summary (default runs/NAME)")
-    train.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
-                       help="continue from a checkpoint (default: OUT/checkpoint.npz)")
+    start = train.add_mutually_exclusive_group()  # a resumed run's weights are its checkpoint's
+    start.add_argument("--resume", nargs="?", const="", metavar="RUN_OR_CHECKPOINT",
+                       help="continue from a checkpoint, or a run folder's (default: OUT/checkpoint.npz)")
     train.add_argument("--overwrite", action="store_true",
                        help="start over in an output folder that holds an earlier run (its files are deleted)")
     train.add_argument("--checkpoint-every", type=_positive_int, help="iterations between checkpoints")
-    train.add_argument("--init-from", metavar="FILE",
-                       help="start from these weights: safetensors or a PyTorch state dict (see snrt export)")
+    start.add_argument("--init-from", metavar="FILE",
+                       help="start from these weights: safetensors or a PyTorch state dict (see snrt export); "
+                            "not with --resume")
     train.add_argument("--check", action="store_true", help="debug mode: check arena overlaps, poison freed memory")
     train.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
     train.set_defaults(run=run_train)
@@ -149,7 +151,8 @@ def build_parser():
 
     evaluate = commands.add_parser("eval", help="loss and accuracy of a checkpoint on the held-out split")
     _add_run_options(evaluate)
-    evaluate.add_argument("--checkpoint", required=True, help="checkpoint file written by snrt train")
+    evaluate.add_argument("--checkpoint", required=True, metavar="RUN_OR_CHECKPOINT",
+                          help="checkpoint file written by snrt train, or its run folder")
     evaluate.set_defaults(run=run_eval)
     return parser
 
@@ -525,11 +528,11 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     kernels = trainer.backend.describe_kernels(trainer.executor)
     if kernels:
         console.print(kernels)
-    if args.init_from and args.resume is None:
+    if args.init_from:
         trainer.load_weights(args.init_from)
         console.print(f"weights from {args.init_from}")
     if args.resume is not None:
-        source = Path(args.resume) if args.resume else checkpoint
+        source = _checkpoint_in(args.resume) if args.resume else checkpoint
         note = trainer.restore(source)
         console.print(f"resumed from {source} at iteration {trainer.iteration}" + (f"; note: {note}" if note else ""))
     if trainer.group.size > 1:
@@ -539,6 +542,8 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     if folder is None:
         trainer.fit(checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
         return 128 + int(trainer.stop_reason) if isinstance(trainer.stop_reason, int) else 0
+    if args.overwrite and args.resume is None:  # only now: a run that cannot start leaves the earlier one whole
+        folder.start_over()
     if args.resume is not None and trainer.iteration >= config.train.iterations:  # the folder stays as it is
         console.print(f"nothing to do: the run in {folder.path} is at iteration {trainer.iteration} already, and "
                       f"train.iterations is {config.train.iterations}; ask for more with --iterations")
@@ -588,13 +593,13 @@ def _draw_run(folder, kept):
 
 def run_report(args, console):
     """Redraw each run's metrics.png (several runs: one picture side by side) and print a table."""
-    from snrt.report import draw_metrics, load_run, report_rows
+    from snrt.report import display_name, draw_metrics, load_run, report_rows
 
     runs = [load_run(folder) for folder in args.runs]
     names = [r.name for r in runs]
     for i, name in enumerate(names):  # two folders of the same name: tell them apart by their path
         if names.count(name) > 1:
-            runs[i].name = str(args.runs[i])
+            runs[i].name = display_name(args.runs[i])
     path = Path(args.png) if args.png else (Path(args.runs[0]) / "metrics.png" if len(runs) == 1 else None)
     if path is None:
         raise SnrtError("several runs are drawn into one picture: name it with --png FILE")
@@ -843,12 +848,14 @@ EXPORTED = {"safetensors": "weights.safetensors", "torch": "weights.pt", "onnx":
 
 def run_export(args, console):
     """Write a checkpoint's parameters and statistics (not its optimizer state) as weights, or
-    with the network of the run (its config.yaml) as an ONNX model."""
-    source = Path(args.source)
-    checkpoint = source / CHECKPOINT if source.is_dir() else source
-    arrays, _ = load_checkpoint(checkpoint)
+    with the network of the run (its config.yaml) as an ONNX model: atomically, and never over
+    the checkpoint."""
+    checkpoint = _checkpoint_in(args.source)
+    arrays, meta = load_checkpoint(checkpoint)
     weights = {key: value for key, value in arrays.items() if key.count(":") == 1}  # node:name; not node:name:state
     out = Path(args.out) if args.out else checkpoint.with_name(EXPORTED[args.format])
+    if out.resolve() == checkpoint.resolve():
+        raise SnrtError(f"{out}: is the checkpoint being exported; choose another --out")
     if args.names_like:
         if args.format == "onnx":
             raise SnrtError("--names-like renames weights files (safetensors, torch); an ONNX model keeps snrt's names")
@@ -864,7 +871,12 @@ def run_export(args, console):
                 raise SnrtError(f"{network}: not found; ONNX export needs the network, which snrt train writes "
                                 "there beside the checkpoint")
             graph = load_config(network).graph
-            out.write_bytes(to_onnx(graph, {tuple(k.split(":")): v for k, v in weights.items()}).SerializeToString())
+            if meta.get("graph", graph.fingerprint()) != graph.fingerprint():
+                raise SnrtError(f"{checkpoint}: made for another network (structure {meta['graph']}) than {network} "
+                                f"describes ({graph.name!r}, structure {graph.fingerprint()}): its layers, options or "
+                                "connections differ; export the checkpoint beside the config.yaml of its run")
+            model = to_onnx(graph, {tuple(k.split(":")): v for k, v in weights.items()}).SerializeToString()
+            replace_atomically(out, lambda partial: partial.write_bytes(model))
         else:
             from snrt.weights import export
 
@@ -875,13 +887,20 @@ def run_export(args, console):
     return 0
 
 
+def _checkpoint_in(path):
+    """The checkpoint `path` names: a checkpoint file, or a run folder's checkpoint."""
+    path = Path(path)
+    return path / CHECKPOINT if path.is_dir() else path
+
+
 def run_eval(args, console):
     config = load_config(args.config, _overrides(args))
     trainer = _make_trainer(args, config)
-    trainer.restore(args.checkpoint)
+    checkpoint = _checkpoint_in(args.checkpoint)
+    trainer.restore(checkpoint)
     loss, accuracy = trainer.evaluate()
     if not math.isfinite(loss):
-        raise SnrtError(f"{args.checkpoint}: {trainer.nonfinite_evaluation(loss)}")
+        raise SnrtError(f"{checkpoint}: {trainer.nonfinite_evaluation(loss)}")
     console.print(f"{config.name} at iteration {trainer.iteration}: held-out loss {loss:.4f}, accuracy {accuracy:.4f} "
                   f"({len(trainer.heldout_set.y)} samples)")
 

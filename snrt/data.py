@@ -170,7 +170,8 @@ def _load_npz(data, input_shape, classes, seed, per_pixel=False):
             if not isinstance(archive, np.lib.npyio.NpzFile):
                 raise ValueError("it holds a single array, not named arrays")
             arrays = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, NotImplementedError,
+            RuntimeError) as e:  # the last two: damaged zip headers (a compression or encryption it does not have)
         raise ConfigError(source, PATH_KEY, f"cannot read the file as .npz (corrupt or truncated?): {e}; expected {expected}") from None
     for name in ("x", "y"):
         if name not in arrays:
@@ -328,9 +329,10 @@ def _read_cifar_files(paths, reader, n_classes):
     parts = [(_read_cifar_binary if reader.startswith("bin") else _read_cifar_pickle)(p, reader) for p in paths]
     pixels = np.concatenate([p[0] for p in parts])
     y = np.concatenate([p[1] for p in parts]).astype(np.int64)
-    if len(y) and y.max() >= n_classes:
-        raise ConfigError(str(paths[0].parent), PATH_KEY, f"labels up to {y.max()} in {len(paths)} file(s), but "
-                                                          f"this data set has {n_classes} classes: the files are corrupt or of another data set")
+    if len(y) and (y.min() < 0 or y.max() >= n_classes):
+        raise ConfigError(str(paths[0].parent), PATH_KEY, f"labels from {y.min()} to {y.max()} in {len(paths)} "
+                                                          f"file(s), but this data set has {n_classes} classes (0 to "
+                                                          f"{n_classes - 1}): the files are corrupt or of another data set")
     return _to_float(pixels.reshape(-1, *_CIFAR_IMAGE)), y
 
 
@@ -367,15 +369,19 @@ def _read_cifar_pickle(path, reader):
     try:
         with open(path, "rb") as f:
             batch = _CifarUnpickler(f, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError) as e:
-        raise ConfigError(str(path), PATH_KEY, f"truncated or corrupt CIFAR python batch: {e}") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError,
+            OverflowError, MemoryError) as e:  # the last two: a damaged length asking for more than any file holds
+        raise ConfigError(str(path), PATH_KEY, f"truncated or corrupt CIFAR python batch: "
+                                               f"{str(e) or type(e).__name__}") from None
     if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
         found = ", ".join(repr(k) for k in batch) if isinstance(batch, dict) else type(batch).__name__
         raise ConfigError(str(path), PATH_KEY, f"not a CIFAR python batch: expected a dict with b'data' and {label_key!r}, found {found}")
     pixels, y = np.asarray(batch[b"data"]), np.asarray(batch[label_key])
-    if pixels.dtype != np.uint8 or pixels.ndim != 2 or pixels.shape[1] != _CIFAR_PIXELS or y.shape != (len(pixels),):
+    if (pixels.dtype != np.uint8 or pixels.ndim != 2 or pixels.shape[1] != _CIFAR_PIXELS or y.shape != (len(pixels),)
+            or y.dtype.kind not in "iu"):
         raise ConfigError(str(path), PATH_KEY, f"corrupt CIFAR python batch: data is {pixels.dtype} {pixels.shape} and "
-                                               f"{len(y)} labels; expected uint8 (N, {_CIFAR_PIXELS}) and N labels")
+                                               f"{len(y)} labels of {y.dtype}; expected uint8 (N, {_CIFAR_PIXELS}) and "
+                                               "N integer labels")
     return pixels, y
 
 

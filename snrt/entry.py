@@ -16,6 +16,8 @@ def main(argv=None):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # a parent may have blocked them; we handle them
     for signum in signals:
         signal.signal(signum, _quit)
+    if getattr(sys.stdout, "errors", None) == "strict":  # a UTF-8 locale's: a path's bytes that are not UTF-8
+        sys.stdout.reconfigure(errors="surrogateescape")  # print as they are (as in the C locale), no traceback
     from snrt.cli import main as run  # the command's handlers take over from here
 
     return run(argv)

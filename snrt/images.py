@@ -10,14 +10,16 @@ stratified fraction train.data.holdout of train is held out. Images are decoded 
   train.data.flip then flips as for any data set;
 - evaluation: the shorter side resized to the input size / 0.875 (256 for 224), then the
   center crop of the input size; JPEGs decode at the smallest DCT scale that is not smaller;
-- pixels scaled to [0, 1]; per-channel normalization as for any data set (the training
-  split's statistics, measured on up to STATS_SAMPLES images at the evaluation transform).
+- pixels scaled to [0, 1] (16-bit gray images by their high byte, where Pillow's conversion,
+  and so torchvision's loader, would clip them to white); per-channel normalization as for any
+  data set (the training split's statistics, measured on up to STATS_SAMPLES images at the
+  evaluation transform).
 
-Bad data is found when the folder is read: a class folder with no image, a class in val that
-train does not have, a file that is not an image (its extension, or Pillow cannot identify
-it), an image that cannot be decoded: one line naming the file or folder. With
-train.data.skip_bad_images (`--skip-bad-images`) bad files are counted and left out instead
-(every image is then decoded once to check it).
+Bad data is found when the folder is read: a class folder with no image, a val folder with no
+class folder, a class in val that train does not have, a file that is not an image (its
+extension, or Pillow cannot identify it), a link to nothing, an image that cannot be decoded:
+one line naming the file or folder. With train.data.skip_bad_images (`--skip-bad-images`) bad
+files are counted and left out instead (every image is then decoded once to check it).
 """
 
 import math
@@ -87,6 +89,8 @@ class FolderDataset:
             with image_module.open(path) as image:
                 if rng is None:
                     image.draft("RGB" if c == 3 else "L", _eval_resized(image.size, h, w))
+                if image.mode.startswith("I"):  # 16-bit gray (a PNG's I;16): its high byte; convert would clip it
+                    image = image_module.fromarray(np.clip(np.asarray(image) >> 8, 0, 255).astype(np.uint8))
                 image = image.convert("RGB" if c == 3 else "L")
                 image = _random_resized_crop(image, h, w, rng) if rng is not None else _center_crop(image, h, w)
         except OSError as e:
@@ -121,10 +125,10 @@ def _random_resized_crop(image, h, w, rng):
         if 0 < cw <= width and 0 < ch <= height:
             left, top = int(rng.integers(0, width - cw + 1)), int(rng.integers(0, height - ch + 1))
             break
-    else:  # the largest centered crop whose ratio is in range
+    else:  # the largest centered crop whose ratio is in range: the image's full height, or its full width
         ratio = width / height
-        cw, ch = ((width, round(width / RATIO[1])) if ratio > RATIO[1] else
-                  (round(height * RATIO[0]), height) if ratio < RATIO[0] else (width, height))
+        cw, ch = ((round(height * RATIO[1]), height) if ratio > RATIO[1] else
+                  (width, round(width / RATIO[0])) if ratio < RATIO[0] else (width, height))
         left, top = (width - cw) // 2, (height - ch) // 2
     return image.resize((w, h), resample=2, box=(left, top, left + cw, top + ch))
 
@@ -162,8 +166,12 @@ def load_folder(data, input_shape, classes, seed, held_out):
                        and p.name not in names)
         if extra:
             raise ConfigError(str(val_dir / extra[0]), "train.data.path", "a class of val that train does not have")
-        val_files, val_y = _listed(val_dir, [n for n in names if (val_dir / n).is_dir()], data.skip_bad_images,
-                                   skipped, index={n: k for k, n in enumerate(names)})
+        present = [n for n in names if (val_dir / n).is_dir()]
+        if not present:  # evaluating on nothing would report a loss and an accuracy of 0
+            raise ConfigError(str(val_dir), "train.data.path", "no class folders (expected val/<class>/<image>; "
+                                                              "without a val folder part of train is held out)")
+        val_files, val_y = _listed(val_dir, present, data.skip_bad_images, skipped,
+                                   index={n: k for k, n in enumerate(names)})
         return split(files, y, f"{root.name}/train", True), split(val_files, val_y, f"{root.name}/val", False)
     held = held_out(np.asarray(y, np.int64))
     files, y = np.array(files, dtype=object), np.asarray(y, np.int64)
@@ -180,7 +188,7 @@ def _listed(folder, names, skip_bad, skipped, index=None):
     for name in names:
         found = 0
         for path in sorted(p for p in (folder / name).iterdir() if not p.name.startswith(".")):
-            if not path.is_file():
+            if path.is_dir():
                 continue
             problem = _problem(image_module, path, full=skip_bad)
             if problem is None:
@@ -199,8 +207,10 @@ def _listed(folder, names, skip_bad, skipped, index=None):
 
 
 def _problem(image_module, path, full):
-    """Why `path` is not a usable image (None when it is): its extension, or Pillow cannot
-    identify it, or (`full`) cannot decode it."""
+    """Why `path` is not a usable image (None when it is): a link to nothing, not a file, its
+    extension, or Pillow cannot identify it, or (`full`) cannot decode it."""
+    if not path.is_file():
+        return f"a link to nothing ({path.readlink()})" if path.is_symlink() else "not a file (a pipe, socket or device)"
     if path.suffix.lower() not in EXTENSIONS:
         return f"not an image ({path.suffix or 'no extension'}; expected {', '.join(EXTENSIONS)})"
     try:
@@ -209,6 +219,6 @@ def _problem(image_module, path, full):
                 image.load()
             else:
                 image.verify()
-    except (OSError, SyntaxError, ValueError) as e:
+    except (OSError, SyntaxError, ValueError, image_module.DecompressionBombError) as e:  # the last: absurd sizes
         return f"not a readable image ({e})"
     return None

@@ -7,6 +7,7 @@ RUN [RUN ...]` redraws it, one run or several side by side, and prints a short t
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,30 +37,50 @@ class Run:
 
 def load_run(folder):
     """The Run in `folder`; SnrtError naming the file and line when it is not a run folder or a
-    line of its metrics is not a metrics record."""
+    line of its metrics is not a metrics record. A last line without its newline that is not
+    JSON is what a run killed while it wrote the line leaves: the iterations before it are drawn."""
     folder = Path(folder)
     path = folder / METRICS
     if not path.is_file():
         raise SnrtError(f"{folder}: not a run folder: no {METRICS} (snrt train writes one per run)")
+    text = _text(path)
+    lines = text.splitlines()
     metrics = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                break
             raise SnrtError(f"{path}: line {number} is not JSON ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("iteration"), int) or "loss" not in record:
+        if not isinstance(record, dict) or not isinstance(record.get("iteration"), int) or not isinstance(
+                record.get("loss"), (int, float)):
             raise SnrtError(f"{path}: line {number} is not a metrics record (expected an object with "
-                            "'iteration' and 'loss')")
+                            "'iteration' and 'loss', numbers)")
         metrics.append(record)
     if not metrics:
         raise SnrtError(f"{path}: no iterations yet")
     summary = {}
     if (folder / SUMMARY).is_file():
         try:
-            summary = json.loads((folder / SUMMARY).read_text())
+            summary = json.loads(_text(folder / SUMMARY))
         except json.JSONDecodeError as e:
             raise SnrtError(f"{folder / SUMMARY}: not JSON ({e.msg})") from None
-    return Run(folder.name or str(folder), metrics, summary if isinstance(summary, dict) else {})
+    return Run(display_name(folder.name or folder), metrics, summary if isinstance(summary, dict) else {})
+
+
+def display_name(path):
+    """`path` as text a picture can show: bytes of it that are not UTF-8 (a Latin-1 folder name)
+    become U+FFFD, where matplotlib refuses to draw the string."""
+    return os.fsencode(path).decode(errors="replace")
+
+
+def _text(path):
+    """The text of the file `path`; SnrtError when it is not UTF-8 (a damaged file)."""
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as e:
+        raise SnrtError(f"{path}: not a text file ({e.reason} at byte {e.start})") from None
 
 
 def draw_metrics(runs, path, title=None):
@@ -98,8 +119,10 @@ def report_rows(runs):
     rows = []
     for run in runs:
         timed = run.metrics[1:] or run.metrics
+        heldout = run.summary.get("heldout_accuracy")  # a number, or null when it was not finite
         rows.append({"run": run.name, "iterations": run.metrics[-1]["iteration"] + 1,
-                     "final_loss": run.metrics[-1]["loss"], "heldout_accuracy": run.summary.get("heldout_accuracy"),
+                     "final_loss": run.metrics[-1]["loss"],
+                     "heldout_accuracy": heldout if isinstance(heldout, (int, float)) else None,
                      "images_per_s": _mean(m.get("images_per_s") for m in timed),
                      "data_wait_s": _mean(m.get("data_wait_s") for m in timed),
                      "peak_device_bytes": run.metrics[-1].get("peak_device_bytes")})

@@ -4,9 +4,10 @@ One run at a time: the folder is locked (an advisory lock on `.lock`, released b
 operating system when the process ends, however it ends), so a second run on the same folder
 is refused instead of overwriting the first one's checkpoint. A folder that already holds a
 run is never silently started over: the caller says `resume` (continue it) or `overwrite`
-(delete its files first). Temporary files of checkpoint writes that were killed are removed
-when the lock is taken, and on resume metrics.jsonl is cut back to the iterations before the
-checkpoint, so it never holds an iteration twice.
+(delete its files, which the caller does once the new run is set up, so that a run that
+cannot start leaves the earlier one whole). Temporary files of checkpoint writes that were
+killed are removed when the lock is taken, and on resume metrics.jsonl is cut back to the
+iterations before the checkpoint, so it never holds an iteration twice.
 """
 
 import fcntl
@@ -69,13 +70,14 @@ class RunFolder:
         return self.checkpoint.exists() or (self.metrics.exists() and self.metrics.stat().st_size > 0)
 
     def prepare(self, resume, overwrite):
-        """Make the folder ready for a run: refuse to start over a run it holds unless `resume`
-        (keep it) or `overwrite` (delete its files)."""
-        if not self.holds_run() or resume:
-            return
-        if not overwrite:
+        """Refuse to start over a run the folder holds unless `resume` (keep it) or `overwrite`
+        (the caller calls `start_over` once the new run is set up)."""
+        if self.holds_run() and not resume and not overwrite:
             raise RunFolderError(f"{self.path}: holds an earlier run ({self._describe_run()}); continue it with "
                                  "--resume, start over with --overwrite, or choose another --out")
+
+    def start_over(self):
+        """Delete the files of the run the folder holds."""
         for name in RUN_FILES:
             (self.path / name).unlink(missing_ok=True)
 
@@ -84,9 +86,10 @@ class RunFolder:
         return f"{len(lines)} iterations in {METRICS}" if lines else f"a {CHECKPOINT}"
 
     def _metric_lines(self):
+        """metrics.jsonl's lines; a byte that is not UTF-8 (a damaged disk block) spoils its line only."""
         try:
-            return self.metrics.read_text().splitlines()
-        except (OSError, UnicodeDecodeError):
+            return self.metrics.read_text(errors="replace").splitlines()
+        except OSError:
             return []
 
     def truncate_metrics(self, iteration):

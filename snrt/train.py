@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snrt.checkpoint import CheckpointError, describe_batch_change, load_checkpoint, save_checkpoint
+from snrt.checkpoint import CheckpointError, describe_changes, load_checkpoint, save_checkpoint
 from snrt.config import Config
 from snrt.data import Batches, eval_batches, load_datasets, normalization
 from snrt.errors import ConfigError, DivergenceError, SnrtError
@@ -29,7 +29,7 @@ from snrt.precision import LossScale, precision_named
 from snrt.runtime import plan_run, prepare
 from snrt.threads import usable_cores
 from snrt.weights import ROLES as WEIGHT_ROLES, matched, read as read_weights
-from snrt.workers import DataError, WorkerBatches
+from snrt.workers import WorkerBatches
 
 
 @dataclass
@@ -122,7 +122,8 @@ class Trainer:
         `on_iteration(metrics)` is called after every iteration. With `checkpoint` (a path),
         a checkpoint is written every `checkpoint_every` iterations, at the end, and when
         SIGINT (Ctrl-C) or SIGTERM stops the run (the current iteration finishes first; the
-        signal is in `stop_reason`), or a caller sets `stop_reason`. A NaN or infinite loss
+        signal is in `stop_reason`), or a caller sets `stop_reason`, and before the error of
+        data that cannot be read (a bad file, a worker that died) is raised. A NaN or infinite loss
         raises DivergenceError and writes no checkpoint, so the last good one stays.
         `lr_at(iteration)` replaces train.schedule's learning rate (a learning-rate range test).
         """
@@ -139,7 +140,7 @@ class Trainer:
                 waiting = time.perf_counter()
                 try:
                     x, y = next(stream)
-                except DataError:
+                except SnrtError:  # a file a worker process or this process's loader thread could not read
                     if checkpoint:  # the iterations done so far are kept
                         self.save(checkpoint)
                     raise
@@ -306,8 +307,13 @@ class Trainer:
         save_checkpoint(path, tensors, {"iteration": self.iteration, "seed": self.config.train.seed,
                                         "network": self.graph.name, "graph": self.graph.fingerprint(),
                                         "optimizer": self.config.train.optimizer.type,
-                                        "batch": self.batch,
+                                        "batch": self.batch, **self._class_names(),
                                         **({"loss_scale": dataclasses.asdict(self.loss_scale)} if self.loss_scale else {})})
+
+    def _class_names(self):
+        """{"class_names": the folder of each class index} of an image folder's data; {} for other data."""
+        names = getattr(self.train_set, "class_names", ())
+        return {"class_names": list(names)} if names else {}
 
     def load_weights(self, path):
         """Parameters and normalization statistics from a weights file (safetensors or a
@@ -319,7 +325,8 @@ class Trainer:
     def restore(self, path):
         """Load a checkpoint written by `save` for the same network; training continues from it.
 
-        Returns a note when the checkpoint was trained at another batch size (None otherwise).
+        Returns a note when the checkpoint was trained at another batch size or with another seed
+        (None otherwise).
         """
         arrays, meta = load_checkpoint(path)
         roles = ("parameter", "optimizer_state", "state")
@@ -341,12 +348,16 @@ class Trainer:
             raise CheckpointError(f"{path}: made for another network ({meta.get('network')!r}, structure "
                                   f"{meta['graph']}) than {self.graph.name!r} (structure {self.graph.fingerprint()}): "
                                   "its layers, options or connections differ")
+        saved, now = meta.get("class_names"), self._class_names().get("class_names")
+        if saved and now and saved != now:  # the same index, another folder: every label would mean another class
+            raise CheckpointError(f"{path}: trained on the classes (image folders) {saved}, this data's are {now}: "
+                                  "a class index would name another folder")
         self.runtime.load({(node, name): arrays[key] for key, (node, name) in expected.items()})
         self.iteration = int(meta["iteration"])
         if self.loss_scale and isinstance(meta.get("loss_scale"), dict):  # else it starts afresh
             self.loss_scale = LossScale(**{k: meta["loss_scale"][k] for k in ("scale", "good", "growth_interval")
                                            if k in meta["loss_scale"]})
-        return describe_batch_change(meta.get("batch"), self.batch)
+        return describe_changes(meta, self.batch, self.config.train.seed)
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)

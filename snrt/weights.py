@@ -7,7 +7,8 @@ matched by those names when it has them all; otherwise by order and shape, the n
 parameters and statistics in graph order against the file's tensors in the file's order (a
 PyTorch state dict keeps its module order; safetensors keeps no order, so it is matched by
 name only). A file that matches neither way is one error listing the first tensors that do
-not match. Optimizer state is neither written nor read: a run started from weights starts its
+not match; a tensor of integers, booleans or complex numbers, or one holding NaN or infinity,
+is one error naming it. Optimizer state is neither written nor read: a run started from weights starts its
 optimizer afresh.
 
 Another framework's names: `snrt export --names-like FILE` writes the tensors under the names
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from snrt.atomic import replace_atomically
 from snrt.errors import SnrtError
 
 FORMATS = ("safetensors", "torch")
@@ -41,13 +43,18 @@ def _module(name, extra):
 
 def export(tensors, path, fmt):
     """Write `tensors` ({"node:name", or a name of another framework: array}, in the order to write)
-    to `path` as `fmt`."""
+    to `path` as `fmt`, atomically (snrt/atomic.py); OSError when it cannot be written."""
     named = {key.replace(":", ".", 1): np.ascontiguousarray(value) for key, value in tensors.items()}
     if fmt == "safetensors":
-        _module("safetensors.numpy", "writing safetensors needs safetensors").save_file(named, str(path))
+        data = _module("safetensors.numpy", "writing safetensors needs safetensors").save(named)
+        replace_atomically(path, lambda partial: partial.write_bytes(data))
     elif fmt == "torch":
         torch = _module("torch", "writing a PyTorch state dict needs PyTorch")
-        torch.save({key: torch.from_numpy(value) for key, value in named.items()}, str(path))
+
+        def write(partial):
+            with open(partial, "wb") as f:
+                torch.save({key: torch.from_numpy(value) for key, value in named.items()}, f)
+        replace_atomically(path, write)
     else:
         raise SnrtError(f"unknown weights format {fmt!r}; expected one of {', '.join(FORMATS)}")
 
@@ -75,8 +82,23 @@ def read(path):
         state = state["state_dict"]
     if not isinstance(state, dict):
         raise SnrtError(f"{path}: expected a state dict (names to tensors), found a {type(state).__name__}")
-    return [(key, (value.detach().float() if value.is_floating_point() else value.detach()).numpy())
-            for key, value in state.items() if hasattr(value, "numpy")]
+    return [(key, _array(path, key, value)) for key, value in state.items() if hasattr(value, "numpy")]
+
+
+def _array(path, key, tensor):
+    """The NumPy array of the file `path`'s tensor `key`: floating point as float32, a sparse tensor
+    dense; SnrtError for one without values (on PyTorch's meta device) or that NumPy cannot hold
+    (a quantized tensor, say)."""
+    tensor = tensor.detach()
+    if tensor.is_meta:
+        raise SnrtError(f"{path}: {key} holds no values: a tensor of PyTorch's meta device, saved before the model "
+                        "was given weights")
+    if tensor.is_sparse:
+        tensor = tensor.to_dense()
+    try:
+        return (tensor.float() if tensor.is_floating_point() else tensor).numpy()
+    except (TypeError, RuntimeError) as e:
+        raise SnrtError(f"{path}: {key} is a tensor NumPy cannot hold ({e}); save it as a dense float tensor") from None
 
 
 def _weights(found):
@@ -87,10 +109,18 @@ def _weights(found):
 def matched(wanted, found, path):
     """{(node, name): array} of the file `path`'s tensors `found` ([(name, array)]) for the
     network's `wanted` ([((node, name), shape)] in graph order), by name or else by order and
-    shape; a SnrtError listing the first mismatches when neither fits."""
+    shape; a SnrtError listing the first mismatches when neither fits, or naming the first
+    tensor that is not finite floating-point numbers, which every parameter and statistic is."""
     found = _weights(found)
     arrays = dict(found)
-    return {key: arrays[name] for key, name in _paired(wanted, found, Path(path)).items()}
+    paired = _paired(wanted, found, Path(path))
+    for name in paired.values():
+        if arrays[name].dtype.kind != "f":
+            raise SnrtError(f"{path}: {name} holds {arrays[name].dtype} values, not the floating-point numbers "
+                            "of a parameter or statistic")
+        if not np.isfinite(arrays[name]).all():
+            raise SnrtError(f"{path}: {name} holds NaN or infinite values (saved from a run that diverged?)")
+    return {key: arrays[name] for key, name in paired.items()}
 
 
 def named_like(tensors, path):

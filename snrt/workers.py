@@ -10,11 +10,14 @@ recipe, sent once.
 
 A worker that dies, or that spends more than `HANG_S` on one batch, stops the run with one line
 naming the worker and the file it was reading (each worker records it in a shared string), as
-a DataError, which the trainer answers by saving its checkpoint.
+a DataError, which the trainer answers by saving its checkpoint. Workers whose trainer was
+killed (SIGKILL: it could not stop them) end themselves within `POLL_S`.
 """
 
 import multiprocessing
+import os
 import queue
+import signal
 import time
 
 import numpy as np
@@ -100,7 +103,7 @@ class WorkerBatches:
                 "train.data.workers to 0)")
 
     def _while_reading(self, k):
-        path = self.reading[k].value.decode(errors="replace")
+        path = os.fsdecode(self.reading[k].value)
         return f" while reading {path}" if path else ""
 
     def _arrays(self, slot):
@@ -127,13 +130,23 @@ class WorkerBatches:
 
 
 def _work(batches, memory, slot_bytes, tasks, done, reading, k):
-    """A worker's loop: make batch i into its slot, say so, until killed."""
+    """A worker's loop: make batch i into its slot, say so, until killed, or until the trainer is
+    gone (killed itself, by the OOM killer say, it cannot stop its workers)."""
     from snrt import images  # the image decoder reports each file it opens
 
-    images.on_open = lambda path: setattr(reading, "value", str(path).encode()[:PATH_BYTES - 1])
+    # Ctrl-C at a terminal signals every process of the command: the trainer stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    images.on_open = lambda path: setattr(reading, "value", os.fsencode(path)[:PATH_BYTES - 1])  # any name
     view = np.frombuffer(memory, np.uint8)
+    trainer = os.getppid()
     while True:
-        i, slot = tasks.get()
+        try:
+            i, slot = tasks.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != trainer:  # an orphan, adopted by another process
+                return
+            continue
         try:
             x, y = batches.get(i)
         except Exception as e:  # noqa: BLE001  (handed to the trainer, which stops the run)

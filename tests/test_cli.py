@@ -273,3 +273,22 @@ def test_a_path_for_a_data_set_that_reads_no_files_is_refused(spec, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["train", LENET, "--data", spec])
     assert exit_.value.code == 2 and "reads no files" in capsys.readouterr().err
+
+
+def test_weights_to_start_from_and_a_checkpoint_to_resume_are_not_asked_for_together(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", LENET, "--out", str(tmp_path / "run"), "--resume", "--init-from", str(tmp_path / "w.pt")])
+    assert exit_.value.code == 2
+    assert "argument --init-from: not allowed with argument --resume" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_and_resume_take_a_run_folder_for_its_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    flags = ["--batch", "8", "--no-progress", "--no-eval"]
+    assert main(["train", LENET, *flags, "--iterations", "1", "--out", str(run)]) == 0
+    assert main(["eval", LENET, "--batch", "8", "--checkpoint", str(run)]) == 0
+    assert "lenet at iteration 1: held-out loss" in capsys.readouterr().out
+    assert main(["train", LENET, *flags, "--iterations", "2", "--out", str(tmp_path / "next"), "--resume",
+                 str(run)]) == 0
+    assert f"resumed from {run / 'checkpoint.npz'} at iteration 1" in " ".join(capsys.readouterr().out.split())

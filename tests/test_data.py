@@ -5,6 +5,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -408,6 +409,17 @@ def test_class_count_mismatch(tmp_path):
     assert "10 classes" in error(Data("digits"), (1, 8, 8), classes=100).message
 
 
+DAMAGED_ZIP_HEADERS = ((10, 99), (8, 1))  # a compression method zipfile does not know; the encrypted flag
+
+
+def damage_zip_header(path, offset, value):
+    """Overwrite the 2-byte field at `offset` of the first member's central directory entry."""
+    data = bytearray(Path(path).read_bytes())
+    entry = data.index(b"PK\x01\x02")
+    data[entry + offset:entry + offset + 2] = value.to_bytes(2, "little")
+    Path(path).write_bytes(bytes(data))
+
+
 def test_corrupt_and_truncated_files(tmp_path):
     write_cifar10_bin(tmp_path / "cifar-10-batches-bin")
     victim = tmp_path / "cifar-10-batches-bin" / "data_batch_3.bin"
@@ -424,6 +436,14 @@ def test_corrupt_and_truncated_files(tmp_path):
     assert "expected a dict with b'data' and b'labels'" in error(Data("cifar10", str(tmp_path / "py"))).message
     victim.write_bytes(pickle.dumps(threading.Thread))  # no code from a data file
     assert "unexpected object" in error(Data("cifar10", str(tmp_path / "py"))).message
+    for labels, says in (([-1, 3, 4], "labels from -1 to 4 in 1 file(s), but this data set has 10 classes (0 to 9)"),
+                         (["a", "b", "c"], "3 labels of <U1; expected uint8 (N, 3072) and N integer labels")):
+        victim.write_bytes(pickle.dumps({b"data": fake_pixels(3, 0), b"labels": labels}))
+        assert says in error(Data("cifar10", str(tmp_path / "py"))).message
+    for length in (2**63 + 5, 2**45):  # a damaged length of bytes: more than Python can hold, more than memory
+        victim.write_bytes(b"\x80\x04\x8e" + length.to_bytes(8, "little"))
+        e = error(Data("cifar10", str(tmp_path / "py")))
+        assert "test_batch" in e.source and "truncated or corrupt CIFAR python batch" in e.message
 
     path = write_npz(tmp_path, x=np.zeros((4, 1, 2, 2)), y=np.zeros(4, int))
     with open(path, "r+b") as f:
@@ -431,6 +451,10 @@ def test_corrupt_and_truncated_files(tmp_path):
     assert "cannot read the file as .npz" in error(Data("npz", path), (1, 2, 2)).message
     (tmp_path / "junk.npz").write_bytes(b"not a zip at all" * 10)
     assert "cannot read the file as .npz" in error(Data("npz", str(tmp_path / "junk.npz")), (1, 2, 2)).message
+    for offset, value in DAMAGED_ZIP_HEADERS:
+        path = write_npz(tmp_path, x=np.zeros((4, 1, 2, 2)), y=np.zeros(4, int))
+        damage_zip_header(path, offset, value)
+        assert "cannot read the file as .npz" in error(Data("npz", path), (1, 2, 2)).message
     with open(tmp_path / "one.npz", "wb") as f:
         np.save(f, np.zeros(3))
     assert "single array, not named arrays" in error(Data("npz", str(tmp_path / "one.npz")), (1, 2, 2)).message

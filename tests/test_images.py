@@ -3,12 +3,16 @@ with torchvision's crops, classes by folder name, and every kind of bad data one
 (or, with --skip-bad-images, counted and left out). The tests build their own folders."""
 
 import json
+import os
+import struct
+import zlib
 
 import numpy as np
 import pytest
 from PIL import Image
 
 import snrt
+from snrt.checkpoint import CheckpointError
 from snrt.cli import main
 from snrt.config import DataConfig
 from snrt.data import Batches, eval_batches, load_datasets
@@ -55,6 +59,14 @@ def test_classes_come_from_the_folder_names_and_images_decode_to_the_input_size(
     np.testing.assert_array_equal(batch[0], x)
 
 
+def test_a_16_bit_gray_image_decodes_to_its_gray_not_to_white(tmp_path):
+    root = make_folder(tmp_path)
+    Image.fromarray(np.full((30, 40), 30000, np.uint16)).save(root / "val" / "cat" / "0.png")  # 46% of 65535
+    _, val = datasets(root)
+    x, _ = val.take([0])
+    np.testing.assert_array_equal(x, np.full((1, 3, 16, 16), (30000 >> 8) / 255, np.float32))
+
+
 def test_training_crops_are_drawn_per_sample_and_the_same_for_the_same_seed_and_batch(tmp_path):
     train, _ = datasets(make_folder(tmp_path))
     assert train.draws_per_sample
@@ -87,6 +99,15 @@ def test_a_random_resized_crop_keeps_its_area_and_ratio_in_torchvisions_ranges()
         assert 0.08 * 0.9 <= w * h / 20000 <= 1.0 and 3 / 4 * 0.9 <= w / h <= 4 / 3 * 1.1
 
 
+@pytest.mark.parametrize("size, box", [((1000, 10), (493, 0, 506, 10)), ((10, 1000), (0, 493, 10, 506))],
+                         ids=["wide", "tall"])
+def test_an_image_too_long_for_any_random_crop_takes_the_largest_centered_crop_in_range(size, box):
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, size[::-1], dtype=np.uint8))
+    out = _random_resized_crop(image, 16, 16, np.random.default_rng(0))  # ten tries of >= 8% of the area fail
+    expected = image.resize((16, 16), resample=2, box=box)  # torchvision's: the short side whole, at 4/3 or 3/4
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+
+
 def test_without_a_val_folder_a_stratified_part_of_train_is_held_out(tmp_path):
     train, held = datasets(make_folder(tmp_path, (("train", 5),)), holdout=0.2)
     assert len(train) + len(held) == 15 and np.bincount(held.y).tolist() == [1, 1, 1]
@@ -109,6 +130,20 @@ def test_a_run_trains_on_a_folder_and_writes_its_classes(tmp_path):
     assert main(["train", str(tmp_path / "net.yaml"), "--out", str(tmp_path / "synthetic"), "--no-progress",
                  "--data", "synthetic"]) == 0
     assert json.loads((tmp_path / "synthetic" / "summary.json").read_text())["data_workers"] == 0  # in memory
+
+
+def test_a_checkpoint_is_refused_on_a_folder_whose_classes_are_other_folders(tmp_path):
+    root = make_folder(tmp_path / "images")
+    trainer = snrt.Trainer(network(root, workers=0))
+    trainer.fit(iterations=1)
+    trainer.save(tmp_path / "checkpoint.npz")
+    snrt.Trainer(network(root, workers=0)).restore(tmp_path / "checkpoint.npz")  # the same folders
+    (root / "train" / "eel").rename(root / "train" / "emu")  # still index 2, another class
+    (root / "val" / "eel").rename(root / "val" / "emu")
+    with pytest.raises(CheckpointError,
+                       match=r"trained on the classes \(image folders\) \['cat', 'dog', 'eel'\], this data's are "
+                             r"\['cat', 'dog', 'emu'\]: a class index would name another folder"):
+        snrt.Trainer(network(root, workers=0)).restore(tmp_path / "checkpoint.npz")
 
 
 def test_ranks_on_one_host_share_its_cores_among_their_default_workers(tmp_path, monkeypatch):
@@ -134,13 +169,28 @@ def test_a_network_with_other_classes_is_told_the_folders_count(tmp_path, capsys
                  "--classes", "3"]) == 0
 
 
+def huge_png(path):
+    """A PNG that says it is 30000 x 30000 pixels, which Pillow refuses to open (a decompression bomb)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 30000, 30000, 8, 0, 0, 0, 0))
+                     + chunk(b"IEND", b""))
+
+
 @pytest.mark.parametrize("damage, where, says", [
     (lambda r: (r / "train" / "dog" / "notes.txt").write_text("hello"), "train/dog/notes.txt", "not an image (.txt"),
     (lambda r: (r / "train" / "dog" / "0.png").write_bytes(b"not a png at all"), "train/dog/0.png",
      "not a readable image"),
     (lambda r: [p.unlink() for p in (r / "train" / "eel").iterdir()], "train/eel", "a class folder with no image"),
     (lambda r: (r / "val" / "fox").mkdir(), "val/fox", "a class of val that train does not have"),
-], ids=["text file", "not an image", "empty class", "unknown val class"])
+    (lambda r: huge_png(r / "train" / "dog" / "big.png"), "train/dog/big.png",
+     "not a readable image (Image size (900000000 pixels) exceeds limit"),
+    (lambda r: (r / "train" / "dog" / "9.png").symlink_to(r / "elsewhere" / "9.png"), "train/dog/9.png",
+     "a link to nothing ("),
+    (lambda r: os.mkfifo(r / "train" / "dog" / "9.png"), "train/dog/9.png", "not a file (a pipe, socket or device)"),
+    (lambda r: [p.rename(r / p.name) for p in (r / "val").iterdir()], "val", "no class folders (expected val/<class>/"),
+], ids=["text file", "not an image", "empty class", "unknown val class", "absurd size", "broken link", "pipe",
+        "empty val"])
 def test_bad_data_is_one_line_naming_the_file_or_folder(tmp_path, damage, where, says):
     root = make_folder(tmp_path)
     damage(root)
@@ -154,8 +204,10 @@ def test_skip_bad_images_counts_and_leaves_out_what_cannot_be_decoded(tmp_path):
     good = (root / "train" / "cat" / "1.jpg").read_bytes()
     (root / "train" / "cat" / "1.jpg").write_bytes(good[:len(good) // 2])  # truncated
     (root / "train" / "dog" / "readme.md").write_text("#")
+    (root / "train" / "eel" / "moved.png").symlink_to(tmp_path / "nowhere.png")
     train, _ = datasets(root, skip_bad_images=True)
-    assert len(train) == 17 and sorted(p.rsplit("/", 2)[-2:][1] for p in train.skipped) == ["1.jpg", "readme.md"]
+    assert len(train) == 17
+    assert sorted(p.rsplit("/", 2)[-2:][1] for p in train.skipped) == ["1.jpg", "moved.png", "readme.md"]
     assert isinstance(train, FolderDataset)
 
 

@@ -85,3 +85,17 @@ def test_snrt_export_writes_a_model_from_a_run(tmp_path, capsys):
     capsys.readouterr()
     assert main(["export", str(run), "--format", "onnx"]) == 2
     assert "config.yaml: not found; ONNX export needs the network" in " ".join(capsys.readouterr().err.split())
+
+
+def test_snrt_export_refuses_a_network_other_than_the_checkpoints(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "configs/lenet.yaml", "--iterations", "1", "--batch", "8", "--out", str(run),
+                 "--no-progress", "--no-eval"]) == 0
+    lenet = open("configs/lenet.yaml").read()
+    for edit in (("out_channels: 16", "out_channels: 8"), ("stride: 2}", "stride: 1}")):  # other shapes; the same
+        (run / "config.yaml").write_text(lenet.replace(*edit))
+        capsys.readouterr()
+        assert main(["export", str(run), "--format", "onnx"]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"{run / 'checkpoint.npz'}: made for another network" in err and "Traceback" not in err
+        assert not (run / "model.onnx").exists()

@@ -20,6 +20,7 @@ from snrt.cli import main
 from snrt.errors import DivergenceError
 from snrt.runfolder import RunFolder, RunFolderError
 from snrt.train import Trainer
+from tests.test_data import DAMAGED_ZIP_HEADERS, damage_zip_header
 from tests.test_train import SMALL_RESNET, small_config
 
 LENET = "configs/lenet.yaml"
@@ -96,6 +97,20 @@ def test_an_earlier_run_is_never_overwritten_without_being_asked(tmp_path, capsy
     assert load_checkpoint(out / "checkpoint.npz")[1]["iteration"] == 2
 
 
+@pytest.mark.parametrize("mistake, says", [
+    (["--data", "npz:missing.npz"], "missing.npz: train.data.path: no such file"),
+    (["--init-from", "missing.pt"], "missing.pt: no such weights file"),
+], ids=["data", "weights"])
+def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_start(tmp_path, capsys, mistake, says):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "2") == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"}
+    capsys.readouterr()
+    assert train(out, "--iterations", "2", "--overwrite", *mistake) == 2
+    assert says in " ".join(capsys.readouterr().err.split())
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == before
+
+
 def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     with RunFolder(out):
@@ -113,6 +128,15 @@ def test_resume_cuts_metrics_back_to_the_checkpoint_so_no_iteration_repeats(tmp_
         f.write(json.dumps({"iteration": 4, "loss": 1.0}) + "\n" + '{"iteration": 5, "lo')
     assert train(out, "--iterations", "6", "--resume") == 0
     assert iterations_in(out) == list(range(6))
+
+
+def test_a_damaged_byte_in_metrics_costs_its_own_line_on_resume_not_the_others(tmp_path):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "3") == 0
+    with (out / "metrics.jsonl").open("ab") as f:
+        f.write(b'{"iteration": 1, "loss": \xff}\n')
+    assert train(out, "--iterations", "4", "--resume") == 0
+    assert iterations_in(out) == [0, 1, 2, 3]
 
 
 def test_resuming_a_run_already_at_its_iterations_leaves_the_folder_as_it_was(tmp_path, capsys):
@@ -343,12 +367,15 @@ def test_a_checkpoint_of_another_structure_with_the_same_tensors_is_refused(tmp_
         Trainer(snrt.load_config(other)).restore(path)
 
 
-def test_resuming_at_another_batch_says_what_changes(tmp_path, capsys):
+def test_resuming_at_another_batch_or_seed_says_what_changes(tmp_path, capsys):
     out = tmp_path / "run"
     assert train(out, "--iterations", "2") == 0
     assert main(["train", LENET, *RUN[:2], "--batch", "4", *RUN[4:], "--out", str(out), "--iterations", "3",
                  "--resume"]) == 0
     assert "trained at batch 8, resuming at batch 4" in " ".join(capsys.readouterr().out.split())
+    assert train(out, "--iterations", "4", "--resume", "--seed", "5") == 0  # and back at batch 8
+    assert ("trained at batch 4, resuming at batch 8: 2x as many samples per iteration; and trained with seed 0, "
+            "resuming with seed 5: another order of the data") in " ".join(capsys.readouterr().out.split())
 
 
 def test_checkpoint_saving_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
@@ -380,6 +407,25 @@ def test_a_npy_file_given_as_a_checkpoint_is_refused(tmp_path, capsys):
     np.save(tmp_path / "weights.npy", np.zeros(3))
     assert main(["eval", LENET, *RUN[:4], "--checkpoint", str(tmp_path / "weights.npy")]) == 2
     assert "single array" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("offset, value", DAMAGED_ZIP_HEADERS, ids=["unknown compression", "encrypted"])
+def test_a_checkpoint_with_a_damaged_zip_header_is_refused_in_one_line(tmp_path, offset, value):
+    path = tmp_path / "checkpoint.npz"
+    np.savez(path, weights=np.zeros(3))
+    damage_zip_header(path, offset, value)
+    with pytest.raises(CheckpointError, match="checkpoint.npz: not a readable checkpoint"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("name, content", [("weights.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}      "),
+                                           ("notes.txt", b"a text")])
+def test_a_file_of_another_kind_given_as_a_checkpoint_never_suggests_unsafe_loading(tmp_path, capsys, name, content):
+    (tmp_path / name).write_bytes(content)
+    assert main(["eval", LENET, *RUN[:4], "--checkpoint", str(tmp_path / name)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{tmp_path / name}: not a readable checkpoint (not the .npz archive snrt train writes" in err
+    assert "pickle" not in err and "unsafe" not in err
 
 
 @pytest.mark.parametrize("budget", ["1e400", "99999999999EiB"])

@@ -2,6 +2,9 @@
 several and prints a table; a folder that is not a run is one clear line."""
 
 import json
+import os
+
+import pytest
 
 from snrt.cli import main
 
@@ -95,3 +98,57 @@ def test_a_figure_interrupted_while_it_is_written_leaves_the_earlier_one_whole(t
     plt.close(fig)
     assert path.read_bytes() == earlier
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.png"]  # no temporary left
+
+
+def metrics_folder(folder, text):
+    """A run folder of metrics.jsonl `text` alone, as a run leaves it before its summary."""
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text(text)
+    return folder
+
+
+LINES = "".join(json.dumps({"iteration": i, "loss": 2.0 - i}) + "\n" for i in range(3))
+
+
+def test_report_draws_a_run_killed_while_it_wrote_a_line(tmp_path, capsys):
+    run = metrics_folder(tmp_path / "run", LINES + '{"iteration": 3, "lo')
+    assert main(["report", str(run), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["runs"]
+    assert row["iterations"] == 3 and row["final_loss"] == 0.0
+    (run / "metrics.jsonl").write_text(LINES + '{"iteration": 3, "lo\n' + LINES)  # a whole line: damaged
+    assert main(["report", str(run)]) == 2
+    assert "metrics.jsonl: line 4 is not JSON" in " ".join(capsys.readouterr().err.split())
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda run: (run / "metrics.jsonl").write_bytes(LINES.encode() + b"\xff\xfe\n"), "metrics.jsonl: not a text file"),
+    (lambda run: (run / "summary.json").write_bytes(b"\xff"), "summary.json: not a text file"),
+    (lambda run: (run / "metrics.jsonl").write_text('{"iteration": 0, "loss": null}\n'),
+     "metrics.jsonl: line 1 is not a metrics record"),
+    (lambda run: None, "m.txt: cannot draw a picture as .txt; name it .png"),
+], ids=["metrics", "summary", "loss", "picture"])
+def test_a_damaged_run_or_a_picture_of_no_known_format_is_one_line(tmp_path, capsys, damage, says):
+    run = metrics_folder(tmp_path / "run", LINES)
+    damage(run)
+    assert main(["report", str(run), "--png", str(tmp_path / "m.txt")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert says in err and "Traceback" not in err
+
+
+def test_a_run_in_a_folder_whose_name_is_not_utf8_is_drawn(tmp_path, capsys):
+    latin1 = os.fsdecode(b"caf\xe9")  # byte 0xE9 is not UTF-8
+    (tmp_path / "x").mkdir()
+    for run in (metrics_folder(tmp_path / latin1, LINES), metrics_folder(tmp_path / "x" / latin1, LINES)):
+        assert main(["report", str(run), "--json"]) == 0 and (run / "metrics.png").read_bytes()[:4] == PNG
+    assert main(["report", str(tmp_path / latin1), str(tmp_path / "x" / latin1), "--png",
+                 str(tmp_path / "both.png"), "--json"]) == 0  # the same name twice: told apart by their paths
+    assert (tmp_path / "both.png").read_bytes()[:4] == PNG
+
+
+def test_a_summary_whose_heldout_accuracy_is_not_a_number_shows_none(tmp_path, capsys):
+    run = metrics_folder(tmp_path / "run", LINES)
+    (run / "summary.json").write_text('{"heldout_accuracy": "0.9"}')  # edited by hand
+    assert main(["report", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["heldout_accuracy"] is None

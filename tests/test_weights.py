@@ -2,6 +2,11 @@
 safetensors or a PyTorch state dict; --init-from reads either back, by name or by order and
 shape, and a file that fits neither way is one error naming the first tensors that do not."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -107,3 +112,61 @@ def test_a_file_that_is_not_a_state_dict_is_one_line_that_never_suggests_unsafe_
     message = str(caught.value)
     assert message.startswith(f"{path}: not a PyTorch state dict of tensors") and "\n" not in message
     assert "weights_only` set to `False`" not in message and "state_dict()" in message
+
+
+@pytest.mark.parametrize("values, says", [
+    (lambda v: np.ones(v.shape, np.int64), "conv2d0.weight holds int64 values, not the floating-point numbers"),
+    (lambda v: np.ones(v.shape, bool), "conv2d0.weight holds bool values"),
+    (lambda v: np.full(v.shape, np.nan, np.float32), "conv2d0.weight holds NaN or infinite values"),
+], ids=["integers", "booleans", "nan"])
+def test_weights_that_are_not_finite_floats_are_refused_not_cast(tmp_path, values, says):
+    trainer = Trainer(snrt.load_config(LENET, {"train.batch": 8}))
+    before = trainer.host_arrays(("parameter", "state"))
+    tensors = {f"{node}.{name}": v for (node, name), v in before.items()}
+    tensors["conv2d0.weight"] = values(tensors["conv2d0.weight"])
+    save_file(tensors, tmp_path / "w.safetensors")
+    torch.save({f"layer{i}": torch.from_numpy(v) for i, v in enumerate(tensors.values())}, tmp_path / "w.pt")
+    with pytest.raises(SnrtError, match=f"w.safetensors: {says}"):
+        trainer.load_weights(tmp_path / "w.safetensors")
+    with pytest.raises(SnrtError, match=f"w.pt: {says.replace('conv2d0.weight', 'layer0')}"):  # by order
+        trainer.load_weights(tmp_path / "w.pt")
+    for key, value in trainer.host_arrays(("parameter", "state")).items():
+        np.testing.assert_array_equal(value, before[key])
+
+
+def test_an_export_that_cannot_be_written_is_one_line_and_never_replaces_the_checkpoint(run, tmp_path, capsys):
+    for fmt in ("safetensors", "torch", "onnx"):
+        assert main(["export", str(run), "--format", fmt, "--out", str(tmp_path / "missing" / "w")]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"{tmp_path / 'missing' / 'w'}: cannot write (No such file or directory)" in err, fmt
+        assert "Traceback" not in err
+    before = (run / "checkpoint.npz").read_bytes()
+    assert main(["export", str(run), "--out", str(run / "checkpoint.npz")]) == 2
+    assert "checkpoint.npz: is the checkpoint being exported; choose another --out" in capsys.readouterr().err
+    assert (run / "checkpoint.npz").read_bytes() == before
+
+
+def test_a_path_that_is_not_utf8_is_printed_as_it_is_in_a_utf8_locale(run, tmp_path):
+    out = tmp_path / os.fsdecode(b"caf\xe9.safetensors")  # a Latin-1 name
+    done = subprocess.run([sys.executable, "-m", "snrt", "export", str(run), "--out", str(out)], capture_output=True,
+                          env={**os.environ, "PYTHONIOENCODING": "utf-8"}, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert b"caf\xe9.safetensors" in done.stdout and out.is_file()
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_a_sparse_tensor_loads_dense_and_one_without_values_or_numpy_form_is_named(tmp_path):
+    trainer = Trainer(snrt.load_config(LENET, {"train.batch": 8}))
+    expected = {f"{node}.{name}": v for (node, name), v in trainer.host_arrays(("parameter", "state")).items()}
+    state = {name: torch.from_numpy(v) for name, v in expected.items()}
+    torch.save({**state, "linear0.weight": state["linear0.weight"].to_sparse()}, tmp_path / "sparse.pt")
+    trainer.load_weights(tmp_path / "sparse.pt")
+    np.testing.assert_array_equal(trainer.host_arrays(("parameter",))[("linear0", "weight")], expected["linear0.weight"])
+    quantized = torch.quantize_per_tensor(state["linear0.weight"], 0.1, 0, torch.qint8)
+    torch.save({**state, "linear0.weight": quantized}, tmp_path / "quantized.pt")
+    with pytest.raises(SnrtError, match="quantized.pt: linear0.weight is a tensor NumPy cannot hold"):
+        trainer.load_weights(tmp_path / "quantized.pt")
+    torch.save({**state, "linear0.weight": torch.empty(state["linear0.weight"].shape, device="meta")},
+               tmp_path / "meta.pt")
+    with pytest.raises(SnrtError, match="meta.pt: linear0.weight holds no values: a tensor of PyTorch's meta device"):
+        trainer.load_weights(tmp_path / "meta.pt")

@@ -230,9 +230,10 @@ def _infeasible(session, budget, rows, candidates=None):
     policy = f"policy {row.name}" + (", parameters streamed" if session.options.stream_parameters else "")
     if largest:
         where = f"the largest batch that fits is {largest} ({policy})"
-    elif persistent > budget and session.options.training and not session.options.stream_parameters:
-        where = (f"no batch size fits: the parameters and optimizer state alone ({human_bytes(persistent)}) are too "
-                 "large to stay on the device; stream them from host memory (--stream-parameters, "
+    elif session.options.training and not session.options.stream_parameters:  # streaming them would help
+        held = (f"the parameters and optimizer state alone ({human_bytes(persistent)}) are too large to stay on the "
+                "device" if persistent > budget else "not with the parameters and optimizer state on the device")
+        where = (f"no batch size fits: {held}; stream them from host memory (--stream-parameters, "
                  "memory.stream_parameters) or use policy auto")
     else:
         where = f"no batch size fits: even batch 1 needs more under {policy}"

@@ -10,14 +10,17 @@ from snrt.errors import SnrtError
 
 def replace_atomically(path, write):
     """`write(temporary)` (a Path beside `path`), then the temporary renamed over `path`; the
-    temporary is removed when either fails (an interrupt included), and the error raised."""
+    temporary is removed when either fails (an interrupt included), and the error raised (an
+    OSError about the temporary names `path`, the file the caller asked for)."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.tmp")
     try:
         write(partial)
         os.replace(partial, path)
-    except BaseException:
+    except BaseException as error:
         partial.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.filename is not None and Path(error.filename) == partial:
+            error.filename = str(path)
         raise
 
 

@@ -100,6 +100,17 @@ def test_a_figure_interrupted_while_it_is_written_leaves_the_earlier_one_whole(t
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.png"]  # no temporary left
 
 
+def test_a_file_that_cannot_be_written_is_named_as_asked_not_by_its_temporary(tmp_path):
+    import pytest
+
+    from snrt.atomic import replace_atomically
+
+    path = tmp_path / "missing" / "timeline.png"
+    with pytest.raises(FileNotFoundError) as raised:
+        replace_atomically(path, lambda partial: partial.write_bytes(b"x"))
+    assert raised.value.filename == str(path)
+
+
 def metrics_folder(folder, text):
     """A run folder of metrics.jsonl `text` alone, as a run leaves it before its summary."""
     folder.mkdir()

@@ -4,8 +4,7 @@ Two buffers may share bytes only when their live intervals do not overlap. Two p
 tried and the smaller arena kept: the intervals replayed in step order against a best-fit
 allocator (holes coalesced on free; linear in the number of buffers), and, for plans of up to
 GREEDY_MAX_BUFFERS buffers, the offline greedy that places the largest buffers first, each at
-the lowest offset free over its whole interval (quadratic, usually tighter; compiled with
-numba, integers only), in two orders of
+the lowest offset free over its whole interval (quadratic, usually tighter), in two orders of
 buffers of one size (`GREEDY_TIES`: the earliest first, the longest-lived first; across the zoo's
 plans each is the tighter one for some). Persistent
 buffers sit at the bottom. The arena is the highest address used; the sum of live bytes at
@@ -13,9 +12,6 @@ the peak step is the lower bound any assignment must reach.
 """
 
 import bisect
-
-import numpy as np
-from numba import njit
 
 from snrt.scheduler.plan import evolve
 
@@ -121,38 +117,18 @@ def _best_fit(buffers, allocations, frees):
 
 def _largest_first(buffers, intervals, ties):
     """(offsets from 0, top): largest buffers first (those of one size in the order of
-    ties(first, last)), each at the lowest offset free over its interval (`lowest_offsets`)."""
+    ties(first, last)), each at the lowest offset free over its interval."""
     order = sorted(intervals, key=lambda b: (-aligned(buffers[b].nbytes), *ties(*intervals[b]), b))
-    sizes = np.array([aligned(buffers[b].nbytes) for b in order], np.int64)
-    firsts, lasts = (np.array([intervals[b][k] for b in order], np.int64) for k in (0, 1))
-    offsets = lowest_offsets(sizes, firsts, lasts)
-    return dict(zip(order, offsets.tolist())), int((offsets + sizes).max(initial=0))
-
-
-@njit(cache=True)
-def lowest_offsets(sizes, firsts, lasts):
-    """Offsets of blocks placed one after the other, block i (`sizes[i]` bytes, alive from step
-    `firsts[i]` to `lasts[i]`) at the lowest offset >= 0 where it overlaps no block placed
-    before it that is alive at some step of its interval.
-
-    The placed blocks are kept in order of their offsets (`by_offset`); a block's scan goes up
-    through those alive with it, its offset the highest top met so far, and stops at the first
-    whose start leaves room below it. Integers only: the same offsets on every machine."""
-    n = sizes.size
-    offsets = np.zeros(n, np.int64)
-    by_offset = np.empty(n, np.int64)
-    for i in range(n):
-        size, first, last, offset = sizes[i], firsts[i], lasts[i], 0
-        for k in range(i):
-            j = by_offset[k]
-            if firsts[j] <= last and lasts[j] >= first:
-                if offset + size <= offsets[j]:
-                    break
-                offset = max(offset, offsets[j] + sizes[j])
-        offsets[i] = offset
-        k = i
-        while k > 0 and offsets[by_offset[k - 1]] > offset:
-            by_offset[k] = by_offset[k - 1]
-            k -= 1
-        by_offset[k] = i
-    return offsets
+    placed, offsets, top = [], {}, 0
+    for b in order:
+        start, end = intervals[b]
+        size = aligned(buffers[b].nbytes)
+        offset = 0
+        for low, high in sorted((o, o + n) for s, e, o, n in placed if s <= end and start <= e):
+            if offset + size <= low:
+                break
+            offset = max(offset, high)
+        placed.append((start, end, offset, size))
+        offsets[b] = offset
+        top = max(top, offset + size)
+    return offsets, top

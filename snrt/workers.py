@@ -54,7 +54,7 @@ class WorkerBatches:
         self.reading = [context.RawArray("c", PATH_BYTES) for _ in range(self.workers)]
         self.processes = [context.Process(target=_work, name=f"snrt-data-{k}", daemon=True,
                                           args=(batches, self.memory, self.slot_bytes, self.tasks, self.done,
-                                                self.reading[k], k))
+                                                self.reading[k], k, os.getpid()))
                           for k in range(self.workers)]
         for p in self.processes:
             p.start()
@@ -129,9 +129,11 @@ class WorkerBatches:
         self.close()
 
 
-def _work(batches, memory, slot_bytes, tasks, done, reading, k):
-    """A worker's loop: make batch i into its slot, say so, until killed, or until the trainer is
-    gone (killed itself, by the OOM killer say, it cannot stop its workers)."""
+def _work(batches, memory, slot_bytes, tasks, done, reading, k, trainer):
+    """A worker's loop: make batch i into its slot, say so, until killed, or until the trainer
+    (process id `trainer`, given: a worker still starting when the trainer is killed is adopted
+    before it could ask for its parent) is gone (killed itself, by the OOM killer say, it cannot
+    stop its workers)."""
     from snrt import images  # the image decoder reports each file it opens
 
     # Ctrl-C at a terminal signals every process of the command: the trainer stops the workers
@@ -139,7 +141,6 @@ def _work(batches, memory, slot_bytes, tasks, done, reading, k):
 
     images.on_open = lambda path: setattr(reading, "value", os.fsencode(path)[:PATH_BYTES - 1])  # any name
     view = np.frombuffer(memory, np.uint8)
-    trainer = os.getppid()
     while True:
         try:
             i, slot = tasks.get(timeout=POLL_S)

@@ -106,7 +106,8 @@ def draw_metrics(runs, path, title=None):
         ax.grid(alpha=0.3)
     for ax in axes[1]:
         ax.set_xlabel("iteration")
-    axes[0][1].legend(fontsize=8)
+    if axes[0][1].get_legend_handles_labels()[0]:  # runs without accuracy draw nothing there to name
+        axes[0][1].legend(fontsize=8)
     fig.suptitle(title or ", ".join(r.name for r in runs))
     fig.tight_layout()
     save_figure(fig, path)

@@ -204,6 +204,7 @@ class Trainer:
         """One training iteration on batch (x, y) at learning rate `lr` (default: the
         schedule's at this iteration of `total`); returns its Metrics."""
         train = self.config.train
+        self._check_batch({"data": x, "label": y})
         if lr is None:
             lr = learning_rate(train.schedule, train.optimizer.lr, self.iteration, total)
         start = time.perf_counter()
@@ -227,6 +228,17 @@ class Trainer:
             self.loss_scale.after(self.executor.overflowed)
         self.iteration += 1
         return metrics
+
+    def _check_batch(self, feed):
+        """SnrtError unless each array of `feed` has the shape of the plan's input it feeds:
+        a smaller batch would be broadcast over the planned one (the CPU) or fail inside the
+        iteration, leaving its buffers reserved."""
+        plan = self.executor.plan
+        for name, b in plan.inputs:
+            expected, got = tuple(plan.buffers[b].shape), tuple(np.shape(feed[name]))
+            if got != expected:
+                raise SnrtError(f"step: {name} has shape {list(got)}, but this trainer's plan takes {list(expected)} "
+                                f"(a batch of {expected[0]} first)")
 
     def _divergence_message(self, loss, lr):
         """What went non-finite at this iteration: the loss, and the first parameter (in graph

@@ -369,3 +369,16 @@ def test_a_segmenter_learns_the_class_of_every_pixel():
     assert len(trainer.heldout_set) % config.train.batch  # a padded last batch
     assert 0 <= history[-1].accuracy <= 1 and np.isfinite(loss)
     assert accuracy > max(0.6, before + 0.3), (before, accuracy)  # chance is 1/3
+
+
+def test_a_batch_of_another_shape_is_refused_before_the_iteration_and_the_trainer_goes_on():
+    config = snrt.load_config(SMALL_RESNET)
+    trainer = Trainer(config)
+    x, y = batch_of(config, 0)
+    with pytest.raises(snrt.SnrtError, match=r"step: data has shape \[1, 3, 12, 12\], but this trainer's plan takes "
+                                             r"\[8, 3, 12, 12\]"):
+        trainer.step(x[:1], y[:1], total=2)  # broadcast over the batch, it trained on 8 copies of one image
+    with pytest.raises(snrt.SnrtError, match=r"step: label has shape \[8, 1\]"):
+        trainer.step(x, y[:, None], total=2)
+    fresh = Trainer(config)
+    assert trainer.step(x, y, total=2).loss == fresh.step(x, y, total=2).loss

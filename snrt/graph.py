@@ -7,7 +7,6 @@ layer fact methods work with full shapes (batch first). Nodes are kept in topolo
 
 import hashlib
 import math
-import numbers
 from dataclasses import dataclass
 
 from snrt.errors import GraphError, ShapeError, SnrtError
@@ -15,6 +14,7 @@ from snrt.layers import Layer
 from snrt.layers.base import BACKWARD, FORWARD, numel
 from snrt.layers.input import Input
 from snrt.summary import format_summary
+from snrt.units import is_count
 
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "int32": 4, "int64": 8}
 RESERVED = (":", "@")  # in node names: buffers are named node:name, and their later versions name@k
@@ -214,7 +214,7 @@ class Graph:
     def rows(self, batch=1):
         """One LayerRow per node at `batch` (Input nodes included); a batch that is not a
         positive int is a SnrtError."""
-        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+        if not is_count(batch):
             raise SnrtError(f"batch: expected a positive int, got {batch!r}")
         rows = []
         for node in self.nodes.values():

@@ -14,7 +14,6 @@ snrt's kernel threads with them.
 
 import math
 import multiprocessing
-import numbers
 import os
 import warnings
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from snrt.errors import SnrtError
+from snrt.units import is_count
 
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -71,7 +71,7 @@ def limit_threads(count):
     loads scipy's OpenBLAS on its first compile) through the variables they read when they
     load. Returns `thread_pools()` after the change; a count that is not a positive int is a
     SnrtError, and changes nothing."""
-    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+    if not is_count(count):
         raise SnrtError(f"limit_threads: expected a positive int, got {count!r}")
     _LIMIT[:] = [count]
     for variable in POOL_VARIABLES:

@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import numbers
 import signal
 import threading
 import time
@@ -28,6 +27,7 @@ from snrt.parallel import Solo, launcher_local_size
 from snrt.precision import LossScale, precision_named
 from snrt.runtime import plan_run, prepare
 from snrt.threads import usable_cores
+from snrt.units import is_count
 from snrt.weights import ROLES as WEIGHT_ROLES, matched, read as read_weights
 from snrt.workers import WorkerBatches
 
@@ -129,7 +129,7 @@ class Trainer:
         """
         train = self.config.train
         for name, value in (("iterations", iterations), ("checkpoint_every", checkpoint_every)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+            if value is not None and not is_count(value, least=0):
                 raise SnrtError(f"fit: {name}: expected an int >= 0, got {value!r}")
         total = iterations if iterations is not None else train.iterations
         every = train.checkpoint_every if checkpoint_every is None else checkpoint_every

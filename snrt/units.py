@@ -1,6 +1,7 @@
 """Byte sizes written by people: 12GiB, 512MB, 1e9, 1073741824."""
 
 import math
+import numbers
 import re
 from typing import NewType
 
@@ -13,6 +14,12 @@ _UNITS = {
 }
 MAX_BYTES = 2**62  # 4 EiB: far beyond any device, small enough for int64 arithmetic
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def is_count(value, least=1):
+    """Whether `value` is an int (a bool is not one) of at least `least`: a batch, a number of
+    ranks or threads, a number of iterations (least 0)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
 
 
 def parse_bytes(value):

@@ -2,7 +2,6 @@
 from a Graph and options to a Plan; no numpy or cupy here."""
 
 import dataclasses
-import numbers
 
 from snrt.errors import SnrtError
 from snrt.graph import Graph
@@ -10,7 +9,7 @@ from snrt.scheduler.plan import Plan
 from snrt.scheduler.options import PlanOptions
 from snrt.scheduler.planner import BudgetError, make_plan
 from snrt.scheduler.policies import POLICIES, Policy
-from snrt.units import parse_bytes
+from snrt.units import is_count, parse_bytes
 
 
 def plan(graph, batch, policy="none", budget=None, training=True, **options):
@@ -27,7 +26,7 @@ def plan(graph, batch, policy="none", budget=None, training=True, **options):
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise SnrtError(f"unknown planning option {unknown[0]!r}; expected one of {', '.join(accepted)}")
-    if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+    if not is_count(batch):
         raise SnrtError(f"batch: expected a positive int, got {batch!r}")
     try:
         budget = parse_bytes(budget) if budget is not None else None

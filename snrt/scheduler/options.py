@@ -8,6 +8,7 @@ from snrt.precision import DEFAULT as DEFAULT_PRECISION, precision_named
 from snrt.scheduler import cost as cost_models
 from snrt.scheduler.cost import CostModel
 from snrt.scheduler.reduce import BUCKET_BYTES
+from snrt.units import is_count
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class PlanOptions:
         object.__setattr__(self, "optimizer_states", tuple(states))
         for name in ("ranks", "bucket_bytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_count(value):
                 raise SnrtError(f"{name}: expected a positive int, got {value!r}")
         precision_named(self.precision)  # an unknown name: a SnrtError listing the choices
 

@@ -108,6 +108,7 @@ CASES = [
     ("nan-lr", ("optimizer: {lr: 0.1}", "optimizer: {lr: .nan}"), "train.optimizer.lr", "finite number"),
     ("inf-budget", ("budget: 1GiB", "budget: .inf"), "memory.budget", "byte size"),
     ("huge-budget", ("budget: 1GiB", "budget: 1e400"), "memory.budget", "finite byte size"),
+    ("fractional-bytes", ("budget: 1GiB", "budget: '1.5'"), "memory.budget", "whole number of bytes, got '1.5': add a unit"),
     ("host-store-type", ("budget: 1GiB", "budget: 1GiB, host_store: 3"), "memory.host_store", "expected a string"),
     ("name-a-path", "name: ../../escaped\n" + VALID, "name", "expected a plain name"),
     ("name-empty", "name: ''\n" + VALID, "name", "expected a plain name"),

@@ -42,10 +42,10 @@ def parse_bytes(value):
         raise ValueError(f"expected a byte size such as 12GiB, 512MiB, 8GB or 1000000, got {value!r}")
     unit = _UNITS[match.group(2).lower()]
     size = float(match.group(1)) * unit
-    if unit == 1 and size != int(size):
-        raise ValueError(f"expected a whole number of bytes, got {value!r}: add a unit, such as {match.group(1)}GiB")
     if not math.isfinite(size):
         raise ValueError(f"expected a finite byte size such as 12GiB, got {value!r}")
+    if unit == 1 and size != int(size):
+        raise ValueError(f"expected a whole number of bytes, got {value!r}: add a unit, such as {match.group(1)}GiB")
     return _at_most_max(int(size))
 
 

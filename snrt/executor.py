@@ -89,6 +89,7 @@ class Executor:
         self.captured, self._captured_with = None, None  # the captured iteration and the optimizer it updates with
         self.runs = self.replayed = 0  # iterations run, and of them run as the captured graph
         self.step_index = -1  # the step that raised in _run_steps (a failed capture names it)
+        self.faulted = None  # why no run can follow a failed one (several ranks), else None
         self._update_steps = tuple(i for i, step in enumerate(plan.steps) if step.kind == "update")
         self._update_rows = sum(len(plan.steps[i].slots) for i in self._update_steps)
 
@@ -146,14 +147,40 @@ class Executor:
         self.grad_squares, self.overflowed = 0.0, False
         for ctx in self.contexts:
             ctx.iteration, ctx.seed = iteration, seed
+        if self.faulted:
+            raise RuntimeError(self.faulted)
         self.runs += 1
-        if self.replay_refusal() is None:
-            if self.captured is not None and self._captured_with is optimizer:
-                return self._replay(feed)
-            if self.runs > 1 and self._capture(feed, optimizer):
-                return self._finish()
-        self._run_steps(feed)
-        return self._finish()
+        try:
+            if self.replay_refusal() is None:
+                if self.captured is not None and self._captured_with is optimizer:
+                    return self._replay(feed)
+                if self.runs > 1 and self._capture(feed, optimizer):
+                    return self._finish()
+            self._run_steps(feed)
+            return self._finish()
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _abandon(self):
+        """After a fault inside an iteration (an error, Ctrl-C): wait for the copies in flight
+        (they write to the arena and the host store), then release the iteration's buffers, so
+        that the next run starts as the first did. What the iteration updated before the fault
+        stays updated. With several ranks, the ranks are out of step and their exchanges may
+        never finish: every later run is refused."""
+        if self.plan.ranks > 1:
+            self.faulted = ("an earlier iteration failed on this rank, so the ranks are out of step: restart the run "
+                            "(from its last checkpoint)")
+            return
+        for event in self.pending.values():
+            try:
+                event.wait()
+            except Exception:  # the fault being raised is the one to report
+                pass
+        self.pending.clear()
+        self.waited.clear()
+        self.backend.synchronize()
+        self._release_iteration()
 
     def replay_refusal(self):
         """None when the next iteration may be replayed (or captured); else why its steps run

@@ -382,3 +382,29 @@ def test_a_batch_of_another_shape_is_refused_before_the_iteration_and_the_traine
         trainer.step(x, y[:, None], total=2)
     fresh = Trainer(config)
     assert trainer.step(x, y, total=2).loss == fresh.step(x, y, total=2).loss
+
+
+@pytest.mark.parametrize("policy", ["none", "superneurons"])
+def test_a_step_that_fails_mid_iteration_leaves_the_trainer_ready_for_the_next(policy):
+    """A fault inside the iteration (here the first forward after a copy to the host began)
+    waits for the copies in flight and releases the iteration's buffers, so the next step runs
+    as a fresh trainer's would (the fault came before any update)."""
+    config = snrt.load_config(SMALL_RESNET, {"memory.policy": policy})
+    trainer, fresh = Trainer(config, check=True), Trainer(config, check=True)
+    steps = [s.kind for s in trainer.plan.steps]
+    first_copy = steps.index("offload") if "offload" in steps else 0
+    fault = steps.index("forward", first_copy + 1)
+    kept = trainer.executor.actions[fault]
+
+    def failing():
+        trainer.executor.actions[fault] = kept
+        raise MemoryError("a kernel's scratch array")
+    trainer.executor.actions[fault] = failing
+    x, y = batch_of(config, 0)
+    with pytest.raises(MemoryError, match="scratch"):
+        trainer.step(x, y, total=2)
+    arena = trainer.backend.arena
+    assert arena.live_bytes == sum(b.nbytes for b in arena.live.values() if b.resident)
+    assert not trainer.executor.pending and trainer.iteration == 0
+    assert [trainer.step(*batch_of(config, i), total=2).loss for i in range(2)] == \
+        [fresh.step(*batch_of(config, i), total=2).loss for i in range(2)]

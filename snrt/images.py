@@ -1,6 +1,7 @@
 """Image folders (ImageNet's layout): DIR/train/<class>/* and DIR/val/<class>/*, JPEG, PNG or WebP.
 
-Classes are the folders of DIR/train sorted by name (index 0 first); without DIR/val a seeded,
+Classes are the folders of DIR/train sorted by name (index 0 first), each holding its images at
+any depth (DIR/train/<class>/<any folders>/*); without DIR/val a seeded,
 stratified fraction train.data.holdout of train is held out. Images are decoded with Pillow
 (the `data` extra) when a batch needs them, with torchvision's semantics:
 
@@ -23,6 +24,8 @@ files are counted and left out instead (every image is then decoded once to chec
 """
 
 import math
+import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +45,9 @@ def _pillow():
         from PIL import Image
     except ImportError:
         raise ConfigError("<data>", "train.data.type", "image folders need Pillow: pip install 'snrt[data]'") from None
+    # an image of 89 to 179 megapixels is one a data set may hold (above, Pillow's
+    # DecompressionBombError makes it a bad file): decoded like any other, without a warning per read
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
     return Image
 
 
@@ -187,9 +193,7 @@ def _listed(folder, names, skip_bad, skipped, index=None):
     files, y = [], []
     for name in names:
         found = 0
-        for path in sorted(p for p in (folder / name).iterdir() if not p.name.startswith(".")):
-            if path.is_dir():
-                continue
+        for path in _files_under(folder / name):
             problem = _problem(image_module, path, full=skip_bad)
             if problem is None:
                 files.append(path)
@@ -204,6 +208,21 @@ def _listed(folder, names, skip_bad, skipped, index=None):
             raise ConfigError(str(folder / name), "train.data.path", "a class folder with no image "
                                                                      f"({', '.join(EXTENSIONS)})")
     return files, y
+
+
+def _files_under(folder):
+    """The files in `folder` and its folders at any depth (as torchvision's ImageFolder reads a
+    class), sorted by path; names starting with '.' left out; a linked folder is read once."""
+    seen, files = set(), []
+    for parent, folders, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(parent)
+        if real in seen:  # a link back up the tree, or a second link to one folder
+            folders[:] = []
+            continue
+        seen.add(real)
+        folders[:] = [f for f in folders if not f.startswith(".")]
+        files += [Path(parent) / n for n in names if not n.startswith(".")]
+    return sorted(files)
 
 
 def _problem(image_module, path, full):

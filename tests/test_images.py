@@ -199,6 +199,29 @@ def test_bad_data_is_one_line_naming_the_file_or_folder(tmp_path, damage, where,
     assert str(root / where) in str(error.value) and says in str(error.value)
 
 
+def test_images_in_folders_below_a_class_are_that_class_and_links_back_up_are_read_once(tmp_path):
+    root = make_folder(tmp_path)
+    deeper = root / "train" / "dog" / "2019" / "june"
+    deeper.mkdir(parents=True)
+    (root / "train" / "dog" / "0.png").rename(deeper / "0.png")
+    (root / "train" / "dog" / ".cache").mkdir()
+    (root / "train" / "dog" / ".cache" / "0.png").write_bytes(b"not read: a hidden folder")
+    (root / "train" / "dog" / "again").symlink_to(root / "train" / "dog")  # a loop
+    train, _ = datasets(root)
+    assert len(train) == 18 and list(train.y).count(1) == 6
+    assert deeper / "0.png" in train.files
+
+
+def test_an_image_of_a_hundred_megapixels_is_decoded_without_a_warning(tmp_path, recwarn):
+    root = make_folder(tmp_path)
+    Image.new("L", (10_000, 10_000), 200).save(root / "train" / "dog" / "large.png")  # over Pillow's warning limit
+    train, _ = datasets(root)
+    x, y = train.take([list(train.files).index(root / "train" / "dog" / "large.png")],
+                      [np.random.default_rng(0)])
+    assert y.tolist() == [1] and np.allclose(x, 200 / 255)
+    assert not [w for w in recwarn if "DecompressionBomb" in type(w.message).__name__]
+
+
 def test_skip_bad_images_counts_and_leaves_out_what_cannot_be_decoded(tmp_path):
     root = make_folder(tmp_path)
     good = (root / "train" / "cat" / "1.jpg").read_bytes()

@@ -549,7 +549,10 @@ def _train_in(folder, checkpoint, args, config, plan, console):
                       f"train.iterations is {config.train.iterations}; ask for more with --iterations")
         return 0
     if args.resume is not None:
-        folder.truncate_metrics(trainer.iteration)
+        try:
+            folder.truncate_metrics(trainer.iteration)
+        except OSError as e:
+            raise _cannot_write(folder.metrics, e, f"the run is as it was, at iteration {trainer.iteration}") from None
     out = folder.path
     _write_run_file(out / "config.yaml", config_to_yaml(config),
                     f"nothing was trained yet (iteration {trainer.iteration})")

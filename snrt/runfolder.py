@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from snrt.atomic import replace_atomically
 from snrt.checkpoint import remove_stale_temporaries
 from snrt.errors import SnrtError
 
@@ -104,9 +105,7 @@ class RunFolder:
                     kept.append(line)
             except (ValueError, KeyError, TypeError):
                 continue
-        tmp = self.path / f".{METRICS}.tmp"
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.metrics)
+        replace_atomically(self.metrics, lambda partial: partial.write_text("".join(line + "\n" for line in kept)))
 
     def close(self):
         """Unlock the folder."""

@@ -248,6 +248,26 @@ def test_a_full_disk_while_writing_metrics_stops_with_the_checkpoint_saved(tmp_p
     assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == []
 
 
+def test_a_full_disk_while_cutting_metrics_back_on_resume_keeps_them_whole(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "3") == 0
+    before = (out / "metrics.jsonl").read_bytes()
+    write_text = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name.startswith(".metrics.jsonl"):
+            write_text(self, "{\"iteration\": 0")  # a part of the file, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return write_text(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "write_text", full)
+    assert train(out, "--iterations", "5", "--resume") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{out / 'metrics.jsonl'}: cannot write (No space left on device); the run is as it was, at iteration 3" in err
+    assert "Traceback" not in err and ".tmp" not in err
+    assert (out / "metrics.jsonl").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == []
+
+
 def test_a_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert train(out, "--iterations", "2") == 0

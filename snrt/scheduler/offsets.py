@@ -4,7 +4,8 @@ Two buffers may share bytes only when their live intervals do not overlap. Two p
 tried and the smaller arena kept: the intervals replayed in step order against a best-fit
 allocator (holes coalesced on free; linear in the number of buffers), and, for plans of up to
 GREEDY_MAX_BUFFERS buffers, the offline greedy that places the largest buffers first, each at
-the lowest offset free over its whole interval (quadratic, usually tighter), in two orders of
+the lowest offset free over its whole interval (usually tighter; each buffer checked against
+those placed that are alive during its steps, found through an index by step), in two orders of
 buffers of one size (`GREEDY_TIES`: the earliest first, the longest-lived first; across the zoo's
 plans each is the tighter one for some). Persistent
 buffers sit at the bottom. The arena is the highest address used; the sum of live bytes at
@@ -17,6 +18,7 @@ from snrt.scheduler.plan import evolve
 
 ALIGN_BYTES = 256
 GREEDY_MAX_BUFFERS = 8000
+BUCKET_STEPS = 16  # the greedy's index of placed buffers: one list per this many steps
 GREEDY_TIES = (  # orders of the greedy's buffers of one size, by their (first, last) steps alive
     lambda first, last: (first,),
     lambda first, last: (first - last, first),
@@ -119,16 +121,53 @@ def _largest_first(buffers, intervals, ties):
     """(offsets from 0, top): largest buffers first (those of one size in the order of
     ties(first, last)), each at the lowest offset free over its interval."""
     order = sorted(intervals, key=lambda b: (-aligned(buffers[b].nbytes), *ties(*intervals[b]), b))
-    placed, offsets, top = [], {}, 0
+    placed = _Placed(max((end for _, end in intervals.values()), default=0) + 1)
+    offsets, top = {}, 0
     for b in order:
         start, end = intervals[b]
         size = aligned(buffers[b].nbytes)
         offset = 0
-        for low, high in sorted((o, o + n) for s, e, o, n in placed if s <= end and start <= e):
+        for low, high in sorted(placed.alive_during(start, end)):
             if offset + size <= low:
                 break
-            offset = max(offset, high)
-        placed.append((start, end, offset, size))
+            if high > offset:
+                offset = high
+        placed.add(start, end, (offset, offset + size))
         offsets[b] = offset
         top = max(top, offset + size)
     return offsets, top
+
+
+class _Placed:
+    """Address ranges, each alive over an interval of steps in [0, steps), found by the steps:
+    those alive during [start, end] are the ones alive at step `start` (a segment tree over the
+    steps, each range kept at the O(log steps) nodes that cover its interval) and those that
+    come alive in (start, end] (lists by first step, BUCKET_STEPS steps each), each found once."""
+
+    def __init__(self, steps):
+        self.leaves = 1 << max(0, steps - 1).bit_length()
+        self.nodes = [[] for _ in range(2 * self.leaves)]
+        self.by_first = [[] for _ in range(steps // BUCKET_STEPS + 1)]
+
+    def add(self, start, end, block):
+        self.by_first[start // BUCKET_STEPS].append((start, block))
+        nodes, low, high = self.nodes, start + self.leaves, end + self.leaves + 1
+        while low < high:
+            if low & 1:
+                nodes[low].append(block)
+                low += 1
+            if high & 1:
+                high -= 1
+                nodes[high].append(block)
+            low >>= 1
+            high >>= 1
+
+    def alive_during(self, start, end):
+        """The blocks alive at some step of [start, end], in no order."""
+        nodes, node, alive = self.nodes, start + self.leaves, []
+        while node:
+            alive += nodes[node]
+            node >>= 1
+        for k in range((start + 1) // BUCKET_STEPS, end // BUCKET_STEPS + 1):
+            alive += [block for first, block in self.by_first[k] if start < first <= end]
+        return alive

@@ -250,6 +250,7 @@ def load_config(source, overrides=None):
     {"train.batch": 2, "input.shape": [3, 64, 64]} (what the command-line flags do), so that
     a bad value is reported like one in the file.
     """
+    _check_overrides(overrides)
     if isinstance(source, dict):
         return parse_config(apply_overrides(source, overrides), "<dict>")
     if not isinstance(source, (str, os.PathLike)):
@@ -327,6 +328,20 @@ def _check_size(source, doc):
             stack.extend(value.values())
         elif isinstance(value, list):
             stack.extend(value)
+
+
+def _check_overrides(overrides):
+    """A ConfigError (source "<overrides>") unless `overrides` is None or a mapping whose keys are
+    dotted names such as "train.batch"."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, dict):
+        raise ConfigError("<overrides>", "", f"expected a mapping of dotted keys to values such as "
+                                             f"{{'train.batch': 2}}, got {_kind(overrides)}")
+    for dotted in overrides:
+        if not isinstance(dotted, str) or not all(dotted.split(".")):
+            raise ConfigError("<overrides>", str(dotted), f"expected a dotted key such as 'train.batch', "
+                                                          f"got {_kind(dotted)}")
 
 
 def apply_overrides(doc, overrides):

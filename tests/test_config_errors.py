@@ -435,3 +435,14 @@ def test_numbers_in_exponent_form_are_floats(tmp_path):
     path.write_text(VALID.replace("optimizer: {lr: 0.1}", "optimizer: {lr: 1e-3, weight_decay: 5E-4}"))
     optimizer = load_config(path).train.optimizer
     assert (optimizer.lr, optimizer.weight_decay) == (0.001, 0.0005)
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["train.batch", 2], "", "expected a mapping of dotted keys to values such as {'train.batch': 2}, got list"),
+    ({("train", "batch"): 2}, "('train', 'batch')", "expected a dotted key such as 'train.batch', got tuple"),
+    ({"train..batch": 2}, "train..batch", "expected a dotted key such as 'train.batch', got str 'train..batch'"),
+])
+def test_overrides_that_are_not_dotted_keys_are_named(overrides, key, words):
+    with pytest.raises(ConfigError) as caught:
+        load_config("configs/lenet.yaml", overrides=overrides)
+    assert (caught.value.source, caught.value.key) == ("<overrides>", key) and words in caught.value.message

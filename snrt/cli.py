@@ -30,7 +30,8 @@ from snrt.precision import PRECISIONS, PrecisionError
 from snrt.scheduler import BudgetError, policies
 from snrt.scheduler.planner import require_budget
 from snrt.summary import human_bytes, summary_table, totals_by_type
-from snrt.threads import Claims, describe_pools, in_a_child, limit_threads, thread_pools, usable_cores
+from snrt.threads import (MAX_THREADS, Claims, describe_pools, in_a_child, limit_threads, thread_pools,
+                          usable_cores)
 
 
 def _positive_int(text):
@@ -40,6 +41,13 @@ def _positive_int(text):
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive int, got {text}")
+    return value
+
+
+def _thread_count(text):
+    value = _positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} threads, got {value}")
     return value
 
 
@@ -189,7 +197,7 @@ def _add_precision(parser):
                         help="GPU: admit cuDNN's non-deterministic engines, which may be faster (results vary in "
                              "their last bits; sets train.deterministic false)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
-    parser.add_argument("--threads", type=_positive_int,
+    parser.add_argument("--threads", type=_thread_count,
                         help="threads of the CPU's BLAS pool (default: the cores this process may use)")
 
 

@@ -250,6 +250,7 @@ def load_config(source, overrides=None):
     {"train.batch": 2, "input.shape": [3, 64, 64]} (what the command-line flags do), so that
     a bad value is reported like one in the file.
     """
+    _check_overrides(overrides)
     if isinstance(source, dict):
         return parse_config(apply_overrides(source, overrides), "<dict>")
     if not isinstance(source, (str, os.PathLike)):
@@ -291,10 +292,21 @@ class _DuplicateKey(Exception):
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML's safe loader, but a key given twice in a mapping is an error, and numbers in
+    """YAML's safe loader, but a key given twice in a mapping is an error, a tagged value its
+    tag cannot read (!!int abc, !!bool maybe) is a YAML error at its line, and numbers in
     exponent form without a point (1e-3, 5E4) are floats, as in JSON and YAML 1.2."""
 
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, KeyError, TypeError, AttributeError):  # PyYAML's constructors assume a readable value
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise yaml.constructor.ConstructorError(None, None, f"the tag {tag} cannot read {node.value!r}",
+                                                    node.start_mark) from None
+
     def construct_mapping(self, node, deep=False):
+        if not isinstance(node, yaml.MappingNode):  # !!map [1]: the constructor says what it expected
+            return super().construct_mapping(node, deep)
         seen = {}  # key -> its line
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *alias" may override, as YAML says
@@ -327,6 +339,20 @@ def _check_size(source, doc):
             stack.extend(value.values())
         elif isinstance(value, list):
             stack.extend(value)
+
+
+def _check_overrides(overrides):
+    """A ConfigError (source "<overrides>") unless `overrides` is None or a mapping whose keys are
+    dotted names such as "train.batch"."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, dict):
+        raise ConfigError("<overrides>", "", f"expected a mapping of dotted keys to values such as "
+                                             f"{{'train.batch': 2}}, got {_kind(overrides)}")
+    for dotted in overrides:
+        if not isinstance(dotted, str) or not all(dotted.split(".")):
+            raise ConfigError("<overrides>", str(dotted), f"expected a dotted key such as 'train.batch', "
+                                                          f"got {_kind(dotted)}")
 
 
 def apply_overrides(doc, overrides):

@@ -17,6 +17,8 @@ at iteration k sees exactly what an uninterrupted run sees, whatever the loader 
 Nothing is downloaded: CIFAR is read from a local folder, digits from scikit-learn's bundled copy.
 """
 
+import math
+import os
 import pickle
 import queue
 import threading
@@ -97,6 +99,7 @@ def _load_synthetic(data, input_shape, classes, seed, per_pixel=False):
     `per_pixel`, label maps of random class blocks and each pixel the colour of its class."""
     if data.samples < 2:
         raise ConfigError("<data>", "train.data.samples", f"the synthetic set needs at least 2 samples, got {data.samples}")
+    _require_room_for_synthetic(data.samples, input_shape)
     rng = np.random.default_rng([seed, 7])
     if per_pixel:
         return _split_holdout(*_synthetic_label_maps(rng, data.samples, input_shape, classes), classes,
@@ -120,6 +123,17 @@ def _load_synthetic(data, input_shape, classes, seed, per_pixel=False):
         x[chunk] += np.einsum("hi,bcij,wj->bchw", up_h, low[y[chunk]], up_w, optimize=True)
     x += 0.5
     return _split_holdout(x, y, classes, "synthetic", data, seed)
+
+
+def _require_room_for_synthetic(samples, input_shape):
+    """A ConfigError at train.data.samples when the synthetic set's images (float32) and labels
+    would not fit in this machine's memory: refused before NumPy is asked for them."""
+    sample_bytes = 4 * math.prod(input_shape) + 8
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if samples * sample_bytes > physical:
+        raise ConfigError("<data>", "train.data.samples", f"expected at most {physical // sample_bytes:,} synthetic "
+                                                          f"samples of shape {list(input_shape)} (this machine's memory, "
+                                                          f"{physical:,} bytes, holds no more), got {samples:,}")
 
 
 def _synthetic_label_maps(rng, samples, input_shape, classes):

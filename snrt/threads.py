@@ -54,6 +54,7 @@ def usable_cores(root=CGROUP):
 
 
 POOL_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+MAX_THREADS = 4096  # more threads than this is a typo (the kernels' workspace grows with them)
 _LIMIT = []  # [the count of the last limit_threads call], or [] before any
 
 
@@ -69,10 +70,12 @@ def limit_threads(count):
     """Cap every BLAS and OpenMP pool in this process at `count` threads, for the rest of the
     process: the pools loaded now through threadpoolctl, those a library loads later (numba
     loads scipy's OpenBLAS on its first compile) through the variables they read when they
-    load. Returns `thread_pools()` after the change; a count that is not a positive int is a
-    SnrtError, and changes nothing."""
+    load. Returns `thread_pools()` after the change; a count that is not a positive int, or is
+    over MAX_THREADS, is a SnrtError, and changes nothing."""
     if not is_count(count):
         raise SnrtError(f"limit_threads: expected a positive int, got {count!r}")
+    if count > MAX_THREADS:
+        raise SnrtError(f"limit_threads: expected at most {MAX_THREADS} threads, got {count}")
     _LIMIT[:] = [count]
     for variable in POOL_VARIABLES:
         os.environ[variable] = str(count)

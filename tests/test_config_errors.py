@@ -118,6 +118,9 @@ CASES = [
      "network[3].inputs", "reads 'label', the class indices, which only a loss reads"),
     ("astronomical-width", ("out_features: $classes", "out_features: '${classes * 1000000000000000000}'"),
      "network[3]", "its output per sample would hold 10,000,000,000,000,000,000 values"),
+    ("tag-it-cannot-read", ("classes: 10}", "classes: !!int ten}"), "", "not valid YAML: line 2, column 38: the tag !!int cannot read 'ten'"),
+    ("bool-tag", ("padding: 1}\n  - {block", "padding: 1, bias: !!bool maybe}\n  - {block"), "", "the tag !!bool cannot read 'maybe'"),
+    ("map-tag-on-a-list", ("args: {channels: 8}", "args: !!map [8]"), "", "expected a mapping node, but found sequence"),
     ("unused-block-unknown-type", ("blocks:\n", "blocks:\n  spare:\n    layers:\n      - {type: Relu}\n"),
      "blocks.spare.layers[0].type", "did you mean 'ReLU'"),
     ("too-many-workers", ("iterations: 2,", "iterations: 2, data: {workers: 100000},"), "train.data.workers",
@@ -435,3 +438,14 @@ def test_numbers_in_exponent_form_are_floats(tmp_path):
     path.write_text(VALID.replace("optimizer: {lr: 0.1}", "optimizer: {lr: 1e-3, weight_decay: 5E-4}"))
     optimizer = load_config(path).train.optimizer
     assert (optimizer.lr, optimizer.weight_decay) == (0.001, 0.0005)
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["train.batch", 2], "", "expected a mapping of dotted keys to values such as {'train.batch': 2}, got list"),
+    ({("train", "batch"): 2}, "('train', 'batch')", "expected a dotted key such as 'train.batch', got tuple"),
+    ({"train..batch": 2}, "train..batch", "expected a dotted key such as 'train.batch', got str 'train..batch'"),
+])
+def test_overrides_that_are_not_dotted_keys_are_named(overrides, key, words):
+    with pytest.raises(ConfigError) as caught:
+        load_config("configs/lenet.yaml", overrides=overrides)
+    assert (caught.value.source, caught.value.key) == ("<overrides>", key) and words in caught.value.message

@@ -472,6 +472,13 @@ def test_unknown_type_and_bad_holdout():
     assert e.key == "train.data.holdout" and "both must be non-empty" in e.message
 
 
+@pytest.mark.parametrize("samples", [10**14, 10**30])
+def test_a_synthetic_set_larger_than_memory_is_refused_before_numpy_is_asked(samples):
+    e = error(Data(samples=samples), (3, 8, 8))
+    assert e.key == "train.data.samples" and "synthetic samples of shape [3, 8, 8] (this machine's memory" in e.message
+    assert e.message.startswith("expected at most ") and e.message.endswith(f"got {samples:,}")
+
+
 # ---- per-pixel labels ---------------------------------------------------------------------------
 def test_per_pixel_labels_flip_with_their_images():
     rng = np.random.default_rng(4)

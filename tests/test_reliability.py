@@ -489,6 +489,19 @@ def test_a_network_too_large_for_memory_is_one_clear_error(tmp_path, capsys):
     assert "not enough memory for this run" in err and "Traceback" not in err
 
 
+def test_a_batch_whose_arena_no_machine_addresses_is_the_same_clear_error(tmp_path, capsys):
+    """A batch of 10^23 plans an arena of 10^28 bytes, past what an allocator can be asked for
+    (mmap's OverflowError, NumPy's ValueError): the backend refuses it as memory it cannot have."""
+    from snrt.backends.numpy_backend import NumpyBackend
+
+    for sizes in ((2**70, 0), (0, 2**70)):
+        with pytest.raises(MemoryError, match="of this plan would hold 1,180,591,620,717,411,303,424 bytes, more than"):
+            NumpyBackend(*sizes)
+    assert main(["train", LENET, *RUN, "--batch", str(10**23), "--out", str(tmp_path / "run")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "not enough memory for this run" in err and "Traceback" not in err
+
+
 def test_a_host_tensor_larger_than_the_machine_is_refused_before_numpy_is_asked(tmp_path):
     """On a host that overcommits memory NumPy hands out a 4 TB array and the kernel kills the
     process while it is being filled: the initial values refuse it first, naming the tensor."""

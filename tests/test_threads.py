@@ -65,6 +65,22 @@ def test_limit_threads_refuses_a_count_that_is_not_a_positive_int_and_changes_no
     assert kernel_threads() == before
 
 
+def test_a_thread_count_past_any_machine_is_refused_by_limit_threads_and_the_command_line(capsys):
+    """--threads 99999999999 sized the kernels' workspace for that many threads and ended in
+    'not enough memory for this run: lower --batch', which blamed the batch."""
+    import snrt
+    from snrt.cli import main
+    from snrt.threads import MAX_THREADS, kernel_threads
+
+    before = kernel_threads()
+    with pytest.raises(snrt.SnrtError, match=f"limit_threads: expected at most {MAX_THREADS} threads, got 99999999999"):
+        snrt.limit_threads(99999999999)
+    assert kernel_threads() == before
+    with pytest.raises(SystemExit):
+        main(["train", "configs/lenet.yaml", "--threads", "99999999999"])
+    assert f"argument --threads: expected at most {MAX_THREADS} threads, got 99999999999" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("preset, expected", [(None, "16"), ("4", "4")])
 def test_importing_snrt_first_has_openblas_threads_sleep_at_once_unless_the_user_chose(preset, expected):
     env = {k: v for k, v in __import__("os").environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}

@@ -14,6 +14,7 @@ cupy_backend.py) implement it; the executor and the trainer use nothing else.
 from abc import ABC, abstractmethod
 
 from snrt.precision import DEFAULT as DEFAULT_PRECISION
+from snrt.units import MAX_BYTES
 
 
 class CopyEvent(ABC):
@@ -82,6 +83,10 @@ class Backend(ABC):
         admit kernels whose bits vary from run to run."""
 
     def __init__(self, arena_bytes, host_bytes=0, check=False, kernels=None):
+        for what, nbytes in (("device arena", arena_bytes), ("host store", host_bytes)):
+            if nbytes > MAX_BYTES:  # an allocator would overflow (OverflowError, ValueError) before saying so
+                raise MemoryError(f"the {what} of this plan would hold {nbytes:,} bytes, more than any machine "
+                                  f"addresses (4 EiB)")
         self.kernels = kernels if kernels is not None else self.kernel_choice()
         self.arena = self.host = None  # set by the subclass: the device Arena and the HostStore
 

@@ -6,7 +6,7 @@ import dataclasses
 from snrt.errors import SnrtError
 from snrt.graph import Graph
 from snrt.scheduler.plan import Plan
-from snrt.scheduler.options import PlanOptions
+from snrt.scheduler.options import PlanOptions, check_flag
 from snrt.scheduler.planner import BudgetError, make_plan
 from snrt.scheduler.policies import POLICIES, Policy
 from snrt.units import is_count, parse_bytes
@@ -17,7 +17,7 @@ def plan(graph, batch, policy="none", budget=None, training=True, **options):
 
     `budget` is bytes or a string such as "12GiB"; see make_plan for the other options. A graph
     that is not a Graph, a batch that is not a positive int, a budget that is not a byte size,
-    or an option PlanOptions does not have, is a SnrtError.
+    or an option PlanOptions does not have or of the wrong kind, is a SnrtError.
     """
     if not isinstance(graph, Graph):
         raise SnrtError(f"graph: expected a snrt.Graph, got {type(graph).__name__} (a loaded network file's is "
@@ -28,6 +28,8 @@ def plan(graph, batch, policy="none", budget=None, training=True, **options):
         raise SnrtError(f"unknown planning option {unknown[0]!r}; expected one of {', '.join(accepted)}")
     if not is_count(batch):
         raise SnrtError(f"batch: expected a positive int, got {batch!r}")
+    if "hide_copies" in options:  # make_plan's own; PlanOptions checks its fields
+        check_flag("hide_copies", options["hide_copies"])
     try:
         budget = parse_bytes(budget) if budget is not None else None
     except ValueError as e:

@@ -10,6 +10,15 @@ from snrt.scheduler.cost import CostModel
 from snrt.scheduler.reduce import BUCKET_BYTES
 from snrt.units import is_count
 
+KERNEL_CHOICE_METHODS = ("kernel_for", "workspace_bytes", "measured_seconds", "update_workspace_bytes")  # LayerKernels'
+
+
+def check_flag(name, value):
+    """A SnrtError naming option `name` unless `value` is True or False (a string such as
+    "no", or a 0, would otherwise be taken for one)."""
+    if not isinstance(value, bool):
+        raise SnrtError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+
 
 @dataclass(frozen=True)
 class PlanOptions:
@@ -59,6 +68,13 @@ class PlanOptions:
             value = getattr(self, name)
             if not is_count(value):
                 raise SnrtError(f"{name}: expected a positive int, got {value!r}")
+        for name in ("training", "deferred_updates", "stream_parameters", "fuse"):
+            check_flag(name, getattr(self, name))
+        if not isinstance(self.cost_model, CostModel):
+            raise SnrtError(f"cost_model: expected a CostModel, got {type(self.cost_model).__name__} {self.cost_model!r}")
+        if not all(callable(getattr(self.kernels, method, None)) for method in KERNEL_CHOICE_METHODS):
+            raise SnrtError(f"kernels: expected a kernel choice (a backend's kernel_choice(), with "
+                            f"{', '.join(KERNEL_CHOICE_METHODS)}), got {type(self.kernels).__name__} {self.kernels!r}")
         precision_named(self.precision)  # an unknown name: a SnrtError listing the choices
 
     def iteration_key(self):

@@ -342,6 +342,12 @@ def test_an_update_reserves_the_workspace_its_kernel_choice_asks_for():
     ({"optimizer_states": "momentum"}, "optimizer_states: expected a tuple of buffer names"),  # not 8 of one letter
     ({"optimizer_states": None}, "optimizer_states: expected a tuple of buffer names"),
     ({"optimiser_states": ()}, "unknown planning option 'optimiser_states'; expected one of hide_copies, training, "),
+    ({"training": "no"}, "training: expected True or False, got str 'no'"),  # not a training plan by truthiness
+    ({"stream_parameters": 0}, "stream_parameters: expected True or False, got int 0"),
+    ({"fuse": []}, "fuse: expected True or False, got list []"),
+    ({"hide_copies": None}, "hide_copies: expected True or False, got NoneType None"),
+    ({"cost_model": "cpu"}, "cost_model: expected a CostModel, got str 'cpu'"),
+    ({"kernels": None}, "kernels: expected a kernel choice (a backend's kernel_choice(), with kernel_for, "),
 ], ids=lambda value: str(value) if isinstance(value, dict) else "")
 def test_snrt_plan_names_an_option_of_the_wrong_kind(arguments, message):
     graph = snrt.load_config("configs/lenet.yaml").graph

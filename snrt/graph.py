@@ -99,6 +99,8 @@ class Graph:
             if i not in self.nodes:
                 raise GraphError(name, f"input '{i}' is not an earlier node of the graph", key)
         shape, dtype = self._infer(name, layer, inputs, key)
+        if inputs:
+            layer = layer.fitted([self.nodes[i].full_shape(1) for i in inputs])
         self.nodes[name] = Node(name, layer, inputs, shape, dtype, key)
         self._last = name
         return name

@@ -215,6 +215,15 @@ def scratch_bytes(*sizes):
     return total
 
 
+def reachable_stride(size, span, stride, pad):
+    """The stride that places the same windows of `span` values as `stride` along an axis of
+    `size` values padded by `pad` on each side: `stride` itself, unless no second window fits
+    after the first; then the smallest stride that, too, leaves the first window alone, both
+    for a window that must end inside the padded axis and for one that must only start
+    inside the input or its left padding (a ceil-mode pooling's last window)."""
+    return min(stride, max(1, size + 2 * pad - span + 1, size + pad))
+
+
 class Layer:
     """Base of every layer. Subclasses are frozen dataclasses whose fields are the options."""
 
@@ -240,6 +249,13 @@ class Layer:
     def infer_shape(self, in_shapes):
         """Output shape (batch first) for the given input shapes; raise ShapeError if invalid."""
         return tuple(in_shapes[0])
+
+    def fitted(self, in_shapes):
+        """This layer as the graph keeps it for inputs of `in_shapes` (after infer_shape accepted
+        them): the same function, with options past what these inputs can use (a stride beyond
+        the whole input) brought down to what they can, so that no kernel sizes its work by
+        them. Itself, unless a layer says otherwise."""
+        return self
 
     def output_dtype(self, in_dtypes):
         """Dtype name of the output given the inputs' dtype names."""

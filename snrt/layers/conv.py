@@ -35,7 +35,7 @@ of gW through the partial for each.
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from snrt.errors import ShapeError
@@ -50,6 +50,7 @@ from snrt.layers.base import (
     Saves,
     numel,
     pair,
+    reachable_stride,
     scratch_bytes,
 )
 from snrt.layers.registry import register
@@ -186,6 +187,11 @@ class Conv2d(Layer):
     def infer_shape(self, in_shapes):
         n, _, _, _, ho, wo = self._geometry(in_shapes)
         return (n, self.out_channels, ho, wo)
+
+    def fitted(self, in_shapes):
+        stride = tuple(reachable_stride(size, d * (k - 1) + 1, s, p) for size, k, s, p, d in
+                       zip(in_shapes[0][2:], self.kernel, self.stride, self.padding, self.dilation))
+        return self if stride == self.stride else replace(self, stride=stride)
 
     def param_specs(self, in_shapes):
         _, c, _, _, _, _ = self._geometry(in_shapes)

@@ -7,7 +7,7 @@ input meets one slice of the output (vectorised over N, C, Ho, Wo), and padding 
 materialised.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from snrt.layers.base import (
     Layer,
     numel,
     pair,
+    reachable_stride,
     scratch_bytes,
 )
 from snrt.layers.registry import register
@@ -101,6 +102,11 @@ class _WindowPool(Layer):
     def infer_shape(self, in_shapes):
         n, c, _, _, ho, wo = self._geometry(in_shapes)
         return (n, c, ho, wo)
+
+    def fitted(self, in_shapes):
+        stride = tuple(reachable_stride(size, k, s, p) for size, k, s, p in
+                       zip(in_shapes[0][2:], self.kernel, self.stride, self.padding))
+        return self if stride == self.stride else replace(self, stride=stride)
 
     def _windows(self, in_shape, out_shape):
         """For each window offset k = i*kw + j: (k, output index, input index) of the

@@ -901,3 +901,18 @@ def test_conv_transpose2d_option_validation(options, name):
 def test_conv_transpose2d_shape_errors(in_shape, options, words):
     with pytest.raises(ShapeError, match=words):
         ConvTranspose2d(**options).infer_shape([in_shape])
+
+
+@pytest.mark.parametrize("stride, fitted, out", [((10**6, 2), (6, 2), (1, 2)), ((10**12, 10**12), (6, 5), (1, 1)),
+                                                ((3, 7), (3, 5), (2, 1))])
+def test_a_stride_past_the_input_is_fitted_to_it_and_computes_what_torch_does_with_it(stride, fitted, out):
+    """A window that cannot move along an axis (no second one fits) leaves the stride nothing to
+    do: the graph keeps the smallest that leaves only the first window, so no kernel sizes its
+    work (phase planes, windows) by a stride of 10^12, and the results are torch's with it."""
+    options = dict(out_channels=3, kernel=3, padding=1, stride=stride)
+    graph = Graph()
+    graph.add(Input((4, 5, 4)), name="data")
+    graph.add(Conv2d(**options))
+    assert graph["conv2d0"].layer.stride == fitted and graph["conv2d0"].shape == (3, *out)
+    x = np.random.default_rng(0).standard_normal((2, 4, 5, 4))
+    check_layer(graph["conv2d0"].layer, [x], _reference(Conv2d(**options)))

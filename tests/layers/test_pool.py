@@ -245,3 +245,21 @@ def test_upsample_rejects_bad_options():
         Upsample(mode="bicubic")
     with pytest.raises(ValueError, match="option 'scale'"):
         Upsample(scale=0)
+
+
+@pytest.mark.parametrize("cls", [MaxPool, AvgPool])
+@pytest.mark.parametrize("kernel, stride, padding, ceil_mode", [(3, 10**9, 1, True), (2, (10**9, 1), 0, False),
+                                                                 (3, 4, 1, True)])
+def test_a_stride_past_the_input_is_fitted_to_it_and_pools_what_torch_does_with_it(cls, kernel, stride, padding,
+                                                                                   ceil_mode):
+    from snrt.graph import Graph
+    from snrt.layers.input import Input
+
+    graph = Graph()
+    graph.add(Input((2, 4, 4)), name="data")
+    name = graph.add(cls(**_pool_kwargs(kernel, stride, padding, ceil_mode)))
+    layer = graph[name].layer
+    assert max(layer.stride) <= 5  # at most the input plus its padding: nothing sized by 10^9
+    kwargs = _torch_kwargs(kernel, stride, padding, ceil_mode)
+    torch_pool = F.max_pool2d if cls is MaxPool else F.avg_pool2d
+    check_layer(layer, [distinct((2, 2, 4, 4))], lambda xs, p: torch_pool(xs[0], **kwargs))

@@ -76,7 +76,8 @@ def make_plan(graph, batch, policy="none", budget=None, hide_copies=True, **opti
         session = Session(graph, batch, PlanOptions(**options))
         found = _search(session, policy, budget, hide_copies)
         if found.plan is None:
-            raise _infeasible(found.session, budget, found.rows, found.candidates)
+            raise _infeasible(found.session, budget, found.rows, found.candidates,
+                              auto_from=session if policy == AUTO else None)
         return found.plan
 
 
@@ -203,14 +204,22 @@ def _spilled_plans(session, budget, candidates):
     return [s.plan for s in (spilled(session, budget, c) for c in _just_in_time(candidates)) if s]
 
 
-def _infeasible(session, budget, rows, candidates=None):
-    """The BudgetError for `budget`: the smallest budget that works, the largest batch that fits."""
+def _infeasible(session, budget, rows, candidates=None, auto_from=None):
+    """The BudgetError for `budget`: the smallest budget that works, the largest batch that fits.
+    For a policy, the batch is the largest at which the recipe of its smallest plan fits; for
+    auto (`auto_from`: the Session it started from, before it streamed parameters), the largest
+    at which auto itself finds a plan, named in the message."""
     candidates = candidates or _candidates(session, rows, budget)
     floors = [session.assemble(replace(c.recipe, spill=SPILL_FLOOR)) for c in _just_in_time(candidates)]
     frugal = pick(candidates + floors, SMALLEST)
     smallest, row, hide, spill = frugal.plan.arena_bytes, frugal.recipe.row, frugal.recipe.hide_copies, frugal.recipe.spill
+    policy = f"policy {row.name}" + (", parameters streamed" if session.options.stream_parameters else "")
+    found_at = {}
 
     def fits_at(batch):
+        if auto_from is not None:
+            found_at[batch] = _auto(auto_from.at_batch(batch), budget).plan
+            return found_at[batch] is not None
         at = session.at_batch(batch)
         built = own_plan(at, row, hide, budget)
         return fits(at.assemble(replace(built.recipe, spill=spill)) if spill else built, budget)
@@ -227,9 +236,8 @@ def _infeasible(session, budget, rows, candidates=None):
             high = mid - 1
     largest = low
     names = "/".join(r.name for r in rows)
-    policy = f"policy {row.name}" + (", parameters streamed" if session.options.stream_parameters else "")
     if largest:
-        where = f"the largest batch that fits is {largest} ({policy})"
+        where = f"the largest batch that fits is {largest} ({found_at[largest].policy if found_at else policy})"
     elif session.options.training and not session.options.stream_parameters:  # streaming them would help
         held = (f"the parameters and optimizer state alone ({human_bytes(persistent)}) are too large to stay on the "
                 "device" if persistent > budget else "not with the parameters and optimizer state on the device")

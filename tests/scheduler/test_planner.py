@@ -10,6 +10,7 @@ import snrt
 from snrt.models.resnet import resnet
 from snrt.scheduler.fuse import planned_graph
 from snrt.scheduler.plan import Plan
+from snrt.scheduler import planner
 from snrt.scheduler.planner import BudgetError, make_plan
 from snrt.scheduler.policies import POLICIES
 from snrt.scheduler.verify import PlanError, verify_plan
@@ -132,6 +133,21 @@ def test_auto_picks_a_policy_that_fits_and_infeasible_budgets_say_what_would_wor
     assert 1 <= info.value.largest_batch < 8
     assert make_plan(graph, info.value.largest_batch, "auto", budget=frugal - 1).arena_bytes < frugal
     assert "smallest budget that works" in str(info.value)
+
+
+def test_the_largest_batch_autos_error_names_is_the_largest_auto_itself_plans():
+    """auto may fit a batch by a plan other than the recipe of its smallest plan at the asked
+    batch (here, at half the smallest arena of LeNet's policies, a spilled offload plan with
+    parameters streamed fits 32 where the smallest recipe fits 31): the batch named is one auto
+    plans, the next one it cannot, and the message names the plan."""
+    graph = snrt.load_config("configs/lenet.yaml").graph
+    budget = min(make_plan(graph, 64, p).arena_bytes for p in POLICIES) // 2
+    with pytest.raises(BudgetError) as info:
+        make_plan(graph, 64, "auto", budget=budget)
+    largest = info.value.largest_batch
+    fits = make_plan(graph, largest, "auto", budget=budget)
+    assert f"the largest batch that fits is {largest} ({fits.policy})" in str(info.value)
+    assert planner.fitting_plan(graph, largest + 1, "auto", budget) is None
 
 
 @pytest.mark.parametrize("policy", ["auto", "offload"])

@@ -10,6 +10,7 @@ diverged run) stops the write and keeps the previous checkpoint.
 """
 
 import json
+import math
 import os
 import tempfile
 import zipfile
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from snrt.errors import SnrtError
+from snrt.units import is_count
 
 FORMAT = "snrt-checkpoint-1"
 META = "__meta__"
@@ -116,13 +118,33 @@ def load_checkpoint(path):
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else meta
         raise CheckpointError(f"{path}: unknown checkpoint format {found!r}, expected {FORMAT}")
-    iteration = meta.get("iteration")
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-        raise CheckpointError(f"{path}: the metadata's iteration is {iteration!r}, expected a non-negative int")
+    _check_meta(path, meta)
     for key, array in arrays.items():
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise NonFiniteError(f"{path}: {key} holds NaN or infinite values (written by a run that diverged?)")
     return arrays, meta
+
+
+# what save_checkpoint writes of the numbers a run computes with: (key, smallest value, required)
+_COUNTS = (("iteration", 0, True), ("batch", 1, False), ("seed", 0, False))
+
+
+def _check_meta(path, meta):
+    """CheckpointError naming the first metadata value that is not what a run writes (a
+    damaged or hand-edited checkpoint), before a run computes with it."""
+    for key, least, required in _COUNTS:
+        if (required or key in meta) and not is_count(meta.get(key), least):
+            raise CheckpointError(f"{path}: the metadata's {key} is {meta.get(key)!r}, expected an int >= {least}")
+    scale = meta.get("loss_scale", {})
+    if not (isinstance(scale, dict) and _positive(scale.get("scale", 1.0)) and is_count(scale.get("good", 0), 0)
+            and is_count(scale.get("growth_interval", 1))):
+        raise CheckpointError(f"{path}: the metadata's loss_scale is {scale!r}, expected a positive finite scale and "
+                              "counts of iterations")
+
+
+def _positive(value):
+    """Whether `value` is a finite number (not a bool) above 0."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def describe_changes(meta, batch, seed):

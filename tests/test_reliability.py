@@ -448,6 +448,26 @@ def test_a_file_of_another_kind_given_as_a_checkpoint_never_suggests_unsafe_load
     assert "pickle" not in err and "unsafe" not in err
 
 
+def rewritten(checkpoint, path, meta=None, **arrays):
+    """A copy of `checkpoint` at `path`, its metadata updated with `meta`, its arrays with `arrays`."""
+    saved, old = load_checkpoint(checkpoint)
+    saved.update(arrays)
+    np.savez(path, __meta__=np.frombuffer(json.dumps({**old, **(meta or {})}).encode(), np.uint8), **saved)
+    return path
+
+
+@pytest.mark.parametrize("meta, says", [({"batch": 0}, "batch is 0"), ({"batch": "8"}, "batch is '8'"),
+                                        ({"seed": [1]}, "seed is [1]"), ({"iteration": 3.0}, "iteration is 3.0"),
+                                        ({"loss_scale": {"scale": "x"}}, "loss_scale is {'scale': 'x'}")])
+def test_a_checkpoint_whose_metadata_is_damaged_is_one_line(tmp_path, capsys, meta, says):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1") == 0
+    damaged = rewritten(out / "checkpoint.npz", tmp_path / "damaged.npz", meta)
+    assert main(["eval", LENET, *RUN[:4], "--checkpoint", str(damaged)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{damaged}: the metadata's {says}" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("budget", ["1e400", "99999999999EiB"])
 def test_absurd_budgets_are_one_clear_error(tmp_path, capsys, budget):
     assert train(tmp_path / "run", "--budget", budget) == 2

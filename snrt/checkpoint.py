@@ -120,7 +120,10 @@ def load_checkpoint(path):
         raise CheckpointError(f"{path}: unknown checkpoint format {found!r}, expected {FORMAT}")
     _check_meta(path, meta)
     for key, array in arrays.items():
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
+        if array.dtype.kind != "f":  # every tensor a run saves is floating point: a value would be cast, or fail
+            raise CheckpointError(f"{path}: {key} holds {array.dtype} values, not the floating-point numbers of a "
+                                  "parameter, optimizer state or statistic (a damaged or hand-made checkpoint?)")
+        if not np.isfinite(array).all():
             raise NonFiniteError(f"{path}: {key} holds NaN or infinite values (written by a run that diverged?)")
     return arrays, meta
 

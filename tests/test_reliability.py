@@ -468,6 +468,20 @@ def test_a_checkpoint_whose_metadata_is_damaged_is_one_line(tmp_path, capsys, me
     assert f"{damaged}: the metadata's {says}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("dtype", ["int64", "bool", "complex64", "<U8", "datetime64[s]"])
+def test_a_checkpoint_tensor_that_is_not_floating_point_is_refused_not_cast(tmp_path, capsys, dtype):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1") == 0
+    weight = load_checkpoint(out / "checkpoint.npz")[0]["conv2d0:weight"]
+    damaged = rewritten(out / "checkpoint.npz", tmp_path / "damaged.npz", **{"conv2d0:weight": weight.astype(dtype)})
+    for command in (["eval", LENET, *RUN[:4], "--checkpoint", str(damaged)],
+                    ["export", str(damaged), "--out", str(tmp_path / "w.safetensors")]):
+        assert main(command) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"{damaged}: conv2d0:weight holds {np.dtype(dtype)} values, not the floating-point" in err
+    assert not (tmp_path / "w.safetensors").exists()
+
+
 @pytest.mark.parametrize("budget", ["1e400", "99999999999EiB"])
 def test_absurd_budgets_are_one_clear_error(tmp_path, capsys, budget):
     assert train(tmp_path / "run", "--budget", budget) == 2

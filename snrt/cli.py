@@ -420,11 +420,13 @@ def run_plan(args, console):
             for i in range(len(detail.steps)):
                 console.print(detail.describe_step(i), highlight=False, markup=False)
     if args.save:
-        Path(args.save).write_text(detail.to_json())
+        _write_output(args.save, lambda: replace_atomically(args.save, lambda partial: partial.write_text(
+            detail.to_json())))
     if args.png:
         from snrt.timeline import draw_timeline  # matplotlib only when a picture is asked for
 
-        draw_timeline(detail, args.png, budget=budget, title=f"{config.name}: {detail.policy}, batch {batch}")
+        _write_output(args.png, lambda: draw_timeline(detail, args.png, budget=budget,
+                                                      title=f"{config.name}: {detail.policy}, batch {batch}"))
         if args.json:  # stdout is the JSON alone
             print(f"timeline written to {args.png}", file=sys.stderr)
         else:
@@ -656,6 +658,15 @@ def _write_run_file(path, text, kept):
         raise _cannot_write(path, e, kept) from None
 
 
+def _write_output(path, write):
+    """`write()`'s result; it writes the file `path` a command was asked for, and an OSError is
+    the one-line error of a file that cannot be written."""
+    try:
+        return write()
+    except OSError as e:
+        raise _cannot_write(path, e) from None
+
+
 def _cannot_write(path, error, kept=None):
     """The SnrtError of a file `path` that could not be written (OSError `error`), saying what
     was `kept` of the run."""
@@ -783,12 +794,15 @@ def run_tune(args, console):
         range_test = _range_test(args, tuned, console)
         tuned = with_settings(tuned, train={"optimizer": {"lr": min(scaled_lr, range_test.suggested_lr)}})
     measured = _measure(args, tuned) if args.measure else None
-    path = tune.write_config(tuned, args.out or f"{config.name}.tuned.yaml", args.overwrite)
+    out = args.out or f"{config.name}.tuned.yaml"
+    path = _write_output(out, lambda: tune.write_config(tuned, out, args.overwrite))
     if args.png:
-        tune.draw_throughput(points, args.png, f"{config.name}: predicted images/s in {human_bytes(budget)}")
+        _write_output(args.png, lambda: tune.draw_throughput(points, args.png, f"{config.name}: predicted images/s in "
+                                                                               f"{human_bytes(budget)}"))
         if range_test:
-            tune.draw_range_test(range_test, Path(args.png).with_suffix(".lr.png"),
-                                 f"{config.name}: learning-rate range test at batch {best.batch}")
+            lr_png = Path(args.png).with_suffix(".lr.png")
+            _write_output(lr_png, lambda: tune.draw_range_test(range_test, lr_png, f"{config.name}: learning-rate "
+                                                                                   f"range test at batch {best.batch}"))
     report = {"network": config.name, "budget_bytes": budget, "device_cost_model": args.device,
               "largest_batch": tune.largest(points),
               "points": [{**dataclasses.asdict(p), "images_per_s": p.images_per_s} for p in points],

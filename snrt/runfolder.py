@@ -10,6 +10,7 @@ killed are removed when the lock is taken, and on resume metrics.jsonl is cut ba
 iterations before the checkpoint, so it never holds an iteration twice.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -49,9 +50,15 @@ class RunFolder:
             self._lock.close()
             raise RunFolderError(f"{self.path}: another snrt run (process {owner}) is using this output folder; "
                                  "wait for it to finish or choose another --out") from None
-        self._lock.truncate(0)
-        self._lock.write(f"{os.getpid()}\n")
-        self._lock.flush()
+        try:
+            self._lock.truncate(0)
+            self._lock.write(f"{os.getpid()}\n")
+            self._lock.flush()
+        except OSError as e:  # a full disk: the lock is taken, its note of the owner not written
+            with contextlib.suppress(OSError):  # closing flushes the note again, and fails again
+                self.close()
+            raise RunFolderError(f"{self.path}: cannot use this output folder ({LOCK}: {e.strerror}); free some "
+                                 "space or choose another --out") from None
         remove_stale_temporaries(self.checkpoint)
 
     @property

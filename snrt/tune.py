@@ -11,12 +11,15 @@ the rate where the loss was lowest.
 """
 
 import contextlib
+import errno
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from snrt.atomic import replace_atomically, save_figure
 from snrt.config import config_to_yaml, with_settings
+from snrt.errors import SnrtError
 from snrt.scheduler.planner import fitting_plan
 from snrt.scheduler.policies import POLICIES
 
@@ -174,8 +177,11 @@ def write_config(config, path, overwrite=False):
     """Write `config` as YAML to `path` atomically; an existing file is kept unless `overwrite`."""
     path = Path(path)
     if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; pass --overwrite to replace it, or --out another file")
-    path.parent.mkdir(parents=True, exist_ok=True)
+        raise SnrtError(f"{path}: exists; pass --overwrite to replace it, or --out another file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file where a folder of the path should be
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)) from None
     replace_atomically(path, lambda partial: partial.write_text(config_to_yaml(config)))
     return path
 

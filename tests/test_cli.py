@@ -1,5 +1,6 @@
 """The command line as a user meets it: inspect, plan, train, eval, Ctrl-C and resume."""
 
+import errno
 import json
 import re
 import signal
@@ -53,6 +54,40 @@ def test_plan_prints_every_policy_and_writes_a_timeline(tmp_path, capsys):
     assert {"recompute", "offload", "unsaved"} <= set(chosen["layers"].values()) <= {"keep", "recompute", "offload",
                                                                                       "unsaved"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+PLAN, TUNE = ["plan", LENET, "--policy", "liveness"], ["tune", LENET, "--budget", "2MiB", "--max-batch", "16",
+                                                 "--overwrite"]
+
+
+@pytest.mark.parametrize("command, flag, writes", [(PLAN, "--save", "write_text"), (PLAN, "--png", "savefig"),
+                                                   (TUNE, "--out", "write_text"), (TUNE, "--png", "savefig")])
+def test_an_output_on_a_full_disk_is_named_and_an_earlier_one_kept(tmp_path, capsys, monkeypatch, command, flag,
+                                                                    writes):
+    import matplotlib.figure
+
+    path = tmp_path / ("picture.png" if flag == "--png" else "out.yaml")
+    path.write_text("earlier")
+    monkeypatch.setattr(*(("pathlib.Path.write_text", no_space) if writes == "write_text" else
+                          (matplotlib.figure.Figure, "savefig", no_space)))
+    out = ["--out", str(tmp_path / "tuned.yaml")] if command is TUNE and flag != "--out" else []
+    assert main([*command, *out, flag, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: cannot write (No space left on device)") and err.count("\n") == 1
+    assert path.read_text() == "earlier" and set(tmp_path.iterdir()) <= {path, tmp_path / "tuned.yaml"}
+
+
+@pytest.mark.parametrize("command, flag", [(PLAN, "--save"), (PLAN, "--png"), (TUNE, "--out"), (TUNE, "--png")])
+def test_an_output_inside_a_file_is_named_as_asked_not_by_its_temporary(tmp_path, capsys, command, flag):
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / ("picture.png" if flag == "--png" else "out.yaml")
+    out = ["--out", str(tmp_path / "tuned.yaml")] if command is TUNE and flag != "--out" else []
+    assert main([*command, *out, flag, str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {path}: cannot write (Not a directory)")
 
 
 def test_plan_json_with_steps_holds_the_steps_the_text_prints(capsys):

@@ -218,6 +218,28 @@ def test_a_signal_during_start_up_exits_quietly(tmp_path, signum):
 
 
 # ---- disks --------------------------------------------------------------------------------
+def test_a_full_disk_while_taking_the_output_folder_is_named(tmp_path, capsys, monkeypatch):
+    import snrt.runfolder
+
+    class Full:
+        """The lock file of a full disk: opened, but its note of the owner cannot be written."""
+
+        def __init__(self, path, mode):
+            self.file = open(path, mode)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(snrt.runfolder, "open", Full, raising=False)
+    assert train(tmp_path / "run", "--iterations", "1") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'run'}: cannot use this output folder (.lock: No space left on device)")
+    assert "Traceback" not in err
+
+
 def test_a_full_disk_while_writing_metrics_stops_with_the_checkpoint_saved(tmp_path, capsys, monkeypatch):
     class FillsUp:
         def __init__(self, file):

@@ -523,8 +523,17 @@ def run_train(args, console):
     if group.rank != 0:
         return _train_in(None, out / CHECKPOINT, args, config, plan, console)
     with RunFolder(out) as folder:
-        folder.prepare(resume=args.resume is not None, overwrite=args.overwrite)
+        continues = _continues(args, folder)
+        elsewhere = _checkpoint_in(args.resume) if args.resume and not continues else None
+        folder.prepare(resume=continues, overwrite=args.overwrite, elsewhere=elsewhere)
         return _train_in(folder, folder.checkpoint, args, config, plan, console)
+
+
+def _continues(args, folder):
+    """Whether the run continues the one the locked `folder` holds: --resume of its own
+    checkpoint (--resume of another run's starts this folder's run from that one's)."""
+    return args.resume is not None and (not args.resume or
+                                        _checkpoint_in(args.resume).resolve() == folder.checkpoint.resolve())
 
 
 def _train_in(folder, checkpoint, args, config, plan, console):
@@ -552,12 +561,12 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     if folder is None:
         trainer.fit(checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
         return 128 + int(trainer.stop_reason) if isinstance(trainer.stop_reason, int) else 0
-    if args.overwrite and args.resume is None:  # only now: a run that cannot start leaves the earlier one whole
-        folder.start_over()
     if args.resume is not None and trainer.iteration >= config.train.iterations:  # the folder stays as it is
         console.print(f"nothing to do: the run in {folder.path} is at iteration {trainer.iteration} already, and "
                       f"train.iterations is {config.train.iterations}; ask for more with --iterations")
         return 0
+    if args.overwrite:  # only now: a run that cannot start leaves the earlier one whole (prepare: not resumed)
+        folder.start_over()
     if args.resume is not None:
         try:
             folder.truncate_metrics(trainer.iteration)

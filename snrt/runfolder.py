@@ -77,10 +77,19 @@ class RunFolder:
         """True when an earlier run left a checkpoint or metrics here."""
         return self.checkpoint.exists() or (self.metrics.exists() and self.metrics.stat().st_size > 0)
 
-    def prepare(self, resume, overwrite):
+    def prepare(self, resume, overwrite, elsewhere=None):
         """Refuse to start over a run the folder holds unless `resume` (keep it) or `overwrite`
-        (the caller calls `start_over` once the new run is set up)."""
+        (the caller calls `start_over` once the new run is set up), and both at once. `elsewhere`
+        is the checkpoint of another run this one continues (--resume OTHER_RUN): the folder's
+        own run is not continued, so it is started over only when `overwrite` says so."""
+        if resume and overwrite:
+            raise RunFolderError(f"{self.path}: --overwrite would delete the checkpoint that --resume continues; "
+                                 "give one of them")
         if self.holds_run() and not resume and not overwrite:
+            if elsewhere:
+                raise RunFolderError(f"{self.path}: holds an earlier run ({self._describe_run()}), not the one of "
+                                     f"{elsewhere} that --resume continues; start over here with --overwrite, or "
+                                     "choose another --out")
             raise RunFolderError(f"{self.path}: holds an earlier run ({self._describe_run()}); continue it with "
                                  "--resume, start over with --overwrite, or choose another --out")
 

@@ -111,6 +111,34 @@ def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_start(tmp_path,
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == before
 
 
+def test_resuming_another_run_into_a_folder_that_holds_one_starts_it_over_only_when_asked(tmp_path, capsys):
+    source, out = tmp_path / "source", tmp_path / "run"
+    assert train(source, "--iterations", "2") == 0
+    assert train(out, "--iterations", "4") == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    for asked in ("2", "3"):  # nothing to do, or a run: the folder's own run is kept either way
+        assert train(out, "--iterations", asked, "--resume", str(source)) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"{out}: holds an earlier run (4 iterations in metrics.jsonl), not the one of {source / 'checkpoint.npz'}" \
+               " that --resume continues; start over here with --overwrite" in err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert train(out, "--iterations", "2", "--resume", str(source), "--overwrite") == 0  # nothing to do: kept
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert train(out, "--iterations", "3", "--resume", str(source), "--overwrite") == 0
+    assert iterations_in(out) == [2] and load_checkpoint(out / "checkpoint.npz")[1]["iteration"] == 3
+
+
+def test_resume_and_overwrite_of_the_same_run_are_refused_together(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "2") == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for resume in ([], [str(out)], [str(out / "checkpoint.npz")]):
+        assert train(out, "--iterations", "3", "--overwrite", "--resume", *resume) == 2
+        assert "--overwrite would delete the checkpoint that --resume continues" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     with RunFolder(out):

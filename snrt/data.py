@@ -214,10 +214,12 @@ def _npz_split(source, x, y, x_name, y_name, input_shape, classes, label_shape=(
     x = _to_nchw(source, x, x_name, input_shape)
     y = _labels(source, y, y_name, len(x), label_shape)
     _check_labels(source, PATH_KEY, y, classes, y_name)
-    x = _to_float(x)
+    with np.errstate(over="ignore"):  # a value beyond float32's range becomes infinite: counted below, no warning
+        x = _to_float(x)
     bad = np.size(x) - np.count_nonzero(np.isfinite(x))
     if bad:
-        raise ConfigError(source, PATH_KEY, f"array '{x_name}' holds {bad} NaN or infinite values")
+        raise ConfigError(source, PATH_KEY, f"array '{x_name}' holds {bad} NaN or infinite values (or values beyond "
+                                            "float32's range, 3.4e38)")
     return x, y
 
 

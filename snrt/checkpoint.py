@@ -150,6 +150,16 @@ def _positive(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
+def is_checkpoint(path):
+    """Whether the file `path` looks like a checkpoint snrt train writes (an archive with its
+    metadata), to tell a user who gives one where a weights file is expected what to do."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return f"{META}.npy" in archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 def describe_changes(meta, batch, seed):
     """What changes when a run saved with `meta` resumes at `batch` with `seed` (None when neither
     differs from the checkpoint's): the batches are functions of both."""

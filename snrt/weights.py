@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from snrt.atomic import replace_atomically
+from snrt.checkpoint import is_checkpoint
 from snrt.errors import SnrtError
 
 FORMATS = ("safetensors", "torch")
@@ -71,6 +72,9 @@ def read(path):
         except Exception as e:  # the library's own error types
             raise SnrtError(f"{path}: not a safetensors file ({e})") from None
         return sorted(loaded.items())
+    if is_checkpoint(path):
+        raise SnrtError(f"{path}: a checkpoint of snrt train, not a weights file; continue its run with --resume, or "
+                        f"write its weights with `snrt export {path}` and start from those")
     torch = _module("torch", f"{path}: reading a PyTorch file needs PyTorch")
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True)

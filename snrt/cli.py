@@ -51,6 +51,14 @@ def _thread_count(text):
     return value
 
 
+def _path(text):
+    """A path given on the command line: an empty one (an unset shell variable, say) is refused,
+    where it would mean the current folder or the default silently."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
 def _data_spec(text):
     kind, _, path = text.partition(":")
     if kind not in DATASETS:
@@ -67,7 +75,7 @@ def build_parser():
     commands = parser.add_subparsers(dest="command", required=True)
 
     inspect = commands.add_parser("inspect", help="summarise a network: layers, parameters, FLOPs, activation bytes")
-    inspect.add_argument("config", help="network YAML file, e.g. configs/resnet50.yaml")
+    inspect.add_argument("config", type=_path, help="network YAML file, e.g. configs/resnet50.yaml")
     inspect.add_argument("--batch", type=_positive_int, help="batch size for activation bytes (default: the file's train.batch)")
     inspect.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
     inspect.add_argument("--layers", action="store_true", help="list every node, not only totals by type")
@@ -82,17 +90,18 @@ def build_parser():
     train.add_argument("--stream-parameters", action="store_true", default=None,
                        help="keep parameters and optimizer state in host memory, on the device only while used "
                             "(sets memory.stream_parameters)")
-    train.add_argument("--host-store", metavar="DIR",
+    train.add_argument("--host-store", metavar="DIR", type=_path,
                        help="CPU: keep the host store in a file in DIR instead of memory (sets memory.host_store)")
     train.add_argument("--seed", type=int, help="seed for initialisation, data and dropout (overrides train.seed)")
-    train.add_argument("--out", help="output folder for metrics, checkpoint and summary (default runs/NAME)")
+    train.add_argument("--out", type=_path,
+                       help="output folder for metrics, checkpoint and summary (default runs/NAME)")
     start = train.add_mutually_exclusive_group()  # a resumed run's weights are its checkpoint's
     start.add_argument("--resume", nargs="?", const="", metavar="RUN_OR_CHECKPOINT",
                        help="continue from a checkpoint, or a run folder's (default: OUT/checkpoint.npz)")
     train.add_argument("--overwrite", action="store_true",
                        help="start over in an output folder that holds an earlier run (its files are deleted)")
     train.add_argument("--checkpoint-every", type=_positive_int, help="iterations between checkpoints")
-    start.add_argument("--init-from", metavar="FILE",
+    start.add_argument("--init-from", metavar="FILE", type=_path,
                        help="start from these weights: safetensors or a PyTorch state dict (see snrt export); "
                             "not with --resume")
     train.add_argument("--check", action="store_true", help="debug mode: check arena overlaps, poison freed memory")
@@ -100,7 +109,7 @@ def build_parser():
     train.set_defaults(run=run_train)
 
     plan = commands.add_parser("plan", help="memory plans of every policy, the steps, and a timeline PNG")
-    plan.add_argument("config", help="network YAML file, e.g. configs/resnet2500.yaml")
+    plan.add_argument("config", type=_path, help="network YAML file, e.g. configs/resnet2500.yaml")
     plan.add_argument("--batch", type=_positive_int, help="batch size (overrides train.batch)")
     plan.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
     plan.add_argument("--policy", choices=policies.CHOICES, help="the policy to detail (default: memory.policy)")
@@ -112,15 +121,15 @@ def build_parser():
     plan.add_argument("--steps", action="store_true", help="print every step of the detailed plan")
     plan.add_argument("--layers", action="store_true",
                       help="list what the detailed plan does with each layer's output: keep, recompute, offload")
-    plan.add_argument("--png", help="write the memory timeline of the detailed plan to this PNG file")
-    plan.add_argument("--save", help="write the detailed plan as JSON to this file")
+    plan.add_argument("--png", type=_path, help="write the memory timeline of the detailed plan to this PNG file")
+    plan.add_argument("--save", type=_path, help="write the detailed plan as JSON to this file")
     plan.add_argument("--ranks", type=_positive_int, default=1,
                       help="plan one rank of a data-parallel run on this many processes (batch = the global batch)")
     plan.set_defaults(run=run_plan, data=None)
 
     tune = commands.add_parser("tune", help="the largest batch each policy fits in a budget, predicted images/s, "
                                              "and the batch, policy and learning rate to train with")
-    tune.add_argument("config", help="network YAML file, e.g. configs/resnet50.yaml")
+    tune.add_argument("config", type=_path, help="network YAML file, e.g. configs/resnet50.yaml")
     tune.add_argument("--budget", help="device-memory budget such as 12GiB (default: memory.budget)")
     tune.add_argument("--stream-parameters", action="store_true", default=None,
                       help="plan parameters and optimizer state streamed from host memory (memory.stream_parameters)")
@@ -134,39 +143,40 @@ def build_parser():
     tune.add_argument("--lr-range", type=_positive_int, nargs="?", const=30, metavar="ITERATIONS",
                       help="also run a learning-rate range test of this many iterations (default 30) at the "
                            "recommended batch, and cap the scaled rate at a tenth of the rate of lowest loss")
-    tune.add_argument("--out", help="where to write the tuned config (default NAME.tuned.yaml)")
+    tune.add_argument("--out", type=_path, help="where to write the tuned config (default NAME.tuned.yaml)")
     tune.add_argument("--overwrite", action="store_true", help="replace the --out file if it exists")
-    tune.add_argument("--png", help="write predicted images/s against batch to this PNG file")
+    tune.add_argument("--png", type=_path, help="write predicted images/s against batch to this PNG file")
     tune.add_argument("--json", action="store_true", help="print the results as JSON")
     tune.set_defaults(run=run_tune)
 
     report = commands.add_parser("report", help="loss, accuracy, images/s and data wait of runs: a picture and a table")
-    report.add_argument("runs", nargs="+", metavar="RUN", help="run folders written by snrt train")
-    report.add_argument("--png", help="the picture (default RUN/metrics.png for one run; needed for several)")
+    report.add_argument("runs", nargs="+", metavar="RUN", type=_path, help="run folders written by snrt train")
+    report.add_argument("--png", type=_path,
+                        help="the picture (default RUN/metrics.png for one run; needed for several)")
     report.add_argument("--json", action="store_true", help="print the table as JSON")
     report.set_defaults(run=run_report)
 
     export = commands.add_parser("export", help="a run's weights as safetensors or a PyTorch state dict, or its "
                                                 "inference graph as ONNX")
-    export.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder or a checkpoint file")
+    export.add_argument("source", metavar="RUN_OR_CHECKPOINT", type=_path, help="a run folder or a checkpoint file")
     export.add_argument("--format", choices=tuple(EXPORTED), default="safetensors")
-    export.add_argument("--out", help="the file to write (default: weights.safetensors, weights.pt or model.onnx "
-                                      "beside the checkpoint)")
-    export.add_argument("--names-like", metavar="FILE",
+    export.add_argument("--out", type=_path, help="the file to write (default: weights.safetensors, weights.pt or "
+                                                  "model.onnx beside the checkpoint)")
+    export.add_argument("--names-like", metavar="FILE", type=_path,
                         help="write the tensors under the names of this weights file of the target model "
                              "(a torchvision state dict, say), paired by name or by order and shape")
     export.set_defaults(run=run_export)
 
     evaluate = commands.add_parser("eval", help="loss and accuracy of a checkpoint on the held-out split")
     _add_run_options(evaluate)
-    evaluate.add_argument("--checkpoint", required=True, metavar="RUN_OR_CHECKPOINT",
+    evaluate.add_argument("--checkpoint", required=True, metavar="RUN_OR_CHECKPOINT", type=_path,
                           help="checkpoint file written by snrt train, or its run folder")
     evaluate.set_defaults(run=run_eval)
     return parser
 
 
 def _add_run_options(parser):
-    parser.add_argument("config", help="network YAML file, e.g. configs/resnet2500.yaml")
+    parser.add_argument("config", type=_path, help="network YAML file, e.g. configs/resnet2500.yaml")
     parser.add_argument("--batch", type=_positive_int, help="batch size (overrides train.batch)")
     parser.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
     parser.add_argument("--classes", type=_positive_int, help="classes of the classifier (overrides input.classes)")

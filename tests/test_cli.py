@@ -310,6 +310,16 @@ def test_a_path_for_a_data_set_that_reads_no_files_is_refused(spec, capsys):
     assert exit_.value.code == 2 and "reads no files" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["inspect", ""], ["train", LENET, "--out", ""], ["train", LENET, "--init-from", ""],
+                                  ["plan", LENET, "--save", ""], ["plan", LENET, "--png", ""], ["tune", LENET, "--out", ""],
+                                  ["eval", LENET, "--checkpoint", ""], ["report", ""], ["export", ""],
+                                  ["export", "run", "--out", ""]])
+def test_an_empty_path_is_refused_not_read_as_the_default_or_the_current_folder(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and "expected a path, got an empty string" in capsys.readouterr().err
+
+
 def test_weights_to_start_from_and_a_checkpoint_to_resume_are_not_asked_for_together(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["train", LENET, "--out", str(tmp_path / "run"), "--resume", "--init-from", str(tmp_path / "w.pt")])

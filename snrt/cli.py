@@ -794,6 +794,8 @@ def run_tune(args, console):
     budget = config.memory.budget
     if budget is None:
         raise SnrtError(f"{args.config}: memory.budget: snrt tune needs a budget: pass --budget, e.g. --budget 12GiB")
+    out = args.out or f"{config.name}.tuned.yaml"
+    tune.check_destination(out, args.overwrite)  # before the sweep, which can take minutes
     options = {**make_optimizer(config.train.optimizer).plan_options, "stream_parameters": config.memory.stream_parameters,
                "cost_model": {"cpu": cost.CPU, "cuda": cost.CUDA}[args.device], "precision": config.train.precision,
                "fuse": config.train.fuse}
@@ -813,7 +815,6 @@ def run_tune(args, console):
         range_test = _range_test(args, tuned, console)
         tuned = with_settings(tuned, train={"optimizer": {"lr": min(scaled_lr, range_test.suggested_lr)}})
     measured = _measure(args, tuned) if args.measure else None
-    out = args.out or f"{config.name}.tuned.yaml"
     path = _write_output(out, lambda: tune.write_config(tuned, out, args.overwrite))
     if args.png:
         _write_output(args.png, lambda: tune.draw_throughput(points, args.png, f"{config.name}: predicted images/s in "

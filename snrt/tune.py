@@ -173,11 +173,17 @@ def draw_range_test(test, path, title):
         ax.set_ylim(0.9 * min(test.losses), 1.5 * max(test.losses[0], test.smoothed[0]))  # not the divergence's height
 
 
+def check_destination(path, overwrite=False):
+    """SnrtError when a tuned config may not be written to `path`: a file is there and not to be
+    replaced (`overwrite`). Checked before the sweep too, which can take minutes."""
+    if Path(path).exists() and not overwrite:
+        raise SnrtError(f"{path}: exists; pass --overwrite to replace it, or --out another file")
+
+
 def write_config(config, path, overwrite=False):
     """Write `config` as YAML to `path` atomically; an existing file is kept unless `overwrite`."""
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise SnrtError(f"{path}: exists; pass --overwrite to replace it, or --out another file")
+    check_destination(path, overwrite)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:  # a file where a folder of the path should be

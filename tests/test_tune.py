@@ -47,7 +47,7 @@ def test_the_learning_rate_scales_with_the_batch_and_warms_up_when_it_grows():
                                        "schedule": {"warmup": train.schedule.warmup}}
 
 
-def test_tune_writes_a_config_that_trains_and_refuses_to_overwrite_it(tmp_path, capsys):
+def test_tune_writes_a_config_that_trains_and_refuses_to_overwrite_it(tmp_path, capsys, monkeypatch):
     out, png = tmp_path / "tuned.yaml", tmp_path / "tune.png"
     assert main(["tune", LENET, "--budget", "2MiB", "--json", "--out", str(out), "--png", str(png)]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -60,7 +60,8 @@ def test_tune_writes_a_config_that_trains_and_refuses_to_overwrite_it(tmp_path, 
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["train", str(out), "--iterations", "1", "--out", str(tmp_path / "run"), "--no-progress",
                  "--no-eval", "--backend", "cpu"]) == 0  # tuned with the CPU's kernels (a GPU's need other workspace)
-    assert main(["tune", LENET, "--budget", "2MiB", "--out", str(out)]) == 2
+    monkeypatch.setattr("snrt.tune.sweep", None)  # refused before the sweep and the range test, which take minutes
+    assert main(["tune", LENET, "--budget", "2MiB", "--out", str(out), "--lr-range", "--measure"]) == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err
 
 

@@ -942,7 +942,7 @@ def run_eval(args, console):
     config = load_config(args.config, _overrides(args))
     trainer = _make_trainer(args, config)
     checkpoint = _checkpoint_in(args.checkpoint)
-    trainer.restore(checkpoint)
+    trainer.restore(checkpoint, optimizer_state=False)  # evaluated: its optimizer is not needed
     loss, accuracy = trainer.evaluate()
     if not math.isfinite(loss):
         raise SnrtError(f"{checkpoint}: {trainer.nonfinite_evaluation(loss)}")

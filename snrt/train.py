@@ -334,17 +334,19 @@ class Trainer:
                   for node, name, _ in self.runtime.persistent_tensors(WEIGHT_ROLES)]
         self.runtime.load(matched(wanted, read_weights(path), Path(path)))
 
-    def restore(self, path):
+    def restore(self, path, optimizer_state=True):
         """Load a checkpoint written by `save` for the same network; training continues from it.
+        Without `optimizer_state` (to evaluate it) only its parameters and statistics are loaded,
+        so a checkpoint of any optimizer will do.
 
         Returns a note when the checkpoint was trained at another batch size or with another seed
         (None otherwise).
         """
         arrays, meta = load_checkpoint(path)
-        roles = ("parameter", "optimizer_state", "state")
+        roles = ("parameter", "optimizer_state", "state") if optimizer_state else WEIGHT_ROLES
         expected = {f"{node}:{name}": (node, name) for node, name, _ in self.runtime.persistent_tensors(roles)}
         optimizer = self.config.train.optimizer.type
-        if meta.get("optimizer", "sgd") != optimizer:
+        if optimizer_state and meta.get("optimizer", "sgd") != optimizer:
             raise CheckpointError(f"{path}: trained with {meta.get('optimizer', 'sgd')}, this run uses {optimizer}: the "
                                   "optimizer's state does not carry over; resume with the same train.optimizer.type")
         missing = sorted(set(expected) - set(arrays))

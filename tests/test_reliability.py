@@ -616,3 +616,19 @@ def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
     Trainer(small_config()).save(path)
     with pytest.raises(CheckpointError, match="trained with sgd, this run uses adam"):
         Trainer(small_config(optimizer={"type": "adam", "lr": 0.001})).restore(path)
+
+
+def test_a_checkpoint_of_another_optimizer_is_evaluated(tmp_path, capsys):
+    """Evaluation reads the parameters and statistics alone: the optimizer that trained them
+    does not matter (resuming still needs the same one)."""
+    adam = tmp_path / "adam.yaml"
+    adam.write_text(Path(LENET).read_text().replace(
+        "optimizer: {type: sgd, lr: 0.1, momentum: 0.9, nesterov: false, weight_decay: 0.0001}",
+        "optimizer: {type: adam, lr: 0.001}"))
+    out = tmp_path / "run"
+    assert main(["train", str(adam), *RUN, "--out", str(out), "--iterations", "1"]) == 0
+    capsys.readouterr()
+    assert main(["eval", LENET, *RUN[:4], "--checkpoint", str(out)]) == 0
+    assert "lenet at iteration 1: held-out loss" in capsys.readouterr().out
+    assert train(out, "--iterations", "2", "--resume") == 2
+    assert "trained with adam, this run uses sgd" in capsys.readouterr().err

@@ -160,9 +160,10 @@ def is_checkpoint(path):
         return False
 
 
-def describe_changes(meta, batch, seed):
-    """What changes when a run saved with `meta` resumes at `batch` with `seed` (None when neither
-    differs from the checkpoint's): the batches are functions of both."""
+def describe_changes(meta, batch, seed, precision):
+    """What changes when a run saved with `meta` resumes at `batch` with `seed` in `precision`
+    (None when none differs from the checkpoint's): the batches are functions of the first two,
+    the rounding of every step of the last."""
     changes = []
     if meta.get("batch") not in (None, batch):
         changes.append(f"trained at batch {meta['batch']}, resuming at batch {batch}: "
@@ -170,7 +171,9 @@ def describe_changes(meta, batch, seed):
     if meta.get("seed") not in (None, seed):
         changes.append(f"trained with seed {meta['seed']}, resuming with seed {seed}: another order of the data, "
                        "other augmentation and dropout")
+    batches = " different batches from here on," if changes else ""
+    if meta.get("precision") not in (None, precision):
+        changes.append(f"trained in {meta['precision']}, resuming in {precision}: other rounding")
     if not changes:
         return None
-    return (f"the checkpoint was {'; and '.join(changes)}, different batches from here on, and a result that differs "
-            "from an uninterrupted run")
+    return f"the checkpoint was {'; and '.join(changes)},{batches} and a result that differs from an uninterrupted run"

@@ -319,7 +319,8 @@ class Trainer:
         save_checkpoint(path, tensors, {"iteration": self.iteration, "seed": self.config.train.seed,
                                         "network": self.graph.name, "graph": self.graph.fingerprint(),
                                         "optimizer": self.config.train.optimizer.type,
-                                        "batch": self.batch, **self._class_names(),
+                                        "batch": self.batch, "precision": self.config.train.precision,
+                                        **self._class_names(),
                                         **({"loss_scale": dataclasses.asdict(self.loss_scale)} if self.loss_scale else {})})
 
     def _class_names(self):
@@ -371,7 +372,7 @@ class Trainer:
         if self.loss_scale and isinstance(meta.get("loss_scale"), dict):  # else it starts afresh
             self.loss_scale = LossScale(**{k: meta["loss_scale"][k] for k in ("scale", "good", "growth_interval")
                                            if k in meta["loss_scale"]})
-        return describe_changes(meta, self.batch, self.config.train.seed)
+        return describe_changes(meta, self.batch, self.config.train.seed, self.config.train.precision)
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -448,6 +448,15 @@ def test_resuming_at_another_batch_or_seed_says_what_changes(tmp_path, capsys):
             "resuming with seed 5: another order of the data") in " ".join(capsys.readouterr().out.split())
 
 
+def test_resuming_in_another_precision_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1", "--precision", "bf16") == 0
+    assert load_checkpoint(out / "checkpoint.npz")[1]["precision"] == "bf16"
+    assert train(out, "--iterations", "2", "--resume") == 0
+    assert ("note: the checkpoint was trained in bf16, resuming in fp32: other rounding, and a result that differs "
+            "from an uninterrupted run") in " ".join(capsys.readouterr().out.split())
+
+
 def test_checkpoint_saving_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
     """The write fetches a tensor only after the previous one is written."""
     trainer = Trainer(small_config())

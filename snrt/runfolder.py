@@ -11,6 +11,7 @@ iterations before the checkpoint, so it never holds an iteration twice.
 """
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -44,7 +45,12 @@ class RunFolder:
                                  "--out") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):  # no lock to be had here (a file system without)
+                self._lock.close()
+                raise RunFolderError(f"{self.path}: cannot lock this output folder ({LOCK}: {e.strerror}), so a "
+                                     "second run could write over this one's files; choose an --out on a local "
+                                     "disk") from None
             self._lock.seek(0)
             owner = self._lock.read().strip() or "unknown"
             self._lock.close()

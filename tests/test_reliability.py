@@ -149,6 +149,19 @@ def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
     assert train(out, "--iterations", "1") == 0  # free again once the first let go
 
 
+def test_a_folder_on_a_file_system_without_locks_is_not_called_in_use(tmp_path, capsys, monkeypatch):
+    import fcntl
+
+    def no_locks(file, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert train(tmp_path / "run", "--iterations", "1") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{tmp_path / 'run'}: cannot lock this output folder (.lock: No locks available)" in err
+    assert "another snrt run" not in err
+
+
 def test_resume_cuts_metrics_back_to_the_checkpoint_so_no_iteration_repeats(tmp_path):
     out = tmp_path / "run"
     assert train(out, "--iterations", "4") == 0

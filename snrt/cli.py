@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -281,7 +282,7 @@ def run_inspect(args, console):
             report["nodes"] = [{"name": row.name, "type": row.type, "inputs": list(node.inputs), "shape": list(row.shape),
                                 "params": row.params} for row, node in zip(config.graph.rows(batch),
                                                                            config.graph.nodes.values())]
-        print(json.dumps(report, indent=2))
+        _print_json(console, report)
         return
     if args.layers:
         table = Table(title=f"{config.name}: every node at batch {batch}")
@@ -418,9 +419,8 @@ def run_plan(args, console):
             chosen_row["parameters"] = detail.parameter_homes()
         if args.steps:
             chosen_row["steps"] = [detail.describe_step(i) for i in range(len(detail.steps))]
-        print(json.dumps({"network": config.name, "batch": batch, "ranks": ranks, "budget_bytes": budget,
-                          "backend": backend, "estimate": estimate, "policies": table, "chosen": chosen_row},
-                         indent=2))
+        _print_json(console, {"network": config.name, "batch": batch, "ranks": ranks, "budget_bytes": budget,
+                              "backend": backend, "estimate": estimate, "policies": table, "chosen": chosen_row})
     else:
         console.print(_policy_table(config, batch, budget, table))
         console.print(plan_headline(detail))
@@ -641,7 +641,7 @@ def run_report(args, console):
         raise _cannot_write(path, e) from None
     rows = report_rows(runs)
     if args.json:
-        print(json.dumps({"runs": rows, "png": str(path)}, indent=2))
+        _print_json(console, {"runs": rows, "png": str(path)})
         return 0
     table = Table(title="runs")
     for header in ("run", "iterations", "final loss", "held-out accuracy", "images/s", "data wait", "peak"):
@@ -675,6 +675,17 @@ def _write_run_file(path, text, kept):
         replace_atomically(path, lambda partial: partial.write_text(text))
     except OSError as e:
         raise _cannot_write(path, e, kept) from None
+
+
+def _print_json(console, value):
+    """Print `value` as JSON on `console`'s file, the whole of a --json command's standard
+    output. A reader that went away (`| head`) ends the command quietly, as the console does
+    when it prints a table (status 1)."""
+    try:
+        print(json.dumps(value, indent=2), file=console.file, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit: nothing reaches it
+        raise SystemExit(1) from None
 
 
 def _write_output(path, write):
@@ -833,7 +844,7 @@ def run_tune(args, console):
                   "lrs": range_test.lrs, "losses": range_test.losses, "suggested_lr": range_test.suggested_lr},
               "config": str(path)}
     if args.json:
-        print(json.dumps(report, indent=2))
+        _print_json(console, report)
         return 0
     console.print(_tune_table(config, budget, points))
     lr_note = f"lr {tuned.train.optimizer.lr:g} (from {config.train.optimizer.lr:g} at batch {config.train.batch}, " \
@@ -950,6 +961,31 @@ def run_eval(args, console):
                   f"({len(trainer.heldout_set.y)} samples)")
 
 
+class StandardOutput:
+    """The command's standard output `stream`, as the console and --json write it: an error
+    writing it (a full disk under a redirection) names it, as a file's error does."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        return self._named(self.stream.write, text)
+
+    def flush(self):
+        return self._named(self.stream.flush)
+
+    def __getattr__(self, name):  # isatty, fileno, encoding: the stream's
+        return getattr(self.stream, name)
+
+    @staticmethod
+    def _named(call, *args):
+        try:
+            return call(*args)
+        except OSError as e:
+            e.filename = e.filename or "standard output"
+            raise
+
+
 class Terminated(BaseException):
     """SIGTERM outside the training loop (which handles it itself): stop quietly."""
 
@@ -971,9 +1007,9 @@ def main(argv=None):
     leader = launcher_rank() == 0
     if launcher_size() > 1 and args.command != "train" and not leader:
         return 0
-    console = Console(markup=False, quiet=not leader)
+    console = Console(file=StandardOutput(sys.stdout), markup=False, quiet=not leader)
     if not console.is_terminal:  # logs and pipes: wide enough for the tables
-        console = Console(width=120, markup=False, quiet=not leader)
+        console = Console(file=console.file, width=120, markup=False, quiet=not leader)
     previous = {}
     if threading.current_thread() is threading.main_thread():  # the training loop installs its own meanwhile
         previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),

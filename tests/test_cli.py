@@ -90,6 +90,23 @@ def test_an_output_inside_a_file_is_named_as_asked_not_by_its_temporary(tmp_path
     assert capsys.readouterr().err.startswith(f"error: {path}: cannot write (Not a directory)")
 
 
+@pytest.mark.parametrize("argv", [["inspect", LENET], ["inspect", LENET, "--json"], PLAN, [*PLAN, "--json"]])
+def test_standard_output_on_a_full_disk_is_named(argv):
+    """`snrt plan --json > out.json` on a full disk: /dev/full answers every write with ENOSPC."""
+    proc = subprocess.run([sys.executable, "-m", "snrt", *argv], stdout=open("/dev/full", "w"), stderr=subprocess.PIPE,
+                          text=True)
+    assert proc.returncode == 2 and proc.stderr == "error: standard output: No space left on device\n"
+
+
+def test_a_reader_of_standard_output_that_goes_away_ends_the_command_quietly():
+    """`snrt inspect --json | head -1`: the rest of the output has nowhere to go, and no error to report."""
+    proc = subprocess.Popen([sys.executable, "-m", "snrt", "inspect", "configs/resnet2500.yaml", "--json", "--layers"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "{\n"
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 1 and proc.stderr.read() == ""
+
+
 def test_plan_json_with_steps_holds_the_steps_the_text_prints(capsys):
     args = ["plan", LENET, "--policy", "offload", "--steps"]
     assert main(args) == 0

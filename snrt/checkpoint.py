@@ -110,7 +110,8 @@ def load_checkpoint(path):
             arrays = {k: data[k] for k in data.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError,
             RuntimeError) as e:  # the last three: damaged zip headers (a compression or encryption it does not have)
-        raise CheckpointError(f"{path}: not a readable checkpoint ({e})") from None
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e  # (Permission denied), not its errno
+        raise CheckpointError(f"{path}: not a readable checkpoint ({reason})") from None
     try:
         meta = json.loads(arrays.pop(META).tobytes().decode())
     except (KeyError, ValueError):

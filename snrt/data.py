@@ -179,7 +179,11 @@ def _load_npz(data, input_shape, classes, seed, per_pixel=False):
     path = _existing_path(data, "npz", expected, want_dir=False)
     source = str(path)
     try:
-        with open(path, "rb") as f:
+        f = open(path, "rb")
+    except OSError as e:  # the file may be whole: say why it cannot be read, not that it is corrupt
+        raise ConfigError(source, PATH_KEY, f"cannot read the file ({e.strerror}); expected {expected}") from None
+    try:
+        with f:
             archive = np.load(f, allow_pickle=False)
             if not isinstance(archive, np.lib.npyio.NpzFile):
                 raise ValueError("it holds a single array, not named arrays")

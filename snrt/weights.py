@@ -66,6 +66,10 @@ def read(path):
     path = Path(path)
     if not path.is_file():
         raise SnrtError(f"{path}: no such weights file")
+    try:
+        open(path, "rb").close()
+    except OSError as e:  # the file may be whole: say why it cannot be read, not that it is of another kind
+        raise SnrtError(f"{path}: cannot read the weights file ({e.strerror})") from None
     if path.suffix == ".safetensors":
         try:
             loaded = _module("safetensors.numpy", "reading safetensors needs safetensors").load_file(str(path))

@@ -554,6 +554,32 @@ def test_a_checkpoint_tensor_that_is_not_floating_point_is_refused_not_cast(tmp_
     assert not (tmp_path / "w.safetensors").exists()
 
 
+@pytest.mark.parametrize("what, says", [("checkpoint", "not a readable checkpoint (Permission denied)"),
+                                        ("data", "train.data.path: cannot read the file (Permission denied)"),
+                                        ("weights", "cannot read the weights file (Permission denied)")])
+def test_a_file_that_cannot_be_read_says_why_not_that_it_is_damaged(tmp_path, capsys, monkeypatch, what, says):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1") == 0
+    path = {"checkpoint": out / "checkpoint.npz", "data": tmp_path / "data.npz", "weights": tmp_path / "w.pt"}[what]
+    np.savez(tmp_path / "data.npz", x=np.zeros((16, 1, 8, 8)), y=np.zeros(16, int))
+    assert main(["export", str(out), "--format", "torch", "--out", str(tmp_path / "w.pt")]) == 0
+    real_open = open
+
+    def unreadable(file, *args, **kwargs):  # as a file without read permission is to a user who is not root
+        if os.fspath(file) == str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", unreadable)
+    command = {"checkpoint": ["eval", LENET, *RUN[:4], "--checkpoint", str(path)],
+               "data": ["train", LENET, *RUN[2:], "--data", f"npz:{path}", "--out", str(tmp_path / "new")],
+               "weights": ["train", LENET, *RUN, "--init-from", str(path), "--out", str(tmp_path / "new")]}[what]
+    capsys.readouterr()
+    assert main(command) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith(f"error: {path}: ") and says in err and "corrupt" not in err and "state dict" not in err
+
+
 @pytest.mark.parametrize("budget", ["1e400", "99999999999EiB"])
 def test_absurd_budgets_are_one_clear_error(tmp_path, capsys, budget):
     assert train(tmp_path / "run", "--budget", budget) == 2

@@ -104,24 +104,32 @@ class RunFolder:
         for name in RUN_FILES:
             (self.path / name).unlink(missing_ok=True)
 
-    def _describe_run(self):
-        lines = self._metric_lines()
-        return f"{len(lines)} iterations in {METRICS}" if lines else f"a {CHECKPOINT}"
-
     def _metric_lines(self):
-        """metrics.jsonl's lines; a byte that is not UTF-8 (a damaged disk block) spoils its line only."""
+        """metrics.jsonl's lines; a byte that is not UTF-8 (a damaged disk block) spoils its line
+        only. OSError when the file cannot be read."""
+        return self.metrics.read_text(errors="replace").splitlines()
+
+    def _describe_run(self):
+        """What the folder holds, for an error: the iterations in metrics.jsonl, or its checkpoint."""
         try:
-            return self.metrics.read_text(errors="replace").splitlines()
+            lines = self._metric_lines()
         except OSError:
-            return []
+            lines = []
+        return f"{len(lines)} iterations in {METRICS}" if lines else f"a {CHECKPOINT}"
 
     def truncate_metrics(self, iteration):
         """Keep only metrics.jsonl's lines of iterations before `iteration` (where a resumed run
-        continues), rewritten atomically; lines that are not metrics are dropped."""
+        continues), rewritten atomically; lines that are not metrics are dropped. A file that
+        cannot be read (a failing disk) stays as it is: it is not taken for one with no lines."""
         if not self.metrics.exists():
             return
+        try:
+            lines = self._metric_lines()
+        except OSError as e:
+            raise RunFolderError(f"{self.metrics}: cannot read it to cut it back to iteration {iteration} "
+                                 f"({e.strerror}); the run is as it was") from None
         kept = []
-        for line in self._metric_lines():
+        for line in lines:
             try:
                 if json.loads(line)["iteration"] < iteration:
                     kept.append(line)

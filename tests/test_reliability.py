@@ -331,6 +331,25 @@ def test_a_full_disk_while_cutting_metrics_back_on_resume_keeps_them_whole(tmp_p
     assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == []
 
 
+def test_metrics_that_cannot_be_read_on_resume_are_kept_not_emptied(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "3") == 0
+    before = (out / "metrics.jsonl").read_bytes()
+    read_text = Path.read_text
+
+    def failing_disk(self, *args, **kwargs):
+        if self.name == "metrics.jsonl":
+            raise OSError(errno.EIO, "Input/output error", str(self))
+        return read_text(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", failing_disk)
+    assert train(out, "--iterations", "5", "--resume") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"{out / 'metrics.jsonl'}: cannot read it to cut it back to iteration 3 (Input/output error); the run is "
+            "as it was") in err
+    monkeypatch.undo()
+    assert (out / "metrics.jsonl").read_bytes() == before
+
+
 def test_a_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert train(out, "--iterations", "2") == 0

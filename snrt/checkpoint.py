@@ -108,8 +108,8 @@ def load_checkpoint(path):
             raise ValueError("it holds a single array, not the named arrays snrt train writes")
         with data:
             arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError,
-            RuntimeError) as e:  # the last three: damaged zip headers (a compression or encryption it does not have)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError, RuntimeError,
+            MemoryError) as e:  # damaged zip headers (a compression or encryption it does not have), array sizes
         reason = e.strerror if isinstance(e, OSError) and e.strerror else e  # (Permission denied), not its errno
         raise CheckpointError(f"{path}: not a readable checkpoint ({reason})") from None
     try:

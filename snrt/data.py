@@ -188,8 +188,8 @@ def _load_npz(data, input_shape, classes, seed, per_pixel=False):
             if not isinstance(archive, np.lib.npyio.NpzFile):
                 raise ValueError("it holds a single array, not named arrays")
             arrays = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, NotImplementedError,
-            RuntimeError) as e:  # the last two: damaged zip headers (a compression or encryption it does not have)
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError,
+            MemoryError) as e:  # damaged zip headers (a compression or encryption it does not have), array sizes
         raise ConfigError(source, PATH_KEY, f"cannot read the file as .npz (corrupt or truncated?): {e}; expected {expected}") from None
     for name in ("x", "y"):
         if name not in arrays:

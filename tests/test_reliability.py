@@ -599,6 +599,38 @@ def test_a_file_that_cannot_be_read_says_why_not_that_it_is_damaged(tmp_path, ca
     assert err.startswith(f"error: {path}: ") and says in err and "corrupt" not in err and "state dict" not in err
 
 
+def npz_claiming(path, key, shape, **arrays):
+    """An .npz at `path` of `arrays` and a member `key` whose header claims `shape` (float32), with
+    a few bytes of data: an archive damaged where an array says its size."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, array in arrays.items():
+            with archive.open(f"{name}.npy", "w") as member:
+                np.lib.format.write_array(member, array)
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        archive.writestr(f"{key}.npy", header.getvalue() + b"\0" * 64)
+    return path
+
+
+def test_an_array_size_beyond_memory_in_a_damaged_file_names_the_file_not_the_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1") == 0
+    arrays, meta = load_checkpoint(out / "checkpoint.npz")
+    damaged = npz_claiming(tmp_path / "damaged.npz", "conv2d0:weight", (2**40,), **{k: v for k, v in arrays.items()
+                                                                                     if k != "conv2d0:weight"},
+                           __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+    data = npz_claiming(tmp_path / "data.npz", "x", (2**40, 1, 8, 8), y=np.zeros(16, int))
+    capsys.readouterr()
+    for command, path in ((["eval", LENET, *RUN[:4], "--checkpoint", str(damaged)], damaged),
+                          (["train", LENET, *RUN[2:], "--data", f"npz:{data}", "--out", str(tmp_path / "new")], data)):
+        assert main(command) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.startswith(f"error: {path}: ") and "Unable to allocate" in err and "--batch" not in err
+
+
 @pytest.mark.parametrize("budget", ["1e400", "99999999999EiB"])
 def test_absurd_budgets_are_one_clear_error(tmp_path, capsys, budget):
     assert train(tmp_path / "run", "--budget", budget) == 2

@@ -866,9 +866,11 @@ def _range_test(args, config, console):
             def show(m):
                 status.update(f"learning-rate range test: iteration {m.iteration + 1}/{args.lr_range}, "
                               f"lr {m.lr:.3g}, loss {m.loss:.4f}")
-            return tune.range_test(trainer, config.train.optimizer.lr, args.lr_range, on_iteration=show)
+            test = tune.range_test(trainer, config.train.optimizer.lr, args.lr_range, on_iteration=show)
     finally:
         trainer.backend.close()
+    _raise_if_signalled(trainer)
+    return test
 
 
 def _measure(args, config):
@@ -880,8 +882,19 @@ def _measure(args, config):
         history = trainer.fit()
     finally:
         trainer.backend.close()
+    _raise_if_signalled(trainer)
     timed = history[1:] or history
     return sum(m.images_per_s for m in timed) / len(timed)
+
+
+def _raise_if_signalled(trainer):
+    """Stop the command as the signal that stopped `trainer`'s training loop early would have
+    (its handlers turned SIGINT and SIGTERM into a request to stop): a test or measurement cut
+    short is not a result to write."""
+    if trainer.stop_reason == signal.SIGINT:
+        raise KeyboardInterrupt
+    if trainer.stop_reason == signal.SIGTERM:
+        raise Terminated
 
 
 def _tune_table(config, budget, points):

@@ -136,7 +136,8 @@ def range_rates(center, iterations):
 
 def range_test(trainer, center, iterations, on_iteration=None):
     """Train `trainer` (a fresh snrt.Trainer) for up to `iterations` iterations with the rates
-    of `range_rates(center, iterations)`, stopping once the loss diverges; the RangeTest.
+    of `range_rates(center, iterations)`, stopping once the loss diverges; the RangeTest (of
+    the iterations before a signal, when one stops the trainer: `trainer.stop_reason` says).
     `on_iteration(metrics)` is told of every iteration (a progress display)."""
     from snrt.errors import DivergenceError
 
@@ -158,8 +159,9 @@ def range_test(trainer, center, iterations, on_iteration=None):
         trainer.fit(iterations=iterations, on_iteration=record, lr_at=lambda i: rates[i])
     except DivergenceError:  # a non-finite loss ends the test; what came before stands
         pass
-    if not lrs:
-        raise ValueError(f"the learning-rate range test diverged at its first rate, {rates[0]:g}")
+    if not lrs and not trainer.stop_requested:  # stopped by a signal (stop_reason) before any: the caller's to say
+        raise SnrtError(f"the learning-rate range test diverged at its first rate, {rates[0]:g}: the loss is not "
+                        "finite from the start (the data or the network?)")
     return RangeTest(tuple(lrs), tuple(losses), tuple(smoothed))
 
 

@@ -2,6 +2,7 @@
 replaces it in one rename, so a reader, or a run interrupted while it writes, sees the old file
 or the new one, never part of one."""
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -11,15 +12,17 @@ from snrt.errors import SnrtError
 def replace_atomically(path, write):
     """`write(temporary)` (a Path beside `path`), then the temporary renamed over `path`; the
     temporary is removed when either fails (an interrupt included), and the error raised (an
-    OSError about the temporary names `path`, the file the caller asked for)."""
+    OSError about the temporary, or about no file, as a full disk's write, names `path`, the
+    file the caller asked for)."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.tmp")
     try:
         write(partial)
         os.replace(partial, path)
     except BaseException as error:
-        partial.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.filename is not None and Path(error.filename) == partial:
+        with contextlib.suppress(OSError):  # one never made (its folder is a file, say) must not hide the error
+            partial.unlink(missing_ok=True)
+        if isinstance(error, OSError) and (error.filename is None or Path(error.filename) == partial):
             error.filename = str(path)
         raise
 

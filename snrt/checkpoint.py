@@ -10,6 +10,7 @@ diverged run) stops the write and keeps the previous checkpoint.
 """
 
 import json
+import math
 import os
 import tempfile
 import zipfile
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from snrt.errors import SnrtError
+from snrt.units import is_count
 
 FORMAT = "snrt-checkpoint-1"
 META = "__meta__"
@@ -106,9 +108,10 @@ def load_checkpoint(path):
             raise ValueError("it holds a single array, not the named arrays snrt train writes")
         with data:
             arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError,
-            RuntimeError) as e:  # the last three: damaged zip headers (a compression or encryption it does not have)
-        raise CheckpointError(f"{path}: not a readable checkpoint ({e})") from None
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError, RuntimeError,
+            MemoryError) as e:  # damaged zip headers (a compression or encryption it does not have), array sizes
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e  # (Permission denied), not its errno
+        raise CheckpointError(f"{path}: not a readable checkpoint ({reason})") from None
     try:
         meta = json.loads(arrays.pop(META).tobytes().decode())
     except (KeyError, ValueError):
@@ -116,18 +119,52 @@ def load_checkpoint(path):
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else meta
         raise CheckpointError(f"{path}: unknown checkpoint format {found!r}, expected {FORMAT}")
-    iteration = meta.get("iteration")
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-        raise CheckpointError(f"{path}: the metadata's iteration is {iteration!r}, expected a non-negative int")
+    _check_meta(path, meta)
     for key, array in arrays.items():
-        if array.dtype.kind == "f" and not np.isfinite(array).all():
+        if array.dtype.kind != "f":  # every tensor a run saves is floating point: a value would be cast, or fail
+            raise CheckpointError(f"{path}: {key} holds {array.dtype} values, not the floating-point numbers of a "
+                                  "parameter, optimizer state or statistic (a damaged or hand-made checkpoint?)")
+        if not np.isfinite(array).all():
             raise NonFiniteError(f"{path}: {key} holds NaN or infinite values (written by a run that diverged?)")
     return arrays, meta
 
 
-def describe_changes(meta, batch, seed):
-    """What changes when a run saved with `meta` resumes at `batch` with `seed` (None when neither
-    differs from the checkpoint's): the batches are functions of both."""
+# what save_checkpoint writes of the numbers a run computes with: (key, smallest value, required)
+_COUNTS = (("iteration", 0, True), ("batch", 1, False), ("seed", 0, False))
+
+
+def _check_meta(path, meta):
+    """CheckpointError naming the first metadata value that is not what a run writes (a
+    damaged or hand-edited checkpoint), before a run computes with it."""
+    for key, least, required in _COUNTS:
+        if (required or key in meta) and not is_count(meta.get(key), least):
+            raise CheckpointError(f"{path}: the metadata's {key} is {meta.get(key)!r}, expected an int >= {least}")
+    scale = meta.get("loss_scale", {})
+    if not (isinstance(scale, dict) and _positive(scale.get("scale", 1.0)) and is_count(scale.get("good", 0), 0)
+            and is_count(scale.get("growth_interval", 1))):
+        raise CheckpointError(f"{path}: the metadata's loss_scale is {scale!r}, expected a positive finite scale and "
+                              "counts of iterations")
+
+
+def _positive(value):
+    """Whether `value` is a finite number (not a bool) above 0."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def is_checkpoint(path):
+    """Whether the file `path` looks like a checkpoint snrt train writes (an archive with its
+    metadata), to tell a user who gives one where a weights file is expected what to do."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return f"{META}.npy" in archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def describe_changes(meta, batch, seed, precision):
+    """What changes when a run saved with `meta` resumes at `batch` with `seed` in `precision`
+    (None when none differs from the checkpoint's): the batches are functions of the first two,
+    the rounding of every step of the last."""
     changes = []
     if meta.get("batch") not in (None, batch):
         changes.append(f"trained at batch {meta['batch']}, resuming at batch {batch}: "
@@ -135,7 +172,9 @@ def describe_changes(meta, batch, seed):
     if meta.get("seed") not in (None, seed):
         changes.append(f"trained with seed {meta['seed']}, resuming with seed {seed}: another order of the data, "
                        "other augmentation and dropout")
+    batches = " different batches from here on," if changes else ""
+    if meta.get("precision") not in (None, precision):
+        changes.append(f"trained in {meta['precision']}, resuming in {precision}: other rounding")
     if not changes:
         return None
-    return (f"the checkpoint was {'; and '.join(changes)}, different batches from here on, and a result that differs "
-            "from an uninterrupted run")
+    return f"the checkpoint was {'; and '.join(changes)},{batches} and a result that differs from an uninterrupted run"

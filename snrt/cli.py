@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -51,6 +52,14 @@ def _thread_count(text):
     return value
 
 
+def _path(text):
+    """A path given on the command line: an empty one (an unset shell variable, say) is refused,
+    where it would mean the current folder or the default silently."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
 def _data_spec(text):
     kind, _, path = text.partition(":")
     if kind not in DATASETS:
@@ -67,7 +76,7 @@ def build_parser():
     commands = parser.add_subparsers(dest="command", required=True)
 
     inspect = commands.add_parser("inspect", help="summarise a network: layers, parameters, FLOPs, activation bytes")
-    inspect.add_argument("config", help="network YAML file, e.g. configs/resnet50.yaml")
+    inspect.add_argument("config", type=_path, help="network YAML file, e.g. configs/resnet50.yaml")
     inspect.add_argument("--batch", type=_positive_int, help="batch size for activation bytes (default: the file's train.batch)")
     inspect.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
     inspect.add_argument("--layers", action="store_true", help="list every node, not only totals by type")
@@ -82,17 +91,18 @@ def build_parser():
     train.add_argument("--stream-parameters", action="store_true", default=None,
                        help="keep parameters and optimizer state in host memory, on the device only while used "
                             "(sets memory.stream_parameters)")
-    train.add_argument("--host-store", metavar="DIR",
+    train.add_argument("--host-store", metavar="DIR", type=_path,
                        help="CPU: keep the host store in a file in DIR instead of memory (sets memory.host_store)")
     train.add_argument("--seed", type=int, help="seed for initialisation, data and dropout (overrides train.seed)")
-    train.add_argument("--out", help="output folder for metrics, checkpoint and summary (default runs/NAME)")
+    train.add_argument("--out", type=_path,
+                       help="output folder for metrics, checkpoint and summary (default runs/NAME)")
     start = train.add_mutually_exclusive_group()  # a resumed run's weights are its checkpoint's
     start.add_argument("--resume", nargs="?", const="", metavar="RUN_OR_CHECKPOINT",
                        help="continue from a checkpoint, or a run folder's (default: OUT/checkpoint.npz)")
     train.add_argument("--overwrite", action="store_true",
                        help="start over in an output folder that holds an earlier run (its files are deleted)")
     train.add_argument("--checkpoint-every", type=_positive_int, help="iterations between checkpoints")
-    start.add_argument("--init-from", metavar="FILE",
+    start.add_argument("--init-from", metavar="FILE", type=_path,
                        help="start from these weights: safetensors or a PyTorch state dict (see snrt export); "
                             "not with --resume")
     train.add_argument("--check", action="store_true", help="debug mode: check arena overlaps, poison freed memory")
@@ -100,7 +110,7 @@ def build_parser():
     train.set_defaults(run=run_train)
 
     plan = commands.add_parser("plan", help="memory plans of every policy, the steps, and a timeline PNG")
-    plan.add_argument("config", help="network YAML file, e.g. configs/resnet2500.yaml")
+    plan.add_argument("config", type=_path, help="network YAML file, e.g. configs/resnet2500.yaml")
     plan.add_argument("--batch", type=_positive_int, help="batch size (overrides train.batch)")
     plan.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
     plan.add_argument("--policy", choices=policies.CHOICES, help="the policy to detail (default: memory.policy)")
@@ -112,15 +122,15 @@ def build_parser():
     plan.add_argument("--steps", action="store_true", help="print every step of the detailed plan")
     plan.add_argument("--layers", action="store_true",
                       help="list what the detailed plan does with each layer's output: keep, recompute, offload")
-    plan.add_argument("--png", help="write the memory timeline of the detailed plan to this PNG file")
-    plan.add_argument("--save", help="write the detailed plan as JSON to this file")
+    plan.add_argument("--png", type=_path, help="write the memory timeline of the detailed plan to this PNG file")
+    plan.add_argument("--save", type=_path, help="write the detailed plan as JSON to this file")
     plan.add_argument("--ranks", type=_positive_int, default=1,
                       help="plan one rank of a data-parallel run on this many processes (batch = the global batch)")
     plan.set_defaults(run=run_plan, data=None)
 
     tune = commands.add_parser("tune", help="the largest batch each policy fits in a budget, predicted images/s, "
                                              "and the batch, policy and learning rate to train with")
-    tune.add_argument("config", help="network YAML file, e.g. configs/resnet50.yaml")
+    tune.add_argument("config", type=_path, help="network YAML file, e.g. configs/resnet50.yaml")
     tune.add_argument("--budget", help="device-memory budget such as 12GiB (default: memory.budget)")
     tune.add_argument("--stream-parameters", action="store_true", default=None,
                       help="plan parameters and optimizer state streamed from host memory (memory.stream_parameters)")
@@ -134,39 +144,40 @@ def build_parser():
     tune.add_argument("--lr-range", type=_positive_int, nargs="?", const=30, metavar="ITERATIONS",
                       help="also run a learning-rate range test of this many iterations (default 30) at the "
                            "recommended batch, and cap the scaled rate at a tenth of the rate of lowest loss")
-    tune.add_argument("--out", help="where to write the tuned config (default NAME.tuned.yaml)")
+    tune.add_argument("--out", type=_path, help="where to write the tuned config (default NAME.tuned.yaml)")
     tune.add_argument("--overwrite", action="store_true", help="replace the --out file if it exists")
-    tune.add_argument("--png", help="write predicted images/s against batch to this PNG file")
+    tune.add_argument("--png", type=_path, help="write predicted images/s against batch to this PNG file")
     tune.add_argument("--json", action="store_true", help="print the results as JSON")
     tune.set_defaults(run=run_tune)
 
     report = commands.add_parser("report", help="loss, accuracy, images/s and data wait of runs: a picture and a table")
-    report.add_argument("runs", nargs="+", metavar="RUN", help="run folders written by snrt train")
-    report.add_argument("--png", help="the picture (default RUN/metrics.png for one run; needed for several)")
+    report.add_argument("runs", nargs="+", metavar="RUN", type=_path, help="run folders written by snrt train")
+    report.add_argument("--png", type=_path,
+                        help="the picture (default RUN/metrics.png for one run; needed for several)")
     report.add_argument("--json", action="store_true", help="print the table as JSON")
     report.set_defaults(run=run_report)
 
     export = commands.add_parser("export", help="a run's weights as safetensors or a PyTorch state dict, or its "
                                                 "inference graph as ONNX")
-    export.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder or a checkpoint file")
+    export.add_argument("source", metavar="RUN_OR_CHECKPOINT", type=_path, help="a run folder or a checkpoint file")
     export.add_argument("--format", choices=tuple(EXPORTED), default="safetensors")
-    export.add_argument("--out", help="the file to write (default: weights.safetensors, weights.pt or model.onnx "
-                                      "beside the checkpoint)")
-    export.add_argument("--names-like", metavar="FILE",
+    export.add_argument("--out", type=_path, help="the file to write (default: weights.safetensors, weights.pt or "
+                                                  "model.onnx beside the checkpoint)")
+    export.add_argument("--names-like", metavar="FILE", type=_path,
                         help="write the tensors under the names of this weights file of the target model "
                              "(a torchvision state dict, say), paired by name or by order and shape")
     export.set_defaults(run=run_export)
 
     evaluate = commands.add_parser("eval", help="loss and accuracy of a checkpoint on the held-out split")
     _add_run_options(evaluate)
-    evaluate.add_argument("--checkpoint", required=True, metavar="RUN_OR_CHECKPOINT",
+    evaluate.add_argument("--checkpoint", required=True, metavar="RUN_OR_CHECKPOINT", type=_path,
                           help="checkpoint file written by snrt train, or its run folder")
     evaluate.set_defaults(run=run_eval)
     return parser
 
 
 def _add_run_options(parser):
-    parser.add_argument("config", help="network YAML file, e.g. configs/resnet2500.yaml")
+    parser.add_argument("config", type=_path, help="network YAML file, e.g. configs/resnet2500.yaml")
     parser.add_argument("--batch", type=_positive_int, help="batch size (overrides train.batch)")
     parser.add_argument("--image-size", type=_positive_int, help="square input size (overrides input.shape's H and W)")
     parser.add_argument("--classes", type=_positive_int, help="classes of the classifier (overrides input.classes)")
@@ -271,7 +282,7 @@ def run_inspect(args, console):
             report["nodes"] = [{"name": row.name, "type": row.type, "inputs": list(node.inputs), "shape": list(row.shape),
                                 "params": row.params} for row, node in zip(config.graph.rows(batch),
                                                                            config.graph.nodes.values())]
-        print(json.dumps(report, indent=2))
+        _print_json(console, report)
         return
     if args.layers:
         table = Table(title=f"{config.name}: every node at batch {batch}")
@@ -408,9 +419,8 @@ def run_plan(args, console):
             chosen_row["parameters"] = detail.parameter_homes()
         if args.steps:
             chosen_row["steps"] = [detail.describe_step(i) for i in range(len(detail.steps))]
-        print(json.dumps({"network": config.name, "batch": batch, "ranks": ranks, "budget_bytes": budget,
-                          "backend": backend, "estimate": estimate, "policies": table, "chosen": chosen_row},
-                         indent=2))
+        _print_json(console, {"network": config.name, "batch": batch, "ranks": ranks, "budget_bytes": budget,
+                              "backend": backend, "estimate": estimate, "policies": table, "chosen": chosen_row})
     else:
         console.print(_policy_table(config, batch, budget, table))
         console.print(plan_headline(detail))
@@ -420,11 +430,13 @@ def run_plan(args, console):
             for i in range(len(detail.steps)):
                 console.print(detail.describe_step(i), highlight=False, markup=False)
     if args.save:
-        Path(args.save).write_text(detail.to_json())
+        _write_output(args.save, lambda: replace_atomically(args.save, lambda partial: partial.write_text(
+            detail.to_json())))
     if args.png:
         from snrt.timeline import draw_timeline  # matplotlib only when a picture is asked for
 
-        draw_timeline(detail, args.png, budget=budget, title=f"{config.name}: {detail.policy}, batch {batch}")
+        _write_output(args.png, lambda: draw_timeline(detail, args.png, budget=budget,
+                                                      title=f"{config.name}: {detail.policy}, batch {batch}"))
         if args.json:  # stdout is the JSON alone
             print(f"timeline written to {args.png}", file=sys.stderr)
         else:
@@ -521,8 +533,17 @@ def run_train(args, console):
     if group.rank != 0:
         return _train_in(None, out / CHECKPOINT, args, config, plan, console)
     with RunFolder(out) as folder:
-        folder.prepare(resume=args.resume is not None, overwrite=args.overwrite)
+        continues = _continues(args, folder)
+        elsewhere = _checkpoint_in(args.resume) if args.resume and not continues else None
+        folder.prepare(resume=continues, overwrite=args.overwrite, elsewhere=elsewhere)
         return _train_in(folder, folder.checkpoint, args, config, plan, console)
+
+
+def _continues(args, folder):
+    """Whether the run continues the one the locked `folder` holds: --resume of its own
+    checkpoint (--resume of another run's starts this folder's run from that one's)."""
+    return args.resume is not None and (not args.resume or
+                                        _checkpoint_in(args.resume).resolve() == folder.checkpoint.resolve())
 
 
 def _train_in(folder, checkpoint, args, config, plan, console):
@@ -550,12 +571,12 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     if folder is None:
         trainer.fit(checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
         return 128 + int(trainer.stop_reason) if isinstance(trainer.stop_reason, int) else 0
-    if args.overwrite and args.resume is None:  # only now: a run that cannot start leaves the earlier one whole
-        folder.start_over()
     if args.resume is not None and trainer.iteration >= config.train.iterations:  # the folder stays as it is
         console.print(f"nothing to do: the run in {folder.path} is at iteration {trainer.iteration} already, and "
                       f"train.iterations is {config.train.iterations}; ask for more with --iterations")
         return 0
+    if args.overwrite:  # only now: a run that cannot start leaves the earlier one whole (prepare: not resumed)
+        folder.start_over()
     if args.resume is not None:
         try:
             folder.truncate_metrics(trainer.iteration)
@@ -620,7 +641,7 @@ def run_report(args, console):
         raise _cannot_write(path, e) from None
     rows = report_rows(runs)
     if args.json:
-        print(json.dumps({"runs": rows, "png": str(path)}, indent=2))
+        _print_json(console, {"runs": rows, "png": str(path)})
         return 0
     table = Table(title="runs")
     for header in ("run", "iterations", "final loss", "held-out accuracy", "images/s", "data wait", "peak"):
@@ -654,6 +675,26 @@ def _write_run_file(path, text, kept):
         replace_atomically(path, lambda partial: partial.write_text(text))
     except OSError as e:
         raise _cannot_write(path, e, kept) from None
+
+
+def _print_json(console, value):
+    """Print `value` as JSON on `console`'s file, the whole of a --json command's standard
+    output. A reader that went away (`| head`) ends the command quietly, as the console does
+    when it prints a table (status 1)."""
+    try:
+        print(json.dumps(value, indent=2), file=console.file, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit: nothing reaches it
+        raise SystemExit(1) from None
+
+
+def _write_output(path, write):
+    """`write()`'s result; it writes the file `path` a command was asked for, and an OSError is
+    the one-line error of a file that cannot be written."""
+    try:
+        return write()
+    except OSError as e:
+        raise _cannot_write(path, e) from None
 
 
 def _cannot_write(path, error, kept=None):
@@ -764,6 +805,8 @@ def run_tune(args, console):
     budget = config.memory.budget
     if budget is None:
         raise SnrtError(f"{args.config}: memory.budget: snrt tune needs a budget: pass --budget, e.g. --budget 12GiB")
+    out = args.out or f"{config.name}.tuned.yaml"
+    tune.check_destination(out, args.overwrite)  # before the sweep, which can take minutes
     options = {**make_optimizer(config.train.optimizer).plan_options, "stream_parameters": config.memory.stream_parameters,
                "cost_model": {"cpu": cost.CPU, "cuda": cost.CUDA}[args.device], "precision": config.train.precision,
                "fuse": config.train.fuse}
@@ -783,12 +826,14 @@ def run_tune(args, console):
         range_test = _range_test(args, tuned, console)
         tuned = with_settings(tuned, train={"optimizer": {"lr": min(scaled_lr, range_test.suggested_lr)}})
     measured = _measure(args, tuned) if args.measure else None
-    path = tune.write_config(tuned, args.out or f"{config.name}.tuned.yaml", args.overwrite)
+    path = _write_output(out, lambda: tune.write_config(tuned, out, args.overwrite))
     if args.png:
-        tune.draw_throughput(points, args.png, f"{config.name}: predicted images/s in {human_bytes(budget)}")
+        _write_output(args.png, lambda: tune.draw_throughput(points, args.png, f"{config.name}: predicted images/s in "
+                                                                               f"{human_bytes(budget)}"))
         if range_test:
-            tune.draw_range_test(range_test, Path(args.png).with_suffix(".lr.png"),
-                                 f"{config.name}: learning-rate range test at batch {best.batch}")
+            lr_png = Path(args.png).with_suffix(".lr.png")
+            _write_output(lr_png, lambda: tune.draw_range_test(range_test, lr_png, f"{config.name}: learning-rate "
+                                                                                   f"range test at batch {best.batch}"))
     report = {"network": config.name, "budget_bytes": budget, "device_cost_model": args.device,
               "largest_batch": tune.largest(points),
               "points": [{**dataclasses.asdict(p), "images_per_s": p.images_per_s} for p in points],
@@ -799,7 +844,7 @@ def run_tune(args, console):
                   "lrs": range_test.lrs, "losses": range_test.losses, "suggested_lr": range_test.suggested_lr},
               "config": str(path)}
     if args.json:
-        print(json.dumps(report, indent=2))
+        _print_json(console, report)
         return 0
     console.print(_tune_table(config, budget, points))
     lr_note = f"lr {tuned.train.optimizer.lr:g} (from {config.train.optimizer.lr:g} at batch {config.train.batch}, " \
@@ -821,9 +866,11 @@ def _range_test(args, config, console):
             def show(m):
                 status.update(f"learning-rate range test: iteration {m.iteration + 1}/{args.lr_range}, "
                               f"lr {m.lr:.3g}, loss {m.loss:.4f}")
-            return tune.range_test(trainer, config.train.optimizer.lr, args.lr_range, on_iteration=show)
+            test = tune.range_test(trainer, config.train.optimizer.lr, args.lr_range, on_iteration=show)
     finally:
         trainer.backend.close()
+    _raise_if_signalled(trainer)
+    return test
 
 
 def _measure(args, config):
@@ -835,8 +882,19 @@ def _measure(args, config):
         history = trainer.fit()
     finally:
         trainer.backend.close()
+    _raise_if_signalled(trainer)
     timed = history[1:] or history
     return sum(m.images_per_s for m in timed) / len(timed)
+
+
+def _raise_if_signalled(trainer):
+    """Stop the command as the signal that stopped `trainer`'s training loop early would have
+    (its handlers turned SIGINT and SIGTERM into a request to stop): a test or measurement cut
+    short is not a result to write."""
+    if trainer.stop_reason == signal.SIGINT:
+        raise KeyboardInterrupt
+    if trainer.stop_reason == signal.SIGTERM:
+        raise Terminated
 
 
 def _tune_table(config, budget, points):
@@ -908,12 +966,37 @@ def run_eval(args, console):
     config = load_config(args.config, _overrides(args))
     trainer = _make_trainer(args, config)
     checkpoint = _checkpoint_in(args.checkpoint)
-    trainer.restore(checkpoint)
+    trainer.restore(checkpoint, optimizer_state=False)  # evaluated: its optimizer is not needed
     loss, accuracy = trainer.evaluate()
     if not math.isfinite(loss):
         raise SnrtError(f"{checkpoint}: {trainer.nonfinite_evaluation(loss)}")
     console.print(f"{config.name} at iteration {trainer.iteration}: held-out loss {loss:.4f}, accuracy {accuracy:.4f} "
                   f"({len(trainer.heldout_set.y)} samples)")
+
+
+class StandardOutput:
+    """The command's standard output `stream`, as the console and --json write it: an error
+    writing it (a full disk under a redirection) names it, as a file's error does."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        return self._named(self.stream.write, text)
+
+    def flush(self):
+        return self._named(self.stream.flush)
+
+    def __getattr__(self, name):  # isatty, fileno, encoding: the stream's
+        return getattr(self.stream, name)
+
+    @staticmethod
+    def _named(call, *args):
+        try:
+            return call(*args)
+        except OSError as e:
+            e.filename = e.filename or "standard output"
+            raise
 
 
 class Terminated(BaseException):
@@ -937,9 +1020,9 @@ def main(argv=None):
     leader = launcher_rank() == 0
     if launcher_size() > 1 and args.command != "train" and not leader:
         return 0
-    console = Console(markup=False, quiet=not leader)
+    console = Console(file=StandardOutput(sys.stdout), markup=False, quiet=not leader)
     if not console.is_terminal:  # logs and pipes: wide enough for the tables
-        console = Console(width=120, markup=False, quiet=not leader)
+        console = Console(file=console.file, width=120, markup=False, quiet=not leader)
     previous = {}
     if threading.current_thread() is threading.main_thread():  # the training loop installs its own meanwhile
         previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),

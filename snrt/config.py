@@ -40,6 +40,7 @@ LOSSES = LABEL_READERS  # the layers a training iteration starts its backward pa
 MAX_NODES = 200_000  # layers after expansion (ResNet2500 has 8,337)
 MAX_BLOCK_DEPTH = 64  # blocks inside blocks
 MAX_YAML_VALUES = 2_000_000  # values in the loaded document, YAML aliases expanded
+MAX_YAML_BYTES = 16 * 2**20  # a network file's size (the zoo's are under 6 KB; /dev/zero never ends)
 
 
 # ---- settings sections ------------------------------------------------------------------
@@ -258,7 +259,7 @@ def load_config(source, overrides=None):
                                                            f"got {_kind(source)}")
     path = Path(source)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_text(path)
     except FileNotFoundError:
         raise ConfigError(str(path), "", "file not found") from None
     except IsADirectoryError:
@@ -323,6 +324,17 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"),
                               list("-+0123456789"))
+
+
+def _read_text(path):
+    """The text of the network file `path`; ConfigError when it is larger than a network file
+    can be (a data file or a device given by mistake), read no further than that."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_YAML_BYTES + 1)
+    if len(data) > MAX_YAML_BYTES:
+        raise ConfigError(str(path), "", f"larger than {MAX_YAML_BYTES // 2**20} MiB; expected a network YAML file "
+                                         "(a few KB: write the network with blocks and repeat)")
+    return data.decode("utf-8")
 
 
 def _check_size(source, doc):

@@ -179,13 +179,17 @@ def _load_npz(data, input_shape, classes, seed, per_pixel=False):
     path = _existing_path(data, "npz", expected, want_dir=False)
     source = str(path)
     try:
-        with open(path, "rb") as f:
+        f = open(path, "rb")
+    except OSError as e:  # the file may be whole: say why it cannot be read, not that it is corrupt
+        raise ConfigError(source, PATH_KEY, f"cannot read the file ({e.strerror}); expected {expected}") from None
+    try:
+        with f:
             archive = np.load(f, allow_pickle=False)
             if not isinstance(archive, np.lib.npyio.NpzFile):
                 raise ValueError("it holds a single array, not named arrays")
             arrays = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, NotImplementedError,
-            RuntimeError) as e:  # the last two: damaged zip headers (a compression or encryption it does not have)
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError,
+            MemoryError) as e:  # damaged zip headers (a compression or encryption it does not have), array sizes
         raise ConfigError(source, PATH_KEY, f"cannot read the file as .npz (corrupt or truncated?): {e}; expected {expected}") from None
     for name in ("x", "y"):
         if name not in arrays:
@@ -214,10 +218,12 @@ def _npz_split(source, x, y, x_name, y_name, input_shape, classes, label_shape=(
     x = _to_nchw(source, x, x_name, input_shape)
     y = _labels(source, y, y_name, len(x), label_shape)
     _check_labels(source, PATH_KEY, y, classes, y_name)
-    x = _to_float(x)
+    with np.errstate(over="ignore"):  # a value beyond float32's range becomes infinite: counted below, no warning
+        x = _to_float(x)
     bad = np.size(x) - np.count_nonzero(np.isfinite(x))
     if bad:
-        raise ConfigError(source, PATH_KEY, f"array '{x_name}' holds {bad} NaN or infinite values")
+        raise ConfigError(source, PATH_KEY, f"array '{x_name}' holds {bad} NaN or infinite values (or values beyond "
+                                            "float32's range, 3.4e38)")
     return x, y
 
 

@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from snrt.atomic import save_figure  # noqa: E402
 from snrt.errors import SnrtError  # noqa: E402
 from snrt.runfolder import METRICS  # noqa: E402
+from snrt.units import is_count  # noqa: E402
 
 SUMMARY = "summary.json"
 PANELS = (("loss", "training loss", 1.0), ("accuracy", "accuracy", 1.0), ("images_per_s", "images/s", 1.0),
@@ -53,8 +54,8 @@ def load_run(folder):
             if number == len(lines) and not text.endswith("\n"):
                 break
             raise SnrtError(f"{path}: line {number} is not JSON ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("iteration"), int) or not isinstance(
-                record.get("loss"), (int, float)):
+        if not isinstance(record, dict) or not is_count(record.get("iteration"), 0) or _number(
+                record["iteration"]) is None or _number(record.get("loss")) is None:
             raise SnrtError(f"{path}: line {number} is not a metrics record (expected an object with "
                             "'iteration' and 'loss', numbers)")
         metrics.append(record)
@@ -89,17 +90,17 @@ def draw_metrics(runs, path, title=None):
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for ax, (key, label, scale) in zip(axes.flat, PANELS):
         for run in runs:
-            points = [(m["iteration"], m[key] * scale) for m in run.metrics
-                      if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+            values = [(m["iteration"], _number(m.get(key))) for m in run.metrics]
+            points = [(i, value * scale) for i, value in values if value is not None and math.isfinite(value)]
             if points:
                 ax.plot(*zip(*points), linewidth=1, label=run.name)
-            during = [(m["iteration"], m["heldout_accuracy"]) for m in run.metrics
-                      if isinstance(m.get("heldout_accuracy"), (int, float))]
+            during = [(m["iteration"], _number(m.get("heldout_accuracy"))) for m in run.metrics
+                      if _number(m.get("heldout_accuracy")) is not None]
             if key == "accuracy" and during:  # train.eval_every's evaluations
                 ax.plot(*zip(*during), marker="o", markersize=4, linestyle="--", linewidth=1,
                         color=ax.lines[-1].get_color() if points else None, label=f"{run.name}: held-out")
-            heldout = run.summary.get("heldout_accuracy")
-            if key == "accuracy" and isinstance(heldout, (int, float)):
+            heldout = _number(run.summary.get("heldout_accuracy"))
+            if key == "accuracy" and heldout is not None:
                 ax.plot([run.metrics[-1]["iteration"]], [heldout], marker="*", markersize=11, linestyle="none",
                         color=ax.lines[-1].get_color() if points else None, label=f"{run.name}: held-out, end")
         ax.set_ylabel(label)
@@ -120,16 +121,27 @@ def report_rows(runs):
     rows = []
     for run in runs:
         timed = run.metrics[1:] or run.metrics
-        heldout = run.summary.get("heldout_accuracy")  # a number, or null when it was not finite
         rows.append({"run": run.name, "iterations": run.metrics[-1]["iteration"] + 1,
-                     "final_loss": run.metrics[-1]["loss"],
-                     "heldout_accuracy": heldout if isinstance(heldout, (int, float)) else None,
+                     "final_loss": _number(run.metrics[-1]["loss"]),
+                     "heldout_accuracy": _number(run.summary.get("heldout_accuracy")),  # null when it was not finite
                      "images_per_s": _mean(m.get("images_per_s") for m in timed),
                      "data_wait_s": _mean(m.get("data_wait_s") for m in timed),
-                     "peak_device_bytes": run.metrics[-1].get("peak_device_bytes")})
+                     "peak_device_bytes": _number(run.metrics[-1].get("peak_device_bytes"))})
     return rows
 
 
 def _mean(values):
-    values = [v for v in values if isinstance(v, (int, float))]
+    values = [v for v in map(_number, values) if v is not None]
     return sum(values) / len(values) if values else None
+
+
+def _number(value):
+    """`value`, or None when it is not a number a float holds (a string, a bool, an int of 400
+    digits: what a hand-edited or damaged file may hold)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        float(value)
+    except OverflowError:
+        return None
+    return value

@@ -10,6 +10,8 @@ killed are removed when the lock is taken, and on resume metrics.jsonl is cut ba
 iterations before the checkpoint, so it never holds an iteration twice.
 """
 
+import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -43,15 +45,26 @@ class RunFolder:
                                  "--out") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):  # no lock to be had here (a file system without)
+                self._lock.close()
+                raise RunFolderError(f"{self.path}: cannot lock this output folder ({LOCK}: {e.strerror}), so a "
+                                     "second run could write over this one's files; choose an --out on a local "
+                                     "disk") from None
             self._lock.seek(0)
             owner = self._lock.read().strip() or "unknown"
             self._lock.close()
             raise RunFolderError(f"{self.path}: another snrt run (process {owner}) is using this output folder; "
                                  "wait for it to finish or choose another --out") from None
-        self._lock.truncate(0)
-        self._lock.write(f"{os.getpid()}\n")
-        self._lock.flush()
+        try:
+            self._lock.truncate(0)
+            self._lock.write(f"{os.getpid()}\n")
+            self._lock.flush()
+        except OSError as e:  # a full disk: the lock is taken, its note of the owner not written
+            with contextlib.suppress(OSError):  # closing flushes the note again, and fails again
+                self.close()
+            raise RunFolderError(f"{self.path}: cannot use this output folder ({LOCK}: {e.strerror}); free some "
+                                 "space or choose another --out") from None
         remove_stale_temporaries(self.checkpoint)
 
     @property
@@ -70,10 +83,19 @@ class RunFolder:
         """True when an earlier run left a checkpoint or metrics here."""
         return self.checkpoint.exists() or (self.metrics.exists() and self.metrics.stat().st_size > 0)
 
-    def prepare(self, resume, overwrite):
+    def prepare(self, resume, overwrite, elsewhere=None):
         """Refuse to start over a run the folder holds unless `resume` (keep it) or `overwrite`
-        (the caller calls `start_over` once the new run is set up)."""
+        (the caller calls `start_over` once the new run is set up), and both at once. `elsewhere`
+        is the checkpoint of another run this one continues (--resume OTHER_RUN): the folder's
+        own run is not continued, so it is started over only when `overwrite` says so."""
+        if resume and overwrite:
+            raise RunFolderError(f"{self.path}: --overwrite would delete the checkpoint that --resume continues; "
+                                 "give one of them")
         if self.holds_run() and not resume and not overwrite:
+            if elsewhere:
+                raise RunFolderError(f"{self.path}: holds an earlier run ({self._describe_run()}), not the one of "
+                                     f"{elsewhere} that --resume continues; start over here with --overwrite, or "
+                                     "choose another --out")
             raise RunFolderError(f"{self.path}: holds an earlier run ({self._describe_run()}); continue it with "
                                  "--resume, start over with --overwrite, or choose another --out")
 
@@ -82,24 +104,32 @@ class RunFolder:
         for name in RUN_FILES:
             (self.path / name).unlink(missing_ok=True)
 
-    def _describe_run(self):
-        lines = self._metric_lines()
-        return f"{len(lines)} iterations in {METRICS}" if lines else f"a {CHECKPOINT}"
-
     def _metric_lines(self):
-        """metrics.jsonl's lines; a byte that is not UTF-8 (a damaged disk block) spoils its line only."""
+        """metrics.jsonl's lines; a byte that is not UTF-8 (a damaged disk block) spoils its line
+        only. OSError when the file cannot be read."""
+        return self.metrics.read_text(errors="replace").splitlines()
+
+    def _describe_run(self):
+        """What the folder holds, for an error: the iterations in metrics.jsonl, or its checkpoint."""
         try:
-            return self.metrics.read_text(errors="replace").splitlines()
+            lines = self._metric_lines()
         except OSError:
-            return []
+            lines = []
+        return f"{len(lines)} iterations in {METRICS}" if lines else f"a {CHECKPOINT}"
 
     def truncate_metrics(self, iteration):
         """Keep only metrics.jsonl's lines of iterations before `iteration` (where a resumed run
-        continues), rewritten atomically; lines that are not metrics are dropped."""
+        continues), rewritten atomically; lines that are not metrics are dropped. A file that
+        cannot be read (a failing disk) stays as it is: it is not taken for one with no lines."""
         if not self.metrics.exists():
             return
+        try:
+            lines = self._metric_lines()
+        except OSError as e:
+            raise RunFolderError(f"{self.metrics}: cannot read it to cut it back to iteration {iteration} "
+                                 f"({e.strerror}); the run is as it was") from None
         kept = []
-        for line in self._metric_lines():
+        for line in lines:
             try:
                 if json.loads(line)["iteration"] < iteration:
                     kept.append(line)

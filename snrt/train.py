@@ -319,7 +319,8 @@ class Trainer:
         save_checkpoint(path, tensors, {"iteration": self.iteration, "seed": self.config.train.seed,
                                         "network": self.graph.name, "graph": self.graph.fingerprint(),
                                         "optimizer": self.config.train.optimizer.type,
-                                        "batch": self.batch, **self._class_names(),
+                                        "batch": self.batch, "precision": self.config.train.precision,
+                                        **self._class_names(),
                                         **({"loss_scale": dataclasses.asdict(self.loss_scale)} if self.loss_scale else {})})
 
     def _class_names(self):
@@ -334,17 +335,19 @@ class Trainer:
                   for node, name, _ in self.runtime.persistent_tensors(WEIGHT_ROLES)]
         self.runtime.load(matched(wanted, read_weights(path), Path(path)))
 
-    def restore(self, path):
+    def restore(self, path, optimizer_state=True):
         """Load a checkpoint written by `save` for the same network; training continues from it.
+        Without `optimizer_state` (to evaluate it) only its parameters and statistics are loaded,
+        so a checkpoint of any optimizer will do.
 
         Returns a note when the checkpoint was trained at another batch size or with another seed
         (None otherwise).
         """
         arrays, meta = load_checkpoint(path)
-        roles = ("parameter", "optimizer_state", "state")
+        roles = ("parameter", "optimizer_state", "state") if optimizer_state else WEIGHT_ROLES
         expected = {f"{node}:{name}": (node, name) for node, name, _ in self.runtime.persistent_tensors(roles)}
         optimizer = self.config.train.optimizer.type
-        if meta.get("optimizer", "sgd") != optimizer:
+        if optimizer_state and meta.get("optimizer", "sgd") != optimizer:
             raise CheckpointError(f"{path}: trained with {meta.get('optimizer', 'sgd')}, this run uses {optimizer}: the "
                                   "optimizer's state does not carry over; resume with the same train.optimizer.type")
         missing = sorted(set(expected) - set(arrays))
@@ -369,7 +372,7 @@ class Trainer:
         if self.loss_scale and isinstance(meta.get("loss_scale"), dict):  # else it starts afresh
             self.loss_scale = LossScale(**{k: meta["loss_scale"][k] for k in ("scale", "good", "growth_interval")
                                            if k in meta["loss_scale"]})
-        return describe_changes(meta, self.batch, self.config.train.seed)
+        return describe_changes(meta, self.batch, self.config.train.seed, self.config.train.precision)
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -11,12 +11,15 @@ the rate where the loss was lowest.
 """
 
 import contextlib
+import errno
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from snrt.atomic import replace_atomically, save_figure
 from snrt.config import config_to_yaml, with_settings
+from snrt.errors import SnrtError
 from snrt.scheduler.planner import fitting_plan
 from snrt.scheduler.policies import POLICIES
 
@@ -133,7 +136,8 @@ def range_rates(center, iterations):
 
 def range_test(trainer, center, iterations, on_iteration=None):
     """Train `trainer` (a fresh snrt.Trainer) for up to `iterations` iterations with the rates
-    of `range_rates(center, iterations)`, stopping once the loss diverges; the RangeTest.
+    of `range_rates(center, iterations)`, stopping once the loss diverges; the RangeTest (of
+    the iterations before a signal, when one stops the trainer: `trainer.stop_reason` says).
     `on_iteration(metrics)` is told of every iteration (a progress display)."""
     from snrt.errors import DivergenceError
 
@@ -155,8 +159,9 @@ def range_test(trainer, center, iterations, on_iteration=None):
         trainer.fit(iterations=iterations, on_iteration=record, lr_at=lambda i: rates[i])
     except DivergenceError:  # a non-finite loss ends the test; what came before stands
         pass
-    if not lrs:
-        raise ValueError(f"the learning-rate range test diverged at its first rate, {rates[0]:g}")
+    if not lrs and not trainer.stop_requested:  # stopped by a signal (stop_reason) before any: the caller's to say
+        raise SnrtError(f"the learning-rate range test diverged at its first rate, {rates[0]:g}: the loss is not "
+                        "finite from the start (the data or the network?)")
     return RangeTest(tuple(lrs), tuple(losses), tuple(smoothed))
 
 
@@ -170,12 +175,21 @@ def draw_range_test(test, path, title):
         ax.set_ylim(0.9 * min(test.losses), 1.5 * max(test.losses[0], test.smoothed[0]))  # not the divergence's height
 
 
+def check_destination(path, overwrite=False):
+    """SnrtError when a tuned config may not be written to `path`: a file is there and not to be
+    replaced (`overwrite`). Checked before the sweep too, which can take minutes."""
+    if Path(path).exists() and not overwrite:
+        raise SnrtError(f"{path}: exists; pass --overwrite to replace it, or --out another file")
+
+
 def write_config(config, path, overwrite=False):
     """Write `config` as YAML to `path` atomically; an existing file is kept unless `overwrite`."""
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; pass --overwrite to replace it, or --out another file")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_destination(path, overwrite)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file where a folder of the path should be
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)) from None
     replace_atomically(path, lambda partial: partial.write_text(config_to_yaml(config)))
     return path
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from snrt.atomic import replace_atomically
+from snrt.checkpoint import is_checkpoint
 from snrt.errors import SnrtError
 
 FORMATS = ("safetensors", "torch")
@@ -65,12 +66,19 @@ def read(path):
     path = Path(path)
     if not path.is_file():
         raise SnrtError(f"{path}: no such weights file")
+    try:
+        open(path, "rb").close()
+    except OSError as e:  # the file may be whole: say why it cannot be read, not that it is of another kind
+        raise SnrtError(f"{path}: cannot read the weights file ({e.strerror})") from None
     if path.suffix == ".safetensors":
         try:
             loaded = _module("safetensors.numpy", "reading safetensors needs safetensors").load_file(str(path))
         except Exception as e:  # the library's own error types
             raise SnrtError(f"{path}: not a safetensors file ({e})") from None
         return sorted(loaded.items())
+    if is_checkpoint(path):
+        raise SnrtError(f"{path}: a checkpoint of snrt train, not a weights file; continue its run with --resume, or "
+                        f"write its weights with `snrt export {path}` and start from those")
     torch = _module("torch", f"{path}: reading a PyTorch file needs PyTorch")
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True)

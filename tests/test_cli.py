@@ -1,5 +1,6 @@
 """The command line as a user meets it: inspect, plan, train, eval, Ctrl-C and resume."""
 
+import errno
 import json
 import re
 import signal
@@ -53,6 +54,57 @@ def test_plan_prints_every_policy_and_writes_a_timeline(tmp_path, capsys):
     assert {"recompute", "offload", "unsaved"} <= set(chosen["layers"].values()) <= {"keep", "recompute", "offload",
                                                                                       "unsaved"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+PLAN, TUNE = ["plan", LENET, "--policy", "liveness"], ["tune", LENET, "--budget", "2MiB", "--max-batch", "16",
+                                                 "--overwrite"]
+
+
+@pytest.mark.parametrize("command, flag, writes", [(PLAN, "--save", "write_text"), (PLAN, "--png", "savefig"),
+                                                   (TUNE, "--out", "write_text"), (TUNE, "--png", "savefig")])
+def test_an_output_on_a_full_disk_is_named_and_an_earlier_one_kept(tmp_path, capsys, monkeypatch, command, flag,
+                                                                    writes):
+    import matplotlib.figure
+
+    path = tmp_path / ("picture.png" if flag == "--png" else "out.yaml")
+    path.write_text("earlier")
+    monkeypatch.setattr(*(("pathlib.Path.write_text", no_space) if writes == "write_text" else
+                          (matplotlib.figure.Figure, "savefig", no_space)))
+    out = ["--out", str(tmp_path / "tuned.yaml")] if command is TUNE and flag != "--out" else []
+    assert main([*command, *out, flag, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: cannot write (No space left on device)") and err.count("\n") == 1
+    assert path.read_text() == "earlier" and set(tmp_path.iterdir()) <= {path, tmp_path / "tuned.yaml"}
+
+
+@pytest.mark.parametrize("command, flag", [(PLAN, "--save"), (PLAN, "--png"), (TUNE, "--out"), (TUNE, "--png")])
+def test_an_output_inside_a_file_is_named_as_asked_not_by_its_temporary(tmp_path, capsys, command, flag):
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / ("picture.png" if flag == "--png" else "out.yaml")
+    out = ["--out", str(tmp_path / "tuned.yaml")] if command is TUNE and flag != "--out" else []
+    assert main([*command, *out, flag, str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {path}: cannot write (Not a directory)")
+
+
+@pytest.mark.parametrize("argv", [["inspect", LENET], ["inspect", LENET, "--json"], PLAN, [*PLAN, "--json"]])
+def test_standard_output_on_a_full_disk_is_named(argv):
+    """`snrt plan --json > out.json` on a full disk: /dev/full answers every write with ENOSPC."""
+    proc = subprocess.run([sys.executable, "-m", "snrt", *argv], stdout=open("/dev/full", "w"), stderr=subprocess.PIPE,
+                          text=True)
+    assert proc.returncode == 2 and proc.stderr == "error: standard output: No space left on device\n"
+
+
+def test_a_reader_of_standard_output_that_goes_away_ends_the_command_quietly():
+    """`snrt inspect --json | head -1`: the rest of the output has nowhere to go, and no error to report."""
+    proc = subprocess.Popen([sys.executable, "-m", "snrt", "inspect", "configs/resnet2500.yaml", "--json", "--layers"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "{\n"
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 1 and proc.stderr.read() == ""
 
 
 def test_plan_json_with_steps_holds_the_steps_the_text_prints(capsys):
@@ -273,6 +325,16 @@ def test_a_path_for_a_data_set_that_reads_no_files_is_refused(spec, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["train", LENET, "--data", spec])
     assert exit_.value.code == 2 and "reads no files" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["inspect", ""], ["train", LENET, "--out", ""], ["train", LENET, "--init-from", ""],
+                                  ["plan", LENET, "--save", ""], ["plan", LENET, "--png", ""], ["tune", LENET, "--out", ""],
+                                  ["eval", LENET, "--checkpoint", ""], ["report", ""], ["export", ""],
+                                  ["export", "run", "--out", ""]])
+def test_an_empty_path_is_refused_not_read_as_the_default_or_the_current_folder(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and "expected a path, got an empty string" in capsys.readouterr().err
 
 
 def test_weights_to_start_from_and_a_checkpoint_to_resume_are_not_asked_for_together(tmp_path, capsys):

@@ -214,6 +214,17 @@ def test_a_source_that_is_neither_a_path_nor_a_dict_is_named(source):
         load_config(source)
 
 
+@pytest.mark.parametrize("command", [["inspect"], ["plan"], ["train", "--no-progress"]])
+def test_a_file_too_large_for_a_network_is_refused_without_reading_it_all(tmp_path, capsys, command):
+    from snrt.config import MAX_YAML_BYTES
+
+    large = tmp_path / "data.yaml"
+    large.write_text("# " + "x" * MAX_YAML_BYTES)
+    for path in (large, "/dev/zero"):  # a device that never ends
+        assert main([command[0], str(path), *command[1:]]) == 2
+        assert f"{path}: larger than 16 MiB; expected a network YAML file" in " ".join(capsys.readouterr().err.split())
+
+
 def test_missing_file_is_reported(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         load_config(tmp_path / "nope.yaml")

@@ -4,6 +4,7 @@ import pickle
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -463,6 +464,11 @@ def test_corrupt_and_truncated_files(tmp_path):
     assert "no array 'y'" in e.message and "found: x" in e.message
     path = write_npz(tmp_path, x=np.full((4, 1, 2, 2), np.nan), y=np.zeros(4, int))
     assert "16 NaN or infinite" in error(Data("npz", path), (1, 2, 2)).message
+    path = write_npz(tmp_path, x=np.full((4, 1, 2, 2), 1e39), y=np.zeros(4, int))  # finite, but not in float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no raw NumPy warning beside the error
+        assert "16 NaN or infinite values (or values beyond float32's range" in error(Data("npz", path),
+                                                                                     (1, 2, 2)).message
 
 
 def test_unknown_type_and_bad_holdout():

@@ -111,6 +111,34 @@ def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_start(tmp_path,
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == before
 
 
+def test_resuming_another_run_into_a_folder_that_holds_one_starts_it_over_only_when_asked(tmp_path, capsys):
+    source, out = tmp_path / "source", tmp_path / "run"
+    assert train(source, "--iterations", "2") == 0
+    assert train(out, "--iterations", "4") == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    for asked in ("2", "3"):  # nothing to do, or a run: the folder's own run is kept either way
+        assert train(out, "--iterations", asked, "--resume", str(source)) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"{out}: holds an earlier run (4 iterations in metrics.jsonl), not the one of {source / 'checkpoint.npz'}" \
+               " that --resume continues; start over here with --overwrite" in err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert train(out, "--iterations", "2", "--resume", str(source), "--overwrite") == 0  # nothing to do: kept
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert train(out, "--iterations", "3", "--resume", str(source), "--overwrite") == 0
+    assert iterations_in(out) == [2] and load_checkpoint(out / "checkpoint.npz")[1]["iteration"] == 3
+
+
+def test_resume_and_overwrite_of_the_same_run_are_refused_together(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "2") == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for resume in ([], [str(out)], [str(out / "checkpoint.npz")]):
+        assert train(out, "--iterations", "3", "--overwrite", "--resume", *resume) == 2
+        assert "--overwrite would delete the checkpoint that --resume continues" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     with RunFolder(out):
@@ -119,6 +147,19 @@ def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
         with pytest.raises(RunFolderError, match="another snrt run"):
             RunFolder(out)
     assert train(out, "--iterations", "1") == 0  # free again once the first let go
+
+
+def test_a_folder_on_a_file_system_without_locks_is_not_called_in_use(tmp_path, capsys, monkeypatch):
+    import fcntl
+
+    def no_locks(file, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert train(tmp_path / "run", "--iterations", "1") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{tmp_path / 'run'}: cannot lock this output folder (.lock: No locks available)" in err
+    assert "another snrt run" not in err
 
 
 def test_resume_cuts_metrics_back_to_the_checkpoint_so_no_iteration_repeats(tmp_path):
@@ -218,6 +259,28 @@ def test_a_signal_during_start_up_exits_quietly(tmp_path, signum):
 
 
 # ---- disks --------------------------------------------------------------------------------
+def test_a_full_disk_while_taking_the_output_folder_is_named(tmp_path, capsys, monkeypatch):
+    import snrt.runfolder
+
+    class Full:
+        """The lock file of a full disk: opened, but its note of the owner cannot be written."""
+
+        def __init__(self, path, mode):
+            self.file = open(path, mode)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(snrt.runfolder, "open", Full, raising=False)
+    assert train(tmp_path / "run", "--iterations", "1") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'run'}: cannot use this output folder (.lock: No space left on device)")
+    assert "Traceback" not in err
+
+
 def test_a_full_disk_while_writing_metrics_stops_with_the_checkpoint_saved(tmp_path, capsys, monkeypatch):
     class FillsUp:
         def __init__(self, file):
@@ -266,6 +329,25 @@ def test_a_full_disk_while_cutting_metrics_back_on_resume_keeps_them_whole(tmp_p
     assert "Traceback" not in err and ".tmp" not in err
     assert (out / "metrics.jsonl").read_bytes() == before
     assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == []
+
+
+def test_metrics_that_cannot_be_read_on_resume_are_kept_not_emptied(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "3") == 0
+    before = (out / "metrics.jsonl").read_bytes()
+    read_text = Path.read_text
+
+    def failing_disk(self, *args, **kwargs):
+        if self.name == "metrics.jsonl":
+            raise OSError(errno.EIO, "Input/output error", str(self))
+        return read_text(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", failing_disk)
+    assert train(out, "--iterations", "5", "--resume") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"{out / 'metrics.jsonl'}: cannot read it to cut it back to iteration 3 (Input/output error); the run is "
+            "as it was") in err
+    monkeypatch.undo()
+    assert (out / "metrics.jsonl").read_bytes() == before
 
 
 def test_a_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
@@ -398,6 +480,15 @@ def test_resuming_at_another_batch_or_seed_says_what_changes(tmp_path, capsys):
             "resuming with seed 5: another order of the data") in " ".join(capsys.readouterr().out.split())
 
 
+def test_resuming_in_another_precision_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1", "--precision", "bf16") == 0
+    assert load_checkpoint(out / "checkpoint.npz")[1]["precision"] == "bf16"
+    assert train(out, "--iterations", "2", "--resume") == 0
+    assert ("note: the checkpoint was trained in bf16, resuming in fp32: other rounding, and a result that differs "
+            "from an uninterrupted run") in " ".join(capsys.readouterr().out.split())
+
+
 def test_checkpoint_saving_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
     """The write fetches a tensor only after the previous one is written."""
     trainer = Trainer(small_config())
@@ -446,6 +537,98 @@ def test_a_file_of_another_kind_given_as_a_checkpoint_never_suggests_unsafe_load
     err = " ".join(capsys.readouterr().err.split())
     assert f"{tmp_path / name}: not a readable checkpoint (not the .npz archive snrt train writes" in err
     assert "pickle" not in err and "unsafe" not in err
+
+
+def rewritten(checkpoint, path, meta=None, **arrays):
+    """A copy of `checkpoint` at `path`, its metadata updated with `meta`, its arrays with `arrays`."""
+    saved, old = load_checkpoint(checkpoint)
+    saved.update(arrays)
+    np.savez(path, __meta__=np.frombuffer(json.dumps({**old, **(meta or {})}).encode(), np.uint8), **saved)
+    return path
+
+
+@pytest.mark.parametrize("meta, says", [({"batch": 0}, "batch is 0"), ({"batch": "8"}, "batch is '8'"),
+                                        ({"seed": [1]}, "seed is [1]"), ({"iteration": 3.0}, "iteration is 3.0"),
+                                        ({"loss_scale": {"scale": "x"}}, "loss_scale is {'scale': 'x'}")])
+def test_a_checkpoint_whose_metadata_is_damaged_is_one_line(tmp_path, capsys, meta, says):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1") == 0
+    damaged = rewritten(out / "checkpoint.npz", tmp_path / "damaged.npz", meta)
+    assert main(["eval", LENET, *RUN[:4], "--checkpoint", str(damaged)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{damaged}: the metadata's {says}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("dtype", ["int64", "bool", "complex64", "<U8", "datetime64[s]"])
+def test_a_checkpoint_tensor_that_is_not_floating_point_is_refused_not_cast(tmp_path, capsys, dtype):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1") == 0
+    weight = load_checkpoint(out / "checkpoint.npz")[0]["conv2d0:weight"]
+    damaged = rewritten(out / "checkpoint.npz", tmp_path / "damaged.npz", **{"conv2d0:weight": weight.astype(dtype)})
+    for command in (["eval", LENET, *RUN[:4], "--checkpoint", str(damaged)],
+                    ["export", str(damaged), "--out", str(tmp_path / "w.safetensors")]):
+        assert main(command) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"{damaged}: conv2d0:weight holds {np.dtype(dtype)} values, not the floating-point" in err
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+@pytest.mark.parametrize("what, says", [("checkpoint", "not a readable checkpoint (Permission denied)"),
+                                        ("data", "train.data.path: cannot read the file (Permission denied)"),
+                                        ("weights", "cannot read the weights file (Permission denied)")])
+def test_a_file_that_cannot_be_read_says_why_not_that_it_is_damaged(tmp_path, capsys, monkeypatch, what, says):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1") == 0
+    path = {"checkpoint": out / "checkpoint.npz", "data": tmp_path / "data.npz", "weights": tmp_path / "w.pt"}[what]
+    np.savez(tmp_path / "data.npz", x=np.zeros((16, 1, 8, 8)), y=np.zeros(16, int))
+    assert main(["export", str(out), "--format", "torch", "--out", str(tmp_path / "w.pt")]) == 0
+    real_open = open
+
+    def unreadable(file, *args, **kwargs):  # as a file without read permission is to a user who is not root
+        if os.fspath(file) == str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", unreadable)
+    command = {"checkpoint": ["eval", LENET, *RUN[:4], "--checkpoint", str(path)],
+               "data": ["train", LENET, *RUN[2:], "--data", f"npz:{path}", "--out", str(tmp_path / "new")],
+               "weights": ["train", LENET, *RUN, "--init-from", str(path), "--out", str(tmp_path / "new")]}[what]
+    capsys.readouterr()
+    assert main(command) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith(f"error: {path}: ") and says in err and "corrupt" not in err and "state dict" not in err
+
+
+def npz_claiming(path, key, shape, **arrays):
+    """An .npz at `path` of `arrays` and a member `key` whose header claims `shape` (float32), with
+    a few bytes of data: an archive damaged where an array says its size."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, array in arrays.items():
+            with archive.open(f"{name}.npy", "w") as member:
+                np.lib.format.write_array(member, array)
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        archive.writestr(f"{key}.npy", header.getvalue() + b"\0" * 64)
+    return path
+
+
+def test_an_array_size_beyond_memory_in_a_damaged_file_names_the_file_not_the_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out, "--iterations", "1") == 0
+    arrays, meta = load_checkpoint(out / "checkpoint.npz")
+    damaged = npz_claiming(tmp_path / "damaged.npz", "conv2d0:weight", (2**40,), **{k: v for k, v in arrays.items()
+                                                                                     if k != "conv2d0:weight"},
+                           __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+    data = npz_claiming(tmp_path / "data.npz", "x", (2**40, 1, 8, 8), y=np.zeros(16, int))
+    capsys.readouterr()
+    for command, path in ((["eval", LENET, *RUN[:4], "--checkpoint", str(damaged)], damaged),
+                          (["train", LENET, *RUN[2:], "--data", f"npz:{data}", "--out", str(tmp_path / "new")], data)):
+        assert main(command) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.startswith(f"error: {path}: ") and "Unable to allocate" in err and "--batch" not in err
 
 
 @pytest.mark.parametrize("budget", ["1e400", "99999999999EiB"])
@@ -532,3 +715,19 @@ def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
     Trainer(small_config()).save(path)
     with pytest.raises(CheckpointError, match="trained with sgd, this run uses adam"):
         Trainer(small_config(optimizer={"type": "adam", "lr": 0.001})).restore(path)
+
+
+def test_a_checkpoint_of_another_optimizer_is_evaluated(tmp_path, capsys):
+    """Evaluation reads the parameters and statistics alone: the optimizer that trained them
+    does not matter (resuming still needs the same one)."""
+    adam = tmp_path / "adam.yaml"
+    adam.write_text(Path(LENET).read_text().replace(
+        "optimizer: {type: sgd, lr: 0.1, momentum: 0.9, nesterov: false, weight_decay: 0.0001}",
+        "optimizer: {type: adam, lr: 0.001}"))
+    out = tmp_path / "run"
+    assert main(["train", str(adam), *RUN, "--out", str(out), "--iterations", "1"]) == 0
+    capsys.readouterr()
+    assert main(["eval", LENET, *RUN[:4], "--checkpoint", str(out)]) == 0
+    assert "lenet at iteration 1: held-out loss" in capsys.readouterr().out
+    assert train(out, "--iterations", "2", "--resume") == 2
+    assert "trained with adam, this run uses sgd" in capsys.readouterr().err

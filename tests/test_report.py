@@ -163,3 +163,25 @@ def test_a_summary_whose_heldout_accuracy_is_not_a_number_shows_none(tmp_path, c
     capsys.readouterr()
     assert main(["report", str(run), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["runs"][0]["heldout_accuracy"] is None
+
+
+def test_values_beside_the_loss_that_are_not_numbers_show_none(tmp_path, capsys):
+    big = "1" + "0" * 400  # an int no float holds
+    run = metrics_folder(tmp_path / "run", LINES + json.dumps({"iteration": 3, "loss": 0.5, "accuracy": [1]})[:-1]
+                         + f', "images_per_s": {big}, "data_wait_s": true, "peak_device_bytes": "lots"}}\n')
+    assert main(["report", str(run)]) == 0 and (run / "metrics.png").read_bytes()[:4] == PNG
+    capsys.readouterr()
+    assert main(["report", str(run), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["runs"]
+    assert row["peak_device_bytes"] is None and row["images_per_s"] is None and row["data_wait_s"] is None
+    assert row["iterations"] == 4 and row["final_loss"] == 0.5
+
+
+@pytest.mark.parametrize("record", [{"iteration": True, "loss": 1.0}, {"iteration": -1, "loss": 1.0},
+                                    {"iteration": int("1" + "0" * 400), "loss": 1.0},
+                                    {"iteration": 0, "loss": int("1" + "0" * 400)}])
+def test_an_iteration_or_loss_no_float_holds_is_one_line(tmp_path, capsys, record):
+    run = metrics_folder(tmp_path / "run", json.dumps(record) + "\n")
+    assert main(["report", str(run)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "metrics.jsonl: line 1 is not a metrics record" in err and "Traceback" not in err

@@ -3,6 +3,7 @@ learning rate, and the command as a user meets it."""
 
 import json
 import math
+import signal
 
 import pytest
 
@@ -47,7 +48,7 @@ def test_the_learning_rate_scales_with_the_batch_and_warms_up_when_it_grows():
                                        "schedule": {"warmup": train.schedule.warmup}}
 
 
-def test_tune_writes_a_config_that_trains_and_refuses_to_overwrite_it(tmp_path, capsys):
+def test_tune_writes_a_config_that_trains_and_refuses_to_overwrite_it(tmp_path, capsys, monkeypatch):
     out, png = tmp_path / "tuned.yaml", tmp_path / "tune.png"
     assert main(["tune", LENET, "--budget", "2MiB", "--json", "--out", str(out), "--png", str(png)]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -60,7 +61,8 @@ def test_tune_writes_a_config_that_trains_and_refuses_to_overwrite_it(tmp_path, 
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["train", str(out), "--iterations", "1", "--out", str(tmp_path / "run"), "--no-progress",
                  "--no-eval", "--backend", "cpu"]) == 0  # tuned with the CPU's kernels (a GPU's need other workspace)
-    assert main(["tune", LENET, "--budget", "2MiB", "--out", str(out)]) == 2
+    monkeypatch.setattr("snrt.tune.sweep", None)  # refused before the sweep and the range test, which take minutes
+    assert main(["tune", LENET, "--budget", "2MiB", "--out", str(out), "--lr-range", "--measure"]) == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err
 
 
@@ -115,3 +117,28 @@ def test_tune_plans_streamed_parameters_when_asked(tmp_path, capsys):
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["largest_batch"] and snrt.load_config(out).memory.stream_parameters
+
+
+@pytest.mark.parametrize("flag", ["--lr-range", "--measure"])
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("after", [0, 1], ids=["before any iteration", "after one"])
+def test_a_range_test_or_measurement_cut_short_by_a_signal_writes_no_config(tmp_path, capsys, monkeypatch, flag, signum,
+                                                                            status, after):
+    from snrt.train import Trainer
+
+    fit = Trainer.fit
+
+    def signalled(self, *args, on_iteration=None, **kwargs):
+        def stop(metrics):  # as the training loop's handler does when the signal comes
+            if on_iteration:
+                on_iteration(metrics)
+            self.stop_reason = signum
+        if not after:
+            self.stop_reason = signum
+        return fit(self, *args, on_iteration=stop, **kwargs)
+
+    monkeypatch.setattr(Trainer, "fit", signalled)
+    out = tmp_path / "tuned.yaml"
+    assert main(["tune", LENET, "--budget", "2MiB", "--max-batch", "16", flag, "--out", str(out)]) == status
+    assert capsys.readouterr().err == f"error: {'interrupted' if signum == signal.SIGINT else 'terminated'}\n"
+    assert not out.exists()

@@ -84,6 +84,15 @@ def test_the_commands_say_in_one_line_what_is_missing(tmp_path, capsys):
     assert "none.safetensors: no such weights file" in " ".join(capsys.readouterr().err.split())
 
 
+def test_a_checkpoint_given_as_weights_says_how_to_use_it(run, tmp_path, capsys):
+    checkpoint = run / "checkpoint.npz"
+    assert main(["train", LENET, "--iterations", "1", "--out", str(tmp_path / "r"), "--init-from",
+                 str(checkpoint)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{checkpoint}: a checkpoint of snrt train, not a weights file; continue its run with --resume" in err
+    assert f"`snrt export {checkpoint}`" in err and "pickle" not in err and "state dict" not in err
+
+
 def test_names_like_a_reference_that_does_not_fit_names_the_tensors(run, tmp_path, capsys):
     expected = trained(run)
     reference = {f"net.{i}": torch.from_numpy(v) for i, v in enumerate(expected.values())}

@@ -1,7 +1,8 @@
 """How long planning takes: make_plan of ResNet-2500 (configs/resnet2500.yaml, 8,337 nodes) at
 batch 16 under every policy, then superneurons in a 12 GiB budget, then a 10,094-layer ResNet
-(stage 3 of 3,320 blocks instead of 788) with parameters streamed, superneurons in 12 GiB, in
-one process; and the wall time of the commands `snrt plan configs/resnet2500.yaml --batch 16
+(stage 3 of 3,320 blocks instead of 788) with parameters streamed, superneurons in 12 GiB, then
+superneurons for ResNet-50 and CIFAR ResNet-110 at their files' batches (plans the offsets
+greedy packs: ResNet-2500's have too many buffers for it), in one process; and the wall time of the commands `snrt plan configs/resnet2500.yaml --batch 16
 --budget 12GiB` and the same for the 10,094-layer network with `--stream-parameters`.
 Each round runs in a fresh process, as the command does (a second round in the same process
 runs faster: the allocator's memory is warm); the best round per row is kept.
@@ -23,6 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
 BATCH, BUDGET = 16, 12 * GIB
+# networks of the zoo whose plans have few enough buffers for the offsets greedy
+# (snrt/scheduler/offsets.py), at their files' batches
+ZOO = (("resnet50", 32), ("cifar_resnet110", 128))
 DEEP_REPEAT = 3319  # stage 3's identity blocks: 3,320 blocks in all, 3 * (6 + 32 + 3320 + 6) + 2 = 10,094 layers
 
 
@@ -55,14 +59,17 @@ def one_round(checkout, deep):
     if checkout and not Path(snrt.__file__).resolve().is_relative_to(Path(checkout).resolve()):
         sys.exit(f"imported {snrt.__file__}, not the snrt of {checkout}")
     graph = snrt.load_config(ROOT / "configs" / "resnet2500.yaml").graph
-    cases = [(policy, graph, policy, None, False) for policy in POLICIES]
-    cases.append(("superneurons in 12 GiB", graph, "superneurons", BUDGET, False))
-    cases.append(("10,094 layers, streamed: superneurons in 12 GiB", snrt.load_config(deep).graph, "superneurons",
-                  BUDGET, True))
+    cases = [(policy, graph, BATCH, policy, None, False) for policy in POLICIES]
+    cases.append(("superneurons in 12 GiB", graph, BATCH, "superneurons", BUDGET, False))
+    cases.append(("10,094 layers, streamed: superneurons in 12 GiB", snrt.load_config(deep).graph, BATCH,
+                  "superneurons", BUDGET, True))
+    for name, batch in ZOO:
+        cases.append((f"{name} batch {batch}: superneurons", snrt.load_config(ROOT / "configs" / f"{name}.yaml").graph,
+                      batch, "superneurons", None, False))
     rows = []
-    for case, g, policy, budget, streamed in cases:
+    for case, g, batch, policy, budget, streamed in cases:
         start = time.perf_counter()
-        plan = make_plan(g, BATCH, policy, budget=budget, stream_parameters=streamed)
+        plan = make_plan(g, batch, policy, budget=budget, stream_parameters=streamed)
         rows.append({"case": case, "seconds": time.perf_counter() - start, "steps": len(plan.steps),
                      "buffers": len(plan.buffers), "peak_bytes": plan.peak_bytes, "predicted_s": plan.predicted_s})
         del plan
@@ -123,7 +130,8 @@ def main():
                                            "rows": rows,
                                            "commands": command_rows})
     against = [f"{other} (s)"] if other else []
-    lines = ["# Planning time: ResNet-2500 and a 10,094-layer ResNet at batch 16", "", meta_line(meta, False), "",
+    lines = ["# Planning time: ResNet-2500 and a 10,094-layer ResNet at batch 16, two zoo networks at their files' "
+             "batches", "", meta_line(meta, False), "",
              f"`python scripts/bench_planning.py --repeats {args.repeats}"
              + (f" --against <a checkout of {other}>`" if other else "`")
              + f": seconds of `make_plan` per case, one call each, in this order, each round in a fresh process "

@@ -20,7 +20,7 @@ from snrt.backends.cpu_parallel import run_split
 from snrt.layers.base import FLOAT32_BYTES
 from snrt.layers.random import MASK32, mix32, stream_key
 
-SPLIT_VALUES = 1 << 16  # below this many values one thread does the pass (a hand-off costs a few µs)
+SPLIT_VALUES = 1 << 14  # below this many values one thread does the pass (a hand-off costs a few µs)
 _mix32 = njit(**COMPILED, inline="always")(mix32)  # the layer's finaliser, compiled
 
 

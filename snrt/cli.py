@@ -551,6 +551,11 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     write nothing) with its `checkpoint` path; the exit status."""
     trainer = _make_trainer(args, config, plan)
     console.print(plan_headline(trainer.plan))
+    kept = policies.POLICIES.get(config.memory.policy)
+    if config.memory.stream_parameters and kept is not None and not kept.frees:
+        freeing = ", ".join(name for name, row in policies.POLICIES.items() if row.frees)
+        console.print(f"note: policy {kept.name} keeps every tensor on the device, so the parameters are not streamed "
+                      f"(memory.stream_parameters); a policy that frees streams them: {freeing} or auto")
     ranks = f"; {trainer.group.size} ranks, batch {trainer.plan.batch} each" if trainer.group.size > 1 else ""
     workers = f"; {trainer.workers} data worker{'s' if trainer.workers != 1 else ''}" if trainer.workers else ""
     console.print(f"thread pools: {describe_pools(thread_pools())} ({usable_cores()} usable cores){ranks}{workers}")

@@ -354,3 +354,13 @@ def test_eval_and_resume_take_a_run_folder_for_its_checkpoint(tmp_path, capsys):
     assert main(["train", LENET, *flags, "--iterations", "2", "--out", str(tmp_path / "next"), "--resume",
                  str(run)]) == 0
     assert f"resumed from {run / 'checkpoint.npz'} at iteration 1" in " ".join(capsys.readouterr().out.split())
+
+
+def test_streaming_under_policy_none_says_the_parameters_stay_on_the_device(tmp_path, capsys):
+    assert main(["train", "configs/lenet.yaml", "--data", "synthetic", "--batch", "8", "--iterations", "1",
+                 "--no-progress", "--no-eval", "--policy", "none", "--stream-parameters", "--out",
+                 str(tmp_path / "run")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("note: policy none keeps every tensor on the device, so the parameters are not streamed "
+            "(memory.stream_parameters); a policy that frees streams them: liveness, recompute, offload, "
+            "superneurons or auto") in out

@@ -12,7 +12,7 @@ choice in the process that measured it.
 import fcntl
 import json
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 
@@ -35,12 +35,13 @@ def write(path, key, entry):
     """Add key: entry to the file (re-read first: another process may have added its own)."""
     entries = read(path)
     entries[key] = entry
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
         partial.replace(path)
-    except OSError:
-        pass  # the choice still holds in this process
+    except OSError:  # the choice still holds in this process; a part written (a full disk) goes
+        with suppress(OSError):
+            partial.unlink(missing_ok=True)
 
 
 @contextmanager

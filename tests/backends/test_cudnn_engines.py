@@ -245,3 +245,18 @@ def test_an_alternative_runs_an_operation_only_where_it_was_timed_faster(cache):
     no_memory = StandInAlternative(None)
     assert choose(timed_graph, no_memory, "dgrad E", timed=True) is timed_graph
     assert "dgrad E" not in json.loads(cache.read_text())
+
+
+def test_a_choice_that_cannot_be_written_holds_in_the_process_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    path = tmp_path / "choices.json"
+    write_text = Path.write_text
+
+    def full(self, text, *args, **kwargs):
+        write_text(self, text[:5])  # part of the file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full)
+    assert choice_file.remembered(path, "k", lambda entry: True, lambda: {"a": 1}) == {"a": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["choices.json.lock"]

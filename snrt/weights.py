@@ -62,7 +62,7 @@ def export(tensors, path, fmt):
 
 def read(path):
     """[(name, array)] of the weights file `path` (safetensors, or a PyTorch state dict), in
-    the file's order (safetensors: by name); floating-point tensors as float32."""
+    the file's order (safetensors: by name); floating-point tensors as float32, or float64."""
     path = Path(path)
     if not path.is_file():
         raise SnrtError(f"{path}: no such weights file")
@@ -94,7 +94,7 @@ def read(path):
 
 
 def _array(path, key, tensor):
-    """The NumPy array of the file `path`'s tensor `key`: floating point as float32, a sparse tensor
+    """The NumPy array of the file `path`'s tensor `key`: floating point as float32 (float64 as it is), a sparse tensor
     dense; SnrtError for one without values (on PyTorch's meta device) or that NumPy cannot hold
     (a quantized tensor, say)."""
     tensor = tensor.detach()
@@ -104,7 +104,8 @@ def _array(path, key, tensor):
     if tensor.is_sparse:
         tensor = tensor.to_dense()
     try:
-        return (tensor.float() if tensor.is_floating_point() else tensor).numpy()
+        narrow = tensor.is_floating_point() and tensor.element_size() < 8  # float64 as is: `matched` checks its range
+        return (tensor.float() if narrow else tensor).numpy()
     except (TypeError, RuntimeError) as e:
         raise SnrtError(f"{path}: {key} is a tensor NumPy cannot hold ({e}); save it as a dense float tensor") from None
 
@@ -128,6 +129,10 @@ def matched(wanted, found, path):
                             "of a parameter or statistic")
         if not np.isfinite(arrays[name]).all():
             raise SnrtError(f"{path}: {name} holds NaN or infinite values (saved from a run that diverged?)")
+        largest = float(np.abs(arrays[name]).max(initial=0))
+        if largest > np.finfo(np.float32).max:  # a wider float's value that float32 parameters would hold as inf
+            raise SnrtError(f"{path}: {name} holds values beyond float32's range (largest magnitude {largest:.3g}), "
+                            "which the parameters and statistics are kept in")
     return {key: arrays[name] for key, name in paired.items()}
 
 

@@ -127,7 +127,8 @@ def test_a_file_that_is_not_a_state_dict_is_one_line_that_never_suggests_unsafe_
     (lambda v: np.ones(v.shape, np.int64), "conv2d0.weight holds int64 values, not the floating-point numbers"),
     (lambda v: np.ones(v.shape, bool), "conv2d0.weight holds bool values"),
     (lambda v: np.full(v.shape, np.nan, np.float32), "conv2d0.weight holds NaN or infinite values"),
-], ids=["integers", "booleans", "nan"])
+    (lambda v: np.full(v.shape, 1e39), "conv2d0.weight holds values beyond float32's range \\(largest magnitude 1e\\+39\\)"),
+], ids=["integers", "booleans", "nan", "beyond float32"])
 def test_weights_that_are_not_finite_floats_are_refused_not_cast(tmp_path, values, says):
     trainer = Trainer(snrt.load_config(LENET, {"train.batch": 8}))
     before = trainer.host_arrays(("parameter", "state"))

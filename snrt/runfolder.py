@@ -37,6 +37,7 @@ class RunFolder:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise RunFolderError(f"{self.path}: the output folder is an existing file; choose another --out")
+        self._made = not self.path.exists()  # removed again by close() if the run leaves nothing in it
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock = open(self.path / LOCK, "a+")
@@ -138,10 +139,16 @@ class RunFolder:
         replace_atomically(self.metrics, lambda partial: partial.write_text("".join(line + "\n" for line in kept)))
 
     def close(self):
-        """Unlock the folder."""
-        if not self._lock.closed:
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
-            self._lock.close()
+        """Unlock the folder; one this run made and left with nothing in it (a run that could
+        not start) is removed, while still locked."""
+        if self._lock.closed:
+            return
+        with contextlib.suppress(OSError):
+            if self._made and [p.name for p in self.path.iterdir()] == [LOCK]:
+                (self.path / LOCK).unlink()
+                self.path.rmdir()
+        fcntl.flock(self._lock, fcntl.LOCK_UN)
+        self._lock.close()
 
     def __enter__(self):
         return self

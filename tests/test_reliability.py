@@ -731,3 +731,13 @@ def test_a_checkpoint_of_another_optimizer_is_evaluated(tmp_path, capsys):
     assert "lenet at iteration 1: held-out loss" in capsys.readouterr().out
     assert train(out, "--iterations", "2", "--resume") == 2
     assert "trained with adam, this run uses sgd" in capsys.readouterr().err
+
+
+def test_a_run_that_cannot_start_leaves_no_output_folder_it_made(tmp_path, capsys):
+    (tmp_path / "store").write_text("a file, not a folder")
+    assert train(tmp_path / "run", "--host-store", str(tmp_path / "store"), "--policy", "offload") == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "kept").mkdir()  # a folder that was there stays (with the lock file runs take)
+    assert train(tmp_path / "kept", "--host-store", str(tmp_path / "store"), "--policy", "offload") == 2
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == [".lock"]

@@ -565,8 +565,8 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     if args.init_from:
         trainer.load_weights(args.init_from)
         console.print(f"weights from {args.init_from}")
-    if args.resume is not None:
-        source = _checkpoint_in(args.resume) if args.resume else checkpoint
+    source = None if args.resume is None else _checkpoint_in(args.resume) if args.resume else checkpoint
+    if source is not None:
         note = trainer.restore(source)
         console.print(f"resumed from {source} at iteration {trainer.iteration}" + (f"; note: {note}" if note else ""))
     if trainer.group.size > 1:
@@ -577,8 +577,9 @@ def _train_in(folder, checkpoint, args, config, plan, console):
         trainer.fit(checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
         return 128 + int(trainer.stop_reason) if isinstance(trainer.stop_reason, int) else 0
     if args.resume is not None and trainer.iteration >= config.train.iterations:  # the folder stays as it is
-        console.print(f"nothing to do: the run in {folder.path} is at iteration {trainer.iteration} already, and "
-                      f"train.iterations is {config.train.iterations}; ask for more with --iterations")
+        console.print(f"nothing to do: the run of {source} is at iteration {trainer.iteration} already, and "
+                      f"train.iterations is {config.train.iterations}; ask for more with --iterations ({folder.path} "
+                      "is left as it was)")
         return 0
     if args.overwrite:  # only now: a run that cannot start leaves the earlier one whole (prepare: not resumed)
         folder.start_over()

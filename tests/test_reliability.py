@@ -123,7 +123,11 @@ def test_resuming_another_run_into_a_folder_that_holds_one_starts_it_over_only_w
         assert f"{out}: holds an earlier run (4 iterations in metrics.jsonl), not the one of {source / 'checkpoint.npz'}" \
                " that --resume continues; start over here with --overwrite" in err
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    capsys.readouterr()
     assert train(out, "--iterations", "2", "--resume", str(source), "--overwrite") == 0  # nothing to do: kept
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"nothing to do: the run of {source / 'checkpoint.npz'} is at iteration 2 already" in said
+    assert f"({out} is left as it was)" in said
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert train(out, "--iterations", "3", "--resume", str(source), "--overwrite") == 0
     assert iterations_in(out) == [2] and load_checkpoint(out / "checkpoint.npz")[1]["iteration"] == 3
@@ -186,7 +190,8 @@ def test_resuming_a_run_already_at_its_iterations_leaves_the_folder_as_it_was(tm
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     for iterations in ("1", "2"):
         assert train(out, "--iterations", iterations, "--resume") == 0
-        assert "nothing to do: the run in" in capsys.readouterr().out
+        out_text = " ".join(capsys.readouterr().out.split())
+        assert f"nothing to do: the run of {out / 'checkpoint.npz'} is at iteration 2 already" in out_text
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 

@@ -130,7 +130,7 @@ def matched(wanted, found, path):
         if not np.isfinite(arrays[name]).all():
             raise SnrtError(f"{path}: {name} holds NaN or infinite values (saved from a run that diverged?)")
         largest = float(np.abs(arrays[name]).max(initial=0))
-        if largest > np.finfo(np.float32).max:  # a wider float's value that float32 parameters would hold as inf
+        if largest > float(np.finfo(np.float32).max):  # a wider float's value that float32 parameters would hold as inf
             raise SnrtError(f"{path}: {name} holds values beyond float32's range (largest magnitude {largest:.3g}), "
                             "which the parameters and statistics are kept in")
     return {key: arrays[name] for key, name in paired.items()}

@@ -366,6 +366,9 @@ def run_plan(args, console):
     from snrt.scheduler.planner import each_plan, make_plan
 
     config = load_config(args.config, _overrides(args))
+    for flag, output in (("--save", args.save), ("--png", args.png)):
+        if output and Path(output).resolve() == Path(args.config).resolve():
+            raise SnrtError(f"{output}: {flag} names the network file this command reads; write the plan elsewhere")
     budget, ranks = config.memory.budget, args.ranks
     if config.train.batch % ranks:
         raise SnrtError(f"{args.config}: train.batch: the batch {config.train.batch} must split evenly over the "

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -364,3 +365,12 @@ def test_streaming_under_policy_none_says_the_parameters_stay_on_the_device(tmp_
     assert ("note: policy none keeps every tensor on the device, so the parameters are not streamed "
             "(memory.stream_parameters); a policy that frees streams them: liveness, recompute, offload, "
             "superneurons or auto") in out
+
+
+@pytest.mark.parametrize("flag", ["--save", "--png"])
+def test_plan_never_writes_over_the_network_file_it_reads(tmp_path, capsys, flag):
+    network = tmp_path / "lenet.yaml"
+    network.write_bytes(Path("configs/lenet.yaml").read_bytes())
+    assert main(["plan", str(network), flag, str(network)]) == 2
+    assert f"{network}: {flag} names the network file this command reads" in " ".join(capsys.readouterr().err.split())
+    assert network.read_bytes() == Path("configs/lenet.yaml").read_bytes()

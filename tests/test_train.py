@@ -6,11 +6,14 @@ import re
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 import snrt
 from snrt.checkpoint import CheckpointError
+from snrt.config import config_from_graph
 from snrt.train import Trainer
 from snrt.torch_reference import TorchNet, torch_sgd
+from tests.scheduler.graphs import CLASSES, build, graph_recipes
 
 SMALL_RESNET = {
     "name": "small_resnet",
@@ -240,6 +243,32 @@ def test_gradients_match_pytorch(doc):
         ours = ex.views[by_name[f"{node}:{name}:grad"]]
         np.testing.assert_allclose(ours, net.param(node, name).grad.numpy(), rtol=1e-4, atol=1e-6,
                                    err_msg=f"gradient of {node}:{name}")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_recipes(max_ops=8).filter(lambda recipe: not any(op.startswith("dropout") for op, _, _ in recipe)))
+def test_the_gradients_of_generated_graphs_match_pytorch(recipe):
+    """Random joins, fan-outs and layer mixes (tests/scheduler/graphs.py; Dropout's masks are
+    snrt's own, so left out): one backward pass gives PyTorch autograd's parameter gradients."""
+    config = config_from_graph(build(recipe), CLASSES, {"batch": 2, "data": {"samples": 4},
+                                                        "optimizer": {"lr": 0.01, "momentum": 0.0}})
+    trainer = Trainer(config)
+    params = trainer.host_arrays(("parameter",))
+    net = TorchNet(config.graph, params, trainer.host_arrays(("state",)))
+    x, y = batch_of(config, 0)
+    loss = trainer.step(x, y, total=1).loss
+    reference = net({"data": torch.tensor(x), "label": torch.tensor(y)}).mean()
+    reference.backward()
+    assert loss == pytest.approx(reference.item(), rel=1e-5)
+    by_name = {b.name: b.id for b in trainer.plan.buffers}
+    for node, name in params:
+        theirs = net.param(node, name).grad
+        if f"{node}:{name}:grad" not in by_name:  # a branch no loss reads: no gradient in either
+            assert theirs is None, f"{node}:{name} in {recipe}"
+            continue
+        ours = trainer.executor.views[by_name[f"{node}:{name}:grad"]]
+        np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-3, atol=1e-5,
+                                   err_msg=f"gradient of {node}:{name} in {recipe}")
 
 
 def test_same_seed_gives_the_same_losses_bit_for_bit():

@@ -26,7 +26,7 @@ from snrt.errors import ConfigError, DivergenceError, SnrtError
 from snrt.layers.base import BACKWARD, FORWARD
 from snrt.optim import make_optimizer
 from snrt.parallel import Solo, first_failing_rank, launcher_rank, launcher_size, world
-from snrt.runfolder import CHECKPOINT, RunFolder
+from snrt.runfolder import CHECKPOINT, RUN_FILES, RunFolder
 from snrt.precision import PRECISIONS, PrecisionError
 from snrt.scheduler import BudgetError, policies
 from snrt.scheduler.planner import require_budget
@@ -934,6 +934,8 @@ def run_export(args, console):
     out = Path(args.out) if args.out else checkpoint.with_name(EXPORTED[args.format])
     if out.resolve() == checkpoint.resolve():
         raise SnrtError(f"{out}: is the checkpoint being exported; choose another --out")
+    if out.resolve() in {checkpoint.resolve().with_name(name) for name in RUN_FILES}:
+        raise SnrtError(f"{out}: is a file of the run being exported ({', '.join(RUN_FILES)}); choose another --out")
     if args.names_like:
         if args.format == "onnx":
             raise SnrtError("--names-like renames weights files (safetensors, torch); an ONNX model keeps snrt's names")

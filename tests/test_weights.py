@@ -154,6 +154,11 @@ def test_an_export_that_cannot_be_written_is_one_line_and_never_replaces_the_che
     assert main(["export", str(run), "--out", str(run / "checkpoint.npz")]) == 2
     assert "checkpoint.npz: is the checkpoint being exported; choose another --out" in capsys.readouterr().err
     assert (run / "checkpoint.npz").read_bytes() == before
+    for name in ("metrics.jsonl", "config.yaml"):
+        kept = (run / name).read_bytes()
+        assert main(["export", str(run), "--out", str(run / name)]) == 2
+        assert f"{name}: is a file of the run being exported" in capsys.readouterr().err
+        assert (run / name).read_bytes() == kept
 
 
 def test_a_path_that_is_not_utf8_is_printed_as_it_is_in_a_utf8_locale(run, tmp_path):

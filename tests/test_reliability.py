@@ -316,43 +316,39 @@ def test_a_full_disk_while_writing_metrics_stops_with_the_checkpoint_saved(tmp_p
     assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == []
 
 
-def test_a_full_disk_while_cutting_metrics_back_on_resume_keeps_them_whole(tmp_path, capsys, monkeypatch):
+def failing_path_method(monkeypatch, method, chosen, error, partial=None):
+    """Path.`method` (read_text or write_text) raises OSError `error` (errno, text) for the paths
+    `chosen(path)` picks, after writing `partial` to them when given (a disk filling up)."""
+    original = getattr(Path, method)
+
+    def fault(self, *args, **kwargs):
+        if not chosen(self):
+            return original(self, *args, **kwargs)
+        if partial is not None:
+            original(self, partial)
+        raise OSError(*error, str(self))
+    monkeypatch.setattr(Path, method, fault)
+
+
+@pytest.mark.parametrize("method, chosen, error, partial, says", [
+    ("write_text", lambda p: p.name.startswith(".metrics.jsonl"), (errno.ENOSPC, "No space left on device"),
+     '{"iteration": 0', "metrics.jsonl: cannot write (No space left on device); the run is as it was, at iteration 3"),
+    ("read_text", lambda p: p.name == "metrics.jsonl", (errno.EIO, "Input/output error"), None,
+     "metrics.jsonl: cannot read it to cut it back to iteration 3 (Input/output error); the run is as it was"),
+], ids=["full disk", "unreadable"])
+def test_metrics_that_cannot_be_cut_back_on_resume_are_kept_whole(tmp_path, capsys, monkeypatch, method, chosen,
+                                                                   error, partial, says):
     out = tmp_path / "run"
     assert train(out, "--iterations", "3") == 0
     before = (out / "metrics.jsonl").read_bytes()
-    write_text = Path.write_text
-
-    def full(self, *args, **kwargs):
-        if self.name.startswith(".metrics.jsonl"):
-            write_text(self, "{\"iteration\": 0")  # a part of the file, then the disk is full
-            raise OSError(errno.ENOSPC, "No space left on device", str(self))
-        return write_text(self, *args, **kwargs)
-    monkeypatch.setattr(Path, "write_text", full)
+    failing_path_method(monkeypatch, method, chosen, error, partial)
     assert train(out, "--iterations", "5", "--resume") == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert f"{out / 'metrics.jsonl'}: cannot write (No space left on device); the run is as it was, at iteration 3" in err
+    assert f"{out / says}" in err
     assert "Traceback" not in err and ".tmp" not in err
-    assert (out / "metrics.jsonl").read_bytes() == before
-    assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == []
-
-
-def test_metrics_that_cannot_be_read_on_resume_are_kept_not_emptied(tmp_path, capsys, monkeypatch):
-    out = tmp_path / "run"
-    assert train(out, "--iterations", "3") == 0
-    before = (out / "metrics.jsonl").read_bytes()
-    read_text = Path.read_text
-
-    def failing_disk(self, *args, **kwargs):
-        if self.name == "metrics.jsonl":
-            raise OSError(errno.EIO, "Input/output error", str(self))
-        return read_text(self, *args, **kwargs)
-    monkeypatch.setattr(Path, "read_text", failing_disk)
-    assert train(out, "--iterations", "5", "--resume") == 2
-    err = " ".join(capsys.readouterr().err.split())
-    assert (f"{out / 'metrics.jsonl'}: cannot read it to cut it back to iteration 3 (Input/output error); the run is "
-            "as it was") in err
     monkeypatch.undo()
     assert (out / "metrics.jsonl").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == []
 
 
 def test_a_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
@@ -409,14 +405,8 @@ def test_a_full_disk_with_no_checkpoint_names_each_file_and_says_nothing_was_kep
 
 def test_a_summary_that_cannot_be_written_names_itself_and_the_checkpoint_kept(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    write_text = Path.write_text
-
-    def full(path, text, *args, **kwargs):
-        if "summary" in path.name:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return write_text(path, text, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "write_text", full)
+    failing_path_method(monkeypatch, "write_text", lambda p: "summary" in p.name,
+                        (errno.ENOSPC, "No space left on device"))
     assert train(out, "--iterations", "2") == 2
     expected = (f"{out / 'summary.json'}: cannot write (No space left on device); the checkpoint of iteration 2 is "
                 f"saved to {out / 'checkpoint.npz'}")

@@ -326,7 +326,7 @@ class Executor:
         ctx, v = self._context(step, node_index), self.views
         args = (ctx, [v[b] for b in step.inputs], self._named(step.params), self._named(step.state), v[step.output],
                 self._named(step.aux))
-        forward = _kernel(self.kernels[step.node], [*args[1], args[4], *args[5].values()]).forward
+        forward = _kernel(self.kernels[step.node], [*args[1], args[4], *args[5].values()], self.backend.convert).forward
         recompute, release = step.recompute, ctx.release_scratch
 
         def run():
@@ -345,7 +345,8 @@ class Executor:
         gxs = [None if b is None or b == step.grad_output and not in_place else v[b] for b in targets]
         args = (ctx, v[step.grad_output], saved, self._named(step.params), self._named(step.aux), gxs,
                 self._named(step.grad_params))
-        backward = _kernel(self.kernels[step.node], [args[1], *saved.xs, saved.y, *args[4].values(), *gxs]).backward
+        backward = _kernel(self.kernels[step.node], [args[1], *saved.xs, saved.y, *args[4].values(), *gxs],
+                           self.backend.convert).backward
         sums = tuple((v[g[0]], v[g[1]]) for g in step.grad_inputs if g is not None and g[1] >= 0)
         release, accumulate = ctx.release_scratch, self.backend.accumulate
         # with several ranks the gradients are complete only once summed (see _bind_allreduce_wait)
@@ -480,9 +481,10 @@ class Executor:
                                         "poison: it was freed, never written, or not yet prefetched")
 
 
-def _kernel(kernel, arrays):
-    """`kernel`, staged in fp32 when any of its step's `arrays` is stored in 2 bytes."""
-    return Staged(kernel) if any(is_two_byte(a) for a in arrays) else kernel
+def _kernel(kernel, arrays, convert):
+    """`kernel`, staged in fp32 (converting by `convert`, the backend's) when any of its
+    step's `arrays` is stored in 2 bytes."""
+    return Staged(kernel, convert) if any(is_two_byte(a) for a in arrays) else kernel
 
 
 def _row_parts(row, arrays):

@@ -135,6 +135,11 @@ class Backend(ABC):
         """total += part on the device: one more contribution to a gradient with several."""
         total += part
 
+    def convert(self, out, array):
+        """out[...] = array for device arrays of one shape, converting between fp32 and a 2-byte
+        storage type (snrt/layers/staging.py): rounding to nearest, ties to even."""
+        out[...] = array
+
     def start_exchange(self, group, gathered):
         """Start exchanging the rows of the device array `gathered` (ranks, n) among the ranks
         of `group` (snrt.parallel), in place: row r is rank r's part. Returns an event whose

@@ -7,6 +7,7 @@ import mmap
 import numpy as np
 
 from snrt.backends.base import Backend
+from snrt.backends.cpu_cast import add_into, convert
 from snrt.backends.cpu_conv import describe_choices
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.backends.streams import CopyStream
@@ -81,6 +82,15 @@ class NumpyBackend(Backend):
 
     def to_host(self, array):
         return np.array(array, copy=True)
+
+    def accumulate(self, total, part):
+        add_into(total, part)
+
+    def convert(self, out, array):
+        convert(out, array)
+
+    def upload(self, view, array):
+        convert(view, np.asarray(array))
 
     def close(self):
         """Stop the copy threads."""

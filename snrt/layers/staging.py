@@ -53,13 +53,14 @@ def fp32_kernel_workspace_bytes(kernel, layer, in_shapes, phase, itemsize):
 
 
 class Staged:
-    """`kernel` (a layer or a kernel of one) run on fp32 copies of its step's 2-byte arrays."""
+    """`kernel` (a layer or a kernel of one) run on fp32 copies of its step's 2-byte arrays;
+    `convert(out, array)` copies between the two widths (the backend's `convert`)."""
 
-    def __init__(self, kernel):
-        self.kernel = kernel
+    def __init__(self, kernel, convert):
+        self.kernel, self.convert = kernel, convert
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        stage = _Stage(ctx)
+        stage = _Stage(ctx, self.convert)
         xs32 = [stage.read(x) for x in xs]
         y32 = stage.write(y)
         aux32 = {name: stage.write(a) for name, a in aux.items()}
@@ -67,7 +68,7 @@ class Staged:
         stage.round_back()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        stage = _Stage(ctx)
+        stage = _Stage(ctx, self.convert)
         gy32 = stage.read(gy)
         saved32 = Saved(tuple(stage.read(x) for x in saved.xs), stage.read(saved.y))
         aux32 = {name: stage.read(a) for name, a in aux.items()}
@@ -79,16 +80,16 @@ class Staged:
 class _Stage:
     """The fp32 views of one step, carved from the front of `ctx`'s workspace."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, convert):
         ctx.release_scratch()
-        self.ctx, self.written = ctx, []
+        self.ctx, self.convert, self.written = ctx, convert, []
 
     def read(self, array):
         """`array`, or its fp32 copy when it is 2 bytes."""
         if not is_two_byte(array):
             return array
         wide = self.ctx.scratch(array.shape, "float32")
-        wide[...] = array
+        self.convert(wide, array)
         return wide
 
     def write(self, array):
@@ -101,4 +102,4 @@ class _Stage:
 
     def round_back(self):
         for narrow, wide in self.written:
-            narrow[...] = wide
+            self.convert(narrow, wide)

@@ -35,8 +35,9 @@ def _kept(counter, key, threshold):
 def masked_values(x, key, threshold, scale, out, i0, i1):
     """out[i] = m_i * x[i] for i in [i0, i1), m_i = `scale` where entry i is kept, else 0."""
     zero = np.float32(0)
-    for i in range(i0, i1):
-        out[i] = (scale if _kept(i, key, threshold) else zero) * x[i]
+    x, out = x[i0:i1], out[i0:i1]  # indexed from 0: a loop from i0 would not vectorize
+    for i in range(x.size):
+        out[i] = (scale if _kept(i0 + i, key, threshold) else zero) * x[i]
 
 
 @njit(**THREADED)
@@ -46,8 +47,9 @@ def masked_maps(x, key, threshold, scale, size, out, c0, c1):
     zero = np.float32(0)
     for c in range(c0, c1):
         m = scale if _kept(c, key, threshold) else zero
-        for i in range(c * size, (c + 1) * size):
-            out[i] = m * x[i]
+        row, out_row = x[c * size:(c + 1) * size], out[c * size:(c + 1) * size]
+        for i in range(size):
+            out_row[i] = m * row[i]
 
 
 class CompiledDropout(LayerLike):

@@ -17,9 +17,19 @@ def mix32(h):
     return h ^ (h >> 16)
 
 
+def seed_hash(seed):
+    """A 32-bit hash of every bit of the non-negative int `seed`, 32 at a time from the lowest
+    (a seed below 2^32: mix32(seed))."""
+    h = mix32(seed)
+    while seed > MASK32:
+        seed >>= 32
+        h = mix32(h ^ seed)
+    return h
+
+
 def stream_key(seed, iteration, node_index):
     """A 32-bit key for one kernel call."""
-    return mix32(mix32(mix32(seed) ^ iteration) + 0x9E3779B9 * (node_index + 1))
+    return mix32(mix32(seed_hash(seed) ^ iteration) + 0x9E3779B9 * (node_index + 1))
 
 
 def random_bits_scratch_bytes(numel):

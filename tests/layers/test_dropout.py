@@ -5,6 +5,7 @@ from snrt.backends.cpu_dropout import CompiledDropout
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.dropout import Dropout, Dropout2d
+from snrt.layers.random import MASK32, mix32, seed_hash
 from tests.layers.harness import check_layer, run_backward, run_forward
 
 
@@ -32,6 +33,17 @@ def test_mask_is_reproducible_and_changes_with_iteration_and_seed():
     y3, _ = run_forward(layer, [x], {}, iteration=5)
     y4, _ = run_forward(layer, [x], {}, iteration=4, seed=1)
     assert (y1 != y3).mean() > 0.3 and (y1 != y4).mean() > 0.3
+
+
+def test_every_bit_of_the_seed_changes_the_mask():
+    """Seeds that differ only above their low 32 bits draw other masks; a seed below 2^32 keeps
+    the key it always had (its hash is mix32's, so its runs reproduce)."""
+    layer, x = Dropout(p=0.5), x_of()
+    masks = [run_forward(layer, [x], {}, iteration=4, seed=seed)[0] != 0 for seed in (5, 5 + 2**32, 5 + 2**40, 5 + 2**64)]
+    for i, one in enumerate(masks):
+        for other in masks[i + 1:]:
+            assert (one != other).mean() > 0.3
+    assert all(seed_hash(s) == mix32(s) for s in (0, 1, 12345, MASK32))
 
 
 def test_backward_uses_the_forward_mask():

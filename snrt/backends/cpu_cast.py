@@ -4,8 +4,11 @@ A bf16 or fp16 plan stages every step's 2-byte arrays in fp32 (snrt/layers/stagi
 one it reads is widened, each one it writes is rounded back, and a gradient with several
 contributions is summed in fp32 and rounded. NumPy converts float16 a value at a time in C
 (widening 1M values took 1.7 ms on the 2-core reference machine, rounding 2.6 ms, against
-0.09 ms for a plain copy), and ml_dtypes rounds bfloat16 at 0.4 ms. Here each conversion is one
-vectorized loop over the bits, on the kernel threads from SPLIT_VALUES values.
+0.09 ms for a plain copy, and a sum 5.2 ms), and ml_dtypes rounds bfloat16 at 0.4 ms and sums it
+at 1.4 ms. Here each of those is one vectorized loop over the bits (0.22, 0.24, 1.2, 0.07 and
+0.10 ms), on the kernel threads from SPLIT_VALUES values, for arrays of COMPILED_FROM values or
+more (on fewer, a call costs more than NumPy's conversion). Widening bf16 is ml_dtypes' (a
+shift; no faster here).
 
 The results are NumPy's and ml_dtypes' bit for bit (tests/backends/test_cpu_cast.py checks every
 2-byte value and every rounding case): rounding is to nearest, ties to even; a value past the
@@ -16,13 +19,15 @@ NumPy's float16 and ml_dtypes' bfloat16 additions compute.
 """
 
 import llvmlite.ir as ir
+import ml_dtypes
 import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-from snrt.backends.cpu_common import threads_for
 from snrt.backends.cpu_parallel import run_split
+from snrt.threads import kernel_threads
 
+COMPILED_FROM = 1 << 12  # below this many values NumPy's (ml_dtypes') conversion, which a call here costs more than
 SPLIT_VALUES = 1 << 15  # below this many values one thread converts (a hand-off costs a few µs)
 # No fastmath: the rounding of fp16's subnormals is one fp32 addition that must stay as written.
 EXACT = {"cache": True, "error_model": "numpy", "nogil": True}
@@ -109,16 +114,17 @@ def _from_float(value, half):
     return _float_to_half(value) if half else _float_to_bfloat(value)
 
 
-def _converters(half):
-    """The compiled loops of one 2-byte type, fp16 where `half` is True, else bf16: widen,
-    narrow, and add into a sum."""
+@njit(**EXACT)
+def widen_half(src, out, i0, i1):
+    """out[i] = the fp32 value of the fp16 bits src[i], for i in [i0, i1)."""
+    src, out = src[i0:i1], out[i0:i1]  # indices from 0: a loop from i0 would not vectorize
+    for i in range(src.size):
+        out[i] = _half_to_float(np.int64(src[i]))
 
-    @njit(**EXACT)
-    def widen(src, out, i0, i1):
-        """out[i] = the fp32 value of the 2-byte bits src[i], for i in [i0, i1)."""
-        src, out = src[i0:i1], out[i0:i1]  # indices from 0: a loop from i0 would not vectorize
-        for i in range(src.size):
-            out[i] = _to_float(np.int64(src[i]), half)
+
+def _rounding_loops(half):
+    """The compiled loops that round to one 2-byte type, fp16 where `half` is True, else bf16:
+    narrow, and add into a sum."""
 
     @njit(**EXACT)
     def narrow(src, out, i0, i1):
@@ -134,46 +140,52 @@ def _converters(half):
         for i in range(total.size):
             total[i] = _from_float(_to_float(np.int64(total[i]), half) + _to_float(np.int64(part[i]), half), half)
 
-    return widen, narrow, add
+    return narrow, add
 
 
-CONVERTERS = {"float16": _converters(True), "bfloat16": _converters(False)}
+NARROW_HALF, ADD_HALF = _rounding_loops(True)
+NARROW_BFLOAT, ADD_BFLOAT = _rounding_loops(False)
+_F32, _U16 = np.dtype(np.float32), np.dtype(np.uint16)
+_F16, _BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
+# (out's dtype, the array's): the loop, and the dtypes it sees the array and out as. Not bf16 to
+# fp32: ml_dtypes' widening, a shift, took 0.7 us for 4K values where a call here took 2.0
+CONVERSIONS = {(_F32, _F16): (widen_half, _U16, _F32), (_F16, _F32): (NARROW_HALF, _F32, _U16),
+               (_BF16, _F32): (NARROW_BFLOAT, _F32, _U16)}
+SUMS = {_F16: ADD_HALF, _BF16: ADD_BFLOAT}
 
 
-def _flat(array, dtype):
-    """`array`'s values as a 1-d view of `dtype`'s width (it must be C-contiguous)."""
-    return array.reshape(-1).view(dtype)
+def _compiled(one, other):
+    """Whether the loops serve these arrays: NumPy arrays of one shape, C-contiguous, of at
+    least COMPILED_FROM values (a smaller one NumPy converts in less than the call costs)."""
+    return (isinstance(one, np.ndarray) and isinstance(other, np.ndarray) and one.shape == other.shape
+            and one.size >= COMPILED_FROM and one.flags.c_contiguous and other.flags.c_contiguous)
 
 
-def _compiled(*arrays):
-    """Whether the loops serve these arrays: NumPy arrays, C-contiguous, of one shape."""
-    return all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.shape == arrays[0].shape for a in arrays)
-
-
-def _run(loop, size, *arrays):
-    run_split(loop, 0, size, threads_for(size, SPLIT_VALUES), arrays)
+def _run(loop, source, target):
+    """loop(source, target, i0, i1) over both 1-d arrays, on the kernel threads from SPLIT_VALUES."""
+    size = source.size
+    if size < SPLIT_VALUES:
+        loop(source, target, 0, size)
+    else:
+        run_split(loop, 0, size, kernel_threads(), (source, target))
 
 
 def convert(out, array):
     """out[...] = array for `out` and `array` of one shape, one of them float32 and the other
     bfloat16 or float16 (compiled); any other pair by NumPy's assignment."""
-    pair = {out.dtype.name, array.dtype.name} if isinstance(out, np.ndarray) and isinstance(array, np.ndarray) else ()
-    narrow_type = next(iter(pair - {"float32"}), None) if "float32" in pair and len(pair) == 2 else None
-    if narrow_type not in CONVERTERS or not _compiled(out, array):
+    conversion = CONVERSIONS.get((out.dtype, array.dtype))
+    if conversion is None or not _compiled(out, array):
         out[...] = array
         return
-    widen, narrow, _ = CONVERTERS[narrow_type]
-    if out.dtype == np.float32:
-        _run(widen, out.size, _flat(array, np.uint16), _flat(out, np.float32))
-    else:
-        _run(narrow, out.size, _flat(array, np.float32), _flat(out, np.uint16))
+    loop, source_type, target_type = conversion
+    _run(loop, array.reshape(-1).view(source_type), out.reshape(-1).view(target_type))
 
 
 def add_into(total, part):
     """total += part; for two bfloat16 or float16 arrays of one shape compiled (the fp32 sum,
     rounded), else NumPy's addition."""
-    kind = total.dtype.name
-    if kind not in CONVERTERS or part.dtype != total.dtype or not _compiled(total, part):
+    loop = SUMS.get(total.dtype) if part.dtype == total.dtype else None
+    if loop is None or not _compiled(total, part):
         total += part
         return
-    _run(CONVERTERS[kind][2], total.size, _flat(total, np.uint16), _flat(part, np.uint16))
+    _run(loop, total.reshape(-1).view(_U16), part.reshape(-1).view(_U16))

@@ -11,7 +11,8 @@ kernel's own fp32 workspace, so no byte is allocated outside the arena.
 
 The arrays are carved in one order, which `staging_bytes` sizes for the largest case (every
 input 2 bytes): forward: the inputs, the output, the saved tensors; backward: the output's
-gradient, the saved inputs, the saved output, the saved tensors, the inputs' gradients.
+gradient, the inputs and the output the layer saves (`Layer.saves`), the saved tensors, the
+inputs' gradients.
 """
 
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, Saved, numel, scratch_aligned, scratch_bytes
@@ -27,14 +28,18 @@ def is_two_byte(array):
 
 def staging_bytes(layer, in_shapes, phase):
     """The fp32 staging bytes a step of `layer` at `in_shapes` needs at most (see the module
-    docstring for the order)."""
+    docstring for the order): backward stages only the inputs and output the layer saves."""
     out = numel(layer.infer_shape(in_shapes))
     ins = [numel(s) for s in in_shapes]
+    saved_ins = [ins[k] for k in layer.saves.inputs]
     aux = [numel(spec.shape) for name, spec in layer.aux_specs(in_shapes).items()
            if spec.dtype == "compute" and name not in layer.fp32_aux]
-    counts = [out, *ins, out, *aux, *ins] if phase == BACKWARD else [*ins, out, *aux]
     if layer.keeps_fp32:  # its output and saved tensors are fp32: only what it reads or writes upstream
-        counts = [*ins, *ins] if phase == BACKWARD else ins
+        counts = [*saved_ins, *ins] if phase == BACKWARD else ins
+    elif phase == BACKWARD:
+        counts = [out, *saved_ins, *([out] if layer.saves.output else []), *aux, *ins]
+    else:
+        counts = [*ins, out, *aux]
     return scratch_bytes(*(n * FLOAT32_BYTES for n in counts))
 
 

@@ -4,16 +4,22 @@ backend does not run refused in one line."""
 
 import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 import snrt
+from snrt.backends.cpu_cast import convert
 from snrt.backends.numpy_backend import NumpyBackend
 from snrt.config import DataConfig, TrainConfig, config_from_graph, with_settings
 from snrt.cli import main
 from snrt.errors import SnrtError
-from snrt.layers.base import numel
+from snrt.layers.activation import ReLU
+from snrt.layers.base import BACKWARD, KernelContext, Saved, numel, scratch_bytes
+from snrt.layers.conv import Conv2d
+from snrt.layers.join import Add
+from snrt.layers.staging import Staged, staged_workspace_bytes, staging_bytes
 from snrt.precision import PRECISIONS, LossScale, PrecisionError, unsupported
 from snrt.scheduler.order import ITEMSIZE
 from snrt.scheduler.planner import make_plan
@@ -276,3 +282,41 @@ def test_bf16_losses_follow_pytorch_autocast_to_bf16_rounding(doc):
         loss.backward()
         sgd.step()
         assert ours == pytest.approx(loss.item(), rel=2 ** -8), f"step {step}"  # one bf16 rounding step
+
+
+@pytest.mark.parametrize("layer, in_shapes, staged", [
+    (Add(), [(2, 3, 4, 4)] * 2, ("gy", "gx0", "gx1")),  # saves nothing
+    (ReLU(), [(2, 3, 4, 4)], ("gy", "y", "gx0")),  # saves its output
+    (Conv2d(out_channels=5, kernel=3, padding=1), [(2, 3, 4, 4)], ("gy", "x0", "gx0")),  # saves its input
+], ids=["Add", "ReLU", "Conv2d"])
+def test_a_2_byte_backward_stages_what_the_layer_saves_and_no_more(layer, in_shapes, staged):
+    """The staging a 2-byte backward step reserves is the fp32 copies of its output's gradient,
+    the tensors its layer saves and its inputs' gradients; the layer's kernel runs staged in
+    exactly that, and its gradients are those of the fp32 arrays it was given, rounded."""
+    out_shape = layer.infer_shape(in_shapes)
+    shape_of = {"gy": out_shape, "y": out_shape, **{f"x{i}": s for i, s in enumerate(in_shapes)},
+                **{f"gx{i}": s for i, s in enumerate(in_shapes)}}
+    assert staging_bytes(layer, in_shapes, BACKWARD) == scratch_bytes(*(numel(shape_of[a]) * 4 for a in staged))
+    rng = np.random.default_rng(0)
+    wide = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shape_of.items()}
+    narrow = {name: a.astype(ml_dtypes.bfloat16) for name, a in wide.items()}
+    params = {name: rng.standard_normal(spec.shape).astype(np.float32) for name, spec in layer.param_specs(in_shapes).items()}
+
+    def run(arrays, ctx_bytes, staged_kernel):
+        gxs = [np.zeros_like(arrays[f"gx{i}"]) for i in range(len(in_shapes))]
+        gparams = {name: np.zeros_like(p) for name, p in params.items()}
+        saved = Saved(tuple(arrays[f"x{i}"] if i in layer.saves.inputs else None for i in range(len(in_shapes))),
+                      arrays["y"] if layer.saves.output else None)
+        ctx = KernelContext(np, workspace=np.zeros(ctx_bytes, np.uint8))
+        staged_kernel.backward(ctx, arrays["gy"], saved, params, {}, gxs, gparams)
+        return gxs, gparams
+
+    own = layer.workspace_bytes(in_shapes, BACKWARD)
+    narrow_gxs, narrow_gparams = run(narrow, staged_workspace_bytes(layer, in_shapes, BACKWARD, own),
+                                     Staged(layer, convert))
+    widened = {name: a.astype(np.float32) for name, a in narrow.items()}
+    wide_gxs, wide_gparams = run(widened, max(own, 1), layer)
+    for got, want in zip(narrow_gxs, wide_gxs):
+        np.testing.assert_array_equal(got, want.astype(ml_dtypes.bfloat16))
+    for name in params:
+        np.testing.assert_array_equal(narrow_gparams[name], wide_gparams[name])

@@ -14,7 +14,7 @@ bit.
 """
 
 import numpy as np
-from numba import njit
+from numba import njit, uint64
 
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, threads_for
 from snrt.backends.cpu_parallel import run_split
@@ -65,17 +65,24 @@ def maxpool_forward(x, kh, kw, sh, sw, ph, pw, y, argmax, m0, m1):
 @njit(**THREADED)
 def maxpool_backward(gy, argmax, kh, kw, sh, sw, ph, pw, gx, m0, m1):
     """gx = 0, then each gy[n, c, r, q] added at its window's argmax (when inside x), for the
-    maps in [m0, m1)."""
+    maps in [m0, m1), each map's outputs in order. The offsets' rows and columns come from a
+    table (no division per output), and a position is tested inside x as unsigned values, so
+    the indices need no wrapping of negative values."""
     _, channels, h, w = gx.shape
+    ho, wo = gy.shape[2], gy.shape[3]
+    rows, columns = np.empty(kh * kw, np.int64), np.empty(kh * kw, np.int64)
+    for k in range(kh * kw):
+        rows[k], columns[k] = k // kw - ph, k % kw - pw
     for m in range(m0, m1):
         s, c = m // channels, m % channels
-        gx[s, c] = 0.0
-        for r in range(gy.shape[2]):
-            for q in range(gy.shape[3]):
-                k = argmax[s, c, r, q]
-                hi, wi = r * sh - ph + k // kw, q * sw - pw + k % kw
-                if 0 <= hi < h and 0 <= wi < w:
-                    gx[s, c, hi, wi] += gy[s, c, r, q]
+        plane, grads, picks = gx[s, c], gy[s, c], argmax[s, c]
+        plane[:] = 0.0
+        for r in range(ho):
+            for q in range(wo):
+                k = picks[r, q]
+                hi, wi = uint64(r * sh + rows[k]), uint64(q * sw + columns[k])
+                if hi < h and wi < w:  # unsigned: a position above or left of x is large
+                    plane[hi, wi] += grads[r, q]
 
 
 @njit(**COMPILED)

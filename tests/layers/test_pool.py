@@ -102,6 +102,30 @@ def test_the_compiled_max_pool_forward_is_the_layers_bit_for_bit_nan_included(ke
     np.testing.assert_array_equal(got[1]["argmax"], expected[1]["argmax"])
 
 
+@pytest.mark.parametrize("kernel, stride, padding, ceil_mode, shape", WINDOWS)
+def test_the_compiled_max_pool_backward_adds_each_gy_at_its_argmax_in_output_order(kernel, stride, padding,
+                                                                                    ceil_mode, shape):
+    """Bit for bit, each map's gy added at their windows' argmax positions one output after
+    the other (np.add.at's order), those outside x (a window of -inf keeps its first offset,
+    which may be padding) left out; overlapping windows add several gy at one place."""
+    layer = MaxPool(**_pool_kwargs(kernel, stride, padding, ceil_mode))
+    x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    x[..., ::3, :] = x[..., :2, :] = -np.inf  # the top windows see only -inf and padding
+    y, aux = run_forward(layer, [x], {})
+    gy = np.random.default_rng(6).standard_normal(y.shape).astype(np.float32)
+    (got,), _ = run_backward(CompiledMaxPool(layer), [x], y, aux, gy, {})
+    (kh, kw), (sh, sw), (ph, pw) = layer.kernel, layer.stride, layer.padding
+    k = aux["argmax"].astype(np.int64)
+    rows = np.arange(y.shape[2])[:, None] * sh - ph + k // kw
+    columns = np.arange(y.shape[3])[None, :] * sw - pw + k % kw
+    inside = (rows >= 0) & (rows < shape[2]) & (columns >= 0) & (columns < shape[3])
+    maps = np.arange(shape[0] * shape[1]).reshape(shape[0], shape[1], 1, 1)
+    expected = np.zeros(shape, np.float32)
+    np.add.at(expected.reshape(-1), ((maps * shape[2] + rows) * shape[3] + columns)[inside], gy[inside])
+    assert (~inside).any() == (ph > 0)
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 2, 1, 1), (3, 2, 11, 13)])
 @pytest.mark.parametrize("compiled", [False, True], ids=["numpy", "compiled"])
 def test_global_avg_pool(shape, compiled):

@@ -114,7 +114,7 @@ def test_the_compiled_max_pool_backward_adds_each_gy_at_its_argmax_in_output_ord
     y, aux = run_forward(layer, [x], {})
     gy = np.random.default_rng(6).standard_normal(y.shape).astype(np.float32)
     (got,), _ = run_backward(CompiledMaxPool(layer), [x], y, aux, gy, {})
-    (kh, kw), (sh, sw), (ph, pw) = layer.kernel, layer.stride, layer.padding
+    (_, kw), (sh, sw), (ph, pw) = layer.kernel, layer.stride, layer.padding
     k = aux["argmax"].astype(np.int64)
     rows = np.arange(y.shape[2])[:, None] * sh - ph + k // kw
     columns = np.arange(y.shape[3])[None, :] * sw - pw + k % kw

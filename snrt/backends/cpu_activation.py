@@ -32,11 +32,9 @@ only; other dtypes run the layer's code.
 import math
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
-from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, threads_for
+from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, float_from_bits, threads_for
 from snrt.backends.cpu_parallel import run_split
 from snrt.layers.activation import ERF_A, ERF_P, TANH_GELU_C, TANH_GELU_K
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
@@ -69,20 +67,6 @@ def _exponent(kind, v):
     if kind == ELU:
         return v
     return -v  # the sigmoid
-
-
-@intrinsic
-def float_from_bits(typingctx, bits):
-    """The float32 whose IEEE 754 bits are the low 32 bits of the integer `bits` (a bit cast:
-    in a loop it vectorizes, where a NumPy view of an int32 array would need the array)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
-        return builder.bitcast(low, ir.FloatType())
-
-    return types.float32(bits), codegen
 
 
 @njit(inline="always")

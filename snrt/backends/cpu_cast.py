@@ -18,12 +18,11 @@ does; widening keeps every bit. A sum is the fp32 sum of the widened values, rou
 NumPy's float16 and ml_dtypes' bfloat16 additions compute.
 """
 
-import llvmlite.ir as ir
 import ml_dtypes
 import numpy as np
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
+from snrt.backends.cpu_common import bits_of_float, float_from_bits
 from snrt.backends.cpu_parallel import run_split
 from snrt.threads import kernel_threads
 
@@ -36,22 +35,6 @@ HALF_TO_FLOAT_BIAS = (127 - 15) << FP32_EXPONENT_SHIFT  # fp32's exponent bias m
 ONE_HALF_BITS = 126 << FP32_EXPONENT_SHIFT  # 0.5f, whose ulp is fp16's smallest subnormal, 2^-24
 
 
-@intrinsic
-def _float_of(typingctx, bits):
-    """The float32 whose bits are the uint32 `bits`."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
-
-
-@intrinsic
-def _bits_of(typingctx, value):
-    """The bits of the float32 `value`, as a uint32."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
-
-
 @njit(**EXACT, inline="always")
 def _half_to_float(h):
     """The fp32 value of the fp16 bits `h` (an int in [0, 2^16))."""
@@ -62,14 +45,14 @@ def _half_to_float(h):
     elif magnitude >= 0x400:  # normal: the same significand, the exponent rebiased
         bits = sign | ((magnitude << 13) + HALF_TO_FLOAT_BIAS)
     else:  # zero or subnormal: magnitude units of 2^-24, a normal fp32 (exact)
-        bits = sign | np.int64(_bits_of(np.float32(magnitude) * np.float32(2.0 ** -24)))
-    return _float_of(np.uint32(bits))
+        bits = sign | bits_of_float(np.float32(magnitude) * np.float32(2.0 ** -24))
+    return float_from_bits(bits)
 
 
 @njit(**EXACT, inline="always")
 def _float_to_half(value):
     """The fp16 bits nearest the float32 `value` (ties to even)."""
-    bits = np.int64(_bits_of(value))
+    bits = bits_of_float(value)
     sign = (bits >> 16) & 0x8000
     magnitude = bits & 0x7FFFFFFF
     if magnitude > 0x7F800000:  # NaN: the payload's top ten bits, never zero (that is infinity)
@@ -81,22 +64,22 @@ def _float_to_half(value):
         # plus the kept last bit, which rounds the halfway case to even; a carry moves the exponent
         half = (magnitude - HALF_TO_FLOAT_BIAS + 0xFFF + ((magnitude >> 13) & 1)) >> 13
     else:  # below fp16's normal range: adding 0.5 rounds to a multiple of 2^-24, its count is the bits
-        total = _float_of(np.uint32(magnitude)) + _float_of(np.uint32(ONE_HALF_BITS))
-        half = np.int64(_bits_of(total)) - ONE_HALF_BITS
+        total = float_from_bits(magnitude) + float_from_bits(ONE_HALF_BITS)
+        half = bits_of_float(total) - ONE_HALF_BITS
     return np.uint16(sign | half)
 
 
 @njit(**EXACT, inline="always")
 def _bfloat_to_float(h):
     """The fp32 value of the bf16 bits `h`: fp32's upper half."""
-    return _float_of(np.uint32(h << 16))
+    return float_from_bits(h << 16)
 
 
 @njit(**EXACT, inline="always")
 def _float_to_bfloat(value):
     """The bf16 bits nearest the float32 `value` (ties to even); a NaN becomes the quiet NaN of
     its sign."""
-    bits = np.int64(_bits_of(value))
+    bits = bits_of_float(value)
     if bits & 0x7FFFFFFF > 0x7F800000:
         return np.uint16(((bits >> 16) & 0x8000) | 0x7FC0)
     return np.uint16((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)

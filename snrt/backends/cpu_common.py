@@ -1,11 +1,16 @@
 """What the CPU's compiled kernels share: numba's options (`COMPILED`, `THREADED`), the kernel
-threads (`run_split`, `threads_for`, `fitting_threads`) and `LayerLike`, the base that makes a
-kernel stand in for its layer.
+threads (`run_split`, `threads_for`, `fitting_threads`), bit casts between float32 and its bits
+(`float_from_bits`, `bits_of_float`) and `LayerLike`, the base that makes a kernel stand in for
+its layer.
 
 Kernel threads: `snrt.threads.kernel_threads()` shares of a kernel that run at once
 (cpu_parallel.run_split); every output value is one share's, so results do not depend on the
 number of threads.
 """
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from snrt.layers.base import FLOAT32_BYTES
 from snrt.threads import kernel_threads
@@ -18,6 +23,32 @@ FASTMATH = {"reassoc", "contract"}
 # without it every division carries a zero test and no loop with one vectorizes).
 COMPILED = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy"}
 THREADED = dict(COMPILED, nogil=True)  # for kernels that run on the kernel threads
+
+
+@intrinsic
+def float_from_bits(typingctx, bits):
+    """The float32 whose IEEE 754 bits are the low 32 bits of the integer `bits` (a bit cast:
+    in a loop it vectorizes, where a NumPy view of an int32 array would need the array)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def bits_of_float(typingctx, value):
+    """The IEEE 754 bits of the float32 `value`, as a non-negative int64 (a bit cast)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.zext(builder.bitcast(args[0], ir.IntType(32)), ir.IntType(64))
+
+    return types.int64(types.float32), codegen
 
 
 def threads_for(values, minimum):

@@ -15,15 +15,19 @@ gradient, the inputs and the output the layer saves (`Layer.saves`), the saved t
 inputs' gradients.
 """
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so that its name is a dtype)
+import numpy as np
+
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, Saved, numel, scratch_aligned, scratch_bytes
 from snrt.precision import PRECISIONS
 
-TWO_BYTE = tuple(p.storage for p in PRECISIONS.values() if p.two_bytes)  # dtype names of 2-byte storage
+# the dtypes of 2-byte storage (compared as dtypes: a dtype's name is formatted at each ask)
+TWO_BYTE = frozenset(np.dtype(p.storage) for p in PRECISIONS.values() if p.two_bytes)
 
 
 def is_two_byte(array):
     """Whether `array` (or None) holds 2-byte floats."""
-    return array is not None and array.dtype.name in TWO_BYTE
+    return array is not None and array.dtype in TWO_BYTE
 
 
 def staging_bytes(layer, in_shapes, phase):

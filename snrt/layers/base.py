@@ -215,13 +215,16 @@ def scratch_bytes(*sizes):
     return total
 
 
-def reachable_stride(size, span, stride, pad):
-    """The stride that places the same windows of `span` values as `stride` along an axis of
-    `size` values padded by `pad` on each side: `stride` itself, unless no second window fits
-    after the first; then the smallest stride that, too, leaves the first window alone, both
-    for a window that must end inside the padded axis and for one that must only start
+def with_reachable_strides(layer, in_shapes, spans):
+    """`layer` (a windowed layer: `stride`, `padding` pairs) with each stride past what its
+    axis can use brought down: along an axis of `size` values padded by `pad` on each side, a
+    window of `span` values placed at `stride` keeps that stride, unless no second window fits
+    after the first; then it gets the smallest stride that, too, leaves the first window alone,
+    both for a window that must end inside the padded axis and for one that must only start
     inside the input or its left padding (a ceil-mode pooling's last window)."""
-    return min(stride, max(1, size + 2 * pad - span + 1, size + pad))
+    stride = tuple(min(s, max(1, size + 2 * pad - span + 1, size + pad))
+                   for size, span, s, pad in zip(in_shapes[0][2:], spans, layer.stride, layer.padding))
+    return layer if stride == layer.stride else dataclasses.replace(layer, stride=stride)
 
 
 class Layer:

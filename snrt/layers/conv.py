@@ -35,7 +35,7 @@ of gW through the partial for each.
 """
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 from snrt.errors import ShapeError
@@ -50,8 +50,8 @@ from snrt.layers.base import (
     Saves,
     numel,
     pair,
-    reachable_stride,
     scratch_bytes,
+    with_reachable_strides,
 )
 from snrt.layers.registry import register
 
@@ -189,9 +189,7 @@ class Conv2d(Layer):
         return (n, self.out_channels, ho, wo)
 
     def fitted(self, in_shapes):
-        stride = tuple(reachable_stride(size, d * (k - 1) + 1, s, p) for size, k, s, p, d in
-                       zip(in_shapes[0][2:], self.kernel, self.stride, self.padding, self.dilation))
-        return self if stride == self.stride else replace(self, stride=stride)
+        return with_reachable_strides(self, in_shapes, [d * (k - 1) + 1 for k, d in zip(self.kernel, self.dilation)])
 
     def param_specs(self, in_shapes):
         _, c, _, _, _, _ = self._geometry(in_shapes)

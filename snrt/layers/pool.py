@@ -7,7 +7,7 @@ input meets one slice of the output (vectorised over N, C, Ho, Wo), and padding 
 materialised.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,8 +20,8 @@ from snrt.layers.base import (
     Layer,
     numel,
     pair,
-    reachable_stride,
     scratch_bytes,
+    with_reachable_strides,
 )
 from snrt.layers.registry import register
 
@@ -104,9 +104,7 @@ class _WindowPool(Layer):
         return (n, c, ho, wo)
 
     def fitted(self, in_shapes):
-        stride = tuple(reachable_stride(size, k, s, p) for size, k, s, p in
-                       zip(in_shapes[0][2:], self.kernel, self.stride, self.padding))
-        return self if stride == self.stride else replace(self, stride=stride)
+        return with_reachable_strides(self, in_shapes, self.kernel)
 
     def _windows(self, in_shape, out_shape):
         """For each window offset k = i*kw + j: (k, output index, input index) of the

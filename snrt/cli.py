@@ -587,10 +587,8 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     if args.overwrite:  # only now: a run that cannot start leaves the earlier one whole (prepare: not resumed)
         folder.start_over()
     if args.resume is not None:
-        try:
-            folder.truncate_metrics(trainer.iteration)
-        except OSError as e:
-            raise _cannot_write(folder.metrics, e, f"the run is as it was, at iteration {trainer.iteration}") from None
+        _write_output(folder.metrics, lambda: folder.truncate_metrics(trainer.iteration),
+                      f"the run is as it was, at iteration {trainer.iteration}")
     out = folder.path
     _write_run_file(out / "config.yaml", config_to_yaml(config),
                     f"nothing was trained yet (iteration {trainer.iteration})")
@@ -611,12 +609,9 @@ def _train_in(folder, checkpoint, args, config, plan, console):
     if history:
         from snrt.timeline import draw_timeline  # matplotlib only once there is something to draw
 
-        try:
-            draw_timeline(trainer.plan, out / "memory.png", budget=config.memory.budget,
-                          measured=trainer.executor.measured_bytes, title=f"{config.name}: {trainer.plan.policy}, "
-                          f"batch {trainer.batch} (measured dashed)")
-        except OSError as e:
-            raise _cannot_write(out / "memory.png", e, kept) from None
+        _write_output(out / "memory.png", lambda: draw_timeline(
+            trainer.plan, out / "memory.png", budget=config.memory.budget, measured=trainer.executor.measured_bytes,
+            title=f"{config.name}: {trainer.plan.policy}, batch {trainer.batch} (measured dashed)"), kept)
         _draw_run(out, kept)
     console.print(_summary_table(summary))
     return 128 + int(trainer.stop_reason) if trainer.stop_requested else 0  # the signal's conventional status
@@ -626,10 +621,7 @@ def _draw_run(folder, kept):
     """RUN/metrics.png of the run in `folder` (see snrt/report.py)."""
     from snrt.report import draw_metrics, load_run  # matplotlib only once there is something to draw
 
-    try:
-        draw_metrics([load_run(folder)], folder / "metrics.png")
-    except OSError as e:
-        raise _cannot_write(folder / "metrics.png", e, kept) from None
+    _write_output(folder / "metrics.png", lambda: draw_metrics([load_run(folder)], folder / "metrics.png"), kept)
 
 
 def run_report(args, console):
@@ -644,10 +636,7 @@ def run_report(args, console):
     path = Path(args.png) if args.png else (Path(args.runs[0]) / "metrics.png" if len(runs) == 1 else None)
     if path is None:
         raise SnrtError("several runs are drawn into one picture: name it with --png FILE")
-    try:
-        draw_metrics(runs, path)
-    except OSError as e:
-        raise _cannot_write(path, e) from None
+    _write_output(path, lambda: draw_metrics(runs, path))
     rows = report_rows(runs)
     if args.json:
         _print_json(console, {"runs": rows, "png": str(path)})
@@ -680,10 +669,7 @@ def _heldout(trainer, console):
 def _write_run_file(path, text, kept):
     """Write one of the run folder's small files, atomically (an earlier version stays whole
     until the new one is); a failure names the file and says what was kept."""
-    try:
-        replace_atomically(path, lambda partial: partial.write_text(text))
-    except OSError as e:
-        raise _cannot_write(path, e, kept) from None
+    _write_output(path, lambda: replace_atomically(path, lambda partial: partial.write_text(text)), kept)
 
 
 def _print_json(console, value):
@@ -697,13 +683,13 @@ def _print_json(console, value):
         raise SystemExit(1) from None
 
 
-def _write_output(path, write):
-    """`write()`'s result; it writes the file `path` a command was asked for, and an OSError is
-    the one-line error of a file that cannot be written."""
+def _write_output(path, write, kept=None):
+    """`write()`'s result; it writes the file `path`, and an OSError is the one-line error of a
+    file that cannot be written, saying what was `kept` of the run."""
     try:
         return write()
     except OSError as e:
-        raise _cannot_write(path, e) from None
+        raise _cannot_write(path, e, kept) from None
 
 
 def _cannot_write(path, error, kept=None):

@@ -94,9 +94,9 @@ def draw_metrics(runs, path, title=None):
             points = [(i, value * scale) for i, value in values if value is not None and math.isfinite(value)]
             if points:
                 ax.plot(*zip(*points), linewidth=1, label=run.name)
-            during = [(m["iteration"], _number(m.get("heldout_accuracy"))) for m in run.metrics
-                      if _number(m.get("heldout_accuracy")) is not None]
-            if key == "accuracy" and during:  # train.eval_every's evaluations
+            during = [(m["iteration"], value) for m in run.metrics
+                      if (value := _number(m.get("heldout_accuracy"))) is not None] if key == "accuracy" else []
+            if during:  # train.eval_every's evaluations
                 ax.plot(*zip(*during), marker="o", markersize=4, linestyle="--", linewidth=1,
                         color=ax.lines[-1].get_color() if points else None, label=f"{run.name}: held-out")
             heldout = _number(run.summary.get("heldout_accuracy"))

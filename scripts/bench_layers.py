@@ -4,7 +4,11 @@ Not a test. For each (layer, input shape): forward and backward of the kernel th
 runs for it (`NumpyBackend.kernel_choice().kernel_for(layer, in_shapes)`: the layer's own
 NumPy code, or a compiled kernel from snrt/backends/cpu_kernels.py), with its buffers and
 planned workspace allocated once, against PyTorch's (forward under no_grad; backward =
-`torch.autograd.grad` of the output with respect to every input and parameter), both with
+`torch.autograd.grad` of the output with respect to every input and parameter, each gradient
+made contiguous: snrt writes every gradient into a buffer of its own, the form the next
+layer's backward reads, where autograd may hand back a view that the next layer's kernel
+copies before reading it (Concat's gradients are slices of gy); for a contiguous gradient
+that is a no-op), both with
 as many threads as cores (`--threads`). Timing as in bench_conv.py (one warm-up, then `--repeats` rounds,
 best time kept, median in the JSON, each framework in a phase of its own), but kernels run
 back to back as in training: no wait for idle CPUs before a round by default (after an idle
@@ -185,7 +189,8 @@ def torch_kernels(layer, xs, params, rng):
             f(txs, tps)
 
     def backward():
-        torch.autograd.grad(out, leaves, gy, retain_graph=True)
+        for grad in torch.autograd.grad(out, leaves, gy, retain_graph=True):
+            grad.contiguous()
 
     return forward, backward
 

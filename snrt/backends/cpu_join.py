@@ -1,4 +1,4 @@
-"""Add, and Add+ReLU, on the CPU: one compiled pass on the kernel threads each way.
+"""Add, Add+ReLU and Concat on the CPU: one compiled pass on the kernel threads each way.
 
 The layer's NumPy code (snrt/layers/join.py) runs on one core: y = x0 + x1 (then += each
 further input), and its backward copies the output's gradient into each input's, reading it
@@ -7,8 +7,11 @@ SPLIT_VALUES values; the adds are bound by memory), add in the layer's order, so
 the layer's, and copy the gradient into two inputs' per read. AddReLU (snrt/layers/fused.py)
 clips each sum as ReLU's kernel does in the same pass, and its backward masks gy as ReLU's
 kernel does into two input gradients per read (over gy itself where that is one of them).
-Contiguous float32 arrays (as arena views are); anything else runs the layer's code. No
-workspace.
+Concat copies each input into its columns of the output (backward: each input's gradient out
+of gy's), an input at a time split among the kernel threads by its values, where the layer's
+NumPy assignment copies on one core (8 samples of 128 + 32 channels at 28x28: 0.085 ms one
+way, 0.059 here on 2 threads). Contiguous float32 arrays (as arena views are); anything else
+runs the layer's code. No workspace.
 """
 
 import numpy as np
@@ -21,6 +24,11 @@ from snrt.layers.base import FLOAT32_BYTES
 from snrt.layers.fused import AddReLU, masked_gradient_targets
 
 SPLIT_VALUES = 1 << 17  # a pass over fewer values runs on one thread (2^16: split slower)
+
+
+def contiguous_float32(arrays):
+    """Whether the kernels here serve `arrays` (else the layer's code runs)."""
+    return all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
 
 
 @njit(**THREADED)
@@ -71,6 +79,59 @@ def copy_to_two(source, first, second, r0, r1):
         twos[i] = v
 
 
+@njit(**THREADED)
+def copy_columns(narrow, wide, width, wide_width, start, into_wide, v0, v1):
+    """Copy values v0..v1 of `narrow` (flat: rows of `width` values) to or from (`into_wide`
+    or not) the columns start..start + width of `wide` (flat: rows of `wide_width`), each
+    row's part a contiguous run (loops from 0 over slices: they vectorize)."""
+    at = v0
+    while at < v1:
+        row = at // width
+        column = at - row * width
+        count = min(width - column, v1 - at)
+        ours = narrow[at:at + count]
+        theirs = wide[row * wide_width + start + column:row * wide_width + start + column + count]
+        if into_wide:
+            for i in range(count):
+                theirs[i] = ours[i]
+        else:
+            for i in range(count):
+                ours[i] = theirs[i]
+        at += count
+
+
+class CompiledConcat(LayerLike):
+    """Concat by copy_columns: an input (or its gradient) is rows of its columns of the output,
+    a row per index before the axis."""
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return 0
+
+    def _copy(self, parts, wide, shapes, into_wide):
+        """Each of `parts` (None: skipped) to or from its columns of the output `wide`; `shapes`
+        are the inputs' (the columns' widths)."""
+        axis = self.layer.axis
+        widths = [int(np.prod(shape[axis:])) for shape in shapes]
+        flat, start = wide.reshape(-1), 0
+        for part, width in zip(parts, widths):
+            if part is not None and part.size:
+                values = part.reshape(-1)
+                run_split(copy_columns, 0, values.size, threads_for(values.size, SPLIT_VALUES),
+                          (values, flat, width, sum(widths), start, into_wide))
+            start += width
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        if not contiguous_float32([y, *xs]):
+            return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
+        self._copy(xs, y, [x.shape for x in xs], True)
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        targets = [gx for gx in gxs if gx is not None]
+        if not contiguous_float32([gy, *targets]) or (ctx.in_shapes is None and len(targets) < len(gxs)):
+            return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
+        self._copy(gxs, gy, ctx.in_shapes or [gx.shape for gx in gxs], False)
+
+
 class CompiledAdd(LayerLike):
     """Add by add_into and copy_to_two; AddReLU by add_relu_into (two inputs; more: add_into,
     then ReLU's kernel in place) and masked_to_two (more inputs: copy_to_two after it)."""
@@ -79,16 +140,12 @@ class CompiledAdd(LayerLike):
         return 0
 
     @staticmethod
-    def _served(arrays):
-        return all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
-
-    @staticmethod
     def _split(function, arrays):
         flat = tuple(a.reshape(-1) for a in arrays)
         run_split(function, 0, flat[0].size, threads_for(flat[0].size, SPLIT_VALUES), flat)
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        if not self._served([y, *xs]):
+        if not contiguous_float32([y, *xs]):
             return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
         relu = isinstance(self.layer, AddReLU)
         self._split(add_relu_into if relu and len(xs) == 2 else add_into, (xs[0], xs[1], y))
@@ -100,7 +157,7 @@ class CompiledAdd(LayerLike):
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         targets = [gx for gx in gxs if gx is not None]
         relu = isinstance(self.layer, AddReLU)
-        if not self._served([gy, *targets, *([saved.y] if relu else [])]):
+        if not contiguous_float32([gy, *targets, *([saved.y] if relu else [])]):
             return self.layer.backward(ctx, gy, saved, params, aux, gxs, gparams)
         if relu and targets:  # the masked gradient into two (over gy where that is one of them), copied on
             first, others = masked_gradient_targets(gy, gxs)

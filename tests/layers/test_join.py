@@ -46,6 +46,44 @@ def test_concat_writes_the_gradients_asked_for_at_the_offsets_of_every_input():
         Concat().backward(KernelContext(np), gy, Saved((None,) * 4), {}, {}, gxs, {})
 
 
+@pytest.mark.parametrize("axis, shapes", [
+    (1, [(2, 3, 4, 5), (2, 1, 4, 5)]),
+    (2, [(2, 3, 4, 5), (2, 3, 2, 5), (2, 3, 1, 5)]),
+    (3, [(2, 3, 4, 1), (2, 3, 4, 7)]),
+    (1, [(4, 64, 32, 33), (4, 16, 32, 33), (4, 0, 32, 33)]),  # over SPLIT_VALUES values: split; an empty input
+])
+@pytest.mark.parametrize("split", [True, False])
+def test_the_cpu_backend_concatenates_with_the_layers_bits_on_the_kernel_threads(axis, shapes, split, monkeypatch):
+    """CompiledConcat: every input in its columns of the output, each gradient out of gy's
+    (those asked for: one left None, its offset from the step's shapes), on the kernel threads
+    or on one; float64, and a missing gradient without the shapes, by the layer's code."""
+    from snrt.backends import cpu_join
+
+    if not split:
+        monkeypatch.setattr(cpu_join, "SPLIT_VALUES", 1 << 40)
+    rng = np.random.default_rng(7)
+    layer = Concat(axis=axis)
+    kernel = CPU_KERNELS.kernel_for(layer, shapes)
+    assert isinstance(kernel, cpu_join.CompiledConcat) and kernel.workspace_bytes(shapes, "backward") == 0
+    xs = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+    out_shape = layer.infer_shape(shapes)
+    ours, theirs = np.full(out_shape, np.nan, np.float32), np.full(out_shape, np.nan, np.float32)
+    kernel.forward(KernelContext(np), xs, {}, {}, ours, {})
+    layer.forward(KernelContext(np), xs, {}, {}, theirs, {})
+    np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_array_equal(ours, np.concatenate(xs, axis=axis))
+    gy = rng.standard_normal(out_shape, dtype=np.float32)
+    gxs = [np.full(shape, np.nan, np.float32) for shape in shapes]
+    gxs[0] = None
+    kernel.backward(KernelContext(np, in_shapes=shapes), gy, Saved((None,) * len(shapes)), {}, {}, gxs, {})
+    pieces = np.split(gy, np.cumsum([shape[axis] for shape in shapes])[:-1], axis=axis)
+    assert all(np.array_equal(gx, piece) for gx, piece in zip(gxs[1:], pieces[1:]))
+    with pytest.raises(ValueError, match="needs the inputs' shapes"):
+        kernel.backward(KernelContext(np), gy, Saved((None,) * len(shapes)), {}, {}, gxs, {})
+    small = [tuple(c + i if d == axis else c for d, c in enumerate((2, 3, 4, 5))) for i in range(2)]
+    check_layer(kernel, [randn(*shape, seed=i) for i, shape in enumerate(small)], lambda ts, p: torch.cat(ts, dim=axis))
+
+
 def test_concat_infers_channels_and_rejects_mismatch():
     assert Concat().infer_shape([(2, 3, 8, 8), (2, 5, 8, 8), (2, 1, 8, 8)]) == (2, 9, 8, 8)
     with pytest.raises(ShapeError, match="agree except on axis 1"):

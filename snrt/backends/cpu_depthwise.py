@@ -15,21 +15,23 @@ direct kernels replace them, each where it measured faster (`ROWS_MIN_WIDTH`, pe
   product per tap. Offsets into the padded planes are unsigned, so the inner loops carry no
   negative-index wraparound and vectorize along the row.
 - channels last, for narrower maps (deep in a network, where rows are short and channels
-  many): one sample at a time, its input zero-padded as (Hp, Wp, O) (input channel o // m
-  repeated for each of its m outputs) and its output as (Ho, Wo, O), both copied pixel by
-  pixel (a run of channels each); each output pixel takes its taps as multiply-adds over a
-  contiguous row of O channels, 4 vectors of them in registers through all the taps
-  (cpu_tiles.fma_channel_run; with the copies pixel by pixel, 5x5 over 672 channels at 4x4,
-  batch 8, one thread: 0.27 -> 0.18-0.22 ms, 1152 @2 0.155 -> 0.10-0.11). The data gradient scatters
-  into a padded (Hp, Wp, O) gradient, summed over each input channel's m outputs on the way
-  back.
+  many): one sample at a time, its input copied as (H, W, O) (input channel o // m repeated
+  for each of its m outputs) and its output as (Ho, Wo, O), a channel's plane at a time; each
+  output pixel takes the taps that fall inside the map (`pixel_taps`: at 4x4 a 5x5 kernel's
+  padding holds half of them) as multiply-adds over a contiguous row of O channels, 4 vectors
+  of them in registers through its taps (cpu_tiles.fma_channel_run). 5x5 over 672 channels
+  at 4x4, batch 8, one thread: 0.31 ms with a zero-padded (Hp, Wp, O) input copied a pixel's
+  run of channels at a time and every tap taken, 0.17 with the taps inside the map and the
+  copies by plane, 0.15 with whole vectors unmasked; 1152 @2 0.16 -> 0.10 (PyTorch 0.11 both).
+  The backward copies its input zero-padded as (Hp, Wp, O); its data gradient scatters into a
+  padded (Hp, Wp, O) gradient, summed over each input channel's m outputs on the way back.
 
 Weight gradients sum rows (or one sample's pixels) in the input's dtype and those sums in
 float64. x (N, C, H, W), weight (O, 1, kh, kw) with O = C * m, bias (O,), y (N, O, Ho, Wo);
 any stride, padding and dilation; every buffer in the planned workspace. By rows, the channels
 are split among the kernel threads (cpu_parallel.run_split) from SPLIT_VALUES input values, each
 with its own plane and row buffers; channels last, the forward's samples from SPLIT_PRODUCTS
-multiply-adds (each thread its own padded input and output rows), its backward on one thread
+multiply-adds (each thread its own input and output copies), its backward on one thread
 (its weight gradient sums over the samples). Sums run in a fixed order, each
 channel's on one thread, so the same inputs give the same bits in every run and policy and on
 any number of threads.
@@ -45,10 +47,13 @@ from snrt.backends.cpu_tiles import fma_channel_run, fma_run, run_slack
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 from snrt.threads import kernel_threads
 
-# output widths from which rows beat channels last, per phase (timed by the kernel chooser's
-# best_seconds: a forward from 8 wide, e.g. 5x5 240@8 b8 0.52 against 0.65 ms, 7x7 96@14 0.67
-# against 1.50; the backward, by rows not on the plane's grid, from 16)
-ROWS_MIN_WIDTH = {FORWARD: 8, BACKWARD: 16}
+# output widths from which rows beat channels last, per phase (best of 100, batch 8: a forward
+# from 10 wide: at 8, 5x5 240@8 0.47 against 0.27 ms by channels last on one thread, 0.33
+# against 0.21 on two, 3x3 144@8 0.13 against 0.11 and 0.08; at 12, channels last is ahead on
+# two threads (5x5 240@12 0.60 against 0.34) and behind on one (0.46 against 0.63), where it
+# splits the samples and rows do not split so small an input; the backward, by rows not on the
+# plane's grid, from 16)
+ROWS_MIN_WIDTH = {FORWARD: 10, BACKWARD: 16}
 SPLIT_VALUES = 1 << 20  # inputs of fewer values run on one thread (by rows)
 SPLIT_PRODUCTS = 1 << 18  # channels last: forwards of fewer multiply-adds run on one thread
 # channels last's forward computes the output channels this many at a time, every output pixel
@@ -206,48 +211,79 @@ def _channels_last(x, s, m, ph, pw, padded):
 
 
 @njit(cache=True)
-def _transposed(gy, s, out):
-    """out[r, q, o] = gy[s, o, r, q]."""
-    outs, ho, wo = gy.shape[1], gy.shape[2], gy.shape[3]
-    for r in range(ho):
-        for q in range(wo):
-            for o in range(outs):
-                out[r, q, o] = gy[s, o, r, q]
+def _pixels_last(x, s, m, out):
+    """out[r, q, o] = x[s, o // m, r, q]: an (H, W, O) sample, a channel's plane at a time (its
+    pixels the inner loop: 8 samples of 672 channels at 4x4 take 26 us, 57 a pixel's run of
+    channels at a time)."""
+    channels, pixels = x.shape[1], x.shape[2] * x.shape[3]
+    planes, rows = x[s].reshape(channels, pixels), out.reshape(pixels, out.shape[2])
+    for c in range(channels):
+        plane = planes[c]
+        for k in range(m):
+            o = c * m + k
+            for p in range(pixels):
+                rows[p, o] = plane[p]
+
+
+@njit(cache=True)
+def _channels_first(rows, y, s):
+    """y[s, o, r, q] = rows[r, q, o], an output channel's plane at a time."""
+    ho, wo, outs = rows.shape
+    planes, pixels = y[s].reshape(outs, ho * wo), rows.reshape(ho * wo, outs)
+    for o in range(outs):
+        plane = planes[o]
+        for p in range(ho * wo):
+            plane[p] = pixels[p, o]
 
 
 @njit(**COMPILED)
-def tap_shifts(kh, kw, dh, dw, wp, outs, offsets):
-    """offsets[i*kw + j] = (i*dh*Wp + j*dw) * O: tap (i, j)'s shift in a padded (Hp, Wp, O) sample."""
-    for i in range(kh):
-        for j in range(kw):
-            offsets[i * kw + j] = (i * dh * wp + j * dw) * outs
+def pixel_taps(h, w, kh, kw, sh, sw, ph, pw, dh, dw, outs, shifts, tap_rows, counts):
+    """For each output pixel p = r*Wo + q, the taps (i, j) whose input pixel lies inside the
+    (H, W) map (the padding's would add zeros): counts[p] of them, in tap order, tap_rows[p, k]
+    = i*kw + j and shifts[p, k] = (row*W + column)*O, the input pixel's place in an (H, W, O)
+    sample. shifts and tap_rows (Ho*Wo, kh*kw), counts (Ho*Wo,); Wo = counts.size // Ho."""
+    ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = counts.size // ho
+    for r in range(ho):
+        for q in range(wo):
+            p, k = r * wo + q, 0
+            for i in range(kh):
+                row = r * sh - ph + i * dh
+                if row < 0 or row >= h:
+                    continue
+                for j in range(kw):
+                    column = q * sw - pw + j * dw
+                    if 0 <= column < w:
+                        shifts[p, k] = (row * w + column) * outs
+                        tap_rows[p, k] = i * kw + j
+                        k += 1
+            counts[p] = k
 
 
 @njit(**THREADED)
-def channels_last_forward(x, taps, bias, sh, sw, ph, pw, offsets, y, s0, s1, padded, rows):
+def channels_last_forward(x, taps, bias, shifts, tap_rows, counts, y, s0, s1, pixels, rows):
     """y[n, o] = bias[o] + sum over taps (i, j) of taps[i, j, o] * x[n, o // m] at the tap, for
     the samples s0 <= n < s1: by groups of GROUP_CHANNELS output channels, each output pixel's
-    group by fma_channel_run (a group's slice of the padded sample and of the taps stays in the
-    first-level cache while the group's pixels are computed). taps (kh, kw, O): the weight,
-    channels last; bias (O,) or empty; offsets (kh*kw,): the taps' shifts in a padded sample,
-    (i*dh*Wp + j*dw)*O; padded (Hp, Wp, O) and rows (Ho, Wo, O): this thread's workspace."""
-    _, outs, ho, wo = y.shape
+    group by fma_channel_run over the taps inside the map (pixel_taps: shifts, tap_rows and
+    counts; a group's slice of the sample and of the taps stays in the first-level cache while
+    the group's pixels are computed). taps (kh, kw, O): the weight, channels last; bias (O,) or
+    empty; pixels (H, W, O) and rows (Ho, Wo, O): this thread's workspace."""
+    outs = y.shape[1]
     m = outs // x.shape[1]
-    wp = padded.shape[1]
-    source, out, weights = padded.reshape(-1), rows.reshape(-1), taps.reshape(-1)
+    listed = shifts.shape[1]
+    source, out, weights = pixels.reshape(-1), rows.reshape(-1), taps.reshape(-1)
+    offsets, tap_row = shifts.reshape(-1), tap_rows.reshape(-1)
     for s in range(s0, s1):
-        _channels_last(x, s, m, ph, pw, padded)
+        _pixels_last(x, s, m, pixels)
         for g0 in range(0, outs, GROUP_CHANNELS):
             count = min(GROUP_CHANNELS, outs - g0)
             biases = bias[g0:g0 + count] if bias.size else bias
-            for r in range(ho):
-                for q in range(wo):
-                    fma_channel_run(source, (r * sh * wp + q * sw) * outs + g0, offsets, weights[g0:], outs, biases,
-                                    biases.size, out, (r * wo + q) * outs + g0, count)
-        for r in range(ho):  # pixel by pixel: each read as one run of channels
-            for q in range(wo):
-                for o in range(outs):
-                    y[s, o, r, q] = rows[r, q, o]
+            for p in range(counts.size):
+                first = p * listed
+                last = first + counts[p]
+                fma_channel_run(source, g0, offsets[first:last], tap_row[first:last], weights[g0:], outs, biases,
+                                biases.size, out, p * outs + g0, count)
+        _channels_first(rows, y, s)
 
 
 @njit(**COMPILED)
@@ -264,7 +300,7 @@ def channels_last_backward(gy, x, taps, sh, sw, ph, pw, dh, dw, padded, rows, pa
     kh, kw = taps.shape[0], taps.shape[1]
     sums[:] = 0.0
     for s in range(n):
-        _transposed(gy, s, rows)
+        _pixels_last(gy, s, 1, rows)
         _channels_last(x, s, m, ph, pw, padded)
         partial[:] = 0.0
         for r in range(ho):
@@ -328,8 +364,8 @@ class CompiledDepthwiseConv2d(LayerLike):
             return [((threads, plane + slack), None),
                     ((threads, ho * padded[1] + slack if self.layer.stride == (1, 1) else wo), None)]
         if phase == FORWARD:  # the samples split among the threads
-            return [((kh, kw, outs), None), ((kh * kw,), np.int64), ((threads, *padded, outs), None),
-                    ((threads, ho, wo, outs), None)]
+            return [((kh, kw, outs), None), ((ho * wo, kh * kw), np.int64), ((ho * wo, kh * kw), np.int64),
+                    ((ho * wo,), np.int64), ((threads, h, w, outs), None), ((threads, ho, wo, outs), None)]
         return [((kh, kw, outs), None), ((*padded, outs), None), ((ho, wo, outs), None),
                 ((kh * kw + 1, outs), None), ((kh * kw + 1, outs), np.float64)]
 
@@ -348,7 +384,7 @@ class CompiledDepthwiseConv2d(LayerLike):
         if threads is None:
             threads = self._threads(in_shapes, phase)
         shapes = self._workspace_shapes(in_shapes, phase, threads)
-        return scratch_bytes(*(int(np.prod(shape)) * (np.dtype(dtype).itemsize if dtype else itemsize)
+        return scratch_bytes(*(numel(shape) * (np.dtype(dtype).itemsize if dtype else itemsize)
                                for shape, dtype in shapes))
 
     def _workspace(self, ctx, x, phase):
@@ -371,12 +407,11 @@ class CompiledDepthwiseConv2d(LayerLike):
             run_split(rows_forward, 0, x.shape[1], len(planes), (x, weight[:, 0], bias, *self._geometry(), y),
                       (planes, rows))
         else:  # channels last, the samples split among the threads
-            taps, offsets, padded, rows = work
+            taps, shifts, tap_rows, counts, pixels, rows = work
             taps[...] = weight[:, 0].transpose(1, 2, 0)
-            sh, sw, ph, pw, dh, dw = self._geometry()
-            tap_shifts(*self.layer.kernel, dh, dw, *padded.shape[2:], offsets)
-            run_split(channels_last_forward, 0, x.shape[0], len(padded), (x, taps, bias, sh, sw, ph, pw, offsets, y),
-                      (padded, rows))
+            pixel_taps(*x.shape[2:], *self.layer.kernel, *self._geometry(), y.shape[1], shifts, tap_rows, counts)
+            run_split(channels_last_forward, 0, x.shape[0], len(pixels), (x, taps, bias, shifts, tap_rows, counts, y),
+                      (pixels, rows))
         ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):

@@ -20,7 +20,7 @@ from numba import njit
 from snrt.backends.cpu_activation import CLIP_FORWARD, RELU, ZERO
 from snrt.backends.cpu_common import THREADED, LayerLike, threads_for
 from snrt.backends.cpu_parallel import run_split
-from snrt.layers.base import FLOAT32_BYTES
+from snrt.layers.base import FLOAT32_BYTES, numel
 from snrt.layers.fused import AddReLU, masked_gradient_targets
 
 SPLIT_VALUES = 1 << 17  # a pass over fewer values runs on one thread (2^16: split slower)
@@ -111,7 +111,7 @@ class CompiledConcat(LayerLike):
         """Each of `parts` (None: skipped) to or from its columns of the output `wide`; `shapes`
         are the inputs' (the columns' widths)."""
         axis = self.layer.axis
-        widths = [int(np.prod(shape[axis:])) for shape in shapes]
+        widths = [numel(shape[axis:]) for shape in shapes]
         flat, start = wide.reshape(-1), 0
         for part, width in zip(parts, widths):
             if part is not None and part.size:

@@ -25,7 +25,7 @@ from numba import njit
 
 from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, threads_for
 from snrt.backends.cpu_parallel import run_split
-from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, scratch_bytes
+from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 
 SUM_BYTES = 8  # float64 sums
 SPLIT_VALUES = 1 << 18  # GroupNorm's tensors of fewer values run on one thread
@@ -175,7 +175,7 @@ class _CompiledNormalize(LayerLike):
         raise NotImplementedError
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
-        return scratch_bytes(*(int(np.prod(shape)) * SUM_BYTES for shape in self._sums_shapes(in_shapes, phase)))
+        return scratch_bytes(*(numel(shape) * SUM_BYTES for shape in self._sums_shapes(in_shapes, phase)))
 
     def _sums(self, ctx, x, phase):
         return [ctx.scratch(shape, np.float64) for shape in self._sums_shapes([x.shape], phase)]
@@ -213,7 +213,7 @@ class CompiledGroupNorm(_CompiledNormalize):
 
     def _block_view(self, shape):
         groups = self.layer.groups
-        return (shape[0] * groups, shape[1] // groups, int(np.prod(shape[2:], dtype=np.int64)))
+        return (shape[0] * groups, shape[1] // groups, numel(shape[2:]))
 
     def _sums_shapes(self, in_shapes, phase):
         blocks, per_group, _ = self._block_view(in_shapes[0])

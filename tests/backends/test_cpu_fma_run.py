@@ -38,8 +38,8 @@ def test_fma_run_sums_the_taps_of_every_output_in_tap_order(dtype, kernel, steps
 
 
 @njit
-def _channel_run(source, base, offsets, taps, taps_stride, bias, with_bias, out, out_start, count):
-    fma_channel_run(source, base, offsets, taps, taps_stride, bias, with_bias, out, out_start, count)
+def _channel_run(source, base, offsets, tap_rows, taps, taps_stride, bias, with_bias, out, out_start, count):
+    fma_channel_run(source, base, offsets, tap_rows, taps, taps_stride, bias, with_bias, out, out_start, count)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -48,21 +48,23 @@ def _channel_run(source, base, offsets, taps, taps_stride, bias, with_bias, out,
 @pytest.mark.parametrize("wider", [0, 37])  # taps rows of the run's count, or of more channels
 def test_fma_channel_run_sums_each_channels_taps_and_touches_nothing_past_them(dtype, count, with_bias, wider):
     """The arrays end where the run's reads end (a read past them would fault or show as a
-    wrong value); an empty bias is never read; out is written only in the run; with taps rows
-    wider than the run, only the run's part of each row is read (the rest is NaN)."""
+    wrong value); an empty bias is never read; out is written only in the run; only the listed
+    taps' rows of taps are read (row 1, not listed, is NaN), and with rows wider than the run,
+    only the run's part of each (the rest is NaN)."""
     rng = np.random.default_rng(count)
     offsets = np.array([0, 3 * count, 7 * count], np.int64)  # three taps, whole pixels apart
+    tap_rows = np.array([2, 0, 3], np.int64)  # of four rows, out of order
     base = 2 * count
     source = rng.standard_normal(base + 7 * count + count).astype(dtype)
     stride = count + wider
-    taps = np.full(2 * stride + count, np.nan, dtype)
-    for k in range(3):
+    taps = np.full(3 * stride + count, np.nan, dtype)
+    for k in tap_rows:
         taps[k * stride:k * stride + count] = rng.standard_normal(count)
     bias = rng.standard_normal(count).astype(dtype) if with_bias else np.zeros(0, dtype)
     out = np.full(count + 9, -7, dtype)
-    _channel_run(source, base, offsets, taps, stride, bias, bias.size, out, 4, count)
+    _channel_run(source, base, offsets, tap_rows, taps, stride, bias, bias.size, out, 4, count)
     expected = bias.astype(np.float64) if with_bias else np.zeros(count)
-    for k, offset in enumerate(offsets):
-        expected = expected + taps[k * stride:k * stride + count] * source[base + offset:][:count]
+    for row, offset in zip(tap_rows, offsets):
+        expected = expected + taps[row * stride:row * stride + count] * source[base + offset:][:count]
     np.testing.assert_allclose(out[4:4 + count], expected, **({"rtol": 1e-5, "atol": 1e-6} if dtype == np.float32 else {"rtol": 1e-12}))
     assert (out[:4] == -7).all() and (out[4 + count:] == -7).all()

@@ -79,10 +79,15 @@ def test_conv2d(options):
     dict(out_channels=4, kernel=(3, 1), stride=(1, 3), padding=(2, 0)),
     dict(out_channels=4, kernel=3),  # no padding
     dict(out_channels=4, kernel=2, stride=3, padding=4),  # padding wider than the taps reach
+    dict(out_channels=4, kernel=3, padding=3),  # the same at stride 1: the data gradient scattered
+    dict(out_channels=4, kernel=3, padding=1, stride=(2, 1)),  # rows skipped, columns contiguous
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("shape, rows", [((2, 4, 9, 5), False), ((2, 4, 9, 12), None), ((2, 4, 5, 70), True)],
                          ids=["channels-last", "either", "rows"])
 def test_compiled_depthwise_convolution(options, shape, rows):
+    """Every algorithm against the reference; by rows, the data gradient gathered (the flipped
+    taps over padded gy) at stride 1 with one output per input channel and padding within the
+    taps' reach, else scattered."""
     x = np.random.default_rng(1).standard_normal(shape)
     layer = Conv2d(groups=4, **options)
     width = layer.infer_shape([shape])[3]
@@ -90,6 +95,9 @@ def test_compiled_depthwise_convolution(options, shape, rows):
         assert all((width >= least) == rows for least in ROWS_MIN_WIDTH.values())
     kernel = CPU_KERNELS.kernel_for(layer, [x.shape])
     assert isinstance(kernel, CompiledDepthwiseConv2d)
+    reach = [d * (k - 1) for d, k in zip(layer.dilation, layer.kernel)]
+    gathers = layer.stride == (1, 1) and layer.out_channels == 4 and all(p <= r for p, r in zip(layer.padding, reach))
+    assert (kernel._gy_padding([shape]) is not None) == gathers
     check_layer(kernel, [x], _reference(layer))
 
 

@@ -89,8 +89,7 @@ CASES = [
     ("relu 256 @56 b8", ReLU(), [(8, 256, 56, 56)]),
     ("add 16 @32 b32", Add(), [(32, 16, 32, 32)] * 2),
     ("add 256 @56 b8", Add(), [(8, 256, 56, 56)] * 2),
-    # the fused nodes (snrt/scheduler/fuse.py) against PyTorch's two layers (AddReLU's input
-    # gradients in arrays of their own: in a residual chain's plan they are gy's, masked in place)
+    # the fused nodes (snrt/scheduler/fuse.py) against PyTorch's two layers
     ("batchnorm+relu 16 @32 b32", BatchNormReLU(), [(32, 16, 32, 32)]),
     ("batchnorm+relu 64 @112 b8", BatchNormReLU(), [(8, 64, 112, 112)]),
     ("add+relu 16 @32 b32", AddReLU(), [(32, 16, 32, 32)] * 2),
@@ -140,8 +139,10 @@ def snrt_kernels(layer, xs, params, rng):
            for k, s in layer.aux_specs(in_shapes).items()}
     state = {k: np.full(s.shape, s.fill, np.float32) for k, s in layer.state_specs(in_shapes).items()}
     # as the planner hands them out (snrt/scheduler/order.py): in a residual network every input
-    # gradient of a layer that passes gy on (Add) is gy's own buffer, which the kernel leaves as it is
-    gxs = [None if layer.passes_gradient and x.shape == y.shape else np.empty_like(x) for x in xs]
+    # gradient of a layer that passes gy on (Add) is gy's own buffer, which the kernel leaves as it
+    # is, and those of one that computes them over gy in place (AddReLU) are gy's buffer, masked
+    hands_on = [x.shape == y.shape and (layer.passes_gradient or layer.gradient_in_place) for x in xs]
+    gxs = [(None if layer.passes_gradient else gy) if on else np.empty_like(x) for x, on in zip(xs, hands_on)]
     gparams = {k: np.empty_like(v) for k, v in params.items()}
     workspace = {phase: np.zeros(kernel.workspace_bytes(in_shapes, phase, 4), np.uint8) for phase in (FORWARD, BACKWARD)}
     saves = layer.saves

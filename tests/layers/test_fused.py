@@ -150,12 +150,12 @@ def _composed(layer, shapes):
 @pytest.mark.parametrize("kernels", [lambda layer, shapes: layer, CPU_KERNELS.kernel_for, _composed],
                          ids=["numpy", "compiled", "composed"])
 @pytest.mark.parametrize("inputs", [2, 3])
-@pytest.mark.parametrize("over_gy", [None, 0, 1], ids=["apart", "first-over-gy", "second-over-gy"])
+@pytest.mark.parametrize("over_gy", [None, 0, 1, "all"], ids=["apart", "first-over-gy", "second-over-gy", "all-gy"])
 @pytest.mark.parametrize("shape", [(8, 16, 15, 15), (5, 3)])  # the first over MASK_SLICE values
 def test_add_relu_gives_the_bits_of_add_then_relu(shape, over_gy, inputs, kernels):
     """Forward and backward of the fused layer against the two layers': the input gradients in
     arrays of their own, or one of them gy's own array (the plan let it take over gy's buffer),
-    which the kernel then writes over."""
+    which the kernel then writes over, or all of them gy's (a residual chain's plan)."""
     xs, gy = _add_relu_cases(shape, inputs, np.random.default_rng(4))
     y, expected = _unfused_add_relu(kernels, xs, gy, [True] * inputs)
     fused = kernels(AddReLU(), [x.shape for x in xs])
@@ -163,7 +163,7 @@ def test_add_relu_gives_the_bits_of_add_then_relu(shape, over_gy, inputs, kernel
     fused.forward(_ctx(), xs, {}, {}, ours, {})
     _assert_same_bits(ours, y)
     given = gy.copy()
-    gxs = [given if i == over_gy else np.full_like(gy, np.nan) for i in range(inputs)]
+    gxs = [given if over_gy in (i, "all") else np.full_like(gy, np.nan) for i in range(inputs)]
     fused.backward(_ctx(), given, Saved((None,) * inputs, ours), {}, {}, gxs, {})
     for gx, want in zip(gxs, expected):
         _assert_same_bits(gx, want)

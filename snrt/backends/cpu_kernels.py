@@ -12,7 +12,8 @@ measured at least 10% faster for its shape and phase on this machine (cpu_choice
 Depthwise convolution (cpu_depthwise.py), GroupNorm and LayerNorm (cpu_norm.py), the
 activations (cpu_activation.py), MaxPool and GlobalAvgPool (cpu_pool.py), AdaptiveAvgPool and
 nearest Upsample (cpu_resample.py), the channel products of Mul and Scale (cpu_channel.py),
-Add and Concat (cpu_join.py) and Dropout (cpu_dropout.py) have modules of their own.
+Add and Concat (cpu_join.py) and Dropout (cpu_dropout.py) have modules of their own, as has
+Linear's forward for a few samples (cpu_linear.py, BLAS with the weight untransposed).
 
 Determinism: a kernel on the kernel threads (cpu_parallel.run_split) gives each output value to
 one thread; all are compiled with `reassoc` and `contract` only (cpu_common.COMPILED), so a sum
@@ -38,6 +39,7 @@ from snrt.backends.cpu_conv import ChosenConv2d
 from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
 from snrt.backends.cpu_dropout import CompiledDropout
 from snrt.backends.cpu_join import CompiledAdd, CompiledConcat
+from snrt.backends.cpu_linear import TransposedLinear
 from snrt.backends.cpu_pool import CompiledGlobalAvgPool, CompiledMaxPool
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
 from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledUpsample
@@ -201,7 +203,7 @@ class CpuKernels(LayerKernels):
         "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
         "Upsample": (CompiledUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),
         "Softmax": (CompiledSoftmax,), "Add": (CompiledAdd,), "AddReLU": (CompiledAdd,),
-        "Concat": (CompiledConcat,),
+        "Concat": (CompiledConcat,), "Linear": (TransposedLinear,),
         "Dropout": (CompiledDropout,), "Dropout2d": (CompiledDropout,),
         **{name: (CompiledActivation,) for name in ("GELU", "SiLU", "Sigmoid", "ELU", "ReLU", "ReLU6")}}
 

@@ -59,6 +59,7 @@ from snrt.layers.dropout import Dropout  # noqa: E402
 from snrt.layers.fused import AddReLU, BatchNormReLU  # noqa: E402
 from snrt.layers.join import Add, Concat, Mul, Scale  # noqa: E402
 from snrt.layers.linear import Linear  # noqa: E402
+from snrt.layers.loss import SoftmaxCrossEntropy  # noqa: E402
 from snrt.layers.norm import LRN, BatchNorm, GroupNorm, LayerNorm  # noqa: E402
 from snrt.layers.pool import AdaptiveAvgPool, AvgPool, GlobalAvgPool, MaxPool, Upsample  # noqa: E402
 from snrt.torch_reference import OPS  # noqa: E402
@@ -125,7 +126,21 @@ CASES = [
     ("linear 2048->1000 b8", Linear(out_features=1000), [(8, 2048)]),
     ("linear 9216->4096 b8", Linear(out_features=4096), [(8, 9216)]),
     ("dropout 0.5 4096 b8", Dropout(p=0.5), [(8, 4096)]),
+    ("softmax cross-entropy 1000 b8", SoftmaxCrossEntropy(), [(8, 1000), (8,)]),  # the labels: integers
+    ("softmax cross-entropy 10 b128", SoftmaxCrossEntropy(), [(128, 10), (128,)]),
 ]
+
+
+def differentiated(layer, index):
+    """Whether the layer takes a gradient for its input `index` (a loss's labels do not)."""
+    return layer.differentiable_inputs is None or index in layer.differentiable_inputs
+
+
+def make_inputs(layer, in_shapes, rng):
+    """The layer's inputs: float32 normal values, or for an input it takes no gradient for,
+    class labels below the first input's dimension 1."""
+    return [rng.standard_normal(shape).astype(np.float32) if differentiated(layer, i)
+            else rng.integers(0, in_shapes[0][1], shape) for i, shape in enumerate(in_shapes)]
 
 
 def snrt_kernels(layer, xs, params, rng):
@@ -142,7 +157,8 @@ def snrt_kernels(layer, xs, params, rng):
     # gradient of a layer that passes gy on (Add) is gy's own buffer, which the kernel leaves as it
     # is, and those of one that computes them over gy in place (AddReLU) are gy's buffer, masked
     hands_on = [x.shape == y.shape and (layer.passes_gradient or layer.gradient_in_place) for x in xs]
-    gxs = [(None if layer.passes_gradient else gy) if on else np.empty_like(x) for x, on in zip(xs, hands_on)]
+    gxs = [None if not differentiated(layer, i) else (None if layer.passes_gradient else gy) if on
+           else np.empty_like(x) for i, (x, on) in enumerate(zip(xs, hands_on))]
     gparams = {k: np.empty_like(v) for k, v in params.items()}
     workspace = {phase: np.zeros(kernel.workspace_bytes(in_shapes, phase, 4), np.uint8) for phase in (FORWARD, BACKWARD)}
     saves = layer.saves
@@ -179,9 +195,9 @@ def torch_function(layer, in_shapes):
 def torch_kernels(layer, xs, params, rng):
     """(forward, backward) closures of PyTorch on the same values."""
     f = torch_function(layer, [x.shape for x in xs])
-    txs = [torch.from_numpy(x).requires_grad_() for x in xs]
+    txs = [torch.from_numpy(x).requires_grad_(differentiated(layer, i)) for i, x in enumerate(xs)]
     tps = {k: torch.from_numpy(v).requires_grad_() for k, v in params.items()}
-    leaves = txs + list(tps.values())
+    leaves = [t for t in txs if t.requires_grad] + list(tps.values())
     out = f(txs, tps)
     gy = torch.from_numpy(rng.standard_normal(tuple(out.shape)).astype(np.float32))
 
@@ -219,7 +235,7 @@ def main(argv=None):
     rows = []
     for name, layer, in_shapes in cases:
         rng = np.random.default_rng(0)
-        xs = [rng.standard_normal(shape).astype(np.float32) for shape in in_shapes]
+        xs = make_inputs(layer, in_shapes, rng)
         params = {k: (rng.standard_normal(s.shape) * 0.05 + (1 if s.init in ("ones", "constant") else 0))
                   .astype(np.float32) for k, s in layer.param_specs(in_shapes).items()}  # norm scales near 1
         snrt_f, snrt_b, kernel = snrt_kernels(layer, xs, params, rng)

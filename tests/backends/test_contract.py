@@ -44,8 +44,8 @@ def test_the_cpu_backend_carries_a_plan_out_through_the_contract():
         view[...] = 0
         backend.prefetch(buffer, buffer).wait()
         np.testing.assert_array_equal(backend.to_host(view).ravel(), np.arange(view.size))
-        linear = next(n for n in graph.nodes.values() if n.layer.type_name == "Linear")
-        assert backend.kernel_for(linear.layer, graph.in_shapes(linear.name, 4)) is linear.layer  # the layer's own
+        loss = next(n for n in graph.nodes.values() if n.layer.type_name == "SoftmaxCrossEntropy")
+        assert backend.kernel_for(loss.layer, graph.in_shapes(loss.name, 4)) is loss.layer  # the layer's own
         norm = next(n for n in graph.nodes.values() if n.layer.type_name == "BatchNorm")
         assert backend.kernel_for(norm.layer, graph.in_shapes(norm.name, 4)).name == "numba"  # compiled
     finally:

@@ -12,6 +12,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from snrt.backends import compiled_cache  # noqa: F401  (numba's cache emptied where a compiled source changed)
 from snrt.layers.base import FLOAT32_BYTES
 from snrt.threads import kernel_threads
 

@@ -16,6 +16,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from snrt.backends import compiled_cache  # noqa: F401  (numba's cache emptied where a compiled source changed)
 from snrt.backends.cpu_dots import VECTOR_BYTES
 
 

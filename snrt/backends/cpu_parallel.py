@@ -27,6 +27,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import NativeValue, models, overload, register_model, unbox
 
+from snrt.backends import compiled_cache  # noqa: F401  (numba's cache emptied where a compiled source changed)
+
 if numba.config.THREADING_LAYER == "default":  # not the user's choice: one that ranks run as threads may share
     numba.config.THREADING_LAYER = "threadsafe"
 # GNU OpenMP's threads spin about 300,000 pauses (milliseconds) after a loop before they sleep,

@@ -102,6 +102,7 @@ def collect(work):
         "snrt_resnet50_stepwise": read_json(work / "bench-snrt-stepwise.json"),
         "snrt_resnet50_auto": read_json(work / "bench-snrt-auto.json"),
         "resnet2500": read_resnet2500(work / "resnet2500"),
+        "resnet2500_liveness": read_resnet2500(work / "resnet2500-liveness"),
         "torch_resnet50": read_json(work / "bench-torch.json"),
     }
 
@@ -279,6 +280,11 @@ def markdown(report, figures=()):
                   f"{r2500['steady_images_per_s']:.2f}",
                   f"- measured peak {gib(r2500['measured_peak_device_bytes'])}, planned "
                   f"{gib(r2500['predicted_peak_device_bytes'])}"]
+    bound = report.get("resnet2500_liveness")
+    if bound is not None and bound["steady_seconds"]:
+        lines += [f"- the same network under liveness (no memory policy to speak of, peak "
+                  f"{gib(bound['measured_peak_device_bytes'])}): {bound['steady_seconds']:.2f} s an iteration, "
+                  f"{bound['steady_images_per_s']:.2f} images/s, what compute alone allows it"]
     return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,7 @@ direct kernels replace them, each where it measured faster (`ROWS_MIN_WIDTH`, pe
   output pixel takes the taps that fall inside the map (`pixel_taps`: at 4x4 a 5x5 kernel's
   padding holds half of them) as multiply-adds over a contiguous row of O channels, 4 vectors
   of them in registers through its taps (cpu_tiles.fma_channel_run). 5x5 over 672 channels
-  at 4x4, batch 8, one thread: 0.31 ms with a zero-padded (Hp, Wp, O) input copied a pixel's
+  at 4x4, batch 8, one thread: 0.26-0.31 ms with a zero-padded (Hp, Wp, O) input copied a pixel's
   run of channels at a time and every tap taken, 0.17 with the taps inside the map and the
   copies by plane, 0.15 with whole vectors unmasked; 1152 @2 0.16 -> 0.10 (PyTorch 0.11 both).
   The backward copies its input zero-padded as (Hp, Wp, O); its data gradient scatters into a

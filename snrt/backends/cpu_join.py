@@ -10,9 +10,9 @@ kernel does into two input gradients per read, or, where gy itself is one of the
 chain's plan hands gy's buffer to both inputs), over gy in place, copied to any other.
 Concat copies each input into its columns of the output (backward: each input's gradient out
 of gy's), an input at a time split among the kernel threads by its values, where the layer's
-NumPy assignment copies on one core (8 samples of 128 + 32 channels at 28x28, 2 threads: 0.088
--> 0.073 ms forward, 0.096 -> 0.072 backward). Contiguous float32 arrays (as arena views are); anything else
-runs the layer's code. No workspace.
+NumPy assignment copies on one core (8 samples of 128 + 32 channels at 28x28, 2 threads:
+0.088 -> 0.073 ms forward, 0.096 -> 0.072 backward). Contiguous float32 arrays (as arena views
+are); anything else runs the layer's code. No workspace.
 """
 
 import numpy as np

@@ -206,8 +206,8 @@ def fma_channel_run(typingctx, source, base, offsets, tap_rows, taps, taps_strid
     offsets the shifts of the taps it takes in it, tap_rows those taps' rows of taps, a (kh*kw,
     O) weight from the run's first channel on, O = taps_stride), RUN_VECTORS vectors of channels
     kept in registers through all the taps, one chain of multiply-adds per output in the listed
-    order. The vectors past `count` are masked: nothing past the run's channels is read or
-    written. Contiguous 1-d arrays, float32 or float64; offsets and tap_rows int64."""
+    order. A group of vectors past `count` is masked (whole groups are not): nothing past the
+    run's channels is read or written. Contiguous 1-d arrays, float32 or float64; offsets and tap_rows int64."""
     dtype = source.dtype
     if dtype not in (types.float32, types.float64) or any(a.dtype != dtype or a.ndim != 1 or a.layout != "C"
                                                           for a in (source, taps, bias, out)) \

@@ -18,7 +18,7 @@ are); anything else runs the layer's code. No workspace.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_activation import CLIP_FORWARD, RELU, ZERO
+from snrt.backends.cpu_activation import ZERO
 from snrt.backends.cpu_common import THREADED, LayerLike, threads_for
 from snrt.backends.cpu_parallel import run_split
 from snrt.layers.base import FLOAT32_BYTES, numel
@@ -34,7 +34,7 @@ def contiguous_float32(arrays):
 
 @njit(**THREADED)
 def add_into(a, b, y, r0, r1):
-    """y[r0:r1] = a[r0:r1] + b[r0:r1] over flat arrays (y may be a)."""
+    """y[r0:r1] = a[r0:r1] + b[r0:r1] over flat arrays (y another array than a: see add_in_place)."""
     xs, zs, ys = a[r0:r1], b[r0:r1], y[r0:r1]
     for i in range(ys.size):
         ys[i] = xs[i] + zs[i]
@@ -46,6 +46,24 @@ def add_relu_into(a, b, y, r0, r1):
     xs, zs, ys = a[r0:r1], b[r0:r1], y[r0:r1]
     for i in range(ys.size):
         v = xs[i] + zs[i]
+        ys[i] = ZERO if v <= ZERO else v
+
+
+@njit(**THREADED)
+def add_in_place(y, x, r0, r1):
+    """y[r0:r1] += x[r0:r1] over flat arrays (add_into over y itself, one name for it: see
+    masked_in_place)."""
+    ys, xs = y[r0:r1], x[r0:r1]
+    for i in range(ys.size):
+        ys[i] += xs[i]
+
+
+@njit(**THREADED)
+def add_relu_in_place(y, x, r0, r1):
+    """y[r0:r1] = max(y[r0:r1] + x[r0:r1], 0) over flat arrays, add_relu_into over y itself."""
+    ys, xs = y[r0:r1], x[r0:r1]
+    for i in range(ys.size):
+        v = ys[i] + xs[i]
         ys[i] = ZERO if v <= ZERO else v
 
 
@@ -144,8 +162,9 @@ class CompiledConcat(LayerLike):
 
 
 class CompiledAdd(LayerLike):
-    """Add by add_into and copy_to_two; AddReLU by add_relu_into (two inputs; more: add_into,
-    then ReLU's kernel in place) and masked_to_two (more inputs: copy_to_two after it)."""
+    """Add by add_into (a third input on: add_in_place) and copy_to_two; AddReLU by
+    add_relu_into (more inputs: add_into, add_in_place, add_relu_in_place for the last) and
+    masked_to_two or masked_in_place (more inputs: copy_to_two after it)."""
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
         return 0
@@ -158,12 +177,10 @@ class CompiledAdd(LayerLike):
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         if not contiguous_float32([y, *xs]):
             return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
-        relu = isinstance(self.layer, AddReLU)
-        self._split(add_relu_into if relu and len(xs) == 2 else add_into, (xs[0], xs[1], y))
-        for x in xs[2:]:
-            self._split(add_into, (y, x, y))
-        if relu and len(xs) > 2:
-            self._split(CLIP_FORWARD[RELU], (y, y))
+        relu, last = isinstance(self.layer, AddReLU), len(xs) - 1
+        self._split(add_relu_into if relu and last == 1 else add_into, (xs[0], xs[1], y))
+        for i in range(2, len(xs)):  # the ReLU with the last add
+            self._split(add_relu_in_place if relu and i == last else add_in_place, (y, xs[i]))
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         targets = [gx for gx in gxs if gx is not None]

@@ -156,9 +156,12 @@ def snrt_kernels(layer, xs, params, rng):
     # as the planner hands them out (snrt/scheduler/order.py): in a residual network every input
     # gradient of a layer that passes gy on (Add) is gy's own buffer, which the kernel leaves as it
     # is, and those of one that computes them over gy in place (AddReLU) are gy's buffer, masked
-    hands_on = [x.shape == y.shape and (layer.passes_gradient or layer.gradient_in_place) for x in xs]
-    gxs = [None if not differentiated(layer, i) else (None if layer.passes_gradient else gy) if on
-           else np.empty_like(x) for i, (x, on) in enumerate(zip(xs, hands_on))]
+    def gradient(i, x):
+        if not differentiated(layer, i) or layer.passes_gradient and x.shape == y.shape:
+            return None
+        return gy if layer.gradient_in_place and x.shape == y.shape else np.empty_like(x)
+
+    gxs = [gradient(i, x) for i, x in enumerate(xs)]
     gparams = {k: np.empty_like(v) for k, v in params.items()}
     workspace = {phase: np.zeros(kernel.workspace_bytes(in_shapes, phase, 4), np.uint8) for phase in (FORWARD, BACKWARD)}
     saves = layer.saves

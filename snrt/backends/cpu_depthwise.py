@@ -283,13 +283,11 @@ def _channels_first(rows, y, s):
 
 
 @njit(**COMPILED)
-def pixel_taps(h, w, kh, kw, sh, sw, ph, pw, dh, dw, outs, shifts, tap_rows, counts):
-    """For each output pixel p = r*Wo + q, the taps (i, j) whose input pixel lies inside the
-    (H, W) map (the padding's would add zeros): counts[p] of them, in tap order, tap_rows[p, k]
-    = i*kw + j and shifts[p, k] = (row*W + column)*O, the input pixel's place in an (H, W, O)
-    sample. shifts and tap_rows (Ho*Wo, kh*kw), counts (Ho*Wo,); Wo = counts.size // Ho."""
-    ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    wo = counts.size // ho
+def pixel_taps(h, w, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, outs, shifts, tap_rows, counts):
+    """For each output pixel p = r*Wo + q of the (Ho, Wo) output, the taps (i, j) whose input
+    pixel lies inside the (H, W) map (the padding's would add zeros): counts[p] of them, in tap
+    order, tap_rows[p, k] = i*kw + j and shifts[p, k] = (row*W + column)*O, the input pixel's
+    place in an (H, W, O) sample. shifts and tap_rows (Ho*Wo, kh*kw), counts (Ho*Wo,)."""
     for r in range(ho):
         for q in range(wo):
             p, k = r * wo + q, 0
@@ -472,7 +470,8 @@ class CompiledDepthwiseConv2d(LayerLike):
         else:  # channels last, the samples split among the threads
             taps, shifts, tap_rows, counts, pixels, rows = work
             taps[...] = weight[:, 0].transpose(1, 2, 0)
-            pixel_taps(*x.shape[2:], *self.layer.kernel, *self._geometry(), y.shape[1], shifts, tap_rows, counts)
+            pixel_taps(*x.shape[2:], *y.shape[2:], *self.layer.kernel, *self._geometry(), y.shape[1], shifts, tap_rows,
+                       counts)
             run_split(channels_last_forward, 0, x.shape[0], len(pixels), (x, taps, bias, shifts, tap_rows, counts, y),
                       (pixels, rows))
         ctx.release_scratch()

@@ -141,12 +141,12 @@ class CompiledConcat(LayerLike):
         are the inputs' (the columns' widths)."""
         axis = self.layer.axis
         widths = [numel(shape[axis:]) for shape in shapes]
-        flat, start = wide.reshape(-1), 0
+        flat, start, wide_width = wide.reshape(-1), 0, sum(widths)
         for part, width in zip(parts, widths):
             if part is not None and part.size:
                 values = part.reshape(-1)
                 run_split(copy_columns, 0, values.size, threads_for(values.size, SPLIT_VALUES),
-                          (values, flat, width, sum(widths), start, into_wide))
+                          (values, flat, width, wide_width, start, into_wide))
             start += width
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):

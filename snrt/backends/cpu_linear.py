@@ -33,7 +33,7 @@ class TransposedLinear(LayerLike):
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x, weight = xs[0].reshape(xs[0].shape[0], -1), params["weight"]
-        if not (self.transposed([x.shape]) and isinstance(x, np.ndarray) and x.dtype == weight.dtype == y.dtype):
+        if not (self.transposed([x.shape]) and x.dtype == weight.dtype == y.dtype):
             return self.layer.forward(ctx, xs, params, state, y, aux, recompute=recompute)
         product = ctx.scratch((weight.shape[0], x.shape[0]), x.dtype)
         np.matmul(weight, x.T, out=product)

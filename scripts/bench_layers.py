@@ -9,7 +9,11 @@ made contiguous: snrt writes every gradient into a buffer of its own, the form t
 layer's backward reads, where autograd may hand back a view that the next layer's kernel
 copies before reading it (Concat's gradients are slices of gy); for a contiguous gradient
 that is a no-op), both with
-as many threads as cores (`--threads`). Timing as in bench_conv.py (one warm-up, then `--repeats` rounds,
+as many threads as cores (`--threads`). PyTorch runs each layer of images (4-D input) twice:
+in NCHW and in channels-last (its 4-D inputs, parameters and output gradient converted to
+torch.channels_last beforehand, as a model and batch moved to that format give them; its 4-D
+gradients made contiguous in that format), and the tables give snrt's speed against both and
+against the faster of the two. Timing as in bench_conv.py (one warm-up, then `--repeats` rounds,
 best time kept, median in the JSON, each framework in a phase of its own), but kernels run
 back to back as in training: no wait for idle CPUs before a round by default (after an idle
 pause every call starts with parked threads and cold caches, which inflates small kernels
@@ -195,14 +199,21 @@ def torch_function(layer, in_shapes):
     return lambda xs, p: op(layer, xs, p, state, True)
 
 
-def torch_kernels(layer, xs, params, rng):
-    """(forward, backward) closures of PyTorch on the same values."""
+def torch_kernels(layer, xs, params, rng, memory_format=None):
+    """(forward, backward) closures of PyTorch on the same values; with a `memory_format`
+    (torch.channels_last), its 4-D inputs, parameters and output gradient in that layout, as
+    `model.to(memory_format=...)` and a converted batch give them, and its 4-D gradients made
+    contiguous in it."""
     f = torch_function(layer, [x.shape for x in xs])
-    txs = [torch.from_numpy(x).requires_grad_(differentiated(layer, i)) for i, x in enumerate(xs)]
-    tps = {k: torch.from_numpy(v).requires_grad_() for k, v in params.items()}
+
+    def laid_out(t):
+        return t.contiguous(memory_format=memory_format) if memory_format is not None and t.dim() == 4 else t.contiguous()
+
+    txs = [laid_out(torch.from_numpy(x)).requires_grad_(differentiated(layer, i)) for i, x in enumerate(xs)]
+    tps = {k: laid_out(torch.from_numpy(v)).requires_grad_() for k, v in params.items()}
     leaves = [t for t in txs if t.requires_grad] + list(tps.values())
     out = f(txs, tps)
-    gy = torch.from_numpy(rng.standard_normal(tuple(out.shape)).astype(np.float32))
+    gy = laid_out(torch.from_numpy(rng.standard_normal(tuple(out.shape)).astype(np.float32)))
 
     def forward():
         with torch.no_grad():
@@ -210,9 +221,24 @@ def torch_kernels(layer, xs, params, rng):
 
     def backward():
         for grad in torch.autograd.grad(out, leaves, gy, retain_graph=True):
-            grad.contiguous()
+            laid_out(grad)
 
     return forward, backward
+
+
+def faster_speed(row, phase):
+    """PyTorch's ms in the faster of its layouts (channels-last timed for 4-D inputs only) /
+    snrt's ms for `phase` ("forward" or "backward")."""
+    return min(row[f"torch_{phase}_ms"], row.get(f"torch_cl_{phase}_ms", float("inf"))) / row[f"snrt_{phase}_ms"]
+
+
+def phase_cells(row, phase):
+    """The table's cells of one phase: snrt ms, PyTorch NCHW ms, channels-last ms ("-" where
+    not timed), speed against NCHW, speed against the faster layout."""
+    ms = row[f"snrt_{phase}_ms"]
+    cl = row.get(f"torch_cl_{phase}_ms")
+    return [f"{ms:.2f}", f"{row[f'torch_{phase}_ms']:.2f}", "-" if cl is None else f"{cl:.2f}",
+            f"{row[f'torch_{phase}_ms'] / ms:.2f}x", f"{faster_speed(row, phase):.2f}x"]
 
 
 def main(argv=None):
@@ -242,15 +268,20 @@ def main(argv=None):
         params = {k: (rng.standard_normal(s.shape) * 0.05 + (1 if s.init in ("ones", "constant") else 0))
                   .astype(np.float32) for k, s in layer.param_specs(in_shapes).items()}  # norm scales near 1
         snrt_f, snrt_b, kernel = snrt_kernels(layer, xs, params, rng)
-        torch_f, torch_b = torch_kernels(layer, xs, params, rng)
-        timed, others = time_rounds([{"snrt_forward": snrt_f, "snrt_backward": snrt_b},
-                                     {"torch_forward": torch_f, "torch_backward": torch_b}], args.repeats, args.settle)
+        phases = [{"snrt_forward": snrt_f, "snrt_backward": snrt_b},
+                  dict(zip(("torch_forward", "torch_backward"), torch_kernels(layer, xs, params, rng)))]
+        if len(in_shapes[0]) == 4:  # images: PyTorch's channels-last layout too
+            phases.append(dict(zip(("torch_cl_forward", "torch_cl_backward"),
+                                   torch_kernels(layer, xs, params, rng, torch.channels_last))))
+        timed, others = time_rounds(phases, args.repeats, args.settle)
         row = {"layer": name, "kernel": kernel, "inputs": [list(s) for s in in_shapes], "other_processes_cpu_share": others}
         for key, (best, median) in timed.items():
             row[f"{key}_ms"], row[f"{key}_median_ms"] = best * 1e3, median * 1e3
         rows.append(row)
-        print(f"{name:28s} {kernel:6s} fwd {row['snrt_forward_ms']:7.2f} vs {row['torch_forward_ms']:7.2f} ms   "
-              f"bwd {row['snrt_backward_ms']:7.2f} vs {row['torch_backward_ms']:7.2f} ms", flush=True)
+        print(f"{name:28s} {kernel:6s} " + "   ".join(
+            f"{phase} {row[f'snrt_{phase}_ms']:7.2f} vs {row[f'torch_{phase}_ms']:7.2f}"
+            + (f" / {row[f'torch_cl_{phase}_ms']:7.2f}" if f"torch_cl_{phase}_ms" in row else "") + " ms"
+            for phase in ("forward", "backward")), flush=True)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta.update({"repeats": args.repeats, "settle": args.settle, "threads": args.threads,
@@ -262,16 +293,23 @@ def main(argv=None):
              f"NumPy {meta['numpy']}, "
              f"PyTorch {meta['torch']}; load average {meta['load_average'][0]:.2f} when it started. "
              f"`python scripts/bench_layers.py{'' if args.threads == CORES else f' --threads {args.threads}'}"
+             f"{'' if args.repeats == 7 else f' --repeats {args.repeats}'}"
+             f"{'' if not args.only else ' --only ' + ' '.join(repr(t) for t in args.only)}"
              f"{'' if args.out == DEFAULT_OUT else f' --out {args.out}'}` ({args.threads} thread"
              f"{'s' if args.threads != 1 else ''} each; best of {args.repeats} after a warm-up, ms; "
-             "speed = PyTorch ms / snrt ms, above 1 snrt is faster; kernel = what the CPU backend runs: "
+             "speed = PyTorch ms / snrt ms, above 1 snrt is faster, against PyTorch in NCHW and against the "
+             "faster of NCHW and channels-last (CL: inputs, parameters and gradients in "
+             "torch.channels_last, for layers of images); kernel = what the CPU backend runs: "
              "numpy = the layer's own code, numba = snrt/backends/cpu_kernels.py; for dense "
              "convolutions forward's/backward's as measured here: im2col = the layer's, "
              "direct = snrt/backends/cpu_conv.py).", ""]
-    lines += table(["layer", "kernel", "snrt fwd", "torch fwd", "fwd speed", "snrt bwd", "torch bwd", "bwd speed"], [
-        [r["layer"], r["kernel"], f"{r['snrt_forward_ms']:.2f}", f"{r['torch_forward_ms']:.2f}",
-         f"{r['torch_forward_ms'] / r['snrt_forward_ms']:.2f}x", f"{r['snrt_backward_ms']:.2f}",
-         f"{r['torch_backward_ms']:.2f}", f"{r['torch_backward_ms'] / r['snrt_backward_ms']:.2f}x"] for r in rows])
+    lines += table(["layer", "kernel", "snrt fwd", "torch fwd", "torch CL fwd", "fwd speed", "vs faster",
+                    "snrt bwd", "torch bwd", "torch CL bwd", "bwd speed", "vs faster"],
+                   [[r["layer"], r["kernel"]] + [cell for phase in ("forward", "backward") for cell in phase_cells(r, phase)]
+                    for r in rows])
+    lows = {phase: min(rows, key=lambda r: faster_speed(r, phase)) for phase in ("forward", "backward")}
+    lines += ["", "Lowest speed against PyTorch's faster layout: " + "; ".join(
+        f"{phase} {faster_speed(r, phase):.2f}x ({r['layer']})" for phase, r in lows.items()) + "."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out}.json and {out}.md")
 

@@ -7,7 +7,9 @@ its values are in cache:
 - LayerNorm over the channels of x (N, C, K): every position's C channels are normalised, so
   the sums run per position over rows of K contiguous values (the inner loops vectorize
   along K): forward the sums of x and x^2, then y; backward the sums of gh = gy * weight and
-  gh * xhat with the parameter gradients, then gx.
+  gh * xhat with each sample's shares of the parameter gradients, then gx. The samples are
+  shared among the kernel threads (from SPLIT_VALUES values), each thread with sums of its
+  own; the parameter gradients then add the samples' shares in sample order.
 - GroupNorm of x viewed (N * groups, C / groups, K): each group's values are one contiguous
   block, normalised as a whole: its sums in one pass, then y = x * scale + shift per channel;
   backward, per channel, the sums of gy and gy * x, from which gx is a * gy + b * x + d per
@@ -23,21 +25,22 @@ layers' code, so they say what workspace they need: float64 sums.
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, threads_for
+from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_threads, threads_for
 from snrt.backends.cpu_parallel import run_split
 from snrt.layers.base import BACKWARD, FLOAT32_BYTES, FORWARD, numel, scratch_bytes
 
 SUM_BYTES = 8  # float64 sums
-SPLIT_VALUES = 1 << 18  # GroupNorm's tensors of fewer values run on one thread
+SPLIT_VALUES = 1 << 18  # tensors of fewer values run on one thread
 
 
 # ---- LayerNorm: statistics per position, over the channels -----------------------------------
-@njit(**COMPILED)
-def layer_norm_forward(x, weight, bias, eps, mean, inv_std, sums, y):
-    """y[n, c, k] = (x - mean[n, 0, k]) * inv_std[n, 0, k] * weight[c] + bias[c], the
-    statistics over c (written to mean and inv_std (N, 1, K)); sums (2, K) float64."""
-    n, channels, width = x.shape
-    for s in range(n):
+@njit(**THREADED)
+def layer_norm_forward(x, weight, bias, eps, mean, inv_std, y, s0, s1, sums):
+    """For the samples s0 <= s < s1: y[s, c, k] = (x - mean[s, 0, k]) * inv_std[s, 0, k] *
+    weight[c] + bias[c], the statistics over c (written to mean and inv_std (N, 1, K)); sums
+    (2, K) float64: this thread's scratch."""
+    channels, width = x.shape[1], x.shape[2]
+    for s in range(s0, s1):
         sums[:] = 0.0
         for c in range(channels):
             for k in range(width):
@@ -54,14 +57,14 @@ def layer_norm_forward(x, weight, bias, eps, mean, inv_std, sums, y):
                 y[s, c, k] = (x[s, c, k] - mean[s, 0, k]) * (inv_std[s, 0, k] * scale) + shift
 
 
-@njit(**COMPILED)
-def layer_norm_backward(x, gy, weight, mean, inv_std, sums, parameter_sums, gx, gweight, gbias):
-    """With xhat = (x - mean) inv_std and gh = gy * weight[c]: gx = inv_std (gh - mean_c(gh) -
-    xhat mean_c(gh xhat)) (unless gx is empty), gweight[c] = sum gy xhat, gbias[c] = sum gy.
-    sums (2, K) and parameter_sums (2, C): float64."""
-    n, channels, width = x.shape
-    parameter_sums[:] = 0.0
-    for s in range(n):
+@njit(**THREADED)
+def layer_norm_backward(x, gy, weight, mean, inv_std, parameter_sums, gx, s0, s1, sums):
+    """For the samples s0 <= s < s1, with xhat = (x - mean) inv_std and gh = gy * weight[c]:
+    gx = inv_std (gh - mean_c(gh) - xhat mean_c(gh xhat)) (unless gx is empty), and the
+    sample's shares of the parameter gradients, parameter_sums[s] = (sum gy xhat, sum gy) per
+    channel ((N, 2, C) float64). sums (2, K) float64: this thread's scratch."""
+    channels, width = x.shape[1], x.shape[2]
+    for s in range(s0, s1):
         sums[:] = 0.0
         for c in range(channels):
             scale = weight[c]
@@ -74,8 +77,8 @@ def layer_norm_backward(x, gy, weight, mean, inv_std, sums, parameter_sums, gx, 
                 sums[1, k] += g * scale * xhat
                 by_weight += g * xhat
                 by_bias += g
-            parameter_sums[0, c] += by_weight
-            parameter_sums[1, c] += by_bias
+            parameter_sums[s, 0, c] = by_weight
+            parameter_sums[s, 1, c] = by_bias
         if gx.size == 0:
             continue
         for c in range(channels):
@@ -84,9 +87,20 @@ def layer_norm_backward(x, gy, weight, mean, inv_std, sums, parameter_sums, gx, 
                 istd = inv_std[s, 0, k]
                 xhat = (x[s, c, k] - mean[s, 0, k]) * istd
                 gx[s, c, k] = istd * (gy[s, c, k] * scale - sums[0, k] / channels - xhat * (sums[1, k] / channels))
-    for c in range(channels):
-        gweight[c] = parameter_sums[0, c]
-        gbias[c] = parameter_sums[1, c]
+
+
+@njit(**COMPILED)
+def sample_parameter_grads(parameter_sums, gweight, gbias):
+    """gweight[c] and gbias[c]: the samples' shares (parameter_sums (N, 2, C) float64) added
+    in sample order."""
+    for c in range(gweight.shape[0]):
+        by_weight = 0.0
+        by_bias = 0.0
+        for s in range(parameter_sums.shape[0]):
+            by_weight += parameter_sums[s, 0, c]
+            by_bias += parameter_sums[s, 1, c]
+        gweight[c] = by_weight
+        gbias[c] = by_bias
 
 
 # ---- GroupNorm: statistics per group, over its channels and positions ----------------------
@@ -181,27 +195,52 @@ class _CompiledNormalize(LayerLike):
         return [ctx.scratch(shape, np.float64) for shape in self._sums_shapes([x.shape], phase)]
 
 
-class CompiledLayerNorm(_CompiledNormalize):
-    """LayerNorm by layer_norm_forward and layer_norm_backward, on the (N, C, K) view."""
+class CompiledLayerNorm(LayerLike):
+    """LayerNorm by layer_norm_forward and layer_norm_backward on the (N, C, K) view, the
+    samples shared among the kernel threads (from SPLIT_VALUES values), each thread with float64
+    sums of its own; the parameter gradients then add the samples' shares in sample order
+    (sample_parameter_grads), so the bits do not depend on the number of threads."""
 
-    def _sums_shapes(self, in_shapes, phase):
-        _, channels, width = self.layer._view(tuple(in_shapes[0]))
-        return [(2, width), (2, channels)] if phase == BACKWARD else [(2, width)]
+    def _sums_shapes(self, in_shapes, phase, threads):
+        samples, channels, width = self.layer._view(tuple(in_shapes[0]))
+        return [(threads, 2, width)] + ([(samples, 2, channels)] if phase == BACKWARD else [])
+
+    def _threads(self, in_shapes, phase, workspace_bytes=None):
+        """The threads the samples are split among (fewer where the planned `workspace_bytes`
+        was sized for fewer)."""
+        shape = tuple(in_shapes[0])
+        wanted = min(threads_for(numel(shape), SPLIT_VALUES), shape[0])
+        if workspace_bytes is None:
+            return wanted
+        return min(wanted, fitting_threads(workspace_bytes, lambda t: self._bytes(in_shapes, phase, t)))
+
+    def _bytes(self, in_shapes, phase, threads):
+        return scratch_bytes(*(numel(shape) * SUM_BYTES for shape in self._sums_shapes(in_shapes, phase, threads)))
+
+    def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
+        return self._bytes(in_shapes, phase, self._threads(in_shapes, phase))
+
+    def _scratch(self, ctx, x, phase):
+        """(threads, this phase's float64 sums): the threads the planned workspace allows."""
+        threads = self._threads([x.shape], phase, ctx.workspace.nbytes)
+        return threads, [ctx.scratch(shape, np.float64) for shape in self._sums_shapes([x.shape], phase, threads)]
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
         view = self.layer._view(x.shape)
-        (sums,) = self._sums(ctx, x, FORWARD)
-        layer_norm_forward(x.reshape(view), params["weight"], params["bias"], self.layer.eps, aux["mean"],
-                           aux["inv_std"], sums, y.reshape(view))
+        threads, (sums,) = self._scratch(ctx, x, FORWARD)
+        run_split(layer_norm_forward, 0, x.shape[0], threads, (x.reshape(view), params["weight"], params["bias"],
+                                                              self.layer.eps, aux["mean"], aux["inv_std"],
+                                                              y.reshape(view)), (sums,))
         ctx.release_scratch()
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         x, view = saved.xs[0], self.layer._view(saved.xs[0].shape)
-        sums, parameter_sums = self._sums(ctx, x, BACKWARD)
         gx = gxs[0].reshape(view) if gxs[0] is not None else x.reshape(view)[:0]  # empty: not asked for
-        layer_norm_backward(x.reshape(view), gy.reshape(view), params["weight"], aux["mean"], aux["inv_std"], sums,
-                            parameter_sums, gx, gparams["weight"], gparams["bias"])
+        threads, (sums, parameter_sums) = self._scratch(ctx, x, BACKWARD)
+        run_split(layer_norm_backward, 0, x.shape[0], threads, (x.reshape(view), gy.reshape(view), params["weight"],
+                                                               aux["mean"], aux["inv_std"], parameter_sums, gx), (sums,))
+        sample_parameter_grads(parameter_sums, gparams["weight"], gparams["bias"])
         ctx.release_scratch()
 
 

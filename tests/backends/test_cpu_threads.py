@@ -18,7 +18,7 @@ from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.layers.activation import ELU, GELU, ReLU, ReLU6, Sigmoid, SiLU, Softmax
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.conv import Conv2d
-from snrt.layers.norm import BatchNorm, GroupNorm
+from snrt.layers.norm import BatchNorm, GroupNorm, LayerNorm
 from snrt.layers.join import Scale
 from snrt.layers.pool import AdaptiveAvgPool, MaxPool, Upsample
 from tests.layers.harness import make_params, make_state
@@ -29,7 +29,7 @@ LAYERS = [BatchNorm(), BatchNorm(affine=False), SiLU(), GELU(), GELU(approximate
           MaxPool(kernel=3, stride=2, padding=1), MaxPool(kernel=2),
           Conv2d(out_channels=8, kernel=3, padding=1, groups=8), Conv2d(out_channels=16, kernel=5, stride=2, groups=8),
           Upsample(scale=2), Upsample(scale=2, mode="bilinear"), AdaptiveAvgPool(output=(5, 7)), Scale(init=0.5),
-          GroupNorm(groups=4), Softmax()]
+          GroupNorm(groups=4), LayerNorm(), Softmax()]
 
 
 def expected_threads(layer, planned, threads):
@@ -40,6 +40,8 @@ def expected_threads(layer, planned, threads):
         return [threads, threads]
     if isinstance(layer, Conv2d):  # forward; weight, then data gradient
         return [planned] * 3
+    if isinstance(layer, LayerNorm):  # a share is a sample
+        return [min(planned, SHAPE[0])] * 2
     return [planned, planned]
 
 

@@ -22,14 +22,13 @@ import ml_dtypes
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import bits_of_float, float_from_bits
+from snrt.backends.cpu_common import EXACT, bits_of_float, float_from_bits
 from snrt.backends.cpu_parallel import run_split
 from snrt.threads import kernel_threads
 
 COMPILED_FROM = 1 << 12  # below this many values NumPy's (ml_dtypes') conversion, which a call here costs more than
 SPLIT_VALUES = 1 << 15  # below this many values one thread converts (a hand-off costs a few µs)
-# No fastmath: the rounding of fp16's subnormals is one fp32 addition that must stay as written.
-EXACT = {"cache": True, "error_model": "numpy", "nogil": True}
+# EXACT (no fastmath): the rounding of fp16's subnormals is one fp32 addition that must stay as written.
 FP32_EXPONENT_SHIFT = 23
 HALF_TO_FLOAT_BIAS = (127 - 15) << FP32_EXPONENT_SHIFT  # fp32's exponent bias minus fp16's, in place
 ONE_HALF_BITS = 126 << FP32_EXPONENT_SHIFT  # 0.5f, whose ulp is fp16's smallest subnormal, 2^-24

@@ -24,6 +24,9 @@ FASTMATH = {"reassoc", "contract"}
 # without it every division carries a zero test and no loop with one vectorizes).
 COMPILED = {"cache": True, "fastmath": FASTMATH, "error_model": "numpy"}
 THREADED = dict(COMPILED, nogil=True)  # for kernels that run on the kernel threads
+# THREADED without fastmath, for kernels whose every operation must round as written (a
+# multiply-add the compiler fused would round once where the layer's NumPy code rounds twice)
+EXACT = {"cache": True, "error_model": "numpy", "nogil": True}
 
 
 @intrinsic

@@ -41,7 +41,7 @@ from snrt.backends.cpu_depthwise import CompiledDepthwiseConv2d
 from snrt.backends.cpu_dropout import CompiledDropout
 from snrt.backends.cpu_join import CompiledAdd, CompiledConcat
 from snrt.backends.cpu_linear import TransposedLinear
-from snrt.backends.cpu_pool import CompiledGlobalAvgPool, CompiledMaxPool
+from snrt.backends.cpu_pool import CompiledAvgPool, CompiledGlobalAvgPool, CompiledMaxPool
 from snrt.backends.cpu_norm import CompiledGroupNorm, CompiledLayerNorm
 from snrt.backends.cpu_resample import CompiledAdaptiveAvgPool, CompiledUpsample
 from snrt.layers.base import FLOAT32_BYTES, LayerKernels, by_channel
@@ -200,7 +200,8 @@ class CpuKernels(LayerKernels):
     REGISTRY = {  # type name: the kernels to ask, in turn
         "BatchNorm": (CompiledBatchNorm,), "BatchNormReLU": (CompiledBatchNorm,),
         "Conv2d": (CompiledDepthwiseConv2d, ChosenConv2d),
-        "MaxPool": (CompiledMaxPool,), "GlobalAvgPool": (CompiledGlobalAvgPool,), "GroupNorm": (CompiledGroupNorm,),
+        "MaxPool": (CompiledMaxPool,), "AvgPool": (CompiledAvgPool,), "GlobalAvgPool": (CompiledGlobalAvgPool,),
+        "GroupNorm": (CompiledGroupNorm,),
         "LayerNorm": (CompiledLayerNorm,), "AdaptiveAvgPool": (CompiledAdaptiveAvgPool,),
         "Upsample": (CompiledUpsample,), "Mul": (CompiledGateMul,), "Scale": (CompiledScale,),
         "Softmax": (CompiledSoftmax,), "Add": (CompiledAdd,), "AddReLU": (CompiledAdd,),

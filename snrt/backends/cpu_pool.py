@@ -1,22 +1,29 @@
-"""MaxPool and GlobalAvgPool's forward on the CPU: compiled loops over each (sample, channel)
-map, MaxPool's maps split among the kernel threads. (GlobalAvgPool's NumPy sum over short
-rows, one per map, runs at a fraction of memory speed; its compiled sum is one pass.)
+"""MaxPool, AvgPool and GlobalAvgPool's forward on the CPU: compiled loops over each (sample,
+channel) map, the window poolings' maps split among the kernel threads. (GlobalAvgPool's NumPy
+sum over short rows, one per map, runs at a fraction of memory speed; its compiled sum is one
+pass.)
 
-The layer's NumPy code (snrt/layers/pool.py) makes four strided passes over the whole batch
-per window offset, each through a scratch tensor of the output's size. Here each output row
-takes its window's rows one offset at a time (contiguous runs of each row's column phases,
-see maxpool_forward): forward keeps the running maximum and the offset of the first one (a
-strict improvement, as the layer and PyTorch; a NaN in the window makes the output NaN, as
-NumPy's maximum does); backward adds each gy at its window's argmax.
-Neither needs workspace. Maps are independent and each is one thread's, so results do not
-depend on the number of threads: the forward's values and indices are the layer's, bit for
+The layers' NumPy code (snrt/layers/pool.py) makes one to four strided passes over the whole
+batch per window offset, through scratch tensors of the output's size. Here MaxPool's output
+rows take their window's rows one offset at a time (contiguous runs of each row's column
+phases, see maxpool_forward): forward keeps the running maximum and the offset of the first
+one (a strict improvement, as the layer and PyTorch; a NaN in the window makes the output
+NaN, as NumPy's maximum does); backward adds each gy at its window's argmax. AvgPool goes
+over each map once per window offset, as the layer goes over the batch, while the map is in
+cache: the same sums in the same order, then the same product by 1 / divisor (backward: gy
+times it, added at each offset in turn).
+None needs workspace. Maps are independent and each is one thread's, so results do not
+depend on the number of threads: the values (and MaxPool's indices) are the layer's, bit for
 bit.
 """
 
+from functools import lru_cache
+
 import numpy as np
 from numba import njit, uint64
+from numba.extending import register_jitable
 
-from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, threads_for
+from snrt.backends.cpu_common import COMPILED, EXACT, THREADED, LayerLike, threads_for
 from snrt.backends.cpu_parallel import run_split
 from snrt.layers.base import FLOAT32_BYTES, by_channel
 
@@ -85,6 +92,60 @@ def maxpool_backward(gy, argmax, kh, kw, sh, sw, ph, pw, gx, m0, m1):
                     plane[hi, wi] += grads[r, q]
 
 
+@register_jitable
+def window_span(offset, out_size, in_size, stride, pad):
+    """Output indices [lo, hi) whose window element `offset` lies inside the input (the
+    layer's _axis_span)."""
+    return max(0, -(-(pad - offset) // stride)), min(out_size, (in_size - 1 + pad - offset) // stride + 1)
+
+
+@njit(**THREADED)
+def avgpool_forward(x, kh, kw, sh, sw, ph, pw, inverse, y, m0, m1):
+    """y = the sum of each window's elements inside x times inverse (Ho, Wo: 1 / the divisor)
+    for the maps m in [m0, m1) of the (N*C) maps of x (N, C, H, W): y's map set to 0, then the
+    window offsets (i, j) in turn, each adding its element's rows over every output it lies
+    inside, as the layer's passes do (the same sums in the same order: its bits)."""
+    _, channels, h, w = x.shape
+    ho, wo = y.shape[2], y.shape[3]
+    for m in range(m0, m1):
+        plane, out = x[m // channels, m % channels], y[m // channels, m % channels]
+        out[:] = 0
+        for i in range(kh):
+            r0, r1 = window_span(i, ho, h, sh, ph)
+            for j in range(kw):
+                q0, q1 = window_span(j, wo, w, sw, pw)
+                step, shift = uint64(sw), uint64(j - pw)  # unsigned (wrapping) indices: the loop vectorizes
+                for r in range(r0, r1):
+                    source, target = plane[r * sh - ph + i], out[r]
+                    for q in range(uint64(q0), uint64(q1)):
+                        target[q] += source[q * step + shift]
+        for r in range(ho):
+            target, factors = out[r], inverse[r]
+            for q in range(wo):
+                target[q] *= factors[q]
+
+
+@njit(**EXACT)
+def avgpool_backward(gy, kh, kw, sh, sw, ph, pw, inverse, gx, m0, m1):
+    """gx = 0, then for each window offset (i, j) in turn gy * inverse added at that element
+    of every window it lies inside, for the maps in [m0, m1): the layer's sums in its order
+    (EXACT: the product rounded before the sum, as the layer's)."""
+    _, channels, h, w = gx.shape
+    ho, wo = gy.shape[2], gy.shape[3]
+    for m in range(m0, m1):
+        plane, grads = gx[m // channels, m % channels], gy[m // channels, m % channels]
+        plane[:] = 0
+        for i in range(kh):
+            r0, r1 = window_span(i, ho, h, sh, ph)
+            for j in range(kw):
+                q0, q1 = window_span(j, wo, w, sw, pw)
+                step, shift = uint64(sw), uint64(j - pw)  # unsigned (wrapping) indices: the loop vectorizes
+                for r in range(r0, r1):
+                    source, factors, target = grads[r], inverse[r], plane[r * sh - ph + i]
+                    for q in range(uint64(q0), uint64(q1)):
+                        target[q * step + shift] += source[q] * factors[q]
+
+
 @njit(**COMPILED)
 def global_average(x, y):
     """y[n, c] = the sum of x[n, c] (N, C, K) times 1 / K."""
@@ -98,8 +159,8 @@ def global_average(x, y):
             y[s, c] = total * scale
 
 
-class CompiledMaxPool(LayerLike):
-    """MaxPool by the kernels above, without workspace (the layer's passes need two scratch
+class _CompiledWindowPool(LayerLike):
+    """A window pooling's compiled kernel: no workspace (the layer's passes need scratch
     tensors of the output's size)."""
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
@@ -108,6 +169,10 @@ class CompiledMaxPool(LayerLike):
     def _geometry(self):
         layer = self.layer
         return (*layer.kernel, *layer.stride, *layer.padding)
+
+
+class CompiledMaxPool(_CompiledWindowPool):
+    """MaxPool by maxpool_forward and maxpool_backward."""
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
         x = xs[0]
@@ -119,6 +184,29 @@ class CompiledMaxPool(LayerLike):
         if gx is not None:
             run_split(maxpool_backward, 0, gx.shape[0] * gx.shape[1], threads_for(gy.size, SPLIT_VALUES),
                       (gy, aux["argmax"], *self._geometry(), gx))
+
+
+@lru_cache(maxsize=256)
+def _inverse_divisor(layer, in_shape, out_shape, dtype):
+    """The AvgPool layer's 1 / divisor (Ho, Wo) in `dtype` (a NumPy dtype name), once per shape."""
+    return layer._inverse_divisor(np, in_shape, out_shape, np.dtype(dtype))
+
+
+class CompiledAvgPool(_CompiledWindowPool):
+    """AvgPool by avgpool_forward and avgpool_backward."""
+
+    def forward(self, ctx, xs, params, state, y, aux, recompute=False):
+        x = xs[0]
+        inverse = _inverse_divisor(self.layer, x.shape, y.shape, y.dtype.name)
+        run_split(avgpool_forward, 0, x.shape[0] * x.shape[1], threads_for(x.size + y.size, SPLIT_VALUES),
+                  (x, *self._geometry(), inverse, y))
+
+    def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
+        gx = gxs[0]
+        if gx is not None:
+            inverse = _inverse_divisor(self.layer, gx.shape, gy.shape, gy.dtype.name)
+            run_split(avgpool_backward, 0, gx.shape[0] * gx.shape[1], threads_for(gx.size + gy.size, SPLIT_VALUES),
+                      (gy, *self._geometry(), inverse, gx))
 
 
 class CompiledGlobalAvgPool(LayerLike):

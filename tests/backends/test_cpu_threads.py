@@ -20,13 +20,13 @@ from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.layers.conv import Conv2d
 from snrt.layers.norm import BatchNorm, GroupNorm, LayerNorm
 from snrt.layers.join import Scale
-from snrt.layers.pool import AdaptiveAvgPool, MaxPool, Upsample
+from snrt.layers.pool import AdaptiveAvgPool, AvgPool, MaxPool, Upsample
 from tests.layers.harness import make_params, make_state
 
 SHAPE = (2, 8, 256, 260)  # over 2^20 values: each kernel here splits it among the kernel threads
 LAYERS = [BatchNorm(), BatchNorm(affine=False), SiLU(), GELU(), GELU(approximate="tanh"), Sigmoid(), ELU(alpha=0.5),
           ReLU(), ReLU6(),
-          MaxPool(kernel=3, stride=2, padding=1), MaxPool(kernel=2),
+          MaxPool(kernel=3, stride=2, padding=1), MaxPool(kernel=2), AvgPool(kernel=3, stride=2, padding=1),
           Conv2d(out_channels=8, kernel=3, padding=1, groups=8), Conv2d(out_channels=16, kernel=5, stride=2, groups=8),
           Upsample(scale=2), Upsample(scale=2, mode="bilinear"), AdaptiveAvgPool(output=(5, 7)), Scale(init=0.5),
           GroupNorm(groups=4), LayerNorm(), Softmax()]
@@ -35,7 +35,7 @@ LAYERS = [BatchNorm(), BatchNorm(affine=False), SiLU(), GELU(), GELU(approximate
 def expected_threads(layer, planned, threads):
     """The thread counts of the kernel's run_split calls, forward then backward: `threads` where
     a kernel needs no workspace, else as many as it was planned for."""
-    if isinstance(layer, (BatchNorm, MaxPool, ReLU, ReLU6, SiLU, GELU, Sigmoid, ELU, Upsample, AdaptiveAvgPool, Scale,
+    if isinstance(layer, (BatchNorm, MaxPool, AvgPool, ReLU, ReLU6, SiLU, GELU, Sigmoid, ELU, Upsample, AdaptiveAvgPool, Scale,
                           GroupNorm)):
         return [threads, threads]
     if isinstance(layer, Conv2d):  # forward; weight, then data gradient

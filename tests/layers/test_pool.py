@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from snrt.errors import ShapeError
 from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
 from snrt.backends.cpu_kernels import CPU_KERNELS
-from snrt.backends.cpu_pool import CompiledMaxPool
+from snrt.backends.cpu_pool import CompiledAvgPool, CompiledMaxPool
 from snrt.layers.pool import AvgPool, GlobalAvgPool, MaxPool
 from tests.layers.harness import check_layer, run_backward, run_forward
 
@@ -50,13 +50,33 @@ def test_max_pool(kernel, stride, padding, ceil_mode, shape, kernel_of):
     check_layer(layer, [distinct(shape)], lambda xs, p: F.max_pool2d(xs[0], **kwargs))
 
 
+@pytest.mark.parametrize("kernel_of", [lambda layer: layer, CompiledAvgPool], ids=["numpy", "compiled"])
 @pytest.mark.parametrize("count_include_pad", [True, False])
 @pytest.mark.parametrize("kernel, stride, padding, ceil_mode, shape", WINDOWS)
-def test_avg_pool(kernel, stride, padding, ceil_mode, shape, count_include_pad):
+def test_avg_pool(kernel, stride, padding, ceil_mode, shape, count_include_pad, kernel_of):
     layer = AvgPool(**_pool_kwargs(kernel, stride, padding, ceil_mode), count_include_pad=count_include_pad)
     kwargs = _torch_kwargs(kernel, stride, padding, ceil_mode)
     x = np.random.default_rng(1).standard_normal(shape)
-    check_layer(layer, [x], lambda xs, p: F.avg_pool2d(xs[0], count_include_pad=count_include_pad, **kwargs))
+    check_layer(kernel_of(layer), [x], lambda xs, p: F.avg_pool2d(xs[0], count_include_pad=count_include_pad, **kwargs))
+
+
+@pytest.mark.parametrize("count_include_pad", [True, False])
+@pytest.mark.parametrize("kernel, stride, padding, ceil_mode, shape", WINDOWS)
+def test_the_compiled_avg_pool_is_the_layers_bit_for_bit(kernel, stride, padding, ceil_mode, shape,
+                                                         count_include_pad):
+    """Forward and backward: the same sums in the same order and the same products by 1 /
+    divisor as the layer's passes (overlapping windows add several products at one place)."""
+    layer = AvgPool(**_pool_kwargs(kernel, stride, padding, ceil_mode), count_include_pad=count_include_pad)
+    compiled = CPU_KERNELS.kernel_for(layer, [shape])
+    assert isinstance(compiled, CompiledAvgPool) and compiled.workspace_bytes([shape], BACKWARD) == 0
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape).astype(np.float32)
+    (expected, _), (got, _) = run_forward(layer, [x], {}), run_forward(compiled, [x], {})
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    gy = rng.standard_normal(expected.shape).astype(np.float32)
+    (expected_gx,), _ = run_backward(layer, [x], expected, {}, gy, {})
+    (got_gx,), _ = run_backward(compiled, [x], got, {}, gy, {})
+    np.testing.assert_array_equal(got_gx.view(np.uint32), expected_gx.view(np.uint32))
 
 
 @KERNELS

@@ -99,51 +99,38 @@ def window_span(offset, out_size, in_size, stride, pad):
     return max(0, -(-(pad - offset) // stride)), min(out_size, (in_size - 1 + pad - offset) // stride + 1)
 
 
-@njit(**THREADED)
-def avgpool_forward(x, kh, kw, sh, sw, ph, pw, inverse, y, m0, m1):
-    """y = the sum of each window's elements inside x times inverse (Ho, Wo: 1 / the divisor)
-    for the maps m in [m0, m1) of the (N*C) maps of x (N, C, H, W): y's map set to 0, then the
-    window offsets (i, j) in turn, each adding its element's rows over every output it lies
-    inside, as the layer's passes do (the same sums in the same order: its bits)."""
+@njit(**EXACT)
+def avgpool_maps(x, y, kh, kw, sh, sw, ph, pw, inverse, forward, m0, m1):
+    """For the maps m in [m0, m1) of the (N*C) maps of x (N, C, H, W) and y (N, C, Ho, Wo),
+    inverse (Ho, Wo) being 1 / the divisor: forward, y = the sum of each window's elements
+    inside x times inverse; else (backward, x holding gx and y gy) x = gy * inverse added at
+    each element of every window. The map written is set to 0, then the window offsets (i, j)
+    in turn add that element's rows over every output it lies inside, as the layer's passes
+    do over the batch: the same sums in the same order, each product rounded before its sum
+    (EXACT), so the layer's bits."""
     _, channels, h, w = x.shape
     ho, wo = y.shape[2], y.shape[3]
     for m in range(m0, m1):
-        plane, out = x[m // channels, m % channels], y[m // channels, m % channels]
-        out[:] = 0
+        big, small = x[m // channels, m % channels], y[m // channels, m % channels]
+        (small if forward else big)[:] = 0
         for i in range(kh):
             r0, r1 = window_span(i, ho, h, sh, ph)
             for j in range(kw):
                 q0, q1 = window_span(j, wo, w, sw, pw)
-                step, shift = uint64(sw), uint64(j - pw)  # unsigned (wrapping) indices: the loop vectorizes
+                step, shift = uint64(sw), uint64(j - pw)  # unsigned (wrapping) indices: the loops vectorize
                 for r in range(r0, r1):
-                    source, target = plane[r * sh - ph + i], out[r]
-                    for q in range(uint64(q0), uint64(q1)):
-                        target[q] += source[q * step + shift]
-        for r in range(ho):
-            target, factors = out[r], inverse[r]
-            for q in range(wo):
-                target[q] *= factors[q]
-
-
-@njit(**EXACT)
-def avgpool_backward(gy, kh, kw, sh, sw, ph, pw, inverse, gx, m0, m1):
-    """gx = 0, then for each window offset (i, j) in turn gy * inverse added at that element
-    of every window it lies inside, for the maps in [m0, m1): the layer's sums in its order
-    (EXACT: the product rounded before the sum, as the layer's)."""
-    _, channels, h, w = gx.shape
-    ho, wo = gy.shape[2], gy.shape[3]
-    for m in range(m0, m1):
-        plane, grads = gx[m // channels, m % channels], gy[m // channels, m % channels]
-        plane[:] = 0
-        for i in range(kh):
-            r0, r1 = window_span(i, ho, h, sh, ph)
-            for j in range(kw):
-                q0, q1 = window_span(j, wo, w, sw, pw)
-                step, shift = uint64(sw), uint64(j - pw)  # unsigned (wrapping) indices: the loop vectorizes
-                for r in range(r0, r1):
-                    source, factors, target = grads[r], inverse[r], plane[r * sh - ph + i]
-                    for q in range(uint64(q0), uint64(q1)):
-                        target[q * step + shift] += source[q] * factors[q]
+                    row, outputs, factors = big[r * sh - ph + i], small[r], inverse[r]
+                    if forward:
+                        for q in range(uint64(q0), uint64(q1)):
+                            outputs[q] += row[q * step + shift]
+                    else:
+                        for q in range(uint64(q0), uint64(q1)):
+                            row[q * step + shift] += outputs[q] * factors[q]
+        if forward:
+            for r in range(ho):
+                outputs, factors = small[r], inverse[r]
+                for q in range(wo):
+                    outputs[q] *= factors[q]
 
 
 @njit(**COMPILED)
@@ -193,20 +180,20 @@ def _inverse_divisor(layer, in_shape, out_shape, dtype):
 
 
 class CompiledAvgPool(_CompiledWindowPool):
-    """AvgPool by avgpool_forward and avgpool_backward."""
+    """AvgPool by avgpool_maps."""
+
+    def _run(self, x, y, forward):
+        """avgpool_maps over x's and y's maps, each thread a share of them."""
+        inverse = _inverse_divisor(self.layer, x.shape, y.shape, y.dtype.name)
+        run_split(avgpool_maps, 0, x.shape[0] * x.shape[1], threads_for(x.size + y.size, SPLIT_VALUES),
+                  (x, y, *self._geometry(), inverse, forward))
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        x = xs[0]
-        inverse = _inverse_divisor(self.layer, x.shape, y.shape, y.dtype.name)
-        run_split(avgpool_forward, 0, x.shape[0] * x.shape[1], threads_for(x.size + y.size, SPLIT_VALUES),
-                  (x, *self._geometry(), inverse, y))
+        self._run(xs[0], y, True)
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
-        gx = gxs[0]
-        if gx is not None:
-            inverse = _inverse_divisor(self.layer, gx.shape, gy.shape, gy.dtype.name)
-            run_split(avgpool_backward, 0, gx.shape[0] * gx.shape[1], threads_for(gx.size + gy.size, SPLIT_VALUES),
-                      (gy, *self._geometry(), inverse, gx))
+        if gxs[0] is not None:
+            self._run(gxs[0], gy, False)
 
 
 class CompiledGlobalAvgPool(LayerLike):

@@ -56,9 +56,12 @@ def maxpool_forward(x, kh, kw, sh, sw, ph, pw, y, argmax, m0, m1):
                 row = x[s, c, hi]
                 for b in range(sw):
                     phase = phases[b]
-                    for t in range(phase_length):
-                        column = t * sw + b - pw
-                        phase[t] = row[column] if 0 <= column < w else -np.inf
+                    t0, t1 = window_span(b, phase_length, w, sw, pw)  # the columns inside the row
+                    phase[:t0] = -np.inf
+                    phase[t1:] = -np.inf
+                    step, shift = uint64(sw), uint64(b - pw)  # unsigned (wrapping) indices: the loop vectorizes
+                    for t in range(uint64(t0), uint64(t1)):
+                        phase[t] = row[t * step + shift]
                 for j in range(kw):
                     k = index.dtype.type(i * kw + j)
                     run = phases[j % sw, j // sw:]

@@ -6,11 +6,14 @@ batch with short strided rows, or two batched products with dense (sH, H) and (s
 matrices of which two entries a row are not zero (bilinear Upsample); these kernels walk every
 (sample, channel) map once, its rows contiguous. AdaptiveAvgPool's bins are PyTorch's (the
 layer's `adaptive_bins`), passed as (start, end) arrays; each bin's sum runs in a fixed order.
-Bilinear takes each output from its four taps (the layer's `bilinear_taps`) in PyTorch's order,
-h0 (w0 x00 + w1 x01) + h1 (w0 x10 + w1 x11), and its backward adds each output's gradient
-into the four, output by output. No kernel needs workspace (2-byte tensors reach them staged
-in fp32). From SPLIT_VALUES values the maps are split among the kernel threads, each map one
-thread's.
+Bilinear is separable, y = Ah x Aw^T per map with two taps a row of each: each input row is
+interpolated along its columns once (w0 x[q0] + w1 x[q1]) into a thread's scratch rows, then
+each output row is the blend h0 low + h1 high of two of them, a loop along the row that
+vectorizes; backward runs the transposes in reverse (each output row of gy added, weighted,
+into its two scratch rows, then each scratch row added into its input row's columns). Its
+scratch rows, (H, sW) per thread, are the only workspace a kernel here needs (2-byte tensors
+reach them staged in fp32). From SPLIT_VALUES values the maps are split among the kernel
+threads, each map one thread's.
 """
 
 from functools import lru_cache
@@ -18,9 +21,9 @@ from functools import lru_cache
 import numpy as np
 from numba import njit
 
-from snrt.backends.cpu_common import THREADED, LayerLike, threads_for
+from snrt.backends.cpu_common import THREADED, LayerLike, fitting_threads, threads_for
 from snrt.backends.cpu_parallel import run_split
-from snrt.layers.base import FLOAT32_BYTES
+from snrt.layers.base import FLOAT32_BYTES, numel, scratch_bytes
 from snrt.layers.pool import adaptive_bins, bilinear_taps
 
 SPLIT_VALUES = 1 << 17  # input and output values below which a kernel runs on one thread
@@ -99,34 +102,46 @@ def nearest_backward(gy, sh, sw, gx, m0, m1):
 
 
 @njit(**THREADED)
-def bilinear_forward(x, row_taps, row_weights, col_taps, col_weights, y, m0, m1):
-    """y[m, i, j] from the four taps of x[m], for the maps m0 <= m < m1: row i reads input rows
-    row_taps[i] (low, high) with row_weights[i], column j input columns col_taps[j] with
-    col_weights[j]."""
+def bilinear_forward(x, row_taps, row_weights, col_taps, col_weights, y, m0, m1, rows):
+    """y[m] from the four taps of x[m], for the maps m0 <= m < m1, in two passes: each input
+    row r interpolated along its columns once, rows[r, j] = w0 x[m, r, q0] + w1 x[m, r, q1]
+    (column j reads input columns col_taps[j] with col_weights[j]), then each output row i the
+    blend h0 rows[low] + h1 rows[high] of its two (row_taps[i], row_weights[i]), a loop along
+    the row that vectorizes. rows (H, sW): this thread's scratch."""
     for m in range(m0, m1):
+        for r in range(x.shape[1]):
+            source, target = x[m, r], rows[r]
+            for j in range(y.shape[2]):
+                target[j] = col_weights[j, 0] * source[col_taps[j, 0]] + col_weights[j, 1] * source[col_taps[j, 1]]
         for i in range(y.shape[1]):
-            low, high, out = x[m, row_taps[i, 0]], x[m, row_taps[i, 1]], y[m, i]
+            low, high, out = rows[row_taps[i, 0]], rows[row_taps[i, 1]], y[m, i]
             h0, h1 = row_weights[i, 0], row_weights[i, 1]
             for j in range(y.shape[2]):
-                q0, q1, w0, w1 = col_taps[j, 0], col_taps[j, 1], col_weights[j, 0], col_weights[j, 1]
-                out[j] = h0 * (w0 * low[q0] + w1 * low[q1]) + h1 * (w0 * high[q0] + w1 * high[q1])
+                out[j] = h0 * low[j] + h1 * high[j]
 
 
 @njit(**THREADED)
-def bilinear_backward(gy, row_taps, row_weights, col_taps, col_weights, gx, m0, m1):
-    """gx[m] = 0, then each gy[m, i, j] added into its four taps, weighted, in the order of i,
-    then j, for the maps m0 <= m < m1."""
+def bilinear_backward(gy, row_taps, row_weights, col_taps, col_weights, gx, m0, m1, rows):
+    """gx[m] = the transpose of bilinear_forward applied to gy[m], for the maps m0 <= m < m1,
+    its passes in reverse: rows[r] = the sum over the output rows i that read input row r of
+    their weight times gy[m, i] (the output rows in order, a loop along the row that
+    vectorizes), then gx[m, r] = 0 with each rows[r, j] added, weighted, into its two input
+    columns (the columns in order). rows (H, sW): this thread's scratch."""
     for m in range(m0, m1):
-        gx[m] = 0.0
+        rows[:] = 0.0
         for i in range(gy.shape[1]):
-            low, high, g = gx[m, row_taps[i, 0]], gx[m, row_taps[i, 1]], gy[m, i]
+            low, high, g = rows[row_taps[i, 0]], rows[row_taps[i, 1]], gy[m, i]
             h0, h1 = row_weights[i, 0], row_weights[i, 1]
             for j in range(gy.shape[2]):
-                q0, q1, w0, w1 = col_taps[j, 0], col_taps[j, 1], col_weights[j, 0], col_weights[j, 1]
-                low[q0] += h0 * w0 * g[j]
-                low[q1] += h0 * w1 * g[j]
-                high[q0] += h1 * w0 * g[j]
-                high[q1] += h1 * w1 * g[j]
+                low[j] += h0 * g[j]
+            for j in range(gy.shape[2]):
+                high[j] += h1 * g[j]
+        for r in range(gx.shape[1]):
+            source, target = rows[r], gx[m, r]
+            target[:] = 0.0
+            for j in range(gy.shape[2]):
+                target[col_taps[j, 0]] += col_weights[j, 0] * source[j]
+                target[col_taps[j, 1]] += col_weights[j, 1] * source[j]
 
 
 def _on_maps(kernel, source, args, target):
@@ -167,23 +182,49 @@ def _taps(size, out, dtype):
 
 
 class CompiledUpsample(LayerLike):
-    """Upsample by nearest_forward and nearest_backward, or bilinear_forward and
-    bilinear_backward (the layer's bilinear_taps along each axis)."""
+    """Upsample by nearest_forward and nearest_backward (no workspace), or bilinear_forward and
+    bilinear_backward (the layer's bilinear_taps along each axis; each thread an (H, sW)
+    scratch of rows interpolated along the columns)."""
+
+    def _bilinear_threads(self, in_shapes, workspace_bytes=None):
+        """The threads the bilinear kernels split the maps among (fewer where the planned
+        `workspace_bytes` was sized for fewer)."""
+        n, c, h, w = in_shapes[0]
+        wanted = threads_for(n * c * h * w * (1 + numel(self.layer.scale)), SPLIT_VALUES)
+        if workspace_bytes is None:
+            return wanted
+        return min(wanted, fitting_threads(workspace_bytes, lambda t: self._rows_bytes(in_shapes, t)))
+
+    def _rows_shape(self, in_shapes, threads):
+        _, _, h, w = in_shapes[0]
+        return (threads, h, w * self.layer.scale[1])
+
+    def _rows_bytes(self, in_shapes, threads, itemsize=FLOAT32_BYTES):
+        return scratch_bytes(numel(self._rows_shape(in_shapes, threads)) * itemsize)
 
     def workspace_bytes(self, in_shapes, phase, itemsize=FLOAT32_BYTES):
-        return 0
+        if self.layer.mode == "nearest":
+            return 0
+        return self._rows_bytes(in_shapes, self._bilinear_threads(in_shapes), itemsize)
 
-    def _run(self, nearest, bilinear, source, target, maps):
+    def _run(self, ctx, nearest, bilinear, source, target, maps):
         """nearest (kernel, its arguments) or bilinear (a kernel) on each map of `source` into
         `target`, both (N, C, ...); `maps` is the input's (H, W)."""
         if self.layer.mode == "nearest":
             return _on_maps(nearest[0], source, nearest[1], target)
         (h, w), (sh, sw) = maps, self.layer.scale
-        _on_maps(bilinear, source, (*_taps(h, h * sh, source.dtype), *_taps(w, w * sw, source.dtype)), target)
+        in_shape = (*source.shape[:2], h, w)
+        threads = self._bilinear_threads([in_shape], ctx.workspace.nbytes)
+        rows = ctx.scratch(self._rows_shape([in_shape], threads), source.dtype)
+        count = source.shape[0] * source.shape[1]
+        run_split(bilinear, 0, count, threads, (source.reshape(count, *source.shape[2:]),
+                                                *_taps(h, h * sh, source.dtype), *_taps(w, w * sw, source.dtype),
+                                                target.reshape(count, *target.shape[2:])), (rows,))
+        ctx.release_scratch()
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
-        self._run((nearest_forward(self.layer.scale), ()), bilinear_forward, xs[0], y, xs[0].shape[2:])
+        self._run(ctx, (nearest_forward(self.layer.scale), ()), bilinear_forward, xs[0], y, xs[0].shape[2:])
 
     def backward(self, ctx, gy, saved, params, aux, gxs, gparams):
         if gxs[0] is not None:
-            self._run((nearest_backward, self.layer.scale), bilinear_backward, gy, gxs[0], gxs[0].shape[2:])
+            self._run(ctx, (nearest_backward, self.layer.scale), bilinear_backward, gy, gxs[0], gxs[0].shape[2:])

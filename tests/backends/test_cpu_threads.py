@@ -35,8 +35,9 @@ LAYERS = [BatchNorm(), BatchNorm(affine=False), SiLU(), GELU(), GELU(approximate
 def expected_threads(layer, planned, threads):
     """The thread counts of the kernel's run_split calls, forward then backward: `threads` where
     a kernel needs no workspace, else as many as it was planned for."""
-    if isinstance(layer, (BatchNorm, MaxPool, AvgPool, ReLU, ReLU6, SiLU, GELU, Sigmoid, ELU, Upsample, AdaptiveAvgPool, Scale,
-                          GroupNorm)):
+    if isinstance(layer, (BatchNorm, MaxPool, AvgPool, ReLU, ReLU6, SiLU, GELU, Sigmoid, ELU, AdaptiveAvgPool, Scale,
+                          GroupNorm)) \
+            or isinstance(layer, Upsample) and layer.mode == "nearest":
         return [threads, threads]
     if isinstance(layer, Conv2d):  # forward; weight, then data gradient
         return [planned] * 3

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from snrt.errors import ShapeError
-from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved
+from snrt.layers.base import BACKWARD, FORWARD, KernelContext, Saved, scratch_bytes
+from snrt.threads import kernel_threads
 from snrt.backends.cpu_kernels import CPU_KERNELS
 from snrt.backends.cpu_pool import CompiledAvgPool, CompiledMaxPool
 from snrt.layers.pool import AvgPool, GlobalAvgPool, MaxPool
@@ -271,13 +272,16 @@ def test_compiled_bilinear_upsample_gives_the_layers_values_in_float32(scale):
     rng = np.random.default_rng(4)
     x = rng.standard_normal(shape).astype(np.float32)
     kernel = CPU_KERNELS.kernel_for(layer, [shape])
-    assert isinstance(kernel, CompiledUpsample) and kernel.workspace_bytes([shape], FORWARD) == 0
+    rows = kernel_threads() * 48 * 40 * layer.scale[1]  # each thread's rows interpolated along the columns
+    assert isinstance(kernel, CompiledUpsample)
+    assert kernel.workspace_bytes([shape], FORWARD) == kernel.workspace_bytes([shape], BACKWARD) == scratch_bytes(4 * rows)
     (ours, _), (theirs, _) = run_forward(kernel, [x], {}), run_forward(layer, [x], {})
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     gy = rng.standard_normal(ours.shape).astype(np.float32)
     gx, expected = np.empty_like(x), np.empty_like(x)
     workspace = np.zeros(layer.workspace_bytes([shape], BACKWARD), np.uint8)
-    kernel.backward(KernelContext(np), gy, Saved((x,), ours), {}, {}, [gx], {})
+    kernel.backward(KernelContext(np, workspace=np.zeros(kernel.workspace_bytes([shape], BACKWARD), np.uint8)), gy,
+                    Saved((x,), ours), {}, {}, [gx], {})
     layer.backward(KernelContext(np, workspace=workspace), gy, Saved((x,), ours), {}, {}, [expected], {})
     np.testing.assert_allclose(gx, expected, rtol=1e-5, atol=1e-5)
 

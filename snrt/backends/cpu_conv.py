@@ -71,8 +71,9 @@ from snrt.backends.cpu_common import COMPILED, THREADED, LayerLike, fitting_thre
 from snrt.backends.cpu_channel_tiles import chunk_taps, convolve_channel_tiles, group_pixels, tile_channels
 from snrt.backends.cpu_parallel import run_split
 from snrt.backends.cpu_dots import BLOCK, dots
-from snrt.backends.cpu_tiles import (BLOCK_OUTS, INDEX, PIXEL_VECTORS, convolve_tiles, fill_phase, lanes_of, pack_weight,
-                                    padded_values, phase_planes, pointwise_tiles, pointwise_vectors, tap_offsets)
+from snrt.backends.cpu_tiles import (BLOCK_OUTS, INDEX, PIXEL_VECTORS, by_rows, convolve_tiles, fill_phase, lanes_of,
+                                    pack_weight, padded_values, phase_planes, pointwise_tiles, pointwise_vectors,
+                                    tap_offsets)
 from snrt.backends.cpu_weight_gemm import (channel_pairs, gemm_arrays, pack_outputs, pixel_offsets, gemm_tiles,
                                            transpose_planes)
 from snrt.backends.cpu_choice import VARIABLE, cache_path, choose, chosen_seconds, setting
@@ -203,7 +204,7 @@ def _channel_tiles(kernel, planes, out_map, outs, itemsize):
     (ho, wo), wq = out_map, planes[1]
     if _pointwise(kernel, planes, itemsize):
         lanes_computed = -(-ho * wo // lanes) * lanes  # the map as one run of pixels
-    elif wo >= lanes:
+    elif by_rows(wo, wq, lanes):
         lanes_computed = ho * -(-wo // lanes) * lanes  # row by row
     else:
         lanes_computed = -(-ho * wq // lanes) * lanes  # along the rows with their padding

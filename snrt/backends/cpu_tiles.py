@@ -15,7 +15,8 @@ taps: 2 loads and BLOCK_OUTS broadcasts for 2*BLOCK_OUTS multiply-adds, nothing 
 across lanes. The weights are packed per block of output channels, wpack[b, k, o].
 
 Which pixels a vector holds: maps at least `lanes` wide go row by row (a row's last vector
-partly filled); narrower maps (8x8, 7x7, 4x4) along t across rows, computing the Wq - Wo
+partly filled); narrower maps (8x8, 7x7, 4x4), and those whose rows would leave many lanes
+empty (17 wide: 32 lanes a row; `by_rows`), along t across rows, computing the Wq - Wo
 columns of padding too and storing only the pixels of the map, so that an 8-wide map fills
 80% of the lanes instead of half. Each vector's lanes name the output value they store
 (`targets`, -1 for none); a vector whose lanes are one full run of a row is stored whole.
@@ -52,6 +53,7 @@ BLOCK_OUTS = 8 if VECTOR_BYTES == 64 else 4  # output channels a tile holds: 2*B
 PIXEL_VECTORS = 2  # pixel vectors a tile holds (fma_tile's p0 and p1)
 INDEX = np.int64  # the dtype of the tile kernels' index arrays (offsets, targets)
 PACK_SPLIT = 1 << 16  # packed weight values from which the packing is split among the kernel threads
+ROWS_MARGIN = 1.25  # lanes row-by-row vectors may compute, per lane along the padded rows (by_rows)
 
 
 @register_jitable
@@ -469,6 +471,16 @@ def pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad):
                            (n * channels + c) * height * width, height, width, ph, pw, sh, sw, a, b)
 
 
+@register_jitable
+def by_rows(wo, wq, lanes):
+    """Whether the vectors of a map Wo outputs wide (padded planes Wq wide) go row by row: where
+    it is at least `lanes` wide and its rows' whole and partial vectors compute at most
+    ROWS_MARGIN times the lanes of runs along t across the rows (which compute the Wq - Wo
+    padding columns and store lane by lane where a vector spans two rows). A 17-wide map (the
+    phases of a stride-2 data gradient of 32-wide maps) goes along t: 18 lanes a row, not 32."""
+    return wo >= lanes and -(-wo // lanes) * lanes <= ROWS_MARGIN * wq
+
+
 @njit(**THREADED)
 def _vector(v, spans, wq, wo, sample_values, plane_values, lanes, targets, slot):
     """The x position of vector v of a group's spans (per sample slot: n, first row, end row,
@@ -479,7 +491,7 @@ def _vector(v, spans, wq, wo, sample_values, plane_values, lanes, targets, slot)
     v -= s * spans[0, 3]
     n, ha, hb = spans[s, 0], spans[s, 1], spans[s, 2]
     base = n * plane_values
-    if wo >= lanes:
+    if by_rows(wo, wq, lanes):
         per_row = (wo + lanes - 1) // lanes
         h, w0 = ha + v // per_row, v % per_row * lanes
         filled = min(lanes, wo - w0)
@@ -490,7 +502,8 @@ def _vector(v, spans, wq, wo, sample_values, plane_values, lanes, targets, slot)
     for lane in range(lanes):
         h, w = (first + lane) // wq, (first + lane) % wq
         targets[slot * lanes + lane] = base + h * wo + w if h < hb and w < wo else -1
-    return s * sample_values + first, 0
+    h, w = first // wq, first % wq
+    return s * sample_values + first, 1 if h < hb and w + lanes <= wo else 0  # whole: inside one row
 
 
 @njit(**THREADED)
@@ -514,7 +527,7 @@ def convolve_tiles(x, wpack, biases, offsets, ph, pw, sh, sw, y, r0, r1, xpad, t
         for s in range(2):
             n, ha = r // ho, r % ho
             hb = min(ho, ha + r1 - r) if r < r1 else ha
-            vectors = (hb - ha) * per_row if wo >= lanes else ((hb - ha) * wq + lanes - 1) // lanes
+            vectors = (hb - ha) * per_row if by_rows(wo, wq, lanes) else ((hb - ha) * wq + lanes - 1) // lanes
             spans[s, 0], spans[s, 1], spans[s, 2], spans[s, 3] = n, ha, hb, vectors
             if hb > ha:
                 pad_sample(x, n, ph, pw, sh, sw, hq, wq, xpad[s * sample_values:(s + 1) * sample_values])

@@ -336,6 +336,7 @@ def _direct_run(layer, x, params, gy, threads, monkeypatch, kernel_class=DirectC
 @pytest.mark.parametrize("shape, outs, kernel, padding", [
     ((3, 5, 10, 9), 6, 3, 1),  # a map narrower than a vector: vectors run across rows
     ((3, 4, 5, 37), 19, 3, 1),  # rows of two whole vectors and a part; three blocks of channels, the last short
+    ((3, 5, 6, 17), 9, 3, 1),  # 17 wide: vectors along the padded rows (by_rows), those inside one row stored whole
     ((5, 3, 3, 16), 9, (3, 5), (1, 2)),  # one whole vector a row, an odd count a sample: pairs across samples
     ((2, 6, 7, 7), 4, 3, 0),  # no padding
     ((3, 6, 4, 8), 19, 1, 0),  # 1x1: x read in place, 2 vectors a sample, three blocks of channels
@@ -359,6 +360,14 @@ def test_the_tile_kernel_matches_pytorch_forward_and_data_gradient_in_float32(sh
     yt.backward(torch.tensor(gy))
     np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=1e-5, atol=2e-5)
+
+
+def test_maps_whose_rows_would_leave_many_lanes_empty_run_along_the_padded_rows():
+    from snrt.backends.cpu_tiles import by_rows
+
+    assert [by_rows(wo, wo + 2, 16) for wo in (8, 16, 17, 20, 24, 28, 32, 56)] == [False, True, False, False, True,
+                                                                                      True, True, True]
+    assert by_rows(20, 22, 8) and not by_rows(17, 19, 8)  # AVX: 24 lanes a row against 22 (19) along them
 
 
 AVX_CHECK = """

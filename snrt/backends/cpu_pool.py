@@ -21,10 +21,10 @@ from functools import lru_cache
 
 import numpy as np
 from numba import njit, uint64
-from numba.extending import register_jitable
 
 from snrt.backends.cpu_common import COMPILED, EXACT, THREADED, LayerLike, threads_for
 from snrt.backends.cpu_parallel import run_split
+from snrt.backends.cpu_tiles import inside_range
 from snrt.layers.base import FLOAT32_BYTES, by_channel
 
 SPLIT_VALUES = 1 << 15  # outputs below which a pooling runs on one thread
@@ -56,7 +56,7 @@ def maxpool_forward(x, kh, kw, sh, sw, ph, pw, y, argmax, m0, m1):
                 row = x[s, c, hi]
                 for b in range(sw):
                     phase = phases[b]
-                    t0, t1 = window_span(b, phase_length, w, sw, pw)  # the columns inside the row
+                    t0, t1 = inside_range(pw, b, sw, w, phase_length)  # the columns inside the row
                     phase[:t0] = -np.inf
                     phase[t1:] = -np.inf
                     step, shift = uint64(sw), uint64(b - pw)  # unsigned (wrapping) indices: the loop vectorizes
@@ -95,13 +95,6 @@ def maxpool_backward(gy, argmax, kh, kw, sh, sw, ph, pw, gx, m0, m1):
                     plane[hi, wi] += grads[r, q]
 
 
-@register_jitable
-def window_span(offset, out_size, in_size, stride, pad):
-    """Output indices [lo, hi) whose window element `offset` lies inside the input (the
-    layer's _axis_span)."""
-    return max(0, -(-(pad - offset) // stride)), min(out_size, (in_size - 1 + pad - offset) // stride + 1)
-
-
 @njit(**EXACT)
 def avgpool_maps(x, y, kh, kw, sh, sw, ph, pw, inverse, forward, m0, m1):
     """For the maps m in [m0, m1) of the (N*C) maps of x (N, C, H, W) and y (N, C, Ho, Wo),
@@ -117,9 +110,9 @@ def avgpool_maps(x, y, kh, kw, sh, sw, ph, pw, inverse, forward, m0, m1):
         big, small = x[m // channels, m % channels], y[m // channels, m % channels]
         (small if forward else big)[:] = 0
         for i in range(kh):
-            r0, r1 = window_span(i, ho, h, sh, ph)
+            r0, r1 = inside_range(ph, i, sh, h, ho)
             for j in range(kw):
-                q0, q1 = window_span(j, wo, w, sw, pw)
+                q0, q1 = inside_range(pw, j, sw, w, wo)
                 step, shift = uint64(sw), uint64(j - pw)  # unsigned (wrapping) indices: the loops vectorize
                 for r in range(r0, r1):
                     row, outputs, factors = big[r * sh - ph + i], small[r], inverse[r]

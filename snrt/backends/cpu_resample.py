@@ -144,12 +144,15 @@ def bilinear_backward(gy, row_taps, row_weights, col_taps, col_weights, gx, m0, 
                 target[col_taps[j, 1]] += col_weights[j, 1] * source[j]
 
 
-def _on_maps(kernel, source, args, target):
-    """kernel(source, *args, target, m0, m1) (source and target (N, C, ...) seen as (N*C, ...)
-    maps) on each thread's share of the maps."""
+def _on_maps(kernel, source, args, target, threads=None, per_thread=()):
+    """kernel(source, *args, target, m0, m1, *per_thread rows) (source and target (N, C, ...)
+    seen as (N*C, ...) maps) on each thread's share of the maps: `threads` of them, by default
+    as many as the maps' values call for."""
     maps = source.shape[0] * source.shape[1]
+    if threads is None:
+        threads = threads_for(source.size + target.size, SPLIT_VALUES)
     source, target = source.reshape(maps, *source.shape[2:]), target.reshape(maps, *target.shape[2:])
-    run_split(kernel, 0, maps, threads_for(source.size + target.size, SPLIT_VALUES), (source, *args, target))
+    run_split(kernel, 0, maps, threads, (source, *args, target), per_thread)
 
 
 def _bins(size, out):
@@ -190,7 +193,7 @@ class CompiledUpsample(LayerLike):
         """The threads the bilinear kernels split the maps among (fewer where the planned
         `workspace_bytes` was sized for fewer)."""
         n, c, h, w = in_shapes[0]
-        wanted = threads_for(n * c * h * w * (1 + numel(self.layer.scale)), SPLIT_VALUES)
+        wanted = threads_for(n * c * h * w * (1 + numel(self.layer.scale)), SPLIT_VALUES)  # in and out values
         if workspace_bytes is None:
             return wanted
         return min(wanted, fitting_threads(workspace_bytes, lambda t: self._rows_bytes(in_shapes, t)))
@@ -216,10 +219,8 @@ class CompiledUpsample(LayerLike):
         in_shape = (*source.shape[:2], h, w)
         threads = self._bilinear_threads([in_shape], ctx.workspace.nbytes)
         rows = ctx.scratch(self._rows_shape([in_shape], threads), source.dtype)
-        count = source.shape[0] * source.shape[1]
-        run_split(bilinear, 0, count, threads, (source.reshape(count, *source.shape[2:]),
-                                                *_taps(h, h * sh, source.dtype), *_taps(w, w * sw, source.dtype),
-                                                target.reshape(count, *target.shape[2:])), (rows,))
+        _on_maps(bilinear, source, (*_taps(h, h * sh, source.dtype), *_taps(w, w * sw, source.dtype)), target,
+                 threads, (rows,))
         ctx.release_scratch()
 
     def forward(self, ctx, xs, params, state, y, aux, recompute=False):
